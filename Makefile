@@ -1,0 +1,17 @@
+# The two commands of the README: `make run` (main job on the embedded default) and `make test`.
+SHELL := /bin/bash
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+CONFIG ?= ds_configs/tiny_llama_cpu.json
+NUM_RANKS ?= 2
+ARGS ?=
+
+.PHONY: venv run test
+venv:
+	@bash scripts/bootstrap.sh
+
+run: venv
+	.venv/bin/deepspeed --num_gpus $(NUM_RANKS) train.py --deepspeed $(CONFIG) $(ARGS)
+
+test: venv
+	.venv/bin/python -m pytest -q -x --timeout=900 tests
