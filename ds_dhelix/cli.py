@@ -1,0 +1,43 @@
+"""The ``dhelix`` command. Each subcommand lives in ``ds_dhelix/commands/<name>.py`` and exposes
+``register(subparsers)``, which adds its parser and sets ``func(args) -> int`` as the handler."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules, in the order `dhelix --help` lists them.
+COMMANDS = ("parity", "profile", "plan", "validate_plan", "simulate", "bench", "trace")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dhelix",
+        description="ds_dhelix: strand interleaving (micro-batch co-execution) for DeepSpeed.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"ds_dhelix.commands.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"ds_dhelix.commands.{name}":
+                raise
+            continue  # not built yet
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as err:  # user mistakes: one clear line, no traceback
+        print(f"dhelix {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
