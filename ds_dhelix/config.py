@@ -1,0 +1,506 @@
+"""The "dhelix" section of a DeepSpeed config, and the batch-size arithmetic around it.
+
+A ds_config.json carries one extra top-level section::
+
+    {
+      "train_micro_batch_size_per_gpu": 2,
+      "gradient_accumulation_steps": 4,
+      "dhelix": {
+        "enabled": true,
+        "schedule": "si",
+        "tensor_parallel": {"size": 2, "sequence_parallel": true},
+        "planner": {"profile": "auto"}
+      }
+    }
+
+`DhelixConfig.from_ds_config` turns it into frozen dataclasses. Parsing is strict: an unknown key at any
+level, a wrong type (``true`` where a number is expected, ``"2"`` for 2) or a bad value raises
+`ValueError` naming the full key path, the value and what would be valid. Nothing is ignored silently.
+
+`derive_batch` fills in the DeepSpeed batch triple (train_batch_size = micro x accumulation x
+data-parallel size) and explains mismatches with the numbers; `load_ds_config` reads the JSON file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+SCHEDULES = ("sequential", "si", "w", "dualpipev")
+"""Valid values of ``dhelix.schedule``."""
+
+FOLDED_SCHEDULES = ("w", "dualpipev")
+"""Schedules that fold the layer list into 2 x stages chunks (rank r holds chunks r and 2p-1-r)."""
+
+SECTION = "dhelix"
+
+
+# --------------------------------------------------------------------------------------------------
+# strict parsing machinery (shared by every section)
+# --------------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a JSON object (dict)"
+    if isinstance(tp, type):
+        return {"bool": "bool", "int": "int", "float": "number", "str": "string"}.get(tp.__name__, tp.__name__)
+    if typing.get_origin(tp) is tuple:
+        return "list of int"
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return str(tp)
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """True when ``value`` is a valid instance of the annotated field type ``tp`` (bool is not an int)."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if typing.get_origin(tp) is tuple:
+        (item,) = typing.get_args(tp)[:1]
+        return isinstance(value, (tuple, list)) and all(_matches(v, item) for v in value)
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, tp)
+    raise AssertionError(f"unsupported field type {tp!r}")
+
+
+def _normalize(value: Any, tp: Any) -> Any:
+    """JSON -> field value: list -> tuple, int -> float for number fields."""
+    if isinstance(value, list) and any(typing.get_origin(t) is tuple for t in _flat_types(tp)):
+        return tuple(value)
+    allowed = _flat_types(tp)
+    if isinstance(value, int) and not isinstance(value, bool) and float in allowed and int not in allowed:
+        return float(value)
+    return value
+
+
+def _flat_types(tp: Any) -> tuple:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def _unknown_key_error(path: str, key: str, valid: list[str]) -> ValueError:
+    close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ValueError(f"unknown config key '{path}.{key}'; valid keys in '{path}': {', '.join(valid)}{hint}")
+
+
+class _Section:
+    """Mixin for the config dataclasses: strict ``from_dict``, ``to_dict`` and type checks."""
+
+    _path: ClassVar[str] = SECTION
+
+    @classmethod
+    def from_dict(cls, d: Any):
+        """Build from a plain (JSON) dict; unknown keys, wrong types and bad values raise ValueError."""
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ValueError(f"'{cls._path}' must be a JSON object (dict), got {type(d).__name__} {d!r}")
+        hints = typing.get_type_hints(cls)
+        valid = [f.name for f in dataclasses.fields(cls)]
+        kwargs = {}
+        for key, value in d.items():
+            if key not in valid:
+                raise _unknown_key_error(cls._path, key, valid)
+            tp = hints[key]
+            if dataclasses.is_dataclass(tp) and (value is None or isinstance(value, dict)):
+                value = tp.from_dict(value)
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict; ``from_dict(to_dict())`` gives back an equal object."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, _Section):
+                v = v.to_dict()
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    def _check_types(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            tp = hints[f.name]
+            given = getattr(self, f.name)
+            value = _normalize(given, tp)
+            if not _matches(value, tp):
+                raise ValueError(
+                    f"{self._path}.{f.name} must be {_type_name(tp)}, got {type(given).__name__} {given!r}"
+                )
+            object.__setattr__(self, f.name, value)
+
+    def _fail(self, name: str, why: str) -> ValueError:
+        return ValueError(f"{self._path}.{name} = {getattr(self, name)!r} is invalid: {why}")
+
+    def _at_least(self, name: str, lo: int | float) -> None:
+        if getattr(self, name) < lo:
+            raise self._fail(name, f"must be >= {lo}")
+
+    def _positive(self, name: str) -> None:
+        v = getattr(self, name)
+        if v is not None and not v > 0:
+            raise self._fail(name, "must be > 0")
+
+
+# --------------------------------------------------------------------------------------------------
+# sections
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig(_Section):
+    """Megatron-style tensor parallelism with explicit (schedulable) collectives."""
+
+    _path: ClassVar[str] = "dhelix.tensor_parallel"
+
+    size: int = 1
+    """Ranks per tensor-parallel group; heads, kv heads and the MLP width must divide by it."""
+    sequence_parallel: bool = True
+    """Shard activations along the sequence between TP regions (all-gather / reduce-scatter ops)."""
+
+    def __post_init__(self):
+        self._check_types()
+        self._at_least("size", 1)
+
+
+@dataclass(frozen=True)
+class ExpertParallelConfig(_Section):
+    """MoE expert parallelism (experts sharded over EP ranks, dispatch/combine all-to-all)."""
+
+    _path: ClassVar[str] = "dhelix.expert_parallel"
+
+    size: int = 1
+    """Ranks per expert-parallel group; must divide the data-parallel size and the number of experts."""
+    capacity_factor: float | None = None
+    """Tokens per expert = capacity_factor x tokens x top_k / experts; null = dropless (no token dropped)."""
+    aux_loss_coef: float | None = None
+    """Weight of the load-balancing aux loss; null = the model config's own (e.g. router_aux_loss_coef)."""
+
+    def __post_init__(self):
+        self._check_types()
+        self._at_least("size", 1)
+        self._positive("capacity_factor")
+        if self.aux_loss_coef is not None and self.aux_loss_coef < 0:
+            raise self._fail("aux_loss_coef", "must be >= 0 (or null for the model's own coefficient)")
+
+
+@dataclass(frozen=True)
+class PipelineConfig(_Section):
+    """Pipeline parallelism. Folded schedules ("w", "dualpipev") cut the layers into 2 x stages chunks."""
+
+    _path: ClassVar[str] = "dhelix.pipeline"
+
+    stages: int = 1
+    """Number of pipeline ranks p."""
+    split: tuple[int, ...] | None = None
+    """Layers per chunk, in layer order (stages entries, or 2 x stages for folded schedules); null = even."""
+
+    def __post_init__(self):
+        self._check_types()
+        self._at_least("stages", 1)
+        if self.split is not None:
+            if not self.split or any(n < 1 for n in self.split):
+                raise ValueError(
+                    f"{self._path}.split = {list(self.split)} is invalid: every chunk needs at least 1 layer "
+                    f"(layers are never dropped); give one positive layer count per chunk or null for an even split"
+                )
+
+    def num_chunks(self, schedule: str) -> int:
+        """Layer chunks the schedule cuts the model into: 2 x stages when folded, else stages."""
+        return self.stages * (2 if schedule in FOLDED_SCHEDULES else 1)
+
+
+@dataclass(frozen=True)
+class PlannerConfig(_Section):
+    """Where the SI planner's overlap table comes from."""
+
+    _path: ClassVar[str] = "dhelix.planner"
+
+    profile: str = "off"
+    """"off" (no profiling, fallback plan), "auto" (profile once, cache in cache_dir) or a table JSON path."""
+    cache_dir: str = "~/.cache/ds_dhelix"
+    """Directory for cached overlap tables and the embedded tokenizer."""
+    warmup: int = 2
+    """Untimed runs per segment / pair before measuring."""
+    repeats: int = 5
+    """Timed runs per segment / pair (the median is kept)."""
+
+    def __post_init__(self):
+        self._check_types()
+        if self.profile not in ("off", "auto"):
+            if not os.path.isfile(os.path.expanduser(self.profile)):
+                close = difflib.get_close_matches(self.profile, ["off", "auto"], n=1, cutoff=0.5)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise self._fail("profile", f"must be 'off', 'auto' or an existing table JSON file{hint}")
+        if not self.cache_dir:
+            raise self._fail("cache_dir", "must be a non-empty directory path")
+        self._at_least("warmup", 0)
+        self._at_least("repeats", 1)
+
+    @property
+    def table_path(self) -> str | None:
+        """The profile table file, or None for "off" / "auto"."""
+        return None if self.profile in ("off", "auto") else os.path.expanduser(self.profile)
+
+
+@dataclass(frozen=True)
+class TraceConfig(_Section):
+    """Chrome-trace of the executed ops (strand, stream, op name) for a few steps."""
+
+    _path: ClassVar[str] = "dhelix.trace"
+
+    enabled: bool = False
+    """Write a trace."""
+    path: str = "runs/trace.json"
+    """Output file (chrome://tracing / Perfetto JSON)."""
+    steps: int = 3
+    """Number of optimizer steps to record."""
+
+    def __post_init__(self):
+        self._check_types()
+        if not self.path:
+            raise self._fail("path", "must be a non-empty file path")
+        self._at_least("steps", 1)
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig(_Section):
+    """Settings of the side-by-side benchmark."""
+
+    _path: ClassVar[str] = "dhelix.benchmark"
+
+    link_gbps: float | None = None
+    """Emulated link bandwidth in Gbit/s (token-bucket shaped loopback); null = the real link."""
+
+    def __post_init__(self):
+        self._check_types()
+        self._positive("link_gbps")
+
+
+@dataclass(frozen=True)
+class DhelixConfig(_Section):
+    """The whole "dhelix" section. Absent section = ``DhelixConfig()`` (disabled)."""
+
+    _path: ClassVar[str] = SECTION
+
+    enabled: bool = False
+    """Turn DHelix on; off = plain DeepSpeed behaviour."""
+    schedule: str = "si"
+    """"sequential" (reference, no overlap), "si" (strand interleaving), "w" (folded W pipeline with SI),
+    "dualpipev" (folded pipeline, pairs run one after the other: DeepSpeed's DualPipeV)."""
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    """Tensor/sequence parallelism."""
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
+    """MoE expert parallelism."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline parallelism and layer split."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Overlap profiling and SI planning."""
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    """Op trace output."""
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    """Benchmark settings."""
+    watchdog_s: float = 600.0
+    """Hang watchdog: after this many seconds without progress every rank prints its last op and exits."""
+    log_interval: int = 1
+    """Log (stdout / TensorBoard) every this many optimizer steps."""
+
+    def __post_init__(self):
+        self._check_types()
+        if self.schedule not in SCHEDULES:
+            close = difflib.get_close_matches(self.schedule, SCHEDULES, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise self._fail("schedule", f"choose one of {', '.join(SCHEDULES)}{hint}")
+        self._positive("watchdog_s")
+        self._at_least("log_interval", 1)
+        split = self.pipeline.split
+        chunks = self.pipeline.num_chunks(self.schedule)
+        if split is not None and len(split) != chunks:
+            folded = " (2 x stages: the folded schedule)" if self.schedule in FOLDED_SCHEDULES else ""
+            raise ValueError(
+                f"dhelix.pipeline.split = {list(split)} has {len(split)} entries but schedule "
+                f"'{self.schedule}' with {self.pipeline.stages} stages needs {chunks}{folded}; "
+                f"give one layer count per chunk"
+            )
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict) -> "DhelixConfig":
+        """Parse ``ds_config["dhelix"]``; a config without the section gives the disabled defaults."""
+        if not isinstance(ds_config, dict):
+            raise ValueError(f"ds_config must be a dict (parsed JSON object), got {type(ds_config).__name__}")
+        return cls.from_dict(ds_config.get(SECTION))
+
+
+# --------------------------------------------------------------------------------------------------
+# batch arithmetic
+# --------------------------------------------------------------------------------------------------
+
+_TB, _MB, _GA = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a global batch is cut: train_batch_size = micro x accumulation x data-parallel size.
+
+    Data-parallel size counts replicas of the dense parameters: world / (tp x pp). Expert parallelism
+    shards experts *inside* the data-parallel group, so it does not change it; expert parameters are
+    replicated over expert_data_parallel_size = world / (tp x pp x ep) ranks (DeepSpeed's definition).
+    """
+
+    world_size: int
+    tensor_parallel_size: int
+    pipeline_stages: int
+    expert_parallel_size: int
+    data_parallel_size: int
+    expert_data_parallel_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    train_batch_size: int
+
+    def table(self) -> str:
+        """Printable table of the derived sizes."""
+        rows = [
+            ("world size", self.world_size, ""),
+            ("tensor parallel (tp)", self.tensor_parallel_size, ""),
+            ("pipeline stages (pp)", self.pipeline_stages, ""),
+            ("expert parallel (ep)", self.expert_parallel_size, "shards experts inside DP"),
+            ("data parallel (dp)", self.data_parallel_size, "world / (tp x pp)"),
+            ("expert data parallel", self.expert_data_parallel_size, "dp / ep"),
+            ("micro batch per GPU", self.micro_batch_size, _MB),
+            ("accumulation steps", self.gradient_accumulation_steps, _GA),
+            ("train batch size", self.train_batch_size, f"{_TB} = micro x accum x dp"),
+        ]
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{name:<{width}}  {value:>6}  {note}".rstrip() for name, value, note in rows)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def derive_batch(
+    ds_config: dict, world_size: int, tp: int | None = None, pp: int | None = None, ep: int | None = None
+) -> BatchLayout:
+    """Fill in the missing batch values like DeepSpeed does and check that they add up.
+
+    tp / pp / ep default to the sizes in ``ds_config["dhelix"]``. Raises ValueError naming the numbers
+    and which value to change.
+    """
+    if tp is None or pp is None or ep is None:
+        cfg = DhelixConfig.from_ds_config(ds_config)
+        tp = cfg.tensor_parallel.size if tp is None else tp
+        pp = cfg.pipeline.stages if pp is None else pp
+        ep = cfg.expert_parallel.size if ep is None else ep
+    world_size = _positive_int("world size", world_size)
+    tp, pp, ep = _positive_int("tp", tp), _positive_int("pp", pp), _positive_int("ep", ep)
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tp {tp} x pp {pp} = {tp * pp}; "
+            f"tp x pp must be one of {_divisors(world_size)}"
+        )
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        raise ValueError(
+            f"expert parallel size {ep} does not divide the data-parallel size {dp} "
+            f"(world {world_size} / tp {tp} / pp {pp}); valid ep sizes: {_divisors(dp)}"
+        )
+    ep_note = f"; ep {ep} does not change it" if ep > 1 else ""
+    tb, mb, ga = _batch_triple(ds_config, dp, f"(world {world_size} / tp {tp} / pp {pp}{ep_note})")
+    return BatchLayout(world_size, tp, pp, ep, dp, dp // ep, mb, ga, tb)
+
+
+def _batch_triple(ds_config: dict, dp: int, how: str) -> tuple[int, int, int]:
+    """(train_batch_size, micro, accumulation) from any two (or one) of them, as DeepSpeed fills them."""
+    given = {}
+    for key in (_TB, _MB, _GA):
+        if ds_config.get(key) is not None:
+            given[key] = _positive_int(key, ds_config[key])
+    tb, mb, ga = given.get(_TB), given.get(_MB), given.get(_GA)
+    dp_text = f"data-parallel size {dp} {how}"
+    if tb is None and mb is None:
+        raise ValueError(f"set {_TB} or {_MB} in the ds_config (neither is given; {dp_text})")
+    if tb is not None and mb is not None and ga is None:
+        ga = tb // (mb * dp) if tb % (mb * dp) == 0 else None
+        if ga is None or ga < 1:
+            raise ValueError(
+                f"{_TB} {tb} is not a multiple of micro {mb} x {dp_text}; "
+                f"set {_TB} to a multiple of {mb * dp}"
+            )
+    elif tb is not None and mb is None:
+        ga = 1 if ga is None else ga
+        mb = tb // (ga * dp) if tb % (ga * dp) == 0 else None
+        if mb is None or mb < 1:
+            raise ValueError(
+                f"{_TB} {tb} is not a multiple of accumulation {ga} x {dp_text}; "
+                f"set {_TB} to a multiple of {ga * dp}"
+            )
+    elif tb is None:
+        ga = 1 if ga is None else ga
+        tb = mb * ga * dp
+    if tb != mb * ga * dp:
+        raise ValueError(f"{_TB} {tb} != micro {mb} x accumulation {ga} x {dp_text}; " + _fixes(tb, mb, ga, dp))
+    return tb, mb, ga
+
+
+def _fixes(tb: int, mb: int, ga: int, dp: int) -> str:
+    options = [f"{_TB} to {mb * ga * dp}"]
+    if tb % (mb * dp) == 0:
+        options.append(f"{_GA} to {tb // (mb * dp)}")
+    if tb % (ga * dp) == 0:
+        options.append(f"{_MB} to {tb // (ga * dp)}")
+    return "change " + ", or ".join(options) + " (or drop one of the three and it is derived)"
+
+
+# --------------------------------------------------------------------------------------------------
+# file loading
+# --------------------------------------------------------------------------------------------------
+
+
+def load_ds_config(path: str | os.PathLike) -> dict:
+    """Read a ds_config JSON file into a dict; missing file / bad JSON -> one-line ValueError."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "not found"
+        raise ValueError(f"ds_config file {path!r} {what}; pass the path of a JSON file to --deepspeed")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read ds_config file {path!r}: {e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"line {e.lineno} column {e.colno}"
+        raise ValueError(f"ds_config file {path!r} is not valid JSON: {e.msg} at {where}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"ds_config file {path!r} must hold a JSON object, got {type(data).__name__}")
+    return data

@@ -1,0 +1,340 @@
+"""Training text and tokens without downloads: embedded corpus, tokenizer, fixed-length batches.
+
+    build_embedded_corpus()  pydoc topics + stdlib docstrings (~1 MB of English, deterministic)
+        -> get_tokenizer()   byte-level BPE, trained once and cached on disk by (vocab, corpus hash)
+        -> encode_text()     one LongTensor of token ids
+        -> batch_iterator()  {"input_ids", "labels"} [micro, seq_len], shuffled by seed, sharded over DP
+
+`load_text` reads a user's own .txt / .jsonl instead of the embedded corpus.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import tempfile
+from typing import Iterator, Sequence
+
+import torch
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|pad|>", "<|bos|>", "<|eos|>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
+"""Trained first, so their ids are 0, 1, 2 (the ids the hf_models presets use)."""
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+DEFAULT_VOCAB_SIZE = 2048
+DEFAULT_CACHE_DIR = "~/.cache/ds_dhelix"
+_TOKENIZER_FORMAT = 1  # bump when the training recipe changes, to invalidate cached tokenizers
+
+# Fixed list, fixed order. Pure-Python modules are read as source, never imported.
+CORPUS_MODULES = (
+    "_collections_abc", "abc", "argparse", "ast", "base64", "bisect", "builtins", "calendar", "cmd", "codecs",
+    "collections", "concurrent.futures._base", "configparser", "contextlib", "copy", "csv", "dataclasses",
+    "datetime", "difflib", "email.message", "enum", "fractions", "functools", "gettext", "glob", "gzip",
+    "hashlib", "heapq", "hmac", "html.parser", "http.client", "inspect", "io", "ipaddress", "itertools",
+    "json", "locale", "logging", "mailbox", "math", "numbers", "operator", "optparse", "os", "pathlib",
+    "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "selectors", "shlex", "shutil", "socket",
+    "sqlite3", "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "time",
+    "timeit", "tokenize", "traceback", "types", "typing", "unittest.case", "urllib.parse", "urllib.request",
+    "uuid", "warnings", "weakref", "xml.etree.ElementTree", "zipfile",
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# corpus
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def build_embedded_corpus() -> str:
+    """Python's help topics plus the docstrings of `CORPUS_MODULES`, in a fixed order. No download."""
+    from pydoc_data.topics import topics
+
+    parts = [f"# {name}\n\n{topics[name].strip()}" for name in sorted(topics)]
+    seen: set[str] = set()
+    for module_name in CORPUS_MODULES:
+        parts.extend(_module_docs(module_name, seen))
+    return "\n\n".join(parts) + "\n"
+
+
+def _module_docs(module_name: str, seen: set[str]) -> list[str]:
+    """Module, class, method and function docstrings of one stdlib module, each part "## title" + doc.
+
+    Pure-Python modules are read from their source (ast), so what other libraries patch into a module
+    at runtime (pytest replaces threading.excepthook, transformers adds Logger.warning_once) cannot
+    change the corpus. C modules (builtins, math, ...) are introspected. Missing modules are skipped.
+    """
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return []
+    if spec.origin and spec.origin.endswith(".py") and os.path.isfile(spec.origin):
+        with open(spec.origin, encoding="utf-8") as f:
+            docs = _source_docs(module_name, ast.parse(f.read()))
+    else:
+        docs = _runtime_docs(module_name)
+    out = []
+    for title, doc in docs:
+        doc = inspect.cleandoc(doc) if doc else ""
+        if len(doc) >= 40 and doc not in seen:
+            seen.add(doc)
+            out.append(f"## {title}\n\n{doc}")
+    return out
+
+
+def _source_docs(module_name: str, tree: ast.Module) -> Iterator[tuple[str, str | None]]:
+    yield module_name, ast.get_docstring(tree, clean=False)
+    defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in tree.body:
+        if isinstance(node, defs) and not node.name.startswith("_"):
+            yield f"{module_name}.{node.name}", ast.get_docstring(node, clean=False)
+            if isinstance(node, ast.ClassDef):
+                for member in node.body:
+                    if isinstance(member, defs) and not member.name.startswith("_"):
+                        yield f"{module_name}.{node.name}.{member.name}", ast.get_docstring(member, clean=False)
+
+
+def _runtime_docs(module_name: str) -> Iterator[tuple[str, str | None]]:
+    module = importlib.import_module(module_name)
+    yield module_name, module.__doc__
+    for name in sorted(vars(module)):
+        obj = vars(module)[name]
+        if name.startswith("_") or getattr(obj, "__module__", None) != module_name:
+            continue  # private, or not defined here (re-exported or patched in)
+        if inspect.isclass(obj) or inspect.isroutine(obj):
+            yield f"{module_name}.{name}", obj.__doc__
+        if inspect.isclass(obj):
+            for attr, member in sorted(vars(obj).items()):
+                if not attr.startswith("_") and inspect.isroutine(member):
+                    yield f"{module_name}.{name}.{attr}", member.__doc__
+
+
+def corpus_hash(text: str) -> str:
+    """Short content hash (sha256 prefix) used in cache keys."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(text: str, vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """Train a byte-level BPE on ``text``; returns a transformers `PreTrainedTokenizerFast`.
+
+    Byte-level means every string round-trips: ``decode(encode(x)) == x``. Ids 0/1/2 are pad/bos/eos.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    smallest = 256 + len(SPECIAL_TOKENS)  # every byte + the specials
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < smallest:
+        raise ValueError(f"vocab_size must be an int >= {smallest} (256 bytes + specials), got {vocab_size!r}")
+    if not text:
+        raise ValueError("cannot train a tokenizer on empty text")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    chunks = text.split("\n\n")  # paragraphs: lets the trainer count words in parallel
+    tok.train_from_iterator(chunks, trainer=trainer, length=len(chunks))
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, BOS_ID, EOS_ID]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+
+
+def get_tokenizer(cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR, vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """The embedded-corpus tokenizer, trained once and cached under ``cache_dir``.
+
+    Cache key = (vocab size, corpus hash). Safe when several ranks call at once: each trains into a
+    private temp dir and atomically renames it into place; a rank that loses the race uses the winner's.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    text = build_embedded_corpus()
+    root = os.path.expanduser(os.fspath(cache_dir))
+    final = os.path.join(root, f"tokenizer-f{_TOKENIZER_FORMAT}-v{vocab_size}-{corpus_hash(text)}")
+    if not os.path.isfile(os.path.join(final, "tokenizer.json")):
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=root)
+        try:
+            train_tokenizer(text, vocab_size).save_pretrained(tmp)
+            os.rename(tmp, final)  # atomic; fails if another rank already put its copy there
+        except OSError:
+            if not os.path.isfile(os.path.join(final, "tokenizer.json")):
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return PreTrainedTokenizerFast.from_pretrained(final, local_files_only=True)
+
+
+def encode_text(tokenizer, text: str) -> torch.Tensor:
+    """Token ids of ``text`` as a 1-D LongTensor (no specials added)."""
+    ids = tokenizer(text.split("\n\n"), add_special_tokens=False)["input_ids"]
+    sep = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    flat: list[int] = []
+    for i, part in enumerate(ids):
+        if i:
+            flat.extend(sep)
+        flat.extend(part)
+    return torch.tensor(flat, dtype=torch.long)
+
+
+# --------------------------------------------------------------------------------------------------
+# user text
+# --------------------------------------------------------------------------------------------------
+
+SUPPORTED_TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def load_text(path: str | os.PathLike) -> str:
+    """Read a local .txt file, or a .jsonl file whose lines are objects with a "text" string field.
+
+    Documents of a .jsonl file are joined with blank lines. Bad files raise a one-line ValueError.
+    """
+    path = os.path.expanduser(os.fspath(path))
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in SUPPORTED_TEXT_SUFFIXES:
+        raise ValueError(f"unsupported text file {path!r}: use one of {', '.join(SUPPORTED_TEXT_SUFFIXES)}")
+    if not os.path.isfile(path):
+        raise ValueError(f"text file {path!r} " + ("is a directory" if os.path.isdir(path) else "not found"))
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read text file {path!r} as UTF-8: {e}") from None
+    text = _parse_jsonl(path, raw) if suffix == ".jsonl" else raw
+    if not text.strip():
+        raise ValueError(f"text file {path!r} holds no text")
+    return text
+
+
+def _parse_jsonl(path: str, raw: str) -> str:
+    docs = []
+    for lineno, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ValueError(f'{path}:{lineno}: each line must be a JSON object with a "text" string field')
+        docs.append(obj["text"])
+    return "\n\n".join(docs)
+
+
+# --------------------------------------------------------------------------------------------------
+# batches
+# --------------------------------------------------------------------------------------------------
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Non-overlapping blocks of ``seq_len`` tokens; item = {"input_ids", "labels"} (labels = inputs,
+    the HF causal-LM model shifts them). The tail shorter than a block is left out."""
+
+    def __init__(self, token_ids: Sequence[int] | torch.Tensor, seq_len: int):
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        _check_positive("seq_len", seq_len)
+        if ids.numel() < seq_len:
+            raise ValueError(f"{ids.numel()} tokens are fewer than one block of seq_len {seq_len}")
+        self.seq_len = seq_len
+        self.blocks = ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        block = self.blocks[i]
+        return {"input_ids": block.clone(), "labels": block.clone()}
+
+
+def batch_iterator(
+    token_ids: Sequence[int] | torch.Tensor,
+    micro_batch_size: int,
+    seq_len: int,
+    seed: int,
+    rank: int = 0,
+    num_replicas: int = 1,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless micro-batches {"input_ids", "labels"}: LongTensor [micro_batch_size, seq_len].
+
+    Each epoch shuffles the blocks with ``seed + epoch``; replica ``rank`` takes every
+    ``num_replicas``-th block, so replicas see disjoint blocks and the same number of batches.
+    """
+    _check_positive("micro_batch_size", micro_batch_size)
+    _check_positive("num_replicas", num_replicas)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+        raise ValueError(f"rank must be an int in [0, {num_replicas}), got {rank!r}")
+    dataset = TokenDataset(token_ids, seq_len)
+    per_replica = len(dataset) // num_replicas
+    num_batches = per_replica // micro_batch_size
+    if num_batches == 0:
+        raise ValueError(
+            f"{len(dataset)} blocks of seq_len {seq_len} cannot fill one micro-batch of {micro_batch_size} "
+            f"on each of {num_replicas} replicas (need {micro_batch_size * num_replicas} blocks); "
+            f"use more text, a shorter seq_len or a smaller micro-batch"
+        )
+    return _batches(dataset, micro_batch_size, seed, rank, num_replicas, num_batches)
+
+
+def _batches(dataset, micro_batch_size, seed, rank, num_replicas, num_batches):
+    epoch = 0
+    while True:
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch))
+        mine = order[: num_batches * micro_batch_size * num_replicas][rank::num_replicas]
+        for b in range(num_batches):
+            block = dataset.blocks[mine[b * micro_batch_size : (b + 1) * micro_batch_size]]
+            yield {"input_ids": block, "labels": block.clone()}
+        epoch += 1
+
+
+def check_batch_shape(batch: dict[str, torch.Tensor], expected: tuple[int, int]) -> None:
+    """Raise ValueError unless input_ids and labels are LongTensors of shape ``expected`` = (micro, seq).
+
+    Every micro-batch of a run must have one shape: the schedules pair micro-batches and the peers'
+    collectives assume the same sizes, so a changed length would hang or mis-train.
+    """
+    micro, seq = expected
+    for key in ("input_ids", "labels"):
+        if key not in batch:
+            raise ValueError(f"batch has no '{key}' (keys: {sorted(batch)})")
+        t = batch[key]
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"batch['{key}'] must be a 2-D tensor [micro_batch, seq_len], got {_describe(t)}")
+        if t.shape[1] != seq:
+            raise ValueError(
+                f"sequence length changed: expected {seq}, got {t.shape[1]} (batch['{key}'] shape {tuple(t.shape)}); "
+                f"every micro-batch must have the same length: pad or pack the data to {seq} tokens"
+            )
+        if t.shape[0] != micro:
+            raise ValueError(
+                f"micro-batch size changed: expected {micro}, got {t.shape[0]} "
+                f"(batch['{key}'] shape {tuple(t.shape)}); "
+                f"drop the last partial batch or set train_micro_batch_size_per_gpu to {t.shape[0]}"
+            )
+        if t.dtype != torch.long:
+            raise ValueError(f"batch['{key}'] must hold token ids (torch.long), got {t.dtype}")
+
+
+def _describe(t) -> str:
+    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

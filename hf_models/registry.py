@@ -1,0 +1,143 @@
+"""Model sources: tiny random-init presets (no download) or a local Hugging Face checkpoint directory.
+
+    load_config("tiny-llama")          preset JSON in hf_models/presets/ -> transformers config
+    load_config("/ckpt/llama-1b")      <dir>/config.json (local files only)
+    build_model(name_or_path, seed)    -> (model, ModelInfo)
+    load_tokenizer_for(name_or_path)   the checkpoint's tokenizer, else the embedded-corpus tokenizer
+
+Attention runs with ``attn_implementation="sdpa"`` (torch scaled_dot_product_attention): it is faster
+than "eager" on CPU and GPU and is deterministic on CPU in fp32, so schedule-parity checks stay exact
+as long as both sides use the same implementation. Pass "eager" when attention weights are needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+PRESETS: tuple[str, ...] = tuple(sorted(p.stem for p in PRESET_DIR.glob("*.json")))
+"""Names of the built-in tiny presets (file stems in hf_models/presets/)."""
+
+DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What `build_model` built: where from, which family and how big."""
+
+    name_or_path: str
+    source: str  # "preset" (random init with seed) or "checkpoint" (weights from the directory)
+    model_type: str
+    num_parameters: int
+    dtype: str
+    attn_implementation: str
+    seed: int | None  # the init seed for presets; None for checkpoints
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def is_preset(name: str) -> bool:
+    """True for a built-in preset name such as "tiny-llama"."""
+    return name in PRESETS
+
+
+def load_config(name_or_path: str | os.PathLike):
+    """Transformers config of a preset name or a local checkpoint directory (holding config.json)."""
+    from transformers import AutoConfig
+
+    name = os.fspath(name_or_path)
+    if is_preset(name):
+        with open(PRESET_DIR / f"{name}.json", encoding="utf-8") as f:
+            fields = json.load(f)
+        model_type = fields.pop("model_type")
+        return AutoConfig.for_model(model_type, **fields)
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"checkpoint directory {path!r} has no config.json; pass a save_pretrained directory")
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    raise ValueError(_not_found_message(name))
+
+
+def _not_found_message(name: str) -> str:
+    close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.6)
+    if close:
+        return f"unknown preset {name!r}; did you mean {close[0]!r}? presets: {', '.join(PRESETS)}"
+    if os.sep in name or name.startswith((".", "~")):
+        return f"checkpoint directory {name!r} not found (downloads are disabled: pass a local directory)"
+    return (
+        f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory "
+        f"(downloads are disabled)"
+    )
+
+
+def build_model(
+    name_or_path: str | os.PathLike,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
+):
+    """A causal-LM model and its `ModelInfo`.
+
+    A preset is initialised randomly from ``seed`` (the global RNG state is left untouched); a checkpoint
+    directory is loaded with ``from_pretrained`` from local files only.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(name_or_path)
+    name = os.fspath(name_or_path)
+    if is_preset(name):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            # from_config mutates the config it is given: hand it a copy
+            model = AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), dtype=dtype, attn_implementation=attn_implementation
+            )
+        source, used_seed = "preset", seed
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.expanduser(name),
+            config=copy.deepcopy(config),
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
+        source, used_seed = "checkpoint", None
+    info = ModelInfo(
+        name_or_path=name,
+        source=source,
+        model_type=config.model_type,
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        dtype=str(dtype).removeprefix("torch."),
+        attn_implementation=attn_implementation,
+        seed=used_seed,
+    )
+    return model, info
+
+
+def load_tokenizer_for(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None):
+    """The checkpoint directory's own tokenizer when it has one, else the embedded-corpus tokenizer.
+
+    The embedded tokenizer's vocabulary is capped at the model's vocab_size so every id is valid.
+    """
+    from ds_dhelix.data import DEFAULT_CACHE_DIR, DEFAULT_VOCAB_SIZE, get_tokenizer
+
+    name = os.path.expanduser(os.fspath(name_or_path))
+    if not is_preset(name) and os.path.isdir(name) and any(
+        os.path.isfile(os.path.join(name, f)) for f in _TOKENIZER_FILES
+    ):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    vocab_size = min(DEFAULT_VOCAB_SIZE, load_config(name_or_path).vocab_size)
+    return get_tokenizer(cache_dir or DEFAULT_CACHE_DIR, vocab_size)

@@ -1,0 +1,126 @@
+"""Adapter tier, registry part: tiny presets build, train a step's forward/backward and round-trip
+through save_pretrained -> from_pretrained with identical logits."""
+
+import json
+
+import pytest
+import torch
+
+from ds_dhelix.data import BOS_ID, EOS_ID, PAD_ID, batch_iterator, build_embedded_corpus, encode_text, train_tokenizer
+from hf_models.registry import PRESETS, build_model, is_preset, load_config, load_tokenizer_for
+
+EXPECTED = {
+    "tiny-llama": dict(model_type="llama", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=352, max_position_embeddings=512,
+                       tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "tiny-gpt2": dict(model_type="gpt2", n_embd=128, n_layer=4, n_head=4, n_positions=512, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0),
+    "tiny-gpt-neox": dict(model_type="gpt_neox", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                          intermediate_size=512, use_parallel_residual=True, attention_dropout=0.0,
+                          hidden_dropout=0.0),
+    "tiny-phimoe": dict(model_type="phimoe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2,
+                        router_jitter_noise=0.0, input_jitter_noise=0.0, output_router_logits=True,
+                        router_aux_loss_coef=0.01),
+}
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.getbasetemp() / "dhelix-cache"  # shared with test_data.py
+
+
+@pytest.fixture(scope="session")
+def batch(cache_dir):
+    """One real micro-batch [2, 64] of the embedded corpus."""
+    tokenizer = load_tokenizer_for("tiny-llama", cache_dir)
+    ids = encode_text(tokenizer, build_embedded_corpus()[:20_000])
+    return next(batch_iterator(ids, micro_batch_size=2, seq_len=64, seed=0))
+
+
+def test_preset_names():
+    assert PRESETS == ("tiny-gpt-neox", "tiny-gpt2", "tiny-llama", "tiny-phimoe")
+    assert all(is_preset(n) for n in PRESETS) and not is_preset("llama")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_preset_config_fields(name, cache_dir):
+    config = load_config(name)
+    for key, value in EXPECTED[name].items():
+        assert getattr(config, key) == value, key
+    tokenizer = load_tokenizer_for(name, cache_dir)
+    assert config.vocab_size == len(tokenizer) == 2048
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (PAD_ID, BOS_ID, EOS_ID)
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (PAD_ID, BOS_ID, EOS_ID)
+
+
+def test_gpt_neox_partial_rotary():
+    assert load_config("tiny-gpt-neox").rope_parameters["partial_rotary_factor"] == 0.25
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_build_forward_backward_and_round_trip(name, batch, tmp_path):
+    rng_before = torch.random.get_rng_state()
+    model, info = build_model(name, seed=1234)
+    assert torch.equal(torch.random.get_rng_state(), rng_before), "build_model must not touch the global RNG"
+    again, _ = build_model(name, seed=1234)
+    other, _ = build_model(name, seed=1235)
+    for (k, a), b, c in zip(model.state_dict().items(), again.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert any(not torch.equal(a, c) for a, c in zip(model.state_dict().values(), other.state_dict().values()))
+    assert info.source == "preset" and info.seed == 1234 and info.dtype == "float32"
+    assert info.attn_implementation == "sdpa" and info.model_type == EXPECTED[name]["model_type"]
+    assert info.num_parameters == sum(p.numel() for p in model.parameters())
+
+    model.train()
+    out = model(**batch)
+    assert torch.isfinite(out.loss) and 6.0 < out.loss.item() < 9.0  # ~ln(2048) = 7.6 at random init
+    if name == "tiny-phimoe":
+        assert out.aux_loss is not None and torch.isfinite(out.aux_loss)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+    model.eval()
+    model.save_pretrained(tmp_path)
+    loaded, loaded_info = build_model(tmp_path, seed=0)
+    loaded.eval()
+    assert loaded_info.source == "checkpoint" and loaded_info.seed is None
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=batch["input_ids"]).logits, model(input_ids=batch["input_ids"]).logits)
+
+
+def test_phimoe_routing_deterministic_in_training(batch):
+    """router_jitter_noise 0 makes sparsemixer's mask keep only the top expert, so the Gumbel sampling
+    has one candidate: training-mode routing does not depend on the RNG."""
+    model, _ = build_model("tiny-phimoe", seed=0)
+    model.train()
+    losses = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        losses.append(model(**batch).loss)
+    assert torch.equal(losses[0], losses[1])
+
+
+def test_load_config_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown preset 'tiny-lama'; did you mean 'tiny-llama'\?"):
+        load_config("tiny-lama")
+    with pytest.raises(ValueError, match=r"'\./no/such/dir' not found"):
+        load_config("./no/such/dir")
+    with pytest.raises(ValueError, match=r"neither a preset \(tiny-gpt-neox, tiny-gpt2, tiny-llama, tiny-phimoe\)"):
+        load_config("bert-base")
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_config(tmp_path)
+
+
+def test_load_tokenizer_for_checkpoint_dirs(tmp_path, cache_dir):
+    model, _ = build_model("tiny-gpt2", seed=0)
+    bare = tmp_path / "bare"
+    model.save_pretrained(bare)
+    assert len(load_tokenizer_for(bare, cache_dir)) == 2048  # no tokenizer in the dir: the embedded one
+
+    own = tmp_path / "own"
+    model.save_pretrained(own)
+    train_tokenizer(build_embedded_corpus()[:50_000], 300).save_pretrained(own)
+    assert len(load_tokenizer_for(own, cache_dir)) == 300
+    assert json.loads((own / "config.json").read_text())["model_type"] == "gpt2"
