@@ -1,0 +1,177 @@
+"""DhelixEngine: a DeepSpeed engine whose ``train_batch`` runs a whole step with strand
+interleaving, and ``ds_dhelix.initialize`` that builds it like ``deepspeed.initialize``.
+
+A step of m micro-batches: the executor runs every forward and backward op by op (sequential or
+SI), leaving gradients on the parameters; then DeepSpeed does the rest with its own code paths:
+its data-parallel gradient reduction (ZeRO 1/2: ``coalesce_grad_reduction``; ZeRO 0: the buffered
+all-reduce), gradient clipping over the model-parallel group, the optimizer and the LR schedule.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import logger
+
+from .config import DhelixConfig
+from .executor import Executor, StepStats
+from .memory import ActivationMeter
+from .ops import backward_order
+from .parallel import ParallelLayout
+from .plan import SIPlan, default_plan
+
+
+class DhelixEngine(DeepSpeedEngine):
+    """DeepSpeed engine + SI executor. Build it with :func:`ds_dhelix.initialize`."""
+
+    def __init__(self, *, dhelix: DhelixConfig, layout: ParallelLayout, graph, plan: SIPlan, **kwargs):
+        super().__init__(**kwargs)
+        self.dhelix, self.layout, self.graph, self.plan = dhelix, layout, graph, plan
+        self.meter = ActivationMeter(self.module.parameters())
+        self.executor = Executor(graph, plan if dhelix.schedule == "si" else None, meter=self.meter)
+        self.last_stats = StepStats()
+        self.last_loss = None
+        self._warned_single = False
+
+    # ------------------------------------------------------------------ training
+    def _reduction_context(self):
+        if self.zero_optimization_stage() >= 1:
+            return self.coalesce_grad_reduction()
+        return self.no_sync()
+
+    def _pull_batches(self, data_iter) -> list[dict]:
+        gas = self.gradient_accumulation_steps()
+        batches = [next(data_iter) for _ in range(gas)]
+        shape = tuple(batches[0]["input_ids"].shape)
+        for k, b in enumerate(batches):
+            got = tuple(b["input_ids"].shape)
+            if got != shape:
+                raise ValueError(f"micro-batch {k} has shape {got}, expected {shape}: every micro-batch "
+                                 f"of a step must have the same [batch, sequence] shape")
+        return batches
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``data_iter``.
+
+        Returns the mean loss of the step (over micro-batches and data-parallel ranks)."""
+        batches = self._pull_batches(data_iter)
+        schedule = self.dhelix.schedule
+        if schedule == "si" and len(batches) == 1 and not self._warned_single:
+            logger.warning("ds_dhelix: one micro-batch per step: SI has nothing to pair (set "
+                           "gradient_accumulation_steps >= 2 to overlap communication)")
+            self._warned_single = True
+        self.module.train()
+        self.executor.stats = StepStats()
+        self.meter.reset_peak()
+        t0 = time.perf_counter()
+        with self._reduction_context():
+            mbs = self.executor.run_microbatches(batches, schedule, 1.0 / len(batches))
+        gas = len(batches)
+        self._is_gradient_accumulation_boundary = True
+        if self.zero_optimization_stage() == 0:
+            self.allreduce_gradients()
+        self.micro_steps += gas - 1
+        self.step()
+        self._is_gradient_accumulation_boundary = None
+        stats = self.executor.stats
+        stats.peak_activation_bytes = self.meter.peak
+        stats.step_s = time.perf_counter() - t0
+        self.last_stats = stats
+        self.last_loss = self._mean_loss(mbs)
+        self._log_step(batches)
+        return self.last_loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter) -> torch.Tensor:
+        """Mean loss over one step's worth of micro-batches, forward only."""
+        from .executor import MicroBatch
+        batches = self._pull_batches(data_iter)
+        self.module.eval()
+        self.executor.grad_enabled = False
+        try:
+            mbs = []
+            for k, b in enumerate(batches):
+                mb = MicroBatch(k, self.graph.make_side(b))
+                self.executor.forward(mb)
+                mbs.append(mb)
+        finally:
+            self.executor.grad_enabled = True
+            self.module.train()
+        return self._mean_loss(mbs)
+
+    def _mean_loss(self, mbs) -> torch.Tensor:
+        loss = torch.stack([mb.loss.detach().float() for mb in mbs]).mean()
+        if self.layout.tp_size > 1:
+            dist.all_reduce(loss, group=self.layout.tp_grad_group)  # shares -> full loss
+        if self.layout.dp_size > 1:
+            dist.all_reduce(loss, group=self.layout.dp_group)
+            loss /= self.layout.dp_size
+        return loss
+
+    def _log_step(self, batches) -> None:
+        s = self.last_stats
+        tokens = sum(b["input_ids"].numel() for b in batches) * self.layout.dp_size
+        s.tokens_per_s = tokens / max(s.step_s, 1e-9)
+        if not (self.monitor.enabled and self.global_rank == 0):
+            return
+        if self.global_steps % self.dhelix.log_interval:
+            return
+        step = self.global_steps
+        norm = self.get_global_grad_norm()
+        events = [("Train/loss", float(self.last_loss), step),
+                  ("Train/lr", self.get_lr()[0], step),
+                  ("Train/tokens_per_s", s.tokens_per_s, step),
+                  ("Train/step_time_s", s.step_s, step),
+                  ("Train/comm_ms", s.comm_s * 1e3, step),
+                  ("Train/exposed_comm_ms", s.exposed_s * 1e3, step),
+                  ("Train/hidden_comm_fraction", s.hidden_fraction, step),
+                  ("Train/peak_activation_bytes", float(s.peak_activation_bytes), step)]
+        if norm is not None:
+            events.append(("Train/grad_norm", float(norm), step))
+        self.monitor.write_events(events)
+
+
+def _strip_section(ds_config: dict) -> dict:
+    cfg = copy.deepcopy(ds_config)
+    cfg.pop("dhelix", None)
+    return cfg
+
+
+def initialize(args=None, model=None, config=None, model_parameters=None, optimizer=None,
+               lr_scheduler=None, plan: SIPlan | None = None):
+    """Like ``deepspeed.initialize`` for an HF causal LM: returns ``(engine, optimizer, None,
+    lr_scheduler)``. ``config`` is the ds_config dict (or path) with an enabled "dhelix" section.
+    The model is sharded in place for this rank's TP slice."""
+    import deepspeed
+    from hf_models.adapters import adapter_for
+
+    from .config import load_ds_config
+    if not isinstance(config, dict):
+        config = load_ds_config(config)
+    dh = DhelixConfig.from_ds_config(config)
+    if not dh.enabled:
+        raise ValueError('ds_dhelix.initialize needs "dhelix": {"enabled": true}; use deepspeed.initialize otherwise')
+    if dh.schedule not in ("sequential", "si"):
+        raise ValueError(f"schedule {dh.schedule!r} needs the pipeline engine (dhelix.pipeline.stages > 1); "
+                         f"with one stage use 'si' or 'sequential'")
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    tp = dh.tensor_parallel.size
+    adapter = adapter_for(model.config)
+    adapter.check_tp(model.config, tp, dist.get_world_size())
+    layout = ParallelLayout.create(tp)
+    graph = adapter.build_graph(model, tp, layout.tp_rank, layout.tp_group, layout.tp_grad_group)
+    if plan is None:
+        specs = graph.layer_specs()
+        plan = default_plan(specs, backward_order(specs))
+    ds_config = _strip_section(config)
+    config_class = DeepSpeedConfig(ds_config, layout)
+    engine = DhelixEngine(dhelix=dh, layout=layout, graph=graph, plan=plan, args=args, model=model,
+                          optimizer=optimizer, model_parameters=model_parameters or model.parameters(),
+                          lr_scheduler=lr_scheduler, mpu=layout, config=ds_config, config_class=config_class)
+    return engine, engine.optimizer, None, engine.lr_scheduler

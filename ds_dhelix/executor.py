@@ -1,0 +1,266 @@
+"""The SI executor: runs micro-batches through a ``ModelGraph``, one op at a time, either
+sequentially or as two interleaved strands. The only module that knows async handles.
+
+Schedules for a step of m micro-batches (F = forward, B = backward, k = micro-batch)::
+
+    sequential:  F0 B0 F1 B1 ... F(m-1) B(m-1)           (each comm waited at once)
+    si:          F0 | F1(x)B0 | F2(x)B1 | ... | B(m-1)   (x = co-executed pair)
+
+A pair F(k+1)(x)B(k) walks slots: forward block j with backward block nb-1-j, i.e. the embedding
+with the loss/head, layer i with layer L-1-i, the head with the embedding. A layer slot runs the
+SI plan: steps of (forward segment, backward segment), a barrier after each step. Inside a step::
+
+    comm lane:     [F: attn.ag ........]      [B: mlp.rs ....]
+    compute lane:  [B: mlp.down][B: mlp.up]   [F: attn.qkv][F: attn.core]
+
+COMM ops are launched asynchronously the moment their strand reaches them; COMP ops run from
+whichever strand is not waiting on its own comm (backward first, so activations are freed before
+new ones are saved); the executor waits only when neither strand can compute. Launch order is a
+pure function of the plan, so every rank issues collectives in the same order. Per-strand data
+dependencies and the per-op math are untouched: results are bitwise those of ``sequential``.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .comm import Pending
+from .graph import ModelGraph, Op
+from .plan import SIPlan
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch in flight: forward values, saved op contexts, backward gradients."""
+
+    index: int
+    side: dict
+    env: dict = field(default_factory=dict)
+    saved: dict = field(default_factory=dict)
+    grads: dict = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    mb: MicroBatch
+    block: int
+    op_index: int
+    op: Op
+    backward: bool
+
+    @property
+    def strand(self) -> str:
+        return "B" if self.backward else "F"
+
+
+@dataclass
+class StepStats:
+    """Per training step: compute seconds, comm seconds (launch to observed completion),
+    exposed comm seconds (time blocked waiting), number of collectives."""
+
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_s: float = 0.0
+    num_comms: int = 0
+    peak_activation_bytes: int = 0
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+    @property
+    def hidden_fraction(self) -> float:
+        return 0.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_s / self.comm_s)
+
+
+def _accumulate(grads: dict, key: str, g: torch.Tensor) -> None:
+    grads[key] = g if key not in grads else grads[key] + g
+
+
+class Executor:
+    """Runs forward/backward of ``graph`` ops for micro-batches, with optional activation meter,
+    trace recorder (``span(lane, name, args)``) and watchdog (``beat(**where)``)."""
+
+    def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, meter=None, recorder=None,
+                 watchdog=None):
+        self.graph, self.plan, self.meter = graph, plan, meter
+        self.recorder, self.watchdog = recorder, watchdog
+        self.stats = StepStats()
+        self.grad_enabled = True
+
+    # ------------------------------------------------------------------ single ops
+    def run_comp(self, t: Task) -> None:
+        self._beat(t)
+        t0 = time.perf_counter()
+        if t.backward:
+            self._comp_backward(t)
+        else:
+            self._comp_forward(t)
+        t1 = time.perf_counter()
+        self.stats.compute_s += t1 - t0
+        if self.recorder is not None:
+            self.recorder.add_span("compute", t.op.name, t0, t1, self._args(t))
+
+    def _comp_forward(self, t: Task) -> None:
+        op, mb = t.op, t.mb
+        if not self.grad_enabled:
+            with torch.no_grad():
+                outs = op.fn(mb.side, *(mb.env[k] for k in op.inputs))
+            mb.env.update(zip(op.outputs, outs))
+            return
+        leaves = [mb.env[k].detach().requires_grad_(mb.env[k].is_floating_point()) for k in op.inputs]
+        hooks = self.meter.hooks() if self.meter is not None else _NULL
+        with torch.enable_grad(), hooks:
+            outs = op.fn(mb.side, *leaves)
+        mb.saved[(t.block, t.op_index)] = (leaves, outs)
+        for key, out in zip(op.outputs, outs):
+            mb.env[key] = out.detach()
+
+    def _comp_backward(self, t: Task) -> None:
+        op, mb = t.op, t.mb
+        leaves, outs = mb.saved.pop((t.block, t.op_index))
+        tensors, grads = [], []
+        for key, out in zip(op.outputs, outs):
+            g = mb.grads.pop(key, None)
+            if g is not None and out.requires_grad:
+                tensors.append(out)
+                grads.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for key, leaf in zip(op.inputs, leaves):
+            if leaf.grad is not None:
+                _accumulate(mb.grads, key, leaf.grad)
+        del leaves, outs, tensors, grads
+
+    def launch_comm(self, t: Task) -> Pending:
+        self._beat(t)
+        op, mb = t.op, t.mb
+        if t.backward:
+            pending = op.comm.backward(mb.grads.pop(op.outputs[0]), mb.side)
+        else:
+            pending = op.comm.forward(mb.env[op.inputs[0]], mb.side)
+        self.stats.num_comms += 1
+        return pending
+
+    def finish_comm(self, t: Task, pending: Pending) -> None:
+        out = pending.wait()
+        done = time.perf_counter()
+        self.stats.exposed_s += pending.waited_s
+        self.stats.comm_s += done - pending.launched_at if pending.done_at is None \
+            else pending.done_at - pending.launched_at
+        if self.recorder is not None:
+            end = pending.done_at or done
+            self.recorder.add_span("comm", t.op.name, pending.launched_at, end, self._args(t))
+        if t.backward:
+            _accumulate(t.mb.grads, t.op.inputs[0], out)
+        else:
+            t.mb.env[t.op.outputs[0]] = out
+
+    # ------------------------------------------------------------------ one plan step
+    def run_step(self, b_tasks: list[Task], f_tasks: list[Task]) -> None:
+        """Run two strands' task lists together (either may be empty); barrier at the end."""
+        queues = [deque(b_tasks), deque(f_tasks)]  # backward strand first
+        pending: list[tuple[Task, Pending] | None] = [None, None]
+        order: list[int] = []  # strands with a pending comm, in launch order
+        while queues[0] or queues[1] or order:
+            for s in (0, 1):  # launch every comm that has reached the head of its strand
+                if pending[s] is None and queues[s] and queues[s][0].op.is_comm:
+                    task = queues[s].popleft()
+                    pending[s] = (task, self.launch_comm(task))
+                    order.append(s)
+            runnable = [s for s in (0, 1) if pending[s] is None and queues[s]]
+            if runnable:
+                self.run_comp(queues[runnable[0]].popleft())
+                self._poll(pending)
+                continue
+            s = order.pop(0)  # nothing to compute: wait for the oldest comm
+            task, p = pending[s]
+            pending[s] = None
+            self.finish_comm(task, p)
+
+    @staticmethod
+    def _poll(pending) -> None:
+        now = time.perf_counter()
+        for item in pending:
+            if item is not None and item[1].done_at is None and item[1].work is not None \
+                    and item[1].work.is_completed():
+                item[1].done_at = now
+
+    # ------------------------------------------------------------------ blocks and schedules
+    def tasks(self, mb: MicroBatch, block: int, backward: bool, lo: int = 0, hi: int | None = None):
+        ops = self.graph.blocks[block]
+        hi = len(ops) if hi is None else hi
+        if not backward:
+            return [Task(mb, block, i, ops[i], False) for i in range(lo, hi)]
+        # backward positions index the reversed op list
+        n = len(ops)
+        return [Task(mb, block, n - 1 - j, ops[n - 1 - j], True) for j in range(lo, hi)]
+
+    def forward(self, mb: MicroBatch) -> None:
+        for block in range(len(self.graph.blocks)):
+            self.run_step([], self.tasks(mb, block, False))
+        mb.loss = mb.env.get("loss")
+
+    def backward(self, mb: MicroBatch, seed: float) -> None:
+        self.start_backward(mb, seed)
+        for block in reversed(range(len(self.graph.blocks))):
+            self.run_step(self.tasks(mb, block, True), [])
+
+    def start_backward(self, mb: MicroBatch, seed: float) -> None:
+        mb.loss = mb.env["loss"]
+        mb.grads["loss"] = torch.full_like(mb.loss, seed)
+
+    def pair(self, f_mb: MicroBatch, b_mb: MicroBatch, seed: float) -> None:
+        """Co-execute the forward of ``f_mb`` with the backward of ``b_mb`` (SI)."""
+        self.start_backward(b_mb, seed)
+        nb = len(self.graph.blocks)
+        for j in range(nb):
+            fb, bb = j, nb - 1 - j
+            is_layer_pair = 0 < fb < nb - 1 and 0 < bb < nb - 1
+            if is_layer_pair and self.plan is not None:
+                for st in self.plan.steps:
+                    self.run_step(self.tasks(b_mb, bb, True, *st.bwd), self.tasks(f_mb, fb, False, *st.fwd))
+            else:
+                self.run_step(self.tasks(b_mb, bb, True), self.tasks(f_mb, fb, False))
+        f_mb.loss = f_mb.env.get("loss")
+
+    def run_microbatches(self, batches: list[dict], schedule: str, seed: float) -> list[MicroBatch]:
+        """Forward and backward of every micro-batch under ``schedule`` ("sequential" or "si")."""
+        mbs = [MicroBatch(k, self.graph.make_side(b)) for k, b in enumerate(batches)]
+        if schedule == "sequential" or len(mbs) == 1:
+            for mb in mbs:
+                self.forward(mb)
+                self.backward(mb, seed)
+        elif schedule == "si":
+            self.forward(mbs[0])
+            for k in range(len(mbs) - 1):
+                self.pair(mbs[k + 1], mbs[k], seed)
+            self.backward(mbs[-1], seed)
+        else:
+            raise ValueError(f"unknown schedule {schedule!r}; expected 'sequential' or 'si'")
+        for mb in mbs:
+            assert not mb.saved, "op contexts left after backward"
+            mb.env.clear()
+            mb.grads.clear()
+        return mbs
+
+    def _beat(self, t: Task) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(microbatch=t.mb.index, strand=t.strand, op=t.op.name, block=t.block)
+
+    @staticmethod
+    def _args(t: Task) -> dict:
+        return {"strand": t.strand, "microbatch": t.mb.index, "block": t.block}
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()

@@ -1,0 +1,63 @@
+"""Activation memory accounting: bytes saved for backward, counted by saved-tensor hooks.
+
+Works on any device. A storage saved by several ops counts once; parameters do not count. The
+count drops when autograd releases the saved tensor (after that op's backward).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _Saved:
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor, meter, key):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        if self.key is not None:
+            self.meter._release(self.key)
+
+
+class ActivationMeter:
+    def __init__(self, params=()):
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.live: dict[int, list] = {}  # storage ptr -> [bytes, refcount]
+        self.current = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.param_storages or storage.nbytes() == 0:
+            return _Saved(t, self, None)
+        entry = self.live.get(key)
+        if entry is None:
+            self.live[key] = [storage.nbytes(), 1]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[1] += 1
+        return _Saved(t, self, key)
+
+    def _release(self, key) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+    def hooks(self):
+        """Context manager: count tensors saved for backward inside it."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda s: s.tensor)
+
+
+def null_hooks():
+    return contextlib.nullcontext()

@@ -1,0 +1,92 @@
+"""Process groups of a run: data parallel (DP) x tensor/sequence parallel (TP).
+
+Ranks are laid out TP-innermost: with TP=2 and 4 ranks, TP groups are {0,1} and {2,3}, DP groups
+{0,2} and {1,3}. ``ParallelLayout`` also answers DeepSpeed's ``mpu`` protocol, so DeepSpeed reduces
+gradients over the DP group only and computes the global grad norm over the TP group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+def valid_sizes(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class ParallelLayout:
+    world_size: int
+    rank: int
+    tp_size: int
+    tp_group: object = None        # TP/SP collectives of the op graph (COMM ops)
+    tp_grad_group: object = None   # gradient all-reduce of replicated weights (small, blocking)
+    dp_group: object = None
+
+    @classmethod
+    def create(cls, tp_size: int) -> "ParallelLayout":
+        """Build the groups on an initialized default process group (collective on all ranks)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % tp_size:
+            raise ValueError(f"world size {world} is not divisible by tensor_parallel.size {tp_size}; "
+                             f"valid sizes: {valid_sizes(world)}")
+        layout = cls(world, rank, tp_size)
+        for start in range(0, world, tp_size):  # every rank creates every group, same order
+            ranks = list(range(start, start + tp_size))
+            g, gg = dist.new_group(ranks), dist.new_group(ranks)
+            if rank in ranks:
+                layout.tp_group, layout.tp_grad_group = g, gg
+        for offset in range(tp_size):
+            ranks = list(range(offset, world, tp_size))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                layout.dp_group = g
+        return layout
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    # --- DeepSpeed mpu protocol -------------------------------------------------------------
+    def get_model_parallel_rank(self):
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.tp_size
+
+    def get_model_parallel_group(self):
+        return self.tp_grad_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.dp_rank * self.tp_size
+
+    def get_data_parallel_rank(self):
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.dp_size
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_group_ranks(self):
+        return list(range(self.tp_rank, self.world_size, self.tp_size))
+
+    def get_pipeline_model_parallel_world_size(self):
+        return 1
+
+    def get_pipeline_model_parallel_rank(self):
+        return 0

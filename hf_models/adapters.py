@@ -1,0 +1,21 @@
+"""Adapter lookup: HF ``model_type`` -> the module that shards it and builds its op graph.
+
+Each adapter module provides ``check_tp(config, tp, world=None)`` (ValueError before any model is
+built) and ``build_graph(model, tp, tp_rank, tp_group, tp_grad_group) -> ModelGraph``.
+"""
+from __future__ import annotations
+
+import importlib
+
+ADAPTERS = {"llama": "hf_models.llama", "gpt2": "hf_models.gpt2", "gpt_neox": "hf_models.gpt_neox",
+            "phimoe": "hf_models.phimoe"}
+
+
+def adapter_for(config):
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise ValueError(f"no ds_dhelix adapter for model_type {model_type!r}; supported: {sorted(ADAPTERS)}")
+    try:
+        return importlib.import_module(ADAPTERS[model_type])
+    except ModuleNotFoundError as err:
+        raise ValueError(f"the {model_type} adapter is not available in this build") from err

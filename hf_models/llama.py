@@ -1,0 +1,141 @@
+"""Llama adapter: ``LlamaForCausalLM`` -> sharded ``ModelGraph`` (TP + sequence parallel).
+
+Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
+
+    attn.norm  COMP  h[s/t] -> x                 input_layernorm
+    attn.ag    COMM  x -> xf[s]                  all-gather (sequence)
+    attn.qkv   COMP  xf -> q,k,v                 q/k/v_proj (column-parallel) + rotary
+    attn.core  COMP  q,k,v -> o                  HF attention function (sdpa/eager)
+    attn.out   COMP  o -> ao                     o_proj (row-parallel, partial sums)
+    attn.rs    COMM  ao -> ar[s/t]               reduce-scatter (sequence)
+    mlp.norm   COMP  h,ar -> h2,x2               residual add + post_attention_layernorm
+    mlp.ag     COMM  x2 -> x2f[s]
+    mlp.up     COMP  x2f -> a                    act(gate_proj) * up_proj (column-parallel)
+    mlp.down   COMP  a -> mo                     down_proj (row-parallel)
+    mlp.rs     COMM  mo -> mr[s/t]
+    mlp.add    COMP  h2,mr -> h                  residual add
+
+With t = 1 the COMM ops are left out. The HF modules keep their parameters (sliced for TP) and
+their state_dict keys; the math is theirs, called op by op.
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from transformers.models.llama import modeling_llama as hf
+
+from ds_dhelix.comm import SeqAllGather, SeqReduceScatter
+from ds_dhelix.graph import ModelGraph, comm, comp
+
+from .common import check_divisible, embed_op, head_ops, make_side_fn, mark_replicated, shard_param
+
+
+def check_tp(config, tp: int, world: int | None = None) -> None:
+    check_divisible(tp, world, num_attention_heads=config.num_attention_heads,
+                    num_key_value_heads=config.num_key_value_heads,
+                    intermediate_size=config.intermediate_size)
+
+
+def shard(model, tp: int, tp_rank: int) -> None:
+    """Slice q/k/v/gate/up by output rows and o/down by input columns, in place."""
+    for layer in model.model.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        for lin in (at.q_proj, at.k_proj, at.v_proj, mlp.gate_proj, mlp.up_proj):
+            shard_param(lin, "weight", 0, tp_rank, tp)
+            shard_param(lin, "bias", 0, tp_rank, tp)
+        for lin in (at.o_proj, mlp.down_proj):
+            shard_param(lin, "weight", 1, tp_rank, tp)
+
+
+def attention_fn(config):
+    name = config._attn_implementation or "sdpa"
+    return hf.ALL_ATTENTION_FUNCTIONS.get_interface(name, hf.eager_attention_forward), name
+
+
+def attn_core_op(attn_module, config):
+    """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d]."""
+    attend, impl = attention_fn(config)
+
+    def fn(side, q, k, v):
+        mask = side.get("causal_mask") if impl == "eager" else None
+        o, _ = attend(attn_module, q, k, v, mask, dropout=0.0, scaling=attn_module.scaling)
+        return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
+
+    return comp("attn.core", ("q", "k", "v"), ("o",), fn)
+
+
+def layer_ops(layer, config, tp: int, tp_group):
+    at, mlp = layer.self_attn, layer.mlp
+    hd = at.head_dim
+    sharded = tp > 1
+    xin, x2in = ("xf", "x2f") if sharded else ("x", "x2")
+    ar, mr = ("ar", "mr") if sharded else ("ao", "mo")
+    gather, scatter = SeqAllGather(tp_group, tp), SeqReduceScatter(tp_group, tp)
+
+    def qkv(side, xf):
+        s, b, _ = xf.shape
+        q, k, v = (proj(xf).view(s, b, -1, hd).permute(1, 2, 0, 3) for proj in (at.q_proj, at.k_proj, at.v_proj))
+        q, k = hf.apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
+        return q, k, v
+
+    def out_bias(x):
+        return x if at.o_proj.bias is None else x + at.o_proj.bias
+
+    def mlp_norm(side, h, a):
+        h2 = h + out_bias(a)
+        return h2, layer.post_attention_layernorm(h2)
+
+    def mlp_add(side, h2, m):
+        return (h2 + (m if mlp.down_proj.bias is None else m + mlp.down_proj.bias),)
+
+    ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (layer.input_layernorm(h),))]
+    if sharded:
+        ops.append(comm("attn.ag", gather, "x", "xf"))
+    ops += [
+        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv),
+        attn_core_op(at, config),
+        comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.o_proj.weight),)),
+    ]
+    if sharded:
+        ops.append(comm("attn.rs", scatter, "ao", "ar"))
+    ops.append(comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm))
+    if sharded:
+        ops.append(comm("mlp.ag", gather, "x2", "x2f"))
+    ops += [
+        comp("mlp.up", (x2in,), ("act",), lambda side, x: (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x),)),
+        comp("mlp.down", ("act",), ("mo",), lambda side, a: (F.linear(a, mlp.down_proj.weight),)),
+    ]
+    if sharded:
+        ops.append(comm("mlp.rs", scatter, "mo", "mr"))
+    ops.append(comp("mlp.add", ("h2", mr), ("h",), mlp_add))
+    return ops
+
+
+def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None) -> ModelGraph:
+    """Shard ``model`` in place for this TP rank and return its op graph."""
+    config = model.config
+    check_tp(config, tp)
+    shard(model, tp, tp_rank)
+    inner = model.model
+    if tp > 1:
+        replicated = [inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight]
+        for layer in inner.layers:
+            replicated += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                           layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias]
+        mark_replicated(replicated, tp_grad_group)
+
+    def rotary(batch, side):
+        import torch
+        pos = torch.arange(side["seq_len"]).unsqueeze(0)
+        dummy = inner.embed_tokens.weight[:1]
+        cos, sin = inner.rotary_emb(dummy, pos)
+        extra = {"cos": cos, "sin": sin}
+        if (config._attn_implementation or "sdpa") == "eager":
+            s = side["seq_len"]
+            mask = torch.full((s, s), torch.finfo(dummy.dtype).min, dtype=dummy.dtype).triu(1)
+            extra["causal_mask"] = mask[None, None]
+        return extra
+
+    blocks = [[embed_op(inner.embed_tokens)]]
+    blocks += [layer_ops(layer, config, tp, tp_group) for layer in inner.layers]
+    blocks.append(head_ops(inner.norm, model.lm_head))
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, rotary), family="llama")
