@@ -159,8 +159,8 @@ def initialize(args=None, model=None, config=None, model_parameters=None, optimi
     if dh.schedule not in ("sequential", "si"):
         raise ValueError(f"schedule {dh.schedule!r} needs the pipeline engine (dhelix.pipeline.stages > 1); "
                          f"with one stage use 'si' or 'sequential'")
-    if not dist.is_initialized():
-        deepspeed.init_distributed()
+    # wraps an existing torch.distributed world, or starts one from the launcher's environment
+    deepspeed.init_distributed(dist_init_required=not dist.is_initialized())
     tp = dh.tensor_parallel.size
     adapter = adapter_for(model.config)
     adapter.check_tp(model.config, tp, dist.get_world_size())

@@ -1,0 +1,51 @@
+"""``dhelix parity``: sequential vs a schedule vs unsharded HF, on a CPU gloo world."""
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("parity", help="check that a schedule trains exactly like sequential (and close to HF)")
+    p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (world = tp x dp)")
+    p.add_argument("--schedule", default="si", choices=["si", "sequential"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (gradient accumulation)")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2], help="ZeRO stage")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the world is killed")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ds_dhelix.parity import ParityOptions, run_parity
+    for name in ("tp", "dp", "steps", "micro_batches", "micro_batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    opts = ParityOptions(model=args.model, tp=args.tp, dp=args.dp, schedule=args.schedule, steps=args.steps,
+                         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+                         seq_len=args.seq_len, zero_stage=args.zero)
+    from hf_models.adapters import adapter_for
+    from hf_models.registry import load_config
+    adapter_for(load_config(args.model)).check_tp(load_config(args.model), args.tp)
+    result = run_parity(opts, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        s = args.schedule
+        print(f"{args.model} tp={args.tp} dp={args.dp} zero={args.zero} {args.steps} steps x "
+              f"{args.micro_batches} micro-batches")
+        print(f"  losses sequential: {result['losses']['sequential']}")
+        print(f"  losses {s}:{' ' * (10 - len(s))} {result['losses'][s]}")
+        print(f"  losses hf:         {result['losses']['hf']}")
+        print(f"  {s} vs sequential: {'BITWISE EQUAL' if result['bitwise_equal'] else 'DIFFERENT'} "
+              f"(max |diff| {result['max_abs_diff_vs_sequential']:.3g})")
+        print(f"  vs unsharded HF: max |param diff| {result['max_abs_diff_vs_hf']:.3g}, "
+              f"max |loss diff| {result['max_loss_diff_vs_hf']:.3g} (tolerance {result['hf_tolerance']:g})")
+        pk = result["peak_activation_bytes"]
+        print(f"  peak activation bytes: sequential {pk['sequential']}, {s} {pk[s]} "
+              f"({pk[s] / max(pk['sequential'], 1):.3f}x)")
+    return 0 if result["ok"] else 1

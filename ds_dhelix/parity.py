@@ -1,0 +1,153 @@
+"""Parity: train the same model with ``sequential`` and another schedule on a CPU gloo world, and
+the unsharded HF model on one process; compare losses and parameters.
+
+Sequential and SI run the same ops in a different interleaving, so they must agree bit for bit.
+The sharded model differs from HF only in summation order (TP partial sums, sum-then-divide loss),
+so it agrees to a small tolerance (``HF_TOLERANCE``, fp32).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# fp32: TP splits each row-parallel GEMM into partial sums added by a reduce-scatter, and the loss
+# is sum/count instead of mean. After a few AdamW steps (lr 1e-3) parameters drift by a few ulps
+# amplified by Adam's normalization; 1e-4 absolute is far below one real update (~1e-3).
+HF_TOLERANCE = 1e-4
+
+
+@dataclass
+class ParityOptions:
+    model: str = "tiny-llama"
+    tp: int = 2
+    dp: int = 1
+    schedule: str = "si"
+    steps: int = 3
+    micro_batches: int = 4
+    micro_batch_size: int = 2
+    seq_len: int = 64
+    zero_stage: int = 1
+    lr: float = 1e-3
+    seed: int = 1234
+    num_layers: int | None = None  # shrink the preset (faster tests)
+    extra: dict = field(default_factory=dict)  # extra "dhelix" keys
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+    def ds_config(self, schedule: str) -> dict:
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": self.micro_batches,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 10 ** 9,
+            "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.01, "torch_adam": True}},
+            "zero_optimization": {"stage": self.zero_stage},
+            "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": self.tp}, **self.extra},
+        }
+
+
+def make_batches(opts: ParityOptions, vocab: int) -> list[list[dict]]:
+    """``[step][dp_rank * m + k]`` micro-batches of random token ids (deterministic)."""
+    g = torch.Generator().manual_seed(opts.seed + 1)
+    out = []
+    for _ in range(opts.steps):
+        step = []
+        for _ in range(opts.dp * opts.micro_batches):
+            ids = torch.randint(3, vocab, (opts.micro_batch_size, opts.seq_len), generator=g)
+            step.append({"input_ids": ids, "labels": ids.clone()})
+        out.append(step)
+    return out
+
+
+def build(opts: ParityOptions):
+    from hf_models.registry import build_model, load_config
+    config = load_config(opts.model)
+    if opts.num_layers is not None:
+        config = copy.deepcopy(config)
+        config.num_hidden_layers = opts.num_layers
+        from transformers import AutoModelForCausalLM
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(opts.seed)
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+        return model
+    return build_model(opts.model, seed=opts.seed)[0]
+
+
+def train_schedule(opts: ParityOptions, schedule: str, batches) -> dict:
+    """On every rank of the world: train with ``schedule``; return losses, full params, peak."""
+    import ds_dhelix
+    from .checkpoint import full_state_dict
+    model = build(opts)
+    engine, *_ = ds_dhelix.initialize(model=model, config=opts.ds_config(schedule))
+    lay = engine.layout
+    m = opts.micro_batches
+    losses, peaks = [], []
+    for step in batches:
+        mine = iter(step[lay.dp_rank * m:(lay.dp_rank + 1) * m])
+        losses.append(float(engine.train_batch(mine)))
+        peaks.append(engine.last_stats.peak_activation_bytes)
+    params = full_state_dict(engine.module, lay.tp_group, lay.tp_size)
+    return {"losses": losses, "params": params, "peak_activation_bytes": max(peaks)}
+
+
+def train_hf(opts: ParityOptions, batches) -> dict:
+    """The unsharded HF model, one process, same data and optimizer."""
+    model = build(opts)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
+    losses = []
+    for step in batches:
+        total = 0.0
+        for b in step:
+            loss = model(**b).loss / len(step)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _rank_main(rank, world, opts: ParityOptions):
+    from hf_models.registry import load_config
+    batches = make_batches(opts, load_config(opts.model).vocab_size)
+    seq = train_schedule(opts, "sequential", batches)
+    other = train_schedule(opts, opts.schedule, batches) if opts.schedule != "sequential" else seq
+    if rank != 0:
+        return None
+    hf = train_hf(opts, batches)
+    return compare(opts, seq, other, hf)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def compare(opts, seq, other, hf) -> dict:
+    bitwise = seq["losses"] == other["losses"] and all(
+        torch.equal(seq["params"][k], other["params"][k]) for k in seq["params"])
+    diff_hf = max_diff(other["params"], hf["params"])
+    loss_diff_hf = max(abs(a - b) for a, b in zip(other["losses"], hf["losses"]))
+    return {
+        "options": {k: v for k, v in asdict(opts).items() if k != "extra"},
+        "bitwise_equal": bitwise,
+        "max_abs_diff_vs_sequential": max_diff(other["params"], seq["params"]),
+        "max_abs_diff_vs_hf": diff_hf,
+        "max_loss_diff_vs_hf": loss_diff_hf,
+        "hf_tolerance": HF_TOLERANCE,
+        "hf_close": diff_hf <= HF_TOLERANCE and loss_diff_hf <= HF_TOLERANCE,
+        "losses": {"sequential": seq["losses"], opts.schedule: other["losses"], "hf": hf["losses"]},
+        "peak_activation_bytes": {"sequential": seq["peak_activation_bytes"],
+                                  opts.schedule: other["peak_activation_bytes"]},
+        "ok": bitwise and diff_hf <= HF_TOLERANCE and loss_diff_hf <= HF_TOLERANCE,
+    }
+
+
+def run_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
+    from .spawn import run_ranks
+    return run_ranks(_rank_main, opts.world, args=(opts,), timeout=timeout)[0]
