@@ -1,0 +1,60 @@
+"""Hang watchdog: fires in a stuck process (exit 3, names the position), quiet while beating."""
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ds_dhelix.watchdog import EXIT_CODE, Watchdog
+
+
+def _run(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    script = "import time\nfrom ds_dhelix.watchdog import Watchdog\n" + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_fires_when_stuck():
+    t0 = time.monotonic()
+    proc = _run("""
+        def stuck_in_collective():
+            time.sleep(30)
+
+        with Watchdog(0.5, rank=1, describe_fn=lambda: "pending: attn.rs on comm:tp") as wd:
+            wd.beat(step=7, microbatch=3, strand="beta", op="moe.dispatch")
+            stuck_in_collective()
+        """)
+    assert proc.returncode == EXIT_CODE == 3, proc.stderr
+    assert time.monotonic() - t0 < 20
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("[dhelix watchdog] rank 1 stuck for ")
+    assert first.endswith("at step 7, micro-batch 3, strand beta, op moe.dispatch")
+    assert "pending: attn.rs on comm:tp" in proc.stderr
+    assert "stuck_in_collective" in proc.stderr  # the watched thread's stack
+
+
+def test_quiet_while_beating_and_after_stop():
+    proc = _run("""
+        wd = Watchdog(0.5, rank=0).start()
+        for i in range(40):
+            wd.beat(step=i, op="attn.qkv")
+            time.sleep(0.05)
+        wd.stop()
+        time.sleep(1.0)  # disarmed: a long pause is fine now
+        print("done")
+        """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "done" and "watchdog" not in proc.stderr
+
+
+def test_partial_beats_keep_position_and_report():
+    wd = Watchdog(10, rank=2, describe_fn=lambda: 1 / 0)
+    wd.beat(step=4)
+    wd.beat(microbatch=1, strand="alpha", op="mlp.fc2")
+    text = wd.report(12.34)
+    assert text.startswith("[dhelix watchdog] rank 2 stuck for 12.3s at step 4, micro-batch 1, "
+                           "strand alpha, op mlp.fc2\n")
+    assert "describe_fn failed" in text
+    with pytest.raises(ValueError, match="timeout_s"):
+        Watchdog(0, rank=0)
