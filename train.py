@@ -127,6 +127,7 @@ def run(args, ds_config, dh, batch_layout):
         bar.update(1)
     bar.close()
 
+    probe = probe_loss(engine, dh, ids, micro, args.seq_len)
     if args.ds_checkpoint:
         engine.save_checkpoint(args.ds_checkpoint)
     from ds_dhelix.checkpoint import export_hf
@@ -134,10 +135,26 @@ def run(args, ds_config, dh, batch_layout):
         path = export_hf(engine.module, args.output_dir, tokenizer, engine.layout.tp_group, tp)
     else:
         path = export_hf(engine.module, args.output_dir, tokenizer)
-    summarize(args, rank, losses, times, hidden, path, micro, engine, dp_size, dh)
+    summarize(args, rank, losses, times, hidden, path, micro, engine, dp_size, dh, probe)
     if engine.monitor.enabled and rank == 0:
         for writer in _tb_writers(engine):
             writer.flush()
+
+
+def probe_loss(engine, dh, ids, micro, seq_len):
+    """Loss of the trained model on the first tokens of the data: the exported HF checkpoint must
+    reproduce it (the end-to-end test checks that)."""
+    import torch
+    block = ids[: micro * seq_len].view(micro, seq_len)
+    batch = {"input_ids": block, "labels": block.clone()}
+    if dh.enabled:
+        loss = engine.eval_batch(iter([batch] * engine.gradient_accumulation_steps()))
+    else:
+        engine.eval()
+        with torch.no_grad():
+            loss = engine(**batch).loss
+        engine.train()
+    return {"probe_input_ids": block.tolist(), "probe_loss": float(loss)}
 
 
 def plain_step(engine, data):
@@ -167,7 +184,7 @@ def _tb_writers(engine):
             yield w
 
 
-def summarize(args, rank, losses, times, stats, path, micro, engine, dp_size, dh):
+def summarize(args, rank, losses, times, stats, path, micro, engine, dp_size, dh, probe):
     import statistics
     if rank != 0:
         return
@@ -191,6 +208,7 @@ def summarize(args, rank, losses, times, stats, path, micro, engine, dp_size, dh
                  f"{frac:.0%} hidden ({exposed / n * 1e3:.0f} ms exposed)")
     print(line)
     print(f"HF checkpoint: {path}")
+    summary.update(probe)
     if args.json_summary:
         with open(args.json_summary, "w") as f:
             json.dump(summary, f, indent=1)
