@@ -8,8 +8,8 @@ all-reduce), gradient clipping over the model-parallel group, the optimizer and 
 """
 from __future__ import annotations
 
-import contextlib
 import copy
+import os
 import time
 
 import torch
@@ -24,6 +24,8 @@ from .memory import ActivationMeter
 from .ops import backward_order
 from .parallel import ParallelLayout
 from .plan import SIPlan, default_plan
+from .trace import TraceRecorder, merge_traces
+from .watchdog import Watchdog
 
 
 class DhelixEngine(DeepSpeedEngine):
@@ -34,9 +36,18 @@ class DhelixEngine(DeepSpeedEngine):
         self.dhelix, self.layout, self.graph, self.plan = dhelix, layout, graph, plan
         self.meter = ActivationMeter(self.module.parameters())
         self.executor = Executor(graph, plan if dhelix.schedule == "si" else None, meter=self.meter)
+        self.watchdog = Watchdog(dhelix.watchdog_s, self.global_rank).start()
+        self.watchdog.pause()  # armed only inside train_batch / eval_batch
+        self.executor.watchdog = self.watchdog
+        self.recorder = TraceRecorder(self.global_rank) if dhelix.trace.enabled else None
+        self.executor.recorder = self.recorder
         self.last_stats = StepStats()
         self.last_loss = None
         self._warned_single = False
+
+    def destroy(self):
+        self.watchdog.stop()
+        super().destroy()
 
     # ------------------------------------------------------------------ training
     def _reduction_context(self):
@@ -69,8 +80,12 @@ class DhelixEngine(DeepSpeedEngine):
         self.executor.stats = StepStats()
         self.meter.reset_peak()
         t0 = time.perf_counter()
-        with self._reduction_context():
-            mbs = self.executor.run_microbatches(batches, schedule, 1.0 / len(batches))
+        self.watchdog.resume(step=self.global_steps)
+        try:
+            with self._reduction_context():
+                mbs = self.executor.run_microbatches(batches, schedule, 1.0 / len(batches))
+        finally:
+            self.watchdog.pause()
         gas = len(batches)
         self._is_gradient_accumulation_boundary = True
         if self.zero_optimization_stage() == 0:
@@ -84,7 +99,25 @@ class DhelixEngine(DeepSpeedEngine):
         self.last_stats = stats
         self.last_loss = self._mean_loss(mbs)
         self._log_step(batches)
+        self._maybe_dump_trace()
         return self.last_loss
+
+    def _maybe_dump_trace(self) -> None:
+        """After ``trace.steps`` steps: every rank writes its spans, rank 0 merges them."""
+        if self.recorder is None or self.global_steps < self.dhelix.trace.steps:
+            return
+        path = self.dhelix.trace.path
+        part = self.recorder.dump(f"{path}.rank{self.global_rank}")
+        self.recorder = self.executor.recorder = None
+        dist.barrier()
+        if self.global_rank == 0:
+            parts = [f"{path}.rank{r}" for r in range(dist.get_world_size())]
+            merge_traces(parts, path)
+            for p in parts:
+                os.remove(p)
+            logger.info(f"ds_dhelix: trace of {self.global_steps} steps written to {path}")
+        dist.barrier()
+        del part
 
     @torch.no_grad()
     def eval_batch(self, data_iter) -> torch.Tensor:
@@ -93,6 +126,7 @@ class DhelixEngine(DeepSpeedEngine):
         batches = self._pull_batches(data_iter)
         self.module.eval()
         self.executor.grad_enabled = False
+        self.watchdog.resume(step=self.global_steps)
         try:
             mbs = []
             for k, b in enumerate(batches):
@@ -100,6 +134,7 @@ class DhelixEngine(DeepSpeedEngine):
                 self.executor.forward(mb)
                 mbs.append(mb)
         finally:
+            self.watchdog.pause()
             self.executor.grad_enabled = True
             self.module.train()
         return self._mean_loss(mbs)

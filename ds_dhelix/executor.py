@@ -152,7 +152,8 @@ class Executor:
             else pending.done_at - pending.launched_at
         if self.recorder is not None:
             end = pending.done_at or done
-            self.recorder.add_span("comm", t.op.name, pending.launched_at, end, self._args(t))
+            lane = f"{getattr(t.op.comm, 'lane', 'comm:tp')}:{t.strand}"  # one comm in flight per strand
+            self.recorder.add_span(lane, t.op.name, pending.launched_at, end, self._args(t))
         if t.backward:
             _accumulate(t.mb.grads, t.op.inputs[0], out)
         else:
@@ -248,11 +249,12 @@ class Executor:
 
     def _beat(self, t: Task) -> None:
         if self.watchdog is not None:
-            self.watchdog.beat(microbatch=t.mb.index, strand=t.strand, op=t.op.name, block=t.block)
+            self.watchdog.beat(microbatch=t.mb.index, strand=t.strand, op=f"{t.op.name} (block {t.block})")
 
     @staticmethod
     def _args(t: Task) -> dict:
-        return {"strand": t.strand, "microbatch": t.mb.index, "block": t.block}
+        return {"strand": t.strand, "microbatch": t.mb.index, "block": t.block, "op": t.op.name,
+                "direction": "backward" if t.backward else "forward"}
 
 
 class _Null:

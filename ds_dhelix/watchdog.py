@@ -47,6 +47,7 @@ class Watchdog:
         # The last position: plain attributes, so a beat is a clock read and a few stores.
         self.last_time = _monotonic()
         self.step = self.microbatch = self.strand = self.op = None
+        self.paused = False  # between training steps: user code may legitimately take long
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watched = threading.main_thread()
@@ -62,6 +63,15 @@ class Watchdog:
             self.strand = strand
         if op is not None:
             self.op = op
+
+    def pause(self) -> None:
+        """Stop counting until the next ``resume()`` (e.g. between training steps)."""
+        self.paused = True
+
+    def resume(self, **where) -> None:
+        """Count again from now (``where``: as for ``beat``)."""
+        self.beat(**where)
+        self.paused = False
 
     def start(self) -> "Watchdog":
         """Arm the watchdog; the timeout counts from now."""
@@ -94,7 +104,7 @@ class Watchdog:
             if self._stop.wait(max(self.timeout_s - idle, 0.0) + 0.01):
                 return
             idle = _monotonic() - self.last_time
-            if idle >= self.timeout_s:
+            if idle >= self.timeout_s and not self.paused:
                 self._fire(idle)
 
     def report(self, idle: float) -> str:
