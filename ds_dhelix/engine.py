@@ -171,6 +171,25 @@ class DhelixEngine(DeepSpeedEngine):
         self.monitor.write_events(events)
 
 
+def _plan_from_config(dh, graph, model, layout, ds_config, example_batch) -> SIPlan:
+    """The searched plan when ``planner.profile`` asks for one, else the default plan."""
+    from .profile import resolve_plan, run_meta
+    specs = graph.layer_specs()
+    fallback = default_plan(specs, backward_order(specs))
+    if dh.planner.profile == "off":
+        return fallback
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    shape = tuple(example_batch["input_ids"].shape) if example_batch is not None else (micro, None)
+    dtype = next(model.parameters()).dtype
+    meta = run_meta(model.config, layout.tp_size, layout.world_size, shape, dtype, dh.benchmark.link_gbps)
+    log = (lambda msg: logger.info(msg)) if layout.rank == 0 else (lambda msg: None)
+    plan, table = resolve_plan(dh.planner, graph, meta, example_batch, list(model.parameters()), log)
+    from .planner import predict_ms
+    log(f"ds_dhelix: SI plan (predicted {plan.predicted_ms:.2f} ms per layer pair; default plan "
+        f"{predict_ms(table, fallback):.2f} ms)\n{plan.render_text()}")
+    return plan
+
+
 def _strip_section(ds_config: dict) -> dict:
     cfg = copy.deepcopy(ds_config)
     cfg.pop("dhelix", None)
@@ -178,10 +197,11 @@ def _strip_section(ds_config: dict) -> dict:
 
 
 def initialize(args=None, model=None, config=None, model_parameters=None, optimizer=None,
-               lr_scheduler=None, plan: SIPlan | None = None):
+               lr_scheduler=None, plan: SIPlan | None = None, example_batch: dict | None = None):
     """Like ``deepspeed.initialize`` for an HF causal LM: returns ``(engine, optimizer, None,
     lr_scheduler)``. ``config`` is the ds_config dict (or path) with an enabled "dhelix" section.
-    The model is sharded in place for this rank's TP slice."""
+    The model is sharded in place for this rank's TP slice. ``plan`` overrides the SI plan;
+    ``example_batch`` (one micro-batch) gives the shapes to profile for ``planner.profile="auto"``."""
     import deepspeed
     from hf_models.adapters import adapter_for
 
@@ -201,9 +221,8 @@ def initialize(args=None, model=None, config=None, model_parameters=None, optimi
     adapter.check_tp(model.config, tp, dist.get_world_size())
     layout = ParallelLayout.create(tp)
     graph = adapter.build_graph(model, tp, layout.tp_rank, layout.tp_group, layout.tp_grad_group)
-    if plan is None:
-        specs = graph.layer_specs()
-        plan = default_plan(specs, backward_order(specs))
+    if plan is None and dh.schedule == "si":
+        plan = _plan_from_config(dh, graph, model, layout, config, example_batch)
     ds_config = _strip_section(config)
     config_class = DeepSpeedConfig(ds_config, layout)
     engine = DhelixEngine(dhelix=dh, layout=layout, graph=graph, plan=plan, args=args, model=model,

@@ -1,0 +1,52 @@
+"""``dhelix profile``: measure the operator overlap table of one decoder layer."""
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("profile", help="profile operator overlap (segments alone and co-executed)")
+    p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (= ranks spawned)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this bandwidth")
+    p.add_argument("--out", required=True, help="where to write the table (JSON)")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.set_defaults(func=run)
+
+
+def options(args) -> dict:
+    if args.tp < 1 or args.micro_batch_size < 1 or args.seq_len < 1 or args.repeats < 1:
+        raise ValueError("--tp, --micro-batch-size, --seq-len and --repeats must be >= 1")
+    if args.ep != 1:
+        raise ValueError("--ep > 1: profiling MoE layers is not supported yet; use --ep 1")
+    from hf_models.adapters import adapter_for
+    from hf_models.registry import load_config
+    cfg = load_config(args.model)
+    adapter_for(cfg).check_tp(cfg, args.tp)
+    if args.seq_len % args.tp:
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}")
+    return {"model": args.model, "tp": args.tp, "micro_batch_size": args.micro_batch_size,
+            "seq_len": args.seq_len, "warmup": args.warmup, "repeats": args.repeats,
+            "link_gbps": args.link_gbps}
+
+
+def run(args) -> int:
+    from ds_dhelix.linkemu import run_in_link
+    from ds_dhelix.planner import OverlapTable
+    from ds_dhelix.profile import profile_world
+    o = options(args)
+    if args.link_gbps:
+        table, seconds = run_in_link(profile_world, args.link_gbps, args=(o, args.timeout))
+    else:
+        table, seconds = profile_world(o, args.timeout)
+    table.save(args.out)
+    print(f"profiled {len(table.fwd_alone_ms)} forward + {len(table.bwd_alone_ms)} backward segments and "
+          f"{len(table.pair_ms)} pairs in {seconds:.1f} s -> {args.out}")
+    print(json.dumps(table.meta))
+    OverlapTable.load(args.out)  # round trip check
+    return 0

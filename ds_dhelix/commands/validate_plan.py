@@ -1,0 +1,49 @@
+"""``dhelix validate-plan``: is the cost model additive, and is the DP plan the best one?"""
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("validate-plan", help="run the DP plan and alternatives for real; predicted vs measured")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--table", required=True, help="overlap table from `dhelix profile`")
+    p.add_argument("--alternatives", type=int, default=8, help="random valid plans to compare")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this bandwidth")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ds_dhelix.linkemu import run_in_link
+    from ds_dhelix.planner import OverlapTable
+    from ds_dhelix.profile import validate_world
+    if args.ep != 1:
+        raise ValueError("--ep > 1: validating MoE plans is not supported yet; use --ep 1")
+    table = OverlapTable.load(args.table)
+    if table.meta.get("link_gbps") != args.link_gbps:
+        raise ValueError(f"the table was profiled at link_gbps={table.meta.get('link_gbps')}, "
+                         f"this run has --link-gbps {args.link_gbps}: use the same link or re-profile")
+    o = {"model": args.model, "tp": args.tp, "table": table.to_dict(), "alternatives": args.alternatives,
+         "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed}
+    if args.link_gbps:
+        res = run_in_link(validate_world, args.link_gbps, args=(o, args.timeout))
+    else:
+        res = validate_world(o, args.timeout)
+    res["link_gbps"] = args.link_gbps
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    print(f"{'plan':<12}{'steps':>6}{'predicted ms':>14}{'measured ms':>13}{'error %':>9}")
+    for r in sorted(res["rows"], key=lambda r: r["measured_ms"]):
+        print(f"{r['plan']:<12}{r['steps']:>6}{r['predicted_ms']:>14.3f}{r['measured_ms']:>13.3f}{r['error_pct']:>9.1f}")
+    print(f"spearman(predicted, measured) = {res['spearman']:.3f}; mean |error| = {res['mean_abs_error_pct']:.1f}%")
+    print(f"DP plan: measured {res['dp_measured_ms']:.3f} ms, rank {res['dp_rank']}/{res['num_plans']}, "
+          f"{res['dp_vs_best_pct']:+.1f}% vs best measured ({res['best_measured_plan']})")
+    return 0
