@@ -1,0 +1,163 @@
+"""GPT-2 adapter: ``GPT2LMHeadModel`` -> sharded ``ModelGraph`` (TP + sequence parallel).
+
+GPT-2's projections are ``Conv1D``: ``y = x @ W + b`` with ``W`` stored ``[in, out]`` (transposed
+against ``nn.Linear``), so column-parallel shards split dim 1 and row-parallel shards dim 0. The
+fused ``c_attn`` holds ``[q | k | v]`` column blocks of ``h`` each; every rank keeps its heads'
+columns of all three blocks (picked by index, so ``gather_param`` puts them back in place).
+
+Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
+
+    attn.norm  COMP  h[s/t] -> x                 ln_1
+    attn.ag    COMM  x -> xf[s]                  all-gather (sequence)
+    attn.qkv   COMP  xf -> q,k,v                 c_attn (column-parallel, q/k/v by heads)
+    attn.core  COMP  q,k,v -> o                  HF attention function (sdpa/eager)
+    attn.out   COMP  o -> ao                     attn.c_proj weight (row-parallel, partial sums)
+    attn.rs    COMM  ao -> ar[s/t]               reduce-scatter (sequence)
+    mlp.norm   COMP  h,ar -> h2,x2               + c_proj bias, residual add, ln_2
+    mlp.ag     COMM  x2 -> x2f[s]
+    mlp.up     COMP  x2f -> act                  act(c_fc) (column-parallel)
+    mlp.down   COMP  act -> mo                   mlp.c_proj weight (row-parallel)
+    mlp.rs     COMM  mo -> mr[s/t]
+    mlp.add    COMP  h2,mr -> h                  + c_proj bias, residual add
+
+With t = 1 the COMM ops are left out. Row-parallel biases are added once, after the
+reduce-scatter. Learned position embeddings (``wpe``) are added in ``embed`` for the rank's
+positions; a tied ``lm_head`` is the same Parameter as ``wte`` and is used by both end blocks.
+Dropout is not applied (see ``build_graph``).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers.models.gpt2 import modeling_gpt2 as hf
+
+from ds_dhelix.comm import SeqAllGather, SeqReduceScatter
+from ds_dhelix.graph import ModelGraph, comm, comp
+
+from .common import check_divisible, embed_op, head_ops, make_side_fn, mark_replicated, shard_param
+
+_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+
+
+def inner_size(config) -> int:
+    return config.n_inner if config.n_inner is not None else 4 * config.hidden_size
+
+
+def check_tp(config, tp: int, world: int | None = None) -> None:
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError("GPT-2 with add_cross_attention=True is not supported by the ds_dhelix adapter; "
+                         "use a decoder-only GPT-2 config")
+    check_divisible(tp, world, n_head=config.num_attention_heads, n_inner=inner_size(config))
+
+
+def qkv_columns(hidden: int, tp: int, tp_rank: int) -> torch.Tensor:
+    """Columns of the fused ``c_attn`` ``[q | k | v]`` that hold this rank's heads."""
+    n = hidden // tp
+    return torch.cat([torch.arange(j * hidden + tp_rank * n, j * hidden + (tp_rank + 1) * n) for j in range(3)])
+
+
+def shard(model, tp: int, tp_rank: int) -> None:
+    """Slice c_attn/c_fc by output columns and both c_proj by input rows, in place."""
+    if tp == 1:
+        return
+    cols = qkv_columns(model.config.hidden_size, tp, tp_rank)
+    for block in model.transformer.h:
+        at, mlp = block.attn, block.mlp
+        shard_param(at.c_attn, "weight", 1, tp_rank, tp, index=cols)
+        shard_param(at.c_attn, "bias", 0, tp_rank, tp, index=cols)
+        shard_param(mlp.c_fc, "weight", 1, tp_rank, tp)
+        shard_param(mlp.c_fc, "bias", 0, tp_rank, tp)
+        for conv in (at.c_attn, mlp.c_fc):
+            conv.nf = conv.weight.shape[1]  # Conv1D shapes its output from nf
+        for conv in (at.c_proj, mlp.c_proj):
+            shard_param(conv, "weight", 0, tp_rank, tp)
+
+
+def attn_core_op(attn_module, config):
+    """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d]."""
+    impl = config._attn_implementation or "sdpa"
+    attend = hf.ALL_ATTENTION_FUNCTIONS.get_interface(impl, hf.eager_attention_forward)
+    upcast = impl == "eager" and attn_module.reorder_and_upcast_attn
+
+    def fn(side, q, k, v):
+        mask = side.get("causal_mask") if impl == "eager" else None
+        if upcast:
+            o, _ = attn_module._upcast_and_reordered_attn(q, k, v, mask)
+        else:
+            o, _ = attend(attn_module, q, k, v, mask, dropout=0.0, scaling=attn_module.scaling)
+        return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
+
+    return comp("attn.core", ("q", "k", "v"), ("o",), fn)
+
+
+def layer_ops(block, config, tp: int, tp_group):
+    at, mlp = block.attn, block.mlp
+    hd = at.head_dim
+    sharded = tp > 1
+    xin, x2in = ("xf", "x2f") if sharded else ("x", "x2")
+    ar, mr = ("ar", "mr") if sharded else ("ao", "mo")
+    gather, scatter = SeqAllGather(tp_group, tp), SeqReduceScatter(tp_group, tp)
+
+    def qkv(side, xf):
+        s, b, _ = xf.shape
+        parts = at.c_attn(xf).split(at.c_attn.nf // 3, dim=2)
+        return tuple(p.view(s, b, -1, hd).permute(1, 2, 0, 3) for p in parts)  # [b, n/t, s, d]
+
+    def mlp_norm(side, h, a):
+        h2 = (a + at.c_proj.bias) + h
+        return h2, block.ln_2(h2)
+
+    ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (block.ln_1(h),))]
+    if sharded:
+        ops.append(comm("attn.ag", gather, "x", "xf"))
+    ops += [
+        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv),
+        attn_core_op(at, config),
+        comp("attn.out", ("o",), ("ao",), lambda side, o: (torch.matmul(o, at.c_proj.weight),)),
+    ]
+    if sharded:
+        ops.append(comm("attn.rs", scatter, "ao", "ar"))
+    ops.append(comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm))
+    if sharded:
+        ops.append(comm("mlp.ag", gather, "x2", "x2f"))
+    ops += [
+        comp("mlp.up", (x2in,), ("act",), lambda side, x: (mlp.act(mlp.c_fc(x)),)),
+        comp("mlp.down", ("act",), ("mo",), lambda side, a: (torch.matmul(a, mlp.c_proj.weight),)),
+    ]
+    if sharded:
+        ops.append(comm("mlp.rs", scatter, "mo", "mr"))
+    ops.append(comp("mlp.add", ("h2", mr), ("h",), lambda side, h2, m: (h2 + (m + mlp.c_proj.bias),)))
+    return ops
+
+
+def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None) -> ModelGraph:
+    """Shard ``model`` in place for this TP rank and return its op graph.
+
+    Dropout is not applied: the op graph must give the same result under every schedule, and
+    SI reorders micro-batches' ops (and so their random draws). A warning names nonzero keys.
+    """
+    config = model.config
+    check_tp(config, tp)
+    active = {k: getattr(config, k) for k in _DROPOUT_KEYS if getattr(config, k, 0.0)}
+    if active:
+        warnings.warn(f"ds_dhelix runs GPT-2 without dropout; ignoring {active}", stacklevel=2)
+    shard(model, tp, tp_rank)
+    tr = model.transformer
+    if tp > 1:
+        replicated = [tr.wte.weight, tr.wpe.weight, tr.ln_f.weight, tr.ln_f.bias, model.lm_head.weight]
+        for block in tr.h:
+            replicated += [block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias,
+                           block.attn.c_proj.bias, block.mlp.c_proj.bias]
+        mark_replicated(replicated, tp_grad_group)  # a tied lm_head/wte gets one hook
+
+    def eager_mask(batch, side):
+        if (config._attn_implementation or "sdpa") != "eager":
+            return {}
+        s, dtype = side["seq_len"], tr.wte.weight.dtype
+        return {"causal_mask": torch.full((s, s), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]}
+
+    blocks = [[embed_op(tr.wte, pos_embed=tr.wpe)]]
+    blocks += [layer_ops(block, config, tp, tp_group) for block in tr.h]
+    blocks.append(head_ops(tr.ln_f, model.lm_head))
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, eager_mask), family="gpt2")
