@@ -199,14 +199,18 @@ class Executor:
         n = len(ops)
         return [Task(mb, block, n - 1 - j, ops[n - 1 - j], True) for j in range(lo, hi)]
 
-    def forward(self, mb: MicroBatch) -> None:
-        for block in range(len(self.graph.blocks)):
+    def forward(self, mb: MicroBatch, blocks=None) -> None:
+        """Forward of ``blocks`` (default: all) for one micro-batch, alone."""
+        for block in (range(len(self.graph.blocks)) if blocks is None else blocks):
             self.run_step([], self.tasks(mb, block, False))
         mb.loss = mb.env.get("loss")
 
-    def backward(self, mb: MicroBatch, seed: float) -> None:
-        self.start_backward(mb, seed)
-        for block in reversed(range(len(self.graph.blocks))):
+    def backward(self, mb: MicroBatch, seed: float | None, blocks=None) -> None:
+        """Backward of ``blocks`` (default: all, last first) for one micro-batch, alone.
+        ``seed``: the loss gradient (1/accumulation steps) when the loss block is included."""
+        if seed is not None:
+            self.start_backward(mb, seed)
+        for block in (reversed(range(len(self.graph.blocks))) if blocks is None else blocks):
             self.run_step(self.tasks(mb, block, True), [])
 
     def start_backward(self, mb: MicroBatch, seed: float) -> None:
@@ -214,18 +218,28 @@ class Executor:
         mb.grads["loss"] = torch.full_like(mb.loss, seed)
 
     def pair(self, f_mb: MicroBatch, b_mb: MicroBatch, seed: float) -> None:
-        """Co-execute the forward of ``f_mb`` with the backward of ``b_mb`` (SI)."""
+        """Co-execute the forward of ``f_mb`` with the backward of ``b_mb`` over the whole model (SI)."""
         self.start_backward(b_mb, seed)
         nb = len(self.graph.blocks)
-        for j in range(nb):
-            fb, bb = j, nb - 1 - j
-            is_layer_pair = 0 < fb < nb - 1 and 0 < bb < nb - 1
-            if is_layer_pair and self.plan is not None:
+        self.co_execute(f_mb, list(range(nb)), b_mb, list(reversed(range(nb))))
+        f_mb.loss = f_mb.env.get("loss")
+
+    def co_execute(self, f_mb: MicroBatch, f_blocks: list[int], b_mb: MicroBatch, b_blocks: list[int]) -> None:
+        """Forward ``f_blocks`` (in order) of ``f_mb`` together with backward ``b_blocks`` (in the
+        order given, i.e. last layer first) of ``b_mb``: the j-th forward block runs beside the j-th
+        backward block; two decoder layers run by the SI plan, anything else as one step (backward
+        ops first); the longer list's surplus runs alone."""
+        nb = len(self.graph.blocks)
+        for j in range(max(len(f_blocks), len(b_blocks))):
+            fb = f_blocks[j] if j < len(f_blocks) else None
+            bb = b_blocks[j] if j < len(b_blocks) else None
+            both_layers = fb is not None and bb is not None and 0 < fb < nb - 1 and 0 < bb < nb - 1
+            if both_layers and self.plan is not None:
                 for st in self.plan.steps:
                     self.run_step(self.tasks(b_mb, bb, True, *st.bwd), self.tasks(f_mb, fb, False, *st.fwd))
             else:
-                self.run_step(self.tasks(b_mb, bb, True), self.tasks(f_mb, fb, False))
-        f_mb.loss = f_mb.env.get("loss")
+                self.run_step(self.tasks(b_mb, bb, True) if bb is not None else [],
+                              self.tasks(f_mb, fb, False) if fb is not None else [])
 
     def run_microbatches(self, batches: list[dict], schedule: str, seed: float) -> list[MicroBatch]:
         """Forward and backward of every micro-batch under ``schedule`` ("sequential" or "si")."""
