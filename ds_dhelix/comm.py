@@ -22,6 +22,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch >= 2.13 renames the single-tensor collectives; older releases only have the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 @dataclass
 class Pending:
     """An in-flight collective: ``wait()`` blocks until done and returns the output tensor."""
@@ -66,7 +71,7 @@ class SeqReduceScatter(SeqAllGather):
 
 def all_gather_seq(x: torch.Tensor, group, world: int) -> Pending:
     out = torch.empty((x.shape[0] * world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.all_gather_into_tensor(out, x.contiguous(), group=group, async_op=True)
+    work = _ALL_GATHER(out, x.contiguous(), group=group, async_op=True)
     return Pending(work, out)
 
 
@@ -74,7 +79,7 @@ def reduce_scatter_seq(x: torch.Tensor, group, world: int) -> Pending:
     if x.shape[0] % world:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor_parallel.size {world}")
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=True)
+    work = _REDUCE_SCATTER(out, x.contiguous(), group=group, async_op=True)
     return Pending(work, out)
 
 
