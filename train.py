@@ -101,7 +101,10 @@ def run(args, ds_config, dh, batch_layout):
     tp = dh.tensor_parallel.size if dh.enabled else 1
     if dh.enabled:
         import ds_dhelix
-        engine, *_ = ds_dhelix.initialize(model=model, config=ds_config)
+        micro = ds_config.get("train_micro_batch_size_per_gpu", batch_layout.micro_batch_size)
+        first = ids[: micro * args.seq_len].view(micro, args.seq_len)
+        engine, *_ = ds_dhelix.initialize(model=model, config=ds_config,
+                                          example_batch={"input_ids": first, "labels": first.clone()})
         dp_rank, dp_size = engine.layout.dp_rank, engine.layout.dp_size
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)

@@ -24,8 +24,14 @@ def test_si_bitwise_llama_tp2_zero_stages(zero):
     assert_parity(r)
 
 
+@pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-gpt-neox"])
+def test_si_bitwise_other_families(model):
+    r = parity(model=model, tp=2)
+    assert_parity(r)
+
+
 def test_si_peak_activation_within_3_percent():
-    r = parity(model="tiny-llama", tp=2, num_layers=None) if False else parity(model="tiny-llama", tp=2)
+    r = parity(model="tiny-llama", tp=2)
     pk = r["peak_activation_bytes"]
     assert pk["sequential"] > 0
     assert pk["si"] <= 1.03 * pk["sequential"], pk

@@ -1,0 +1,83 @@
+"""Overlap profiling through the real executor, and the planner attached to ds_dhelix.initialize."""
+import json
+
+import pytest
+
+from ds_dhelix.planner import OverlapTable, plan_dp
+from ds_dhelix.profile import profile_world, spearman, validate_world
+
+OPTS = {"model": "tiny-llama", "tp": 2, "micro_batch_size": 1, "seq_len": 16, "warmup": 0,
+        "repeats": 1, "link_gbps": None}
+
+
+@pytest.fixture(scope="module")
+def table():
+    t, seconds = profile_world(OPTS, timeout=240)
+    return t
+
+
+def test_profile_covers_every_candidate(table):
+    from ds_dhelix.planner import candidate_segments
+    fc, bc = candidate_segments(table.fwd_ops), candidate_segments(table.bwd_ops)
+    assert set(table.fwd_alone_ms) == set(fc) and set(table.bwd_alone_ms) == set(bc)
+    comm_f = {s for s in fc if table.fwd_ops[s[0]].is_comm}
+    comm_b = {s for s in bc if table.bwd_ops[s[0]].is_comm}
+    assert len(table.pair_ms) == len(fc) * len(bc) - len(comm_f) * len(comm_b)
+    assert all(ms > 0 for ms in table.pair_ms.values())
+    plan = plan_dp(table)
+    assert plan.predicted_ms > 0 and not plan.comm_conflicts()
+
+
+def test_table_round_trip_and_refusal(table, tmp_path):
+    path = tmp_path / "t.json"
+    table.save(str(path))
+    again = OverlapTable.load(str(path))
+    assert again.pair_ms == table.pair_ms and again.meta == table.meta
+    other = dict(table.meta, batch_shape=[8, 512])
+    with pytest.raises(ValueError, match="batch_shape"):
+        again.check_matches(other)
+
+
+def test_validate_reports_prediction_quality(table):
+    res = validate_world({"model": "tiny-llama", "tp": 2, "table": table.to_dict(), "alternatives": 2,
+                          "warmup": 0, "repeats": 1, "seed": 0}, timeout=240)
+    names = {r["plan"] for r in res["rows"]}
+    assert {"dp", "default", "sequential", "random0", "random1"} <= names
+    assert -1.0 <= res["spearman"] <= 1.0 and res["mean_abs_error_pct"] >= 0
+    assert 1 <= res["dp_rank"] <= res["num_plans"]
+    json.dumps(res)
+
+
+def test_spearman():
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+def _engine_with_table(rank, world, path, meta_override):
+    import torch
+    import ds_dhelix
+    from ds_dhelix.profile import example_batch
+    from hf_models.registry import build_model
+    model, _ = build_model("tiny-llama", seed=0)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+           "dhelix": {"enabled": True, "tensor_parallel": {"size": 2}, "planner": {"profile": path}}}
+    batch = example_batch(model.config.vocab_size, 1, 16)
+    if meta_override:
+        batch = example_batch(model.config.vocab_size, 1, 32)  # another shape than the table's
+    try:
+        engine, *_ = ds_dhelix.initialize(model=model, config=cfg, example_batch=batch)
+    except ValueError as err:
+        return f"ValueError: {err}"
+    loss = engine.train_batch(iter([batch, batch]))
+    return engine.executor.plan.source, float(loss), bool(torch.isfinite(loss))
+
+
+def test_engine_uses_table_and_refuses_mismatch(table, tmp_path):
+    from ds_dhelix.spawn import run_ranks
+    path = str(tmp_path / "t.json")
+    table.save(path)
+    ok = run_ranks(_engine_with_table, 2, args=(path, False), timeout=180)
+    assert ok[0][0] == "dp" and ok[0][2]
+    bad = run_ranks(_engine_with_table, 2, args=(path, True), timeout=180)
+    assert bad[0].startswith("ValueError") and "batch_shape" in bad[0], bad[0]
