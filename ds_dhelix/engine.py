@@ -216,16 +216,34 @@ def initialize(args=None, model=None, config=None, model_parameters=None, optimi
                          f"with one stage use 'si' or 'sequential'")
     # wraps an existing torch.distributed world, or starts one from the launcher's environment
     deepspeed.init_distributed(dist_init_required=not dist.is_initialized())
-    tp = dh.tensor_parallel.size
+    tp, ep = dh.tensor_parallel.size, dh.expert_parallel.size
     adapter = adapter_for(model.config)
     adapter.check_tp(model.config, tp, dist.get_world_size())
-    layout = ParallelLayout.create(tp)
-    graph = adapter.build_graph(model, tp, layout.tp_rank, layout.tp_group, layout.tp_grad_group)
+    moe = _check_moe(adapter, model.config, dh, dist.get_world_size() // tp)
+    layout = ParallelLayout.create(tp, ep)
+    if moe is not None:
+        moe["ep_groups"] = layout.expert_groups()
+    graph = adapter.build_graph(model, tp, layout.tp_rank, layout.tp_group, layout.tp_grad_group, **(moe or {}))
     if plan is None and dh.schedule == "si":
         plan = _plan_from_config(dh, graph, model, layout, config, example_batch)
     ds_config = _strip_section(config)
     config_class = DeepSpeedConfig(ds_config, layout)
-    engine = DhelixEngine(dhelix=dh, layout=layout, graph=graph, plan=plan, args=args, model=model,
+    engine_class = DhelixEngine
+    if moe is not None:  # knows expert parameters, logs aux loss and expert load
+        from .moe.engine import DhelixMoeEngine as engine_class
+    engine = engine_class(dhelix=dh, layout=layout, graph=graph, plan=plan, args=args, model=model,
                           optimizer=optimizer, model_parameters=model_parameters or model.parameters(),
                           lr_scheduler=lr_scheduler, mpu=layout, config=ds_config, config_class=config_class)
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _check_moe(adapter, model_config, dh: DhelixConfig, dp_size: int) -> dict | None:
+    """MoE adapters: check expert parallelism, return their extra build_graph arguments."""
+    ep = dh.expert_parallel
+    if not hasattr(adapter, "check_ep"):
+        if ep.size > 1 or ep.capacity_factor is not None or ep.aux_loss_coef is not None:
+            raise ValueError(f"dhelix.expert_parallel is set but model_type {model_config.model_type!r} has no "
+                             f"experts; remove the section or use an MoE model (e.g. tiny-phimoe)")
+        return None
+    adapter.check_ep(model_config, ep.size, dp_size)
+    return {"capacity_factor": ep.capacity_factor, "aux_loss_coef": ep.aux_loss_coef}
