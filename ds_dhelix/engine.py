@@ -211,6 +211,9 @@ def initialize(args=None, model=None, config=None, model_parameters=None, optimi
     dh = DhelixConfig.from_ds_config(config)
     if not dh.enabled:
         raise ValueError('ds_dhelix.initialize needs "dhelix": {"enabled": true}; use deepspeed.initialize otherwise')
+    if dh.pipeline.stages > 1:  # folded pipeline: W, DualPipeV with SI, or the sequential fold
+        from .pipe.engine import initialize_pipeline
+        return initialize_pipeline(args, model, config, dh, model_parameters, optimizer, lr_scheduler, plan)
     if dh.schedule not in ("sequential", "si"):
         raise ValueError(f"schedule {dh.schedule!r} needs the pipeline engine (dhelix.pipeline.stages > 1); "
                          f"with one stage use 'si' or 'sequential'")

@@ -1,0 +1,169 @@
+"""The folded pipeline module: one pipeline rank's two chunks of an HF causal LM, as a DeepSpeed
+``PipelineModule`` (so DeepSpeed's ``PipelineEngine`` accepts it).
+
+Built from the whole HF model and its op graph (see :mod:`ds_dhelix.graph`; built on the full model,
+sharded for this rank's TP slice). Stage ``r`` keeps the parameters of the layers of chunk ``r``
+(phase 0) and chunk ``2p-1-r`` (phase 1); stage 0 also keeps the embedding, final norm and LM head,
+so tied embeddings stay on one rank. Every other parameter is dropped from the module tree (its
+slot holds an empty, non-persistent buffer), so the stages together hold exactly one copy of the
+parameters and every kept parameter keeps its HF name::
+
+    p = 2, 4 layers        stage 0                         stage 1
+    hf_model params        embed, layer 0, layer 3, norm,  layer 1, layer 2
+                           lm_head
+    graph blocks           phase 0: [pre, 1]               phase 0: [2]
+                           phase 1: [4, post]              phase 1: [3]
+
+:func:`gather_hf_state_dict` / :func:`export_hf_pipeline` gather the stages back into one HF
+state_dict / ``save_pretrained`` directory on global rank 0.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.module import PipelineModule
+from torch import nn
+
+from .folding import FoldLayout, chunk_index
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The HF model's list of decoder layers: the first ``ModuleList`` as long as the config's
+    ``num_hidden_layers`` (``model.layers``, ``transformer.h``, ``gpt_neox.layers``)."""
+    n = model.config.num_hidden_layers
+    for _, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n:
+            return mod
+    raise ValueError(f"{type(model).__name__} has no ModuleList of its {n} decoder layers; "
+                     f"the pipeline needs an HF causal LM with a layer list")
+
+
+def stage_owns(fold: FoldLayout, stage: int):
+    """Predicate on a layer index (None = a parameter outside the layer list): does ``stage`` keep it?"""
+    layers = set(fold.rank_layers(stage))
+    outer = fold.holds_embedding(stage) or fold.holds_head(stage)
+    return lambda layer: outer if layer is None else layer in layers
+
+
+def prune_to_stage(model: nn.Module, fold: FoldLayout, stage: int) -> int:
+    """Drop, in place, every parameter ``stage`` does not hold; return the number of kept elements.
+    A dropped parameter leaves an empty non-persistent buffer of its dtype in its slot (code that
+    only reads a weight's dtype/device, such as rotary embeddings, keeps working)."""
+    owns = stage_owns(fold, stage)
+    layer_of = {id(p): i for i, layer in enumerate(decoder_layers(model)) for p in layer.parameters()}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or owns(layer_of.get(id(p))):
+                continue
+            del module._parameters[name]
+            module.register_buffer(name, p.data.new_empty((0,) + tuple(p.shape[1:])), persistent=False)
+    return sum(p.numel() for p in model.parameters())
+
+
+class FoldedPipelineModule(PipelineModule):
+    """This stage's chunks of an HF model for the folded (W / DualPipeV) pipeline engine.
+
+    ``model``: the HF causal LM (pruned in place); ``graph``: its op graph; ``fold``: the layout;
+    ``topology``: DeepSpeed's pipe x data x model topology. Exposes ``hf_model`` (HF names),
+    ``graph``, ``fold``, ``chunk_blocks(phase)`` and ``stage_id``. ``forward`` is not used: the
+    engine runs the graph blocks through the SI executor.
+    """
+
+    def __init__(self, model: nn.Module, graph, fold: FoldLayout, topology):
+        # PipelineModule.__init__ calls _partition_layers and _build, which need these
+        object.__setattr__(self, "_pending", (model, graph, fold))
+        super().__init__(layers=list(range(fold.num_layers)), topology=topology, partition_method="uniform")
+        object.__delattr__(self, "_pending")
+
+    def _partition_layers(self, method="uniform"):
+        fold = self._pending[2]
+        assert self.num_stages == fold.num_stages, (self.num_stages, fold.num_stages)
+        self.parts = [sum(fold.chunk_sizes[:c]) for c in range(2 * fold.num_stages + 1)]
+        phase0 = fold.layers(self.stage_id, 0)
+        self._local_start, self._local_stop = phase0.start, phase0.stop
+
+    def _build(self):
+        model, graph, fold = self._pending
+        self.fold, self.graph = fold, graph
+        prune_to_stage(model, fold, self.stage_id)
+        self.hf_model = model
+        for p in self.parameters():
+            p.ds_pipe_replicated = False
+
+    def stage_owner(self, layer_idx):
+        return self.fold.owner(layer_idx)[0]
+
+    def chunk_blocks(self, phase: int) -> list[int]:
+        """Graph block indices this stage runs in ``phase``, in forward order (block 0 = embedding,
+        block i+1 = layer i, the last block = norm/head/loss)."""
+        fold = self.fold
+        chunk = chunk_index(self.stage_id, phase, fold.num_stages)
+        blocks = [layer + 1 for layer in fold.chunk_layers(chunk)]
+        if chunk == 0:
+            blocks.insert(0, 0)
+        if chunk == 2 * fold.num_stages - 1:
+            blocks.append(fold.num_layers + 1)
+        return blocks
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("FoldedPipelineModule runs through its engine's train_batch(); it has no forward()")
+
+    # DeepSpeed checkpoints (save_checkpoint / load_checkpoint): one file per stage and TP rank
+    def _ckpt_path(self, ckpt_dir: str) -> str:
+        import os
+        tp_rank = self._grid.get_slice_parallel_rank()
+        return os.path.join(ckpt_dir, f"folded_stage_{self.stage_id:02d}-tp_{tp_rank:02d}-model_states.pt")
+
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        if self._grid.data_parallel_id != 0:
+            return
+        state = {k: v for k, v in self.hf_model.state_dict().items()
+                 if not exclude_frozen_params or self.hf_model.get_parameter(k).requires_grad}
+        checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        checkpoint_engine.save({k: v.clone() for k, v in state.items()}, self._ckpt_path(save_dir))
+
+    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+        state = checkpoint_engine.load(self._ckpt_path(load_dir), map_location=lambda storage, loc: storage)
+        self.hf_model.load_state_dict(state, strict=strict)
+
+
+def gather_hf_state_dict(module: FoldedPipelineModule, tp_group=None, tp_size: int = 1):
+    """Every parameter of the whole model as its full HF tensor, on the stage-0 ranks of each
+    pipeline (None elsewhere). Collective over the TP group, then the pipeline group."""
+    from ..checkpoint import full_state_dict
+    mine = {k: v.cpu() for k, v in full_state_dict(module.hf_model, tp_group, tp_size).items()}
+    grid = module._grid
+    src = grid.stage_to_global(0)
+    parts = [None] * grid.get_pipe_parallel_world_size() if grid.get_global_rank() == src else None
+    dist.gather_object(mine, parts, dst=src, group=grid.get_pipe_parallel_group())
+    if parts is None:
+        return None
+    full = {}
+    for part in parts:
+        full.update(part)
+    return full
+
+
+def export_hf_pipeline(module: FoldedPipelineModule, out_dir: str, tokenizer=None, tp_group=None,
+                       tp_size: int = 1) -> str | None:
+    """Write the whole pipelined model as an HF checkpoint (``save_pretrained`` layout) from global
+    rank 0 with :func:`ds_dhelix.checkpoint.export_hf`'s writer; returns the path on rank 0."""
+    from transformers import AutoModelForCausalLM
+
+    from ..checkpoint import export_hf
+    full = gather_hf_state_dict(module, tp_group, tp_size)
+    if dist.get_rank() != 0:
+        return export_hf(nn.Module(), out_dir)  # joins the writer's barrier
+    config = module.hf_model.config
+    dtype = next(iter(full.values())).dtype
+    whole = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+    missing, unexpected = whole.load_state_dict(full, strict=False)
+    tied = set(getattr(whole, "_tied_weights_keys", None) or {})
+    if [k for k in missing if k not in tied] or unexpected:
+        raise RuntimeError(f"pipeline export: stages do not cover the model: missing {missing}, "
+                           f"unexpected {unexpected}")
+    whole.tie_weights()
+    with torch.no_grad():
+        return export_hf(whole, out_dir, tokenizer)
