@@ -33,20 +33,23 @@ class ParityOptions:
     seed: int = 1234
     num_layers: int | None = None  # shrink the preset (faster tests)
     extra: dict = field(default_factory=dict)  # extra "dhelix" keys
+    pp: int = 1  # pipeline stages: > 1 compares the folded pipeline against PP=1 sequential
+    clip: float = 1.0  # gradient_clipping
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.pp
 
     def ds_config(self, schedule: str) -> dict:
         return {
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
             "gradient_accumulation_steps": self.micro_batches,
-            "gradient_clipping": 1.0,
+            "gradient_clipping": self.clip,
             "steps_per_print": 10 ** 9,
             "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.01, "torch_adam": True}},
             "zero_optimization": {"stage": self.zero_stage},
-            "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": self.tp}, **self.extra},
+            "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": self.tp},
+                       **({"pipeline": {"stages": self.pp}} if self.pp > 1 else {}), **self.extra},
         }
 
 
@@ -106,7 +109,8 @@ def train_hf(opts: ParityOptions, batches) -> dict:
             loss = model(**b).loss / len(step)
             loss.backward()
             total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if opts.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip)
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -128,7 +132,9 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def compare(opts, seq, other, hf) -> dict:
+def compare(opts, seq, other, hf, label: str | None = None) -> dict:
+    """``label``: the key of ``other`` in "losses" / "peak_activation_bytes" (default: the schedule)."""
+    label = label or opts.schedule
     bitwise = seq["losses"] == other["losses"] and all(
         torch.equal(seq["params"][k], other["params"][k]) for k in seq["params"])
     diff_hf = max_diff(other["params"], hf["params"])
@@ -141,13 +147,75 @@ def compare(opts, seq, other, hf) -> dict:
         "max_loss_diff_vs_hf": loss_diff_hf,
         "hf_tolerance": HF_TOLERANCE,
         "hf_close": diff_hf <= HF_TOLERANCE and loss_diff_hf <= HF_TOLERANCE,
-        "losses": {"sequential": seq["losses"], opts.schedule: other["losses"], "hf": hf["losses"]},
+        "losses": {"sequential": seq["losses"], label: other["losses"], "hf": hf["losses"]},
         "peak_activation_bytes": {"sequential": seq["peak_activation_bytes"],
-                                  opts.schedule: other["peak_activation_bytes"]},
+                                  label: other["peak_activation_bytes"]},
         "ok": bitwise and diff_hf <= HF_TOLERANCE and loss_diff_hf <= HF_TOLERANCE,
     }
 
 
 def run_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
     from .spawn import run_ranks
+    if opts.pp > 1:
+        return run_pipe_parity(opts, timeout)
     return run_ranks(_rank_main, opts.world, args=(opts,), timeout=timeout)[0]
+
+
+# ---- pipeline parity: PP=p with a folded schedule vs PP=1 sequential (same TP, DP, data) ----------
+
+# With gradient clipping the global grad norm is a sum of squares: PP=1 sums every parameter's on
+# one rank, PP=p sums per stage and adds the stage sums (all-reduce), so the norm, the clip
+# factor and then every parameter differ in the last bits (Adam amplifies ulps of tiny gradients).
+# Without clipping (clip=0) nothing else differs: gradients accumulate over micro-batches in the
+# same order (every chunk runs its backwards in micro-batch order) and the result is bitwise.
+PP_TOLERANCE = 1e-5
+
+
+def train_pipeline(opts: ParityOptions, schedule: str, batches) -> dict | None:
+    """On every rank of a PP x DP x TP world: train; global rank 0 returns losses and full params."""
+    import ds_dhelix
+    from .pipe.module import gather_hf_state_dict
+    model = build(opts)
+    engine, *_ = ds_dhelix.initialize(model=model, config=opts.ds_config(schedule))
+    lay = engine.layout
+    m = opts.micro_batches
+    losses, peaks = [], []
+    for step in batches:
+        losses.append(float(engine.train_batch(iter(step[lay.dp_rank * m:(lay.dp_rank + 1) * m]))))
+        peaks.append(engine.last_stats.peak_activation_bytes)
+    params = gather_hf_state_dict(engine.module, lay.tp_group, lay.tp_size)
+    engine.destroy()
+    return {"losses": losses, "params": params, "peak_activation_bytes": max(peaks)} if lay.rank == 0 else None
+
+
+def _rank_pipeline(rank, world, opts: ParityOptions):
+    from hf_models.registry import load_config
+    return train_pipeline(opts, opts.schedule, make_batches(opts, load_config(opts.model).vocab_size))
+
+
+def _rank_reference(rank, world, opts: ParityOptions):
+    from hf_models.registry import load_config
+    batches = make_batches(opts, load_config(opts.model).vocab_size)
+    seq = train_schedule(opts, "sequential", batches)
+    return {"sequential": seq, "hf": train_hf(opts, batches)} if rank == 0 else None
+
+
+def pipe_label(opts: ParityOptions) -> str:
+    """Key of the pipelined run in the parity result, e.g. "pp2-w"."""
+    return f"pp{opts.pp}-{opts.schedule}"
+
+
+def run_pipe_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
+    """Two worlds: PP=1 sequential (TP x DP ranks, plus unsharded HF) and PP=p with
+    ``opts.schedule`` (PP x TP x DP ranks); same data, same seed."""
+    from dataclasses import replace
+
+    from .spawn import run_ranks
+    ref = run_ranks(_rank_reference, opts.tp * opts.dp, args=(replace(opts, pp=1, schedule="sequential"),),
+                    timeout=timeout)[0]
+    pipe = run_ranks(_rank_pipeline, opts.world, args=(opts,), timeout=timeout)[0]
+    out = compare(opts, ref["sequential"], pipe, ref["hf"], label=pipe_label(opts))
+    out["pp_tolerance"] = PP_TOLERANCE
+    # the pipeline is judged against PP=1 sequential; HF closeness is the sequential run's (reported)
+    out["ok"] = out["bitwise_equal"] or out["max_abs_diff_vs_sequential"] <= PP_TOLERANCE
+    return out

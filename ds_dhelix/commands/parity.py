@@ -7,9 +7,13 @@ import json
 def register(sub) -> None:
     p = sub.add_parser("parity", help="check that a schedule trains exactly like sequential (and close to HF)")
     p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2; 1 with --pp > 1)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (world = tp x dp)")
-    p.add_argument("--schedule", default="si", choices=["si", "sequential"])
+    p.add_argument("--schedule", default="si", choices=["si", "sequential", "w", "dualpipev"],
+                   help="si/sequential: one stage; w/dualpipev (or sequential): the folded pipeline with --pp")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages; > 1 compares the folded pipeline with PP=1 sequential (world = pp x tp x dp)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0 = off)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (gradient accumulation)")
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -22,30 +26,49 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ds_dhelix.parity import ParityOptions, run_parity
-    for name in ("tp", "dp", "steps", "micro_batches", "micro_batch_size", "seq_len"):
+    if args.tp is None:
+        args.tp = 2 if args.pp == 1 else 1
+    for name in ("tp", "dp", "pp", "steps", "micro_batches", "micro_batch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     opts = ParityOptions(model=args.model, tp=args.tp, dp=args.dp, schedule=args.schedule, steps=args.steps,
                          micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                         seq_len=args.seq_len, zero_stage=args.zero)
+                         seq_len=args.seq_len, zero_stage=args.zero, pp=args.pp, clip=args.clip)
     from hf_models.adapters import adapter_for
     from hf_models.registry import load_config
     adapter_for(load_config(args.model)).check_tp(load_config(args.model), args.tp)
+    _check_pipeline(opts, load_config(args.model).num_hidden_layers)
     result = run_parity(opts, timeout=args.timeout)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        s = args.schedule
-        print(f"{args.model} tp={args.tp} dp={args.dp} zero={args.zero} {args.steps} steps x "
+        from ds_dhelix.parity import pipe_label
+        s = args.schedule if args.pp == 1 else pipe_label(opts)
+        print(f"{args.model} pp={args.pp} tp={args.tp} dp={args.dp} zero={args.zero} {args.steps} steps x "
               f"{args.micro_batches} micro-batches")
         print(f"  losses sequential: {result['losses']['sequential']}")
         print(f"  losses {s}:{' ' * (10 - len(s))} {result['losses'][s]}")
         print(f"  losses hf:         {result['losses']['hf']}")
-        print(f"  {s} vs sequential: {'BITWISE EQUAL' if result['bitwise_equal'] else 'DIFFERENT'} "
-              f"(max |diff| {result['max_abs_diff_vs_sequential']:.3g})")
+        ref = "PP=1 sequential" if args.pp > 1 else "sequential"
+        same = "BITWISE EQUAL" if result["bitwise_equal"] else "DIFFERENT"
+        print(f"  {s} vs {ref}: {same} (max |diff| {result['max_abs_diff_vs_sequential']:.3g})")
         print(f"  vs unsharded HF: max |param diff| {result['max_abs_diff_vs_hf']:.3g}, "
               f"max |loss diff| {result['max_loss_diff_vs_hf']:.3g} (tolerance {result['hf_tolerance']:g})")
         pk = result["peak_activation_bytes"]
         print(f"  peak activation bytes: sequential {pk['sequential']}, {s} {pk[s]} "
               f"({pk[s] / max(pk['sequential'], 1):.3f}x)")
     return 0 if result["ok"] else 1
+
+
+def _check_pipeline(opts, num_layers: int) -> None:
+    """ValueError before any rank starts: folded schedules need --pp > 1, pipelines their checks."""
+    if opts.pp == 1:
+        if opts.schedule in ("w", "dualpipev"):
+            raise ValueError(f"--schedule {opts.schedule} folds the model over pipeline ranks: pass --pp 2 or more")
+        return
+    if opts.schedule == "si":
+        raise ValueError("--pp > 1 runs a folded schedule: pass --schedule w, dualpipev or sequential")
+    from ds_dhelix.config import DhelixConfig
+    from ds_dhelix.pipe.engine import check_pipeline
+    config = opts.ds_config(opts.schedule)
+    check_pipeline(DhelixConfig.from_ds_config(config), config, opts.world, num_layers)
