@@ -3,7 +3,7 @@ the unsharded HF model on one process; compare losses and parameters.
 
 Sequential and SI run the same ops in a different interleaving, so they must agree bit for bit.
 The sharded model differs from HF only in summation order (TP partial sums, sum-then-divide loss),
-so it agrees to a small tolerance (``HF_TOLERANCE``, fp32).
+so it agrees to a small tolerance (``HF_LOSS_TOLERANCE``, ``HF_PARAM_TOLERANCE_LR``; fp32).
 """
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 # fp32: TP splits each row-parallel GEMM into partial sums added by a reduce-scatter, and the loss
-# is sum/count instead of mean. After a few AdamW steps (lr 1e-3) parameters drift by a few ulps
-# amplified by Adam's normalization; 1e-4 absolute is far below one real update (~1e-3).
-HF_TOLERANCE = 1e-4
+# is sum/count instead of mean, so the two runs differ by rounding only. Losses agree to ~1e-6
+# (observed <= 1e-6 over 3 steps). Parameters go through AdamW, which divides by sqrt(v): for a
+# weight whose gradient is ~0, a rounding-level gradient difference changes its update by up to a
+# sizeable part of lr (observed max 1.6e-4 at lr 1e-3 after 3 steps), so parameters get a bound of
+# half a learning rate; a real bug moves the loss by far more than HF_LOSS_TOLERANCE.
+HF_LOSS_TOLERANCE = 1e-5
+HF_PARAM_TOLERANCE_LR = 0.5  # x lr
 
 
 @dataclass
@@ -139,18 +143,21 @@ def compare(opts, seq, other, hf, label: str | None = None) -> dict:
         torch.equal(seq["params"][k], other["params"][k]) for k in seq["params"])
     diff_hf = max_diff(other["params"], hf["params"])
     loss_diff_hf = max(abs(a - b) for a, b in zip(other["losses"], hf["losses"]))
+    param_tol = HF_PARAM_TOLERANCE_LR * opts.lr
+    close = diff_hf <= param_tol and loss_diff_hf <= HF_LOSS_TOLERANCE
     return {
         "options": {k: v for k, v in asdict(opts).items() if k != "extra"},
         "bitwise_equal": bitwise,
         "max_abs_diff_vs_sequential": max_diff(other["params"], seq["params"]),
         "max_abs_diff_vs_hf": diff_hf,
         "max_loss_diff_vs_hf": loss_diff_hf,
-        "hf_tolerance": HF_TOLERANCE,
-        "hf_close": diff_hf <= HF_TOLERANCE and loss_diff_hf <= HF_TOLERANCE,
+        "hf_param_tolerance": param_tol,
+        "hf_loss_tolerance": HF_LOSS_TOLERANCE,
+        "hf_close": close,
         "losses": {"sequential": seq["losses"], label: other["losses"], "hf": hf["losses"]},
         "peak_activation_bytes": {"sequential": seq["peak_activation_bytes"],
                                   label: other["peak_activation_bytes"]},
-        "ok": bitwise and diff_hf <= HF_TOLERANCE and loss_diff_hf <= HF_TOLERANCE,
+        "ok": bitwise and close,
     }
 
 

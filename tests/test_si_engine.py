@@ -2,7 +2,7 @@
 unsharded HF model, no extra activation memory. CPU, fp32, gloo."""
 import pytest
 
-from ds_dhelix.parity import HF_TOLERANCE, ParityOptions, run_parity
+from ds_dhelix.parity import HF_LOSS_TOLERANCE, ParityOptions, run_parity
 
 
 def parity(**kw):
@@ -13,9 +13,10 @@ def parity(**kw):
 def assert_parity(r):
     assert r["bitwise_equal"], r["max_abs_diff_vs_sequential"]
     assert r["losses"]["si"] == r["losses"]["sequential"]
-    # tolerance and its reason: ds_dhelix.parity.HF_TOLERANCE
-    assert r["max_abs_diff_vs_hf"] <= HF_TOLERANCE, r["max_abs_diff_vs_hf"]
-    assert r["max_loss_diff_vs_hf"] <= HF_TOLERANCE, r["losses"]
+    # tolerances and their reason: ds_dhelix.parity (HF_LOSS_TOLERANCE, HF_PARAM_TOLERANCE_LR)
+    assert r["max_loss_diff_vs_hf"] <= HF_LOSS_TOLERANCE, r["losses"]
+    assert r["max_abs_diff_vs_hf"] <= r["hf_param_tolerance"], r["max_abs_diff_vs_hf"]
+    assert r["hf_close"] and r["ok"]
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])

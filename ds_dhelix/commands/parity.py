@@ -53,7 +53,8 @@ def run(args) -> int:
         same = "BITWISE EQUAL" if result["bitwise_equal"] else "DIFFERENT"
         print(f"  {s} vs {ref}: {same} (max |diff| {result['max_abs_diff_vs_sequential']:.3g})")
         print(f"  vs unsharded HF: max |param diff| {result['max_abs_diff_vs_hf']:.3g}, "
-              f"max |loss diff| {result['max_loss_diff_vs_hf']:.3g} (tolerance {result['hf_tolerance']:g})")
+              f"max |loss diff| {result['max_loss_diff_vs_hf']:.3g} (tolerances {result['hf_param_tolerance']:g} / "
+              f"{result['hf_loss_tolerance']:g}: {'ok' if result['hf_close'] else 'EXCEEDED'})")
         pk = result["peak_activation_bytes"]
         print(f"  peak activation bytes: sequential {pk['sequential']}, {s} {pk[s]} "
               f"({pk[s] / max(pk['sequential'], 1):.3f}x)")
