@@ -1,0 +1,98 @@
+"""Side-by-side benchmark: plain DeepSpeed, DeepSpeed AutoTP and the ds_dhelix schedules on the same
+model, world and tokens per step, at several emulated link rates, in one run.
+
+    options.py  BenchOptions, modes and their ds_configs
+    modes.py    one runner per mode (build on every rank, ``step(batches)``)
+    world.py    per-rank measurement (alternating modes) and one world per link rate
+    metrics.py  records -> rows: medians, speedups, the ideal bound, hidden fraction
+    report.py   JSON / CSV / markdown / PNG
+
+    report = run_bench(BenchOptions(link_gbps=(2.0,)))
+"""
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from typing import Callable
+
+from .options import MODES, BenchOptions, quick
+
+
+def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None) -> dict:
+    """Measure every mode at every link rate; return the report (``results`` rows and more)."""
+    import deepspeed
+    import torch
+
+    from ds_dhelix.linkemu import link_emulation_available
+
+    from .metrics import comm_comp_ratio, device_peak_flops, link_label, summarize_link
+    say = progress or (lambda text: None)
+    emulation, how = link_emulation_available()
+    rows, links, t0 = [], [], time.perf_counter()
+    for gbps in opts.link_gbps:
+        say(f"[bench] {link_label(gbps)}: {', '.join(opts.modes)} "
+            f"({opts.warmup} warm-up + {opts.repeats} timed steps each) ...")
+        result = _measure(opts, gbps)
+        link_rows = summarize_link(opts, gbps, result, device_peak_flops(result.get("device")),
+                                   _flops_per_token(opts, result.get("device")))
+        rows += link_rows
+        links.append({"link_gbps": gbps, "shaped": result["shaped"], "wall_s": result["wall_s"],
+                      "error": result.get("error"), "device": result.get("device"),
+                      "loadavg_1min": result.get("loadavg_1min")})
+        for r in link_rows:
+            say(f"[bench]   {_progress_line(r)}")
+        busy = max((x for x in result.get("loadavg_1min") or [] if x is not None), default=0.0)
+        if busy > _cpus() + 0.5:
+            say(f"[bench]   note: load average {busy:.1f} on {_cpus()} CPUs during this link: other jobs "
+                f"shared the cores, timings are noisy")
+    return {
+        "title": f"{opts.model} TP={opts.tp}, {opts.micro_batches}x{opts.micro_batch_size}x"
+                 f"{opts.seq_len} tokens/step, {opts.world} CPU ranks x 1 thread",
+        "options": opts.to_dict(),
+        "results": rows,
+        "comm_comp_ratio": comm_comp_ratio(rows),
+        "links": links,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "deepspeed": deepspeed.__version__, "machine": platform.machine(),
+                        "cpus": _cpus(), "link_emulation": how if emulation else f"unavailable: {how}"},
+        "wall_s": time.perf_counter() - t0,
+        "command": " ".join(["dhelix", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
+    }
+
+
+def _measure(opts, gbps):
+    from .world import measure_link
+    return measure_link(opts, gbps)
+
+
+def _flops_per_token(opts: BenchOptions, device: str | None) -> float | None:
+    from .metrics import device_peak_flops, model_flops_per_token
+    if device_peak_flops(device) is None:
+        return None  # MFU only where the device's peak is known
+    from hf_models.registry import load_config
+    cfg = load_config(opts.model)
+    layers = opts.num_layers or cfg.num_hidden_layers
+    h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    params = layers * (4 * h * h + 3 * h * inter) + vocab * h  # GEMM weights incl. the LM head
+    return model_flops_per_token(params, layers, h, opts.seq_len)
+
+
+def _cpus() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _progress_line(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"{r['mode']:<11} {r['status']}: {r['reason']}"
+    parts = [f"{r['mode']:<11} step {r['step_time_s'] * 1e3:7.0f} ms", f"{r['tokens_per_s']:7.0f} tok/s"]
+    if r.get("speedup_vs_sequential") is not None:
+        parts.append(f"{r['speedup_vs_sequential']:.2f}x vs seq")
+    if r.get("comm_s") is not None:
+        parts.append(f"comp {r['compute_s'] * 1e3:.0f} comm {r['comm_s'] * 1e3:.0f} "
+                     f"exposed {r['exposed_comm_s'] * 1e3:.0f} ms")
+    return ", ".join(parts)
+
+
+__all__ = ["BenchOptions", "MODES", "quick", "run_bench"]

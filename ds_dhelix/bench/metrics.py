@@ -1,0 +1,116 @@
+"""Per-step records -> result rows (pure; no torch.distributed).
+
+Definitions (medians over the timed steps of one mode at one link rate):
+
+    speedup_vs_sequential = step(sequential) / step(mode)
+    ideal_speedup         = (comp + comm) / max(comp, comm)      comp, comm of the sequential run
+    achieved_over_ideal   = speedup_vs_sequential / ideal_speedup          (SI modes)
+    step_bound_speedup    = step(seq) / (step(seq) - min(comp, comm))      the same bound, but
+                            with the step's non-overlappable time (optimizer, ...) kept in
+    hidden_fraction       = (comm_seq - exposed) / min(comm_seq, comp_seq)   hidden / hideable
+    hidden_of_comm        = (comm_seq - exposed) / comm_seq
+
+comp is the time of the COMP ops, comm the time from launch to observed completion of each
+collective, exposed the time spent blocked waiting for one (all as the executor measures them).
+Hidden time is measured against the *sequential* run's comm: under SI a collective's completion
+is only observed between compute ops, so the mode's own comm time overstates what it hid.
+"""
+from __future__ import annotations
+
+import statistics
+
+from .options import DHELIX_MODES, REFERENCE_GBPS, BenchOptions
+
+# Dense peak FLOP/s of devices by name (fp32 without tensor cores); MFU is null elsewhere (CPU).
+PEAK_FLOPS_FP32 = {"A100": 19.5e12, "A40": 37.4e12, "A800": 19.5e12, "H100": 67e12, "H200": 67e12}
+
+
+def ideal_speedup(comp_s: float, comm_s: float) -> float:
+    """The overlap bound: perfect hiding of the shorter of compute and communication."""
+    longer = max(comp_s, comm_s)
+    return (comp_s + comm_s) / longer if longer > 0 else 1.0
+
+
+def link_label(gbps: float | None) -> str:
+    return "unshaped" if gbps is None else f"{gbps:g} Gbit/s"
+
+
+def _median(steps: list[dict], key: str):
+    values = [s[key] for s in steps if s.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def mode_medians(steps: list[dict]) -> dict:
+    return {key: _median(steps, key) for key in ("step_s", "compute_s", "comm_s", "exposed_s")}
+
+
+def summarize_link(opts: BenchOptions, gbps: float | None, result: dict,
+                   peak_flops: float | None = None, flops_per_token: float | None = None) -> list[dict]:
+    """One row per mode of ``opts`` for the link-rate ``result`` of ``world.measure_link``."""
+    outcomes = result.get("modes", {})
+    seq = outcomes.get("sequential", {})
+    seq_med = mode_medians(seq["steps"]) if seq.get("steps") else None
+    ideal = ideal_speedup(seq_med["compute_s"], seq_med["comm_s"]) if seq_med else None
+    rows = []
+    for mode in opts.modes:
+        out = outcomes.get(mode) or {"status": "error", "reason": result.get("error", "no result")}
+        row = {"mode": mode, "link_gbps": gbps, "link": link_label(gbps),
+               "shaped": bool(result.get("shaped")), "status": out["status"], "reason": out.get("reason"),
+               "build_s": out.get("build_s"), **(out.get("info") or {})}
+        if out.get("steps"):
+            row.update(_timing(opts, out["steps"], seq_med, ideal, mode, peak_flops, flops_per_token))
+        if mode == "si-planned" and row.get("plan_is_default"):
+            row["reason"] = "planner.profile='auto' produced the default plan (planner not applied)"
+        rows.append(row)
+    return rows
+
+
+def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token) -> dict:
+    med = mode_medians(steps)
+    step_s = med["step_s"]
+    times = [s["step_s"] for s in steps]
+    row = {"steps": len(steps), "step_times_s": times, "step_time_s": step_s, "step_time_min_s": min(times),
+           "step_time_max_s": max(times), "tokens_per_s": opts.tokens_per_step / step_s,
+           "compute_s": med["compute_s"], "comm_s": med["comm_s"], "exposed_comm_s": med["exposed_s"],
+           "peak_activation_bytes": max(s["peak_activation_bytes"] for s in steps),
+           "hidden_fraction": None, "hidden_of_comm": None, "ideal_speedup": ideal,
+           "speedup_vs_sequential": None, "achieved_over_ideal": None, "step_bound_speedup": None,
+           "mfu": None}
+    ref = seq_med or med  # sequential comm / comp: what there was to hide
+    comp, comm, exposed = ref["compute_s"], ref["comm_s"], med["exposed_s"]
+    if comm is not None and exposed is not None and comm > 0 and comp > 0:
+        hidden = min(comm, max(0.0, comm - exposed))
+        row["hidden_of_comm"] = hidden / comm
+        row["hidden_fraction"] = min(1.0, hidden / min(comm, comp))
+    if seq_med:
+        row["speedup_vs_sequential"] = seq_med["step_s"] / step_s
+        hideable = min(seq_med["compute_s"], seq_med["comm_s"])
+        row["step_bound_speedup"] = seq_med["step_s"] / max(seq_med["step_s"] - hideable, 1e-9)
+        if mode in DHELIX_MODES and mode != "sequential":
+            row["achieved_over_ideal"] = row["speedup_vs_sequential"] / ideal
+    if peak_flops and flops_per_token:
+        row["mfu"] = flops_per_token * row["tokens_per_s"] / (peak_flops * opts.world)
+    return row
+
+
+def comm_comp_ratio(rows: list[dict]) -> dict:
+    """comm / comp of the sequential run: at the reference link (2 Gbit/s, else the first
+    measured) and per link."""
+    by_link = {r["link"]: r["comm_s"] / r["compute_s"] for r in rows
+               if r["mode"] == "sequential" and r.get("comm_s") and r.get("compute_s")}
+    ref = link_label(REFERENCE_GBPS)
+    ref = ref if ref in by_link else next(iter(by_link), None)
+    return {"value": by_link.get(ref), "link": ref, "by_link": by_link}
+
+
+def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N (forward + backward GEMMs) + 12 L h s (attention scores)."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+
+
+def device_peak_flops(device: str | None) -> float | None:
+    """Peak FLOP/s of the named device when known (``PEAK_FLOPS_FP32``); None for CPUs."""
+    for name, peak in PEAK_FLOPS_FP32.items():
+        if device and name in device.upper():
+            return peak
+    return None

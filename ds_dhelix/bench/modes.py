@@ -1,0 +1,114 @@
+"""One runner per benchmark mode, built on every rank of the world: ``runner.step(batches)`` runs one
+optimizer step over the step's micro-batches and returns what the mode can measure.
+
+A runner picks its own share of the step: the TP modes (autotp, ds_dhelix) take every micro-batch
+on every rank; the data-parallel ``deepspeed`` mode takes ``1/world`` of them per rank. Every mode
+trains on the same tokens per step.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from .options import DHELIX_MODES, BenchOptions
+
+
+class SkipMode(Exception):
+    """The mode does not apply to this model/layout; the message says why (it becomes the row)."""
+
+
+def build_model(opts: BenchOptions):
+    """A fresh copy of the benchmark model (same seed in every mode)."""
+    from hf_models.registry import build_model as build, load_config
+    if opts.num_layers is None:
+        return build(opts.model, seed=opts.seed)[0]
+    from transformers import AutoModelForCausalLM
+    config = copy.deepcopy(load_config(opts.model))
+    config.num_hidden_layers = opts.num_layers
+    if hasattr(config, "layer_types") and config.layer_types is not None:
+        config.layer_types = config.layer_types[:opts.num_layers]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(opts.seed)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+class DhelixRunner:
+    """``sequential``, ``si``, ``si-planned``: the ds_dhelix engine with its executor stats."""
+
+    def __init__(self, opts: BenchOptions, mode: str, example_batch: dict, link_gbps: float | None):
+        import ds_dhelix
+        from ds_dhelix.ops import backward_order
+        from ds_dhelix.plan import default_plan
+        self.mode = mode
+        self.engine, *_ = ds_dhelix.initialize(model=build_model(opts), config=opts.dhelix_ds_config(mode, link_gbps),
+                                               example_batch=example_batch)
+        plan = self.engine.plan
+        self.info = {}
+        if plan is not None:
+            specs = self.engine.graph.layer_specs()
+            default = default_plan(specs, backward_order(specs))
+            self.info = {"plan_source": plan.source, "plan_fingerprint": plan.fingerprint()[:12],
+                         "plan_is_default": plan.fingerprint() == default.fingerprint(),
+                         "plan_steps": len(plan.steps)}
+
+    def step(self, batches: list[dict]) -> dict:
+        self.engine.train_batch(iter(batches))
+        s = self.engine.last_stats
+        return {"compute_s": s.compute_s, "comm_s": s.comm_s, "exposed_s": s.exposed_s,
+                "num_comms": s.num_comms, "peak_activation_bytes": s.peak_activation_bytes}
+
+    def close(self) -> None:
+        self.engine.destroy()
+
+
+class DeepSpeedRunner:
+    """Plain DeepSpeed (``deepspeed``: data parallel) or AutoTP (``autotp``): forward, backward,
+    step per micro-batch; activation bytes counted with the same saved-tensor meter."""
+
+    def __init__(self, opts: BenchOptions, mode: str):
+        import deepspeed
+        from ds_dhelix.memory import ActivationMeter
+        self.mode, self.world = mode, opts.world
+        if mode == "deepspeed":
+            if opts.micro_batches % opts.world:
+                raise SkipMode(f"{opts.micro_batches} micro-batches do not split over {opts.world} "
+                               f"data-parallel ranks; pass --micro-batches as a multiple of {opts.world}")
+            config = opts.deepspeed_ds_config()
+        else:
+            config = opts.autotp_ds_config()
+        model = build_model(opts)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=config)
+        self.meter = ActivationMeter(self.engine.module.parameters())
+        self.info = {}
+
+    def my_batches(self, batches: list[dict]) -> list[dict]:
+        if self.mode == "autotp":
+            return batches
+        share = len(batches) // self.world
+        rank = dist.get_rank()
+        return batches[rank * share:(rank + 1) * share]
+
+    def step(self, batches: list[dict]) -> dict:
+        self.meter.reset_peak()
+        for b in self.my_batches(batches):
+            with self.meter.hooks():
+                out = self.engine(input_ids=b["input_ids"], labels=b["labels"])
+            self.engine.backward(out.loss)
+            self.engine.step()
+        return {"peak_activation_bytes": self.meter.peak}
+
+    def close(self) -> None:
+        self.engine.destroy()
+
+
+def build_runner(opts: BenchOptions, mode: str, example_batch: dict, link_gbps: float | None = None):
+    """The runner of ``mode`` (``SkipMode`` when it does not apply here). ``example_batch`` is one
+    micro-batch (the planner profiles its shapes), ``link_gbps`` the emulated link rate."""
+    if mode in DHELIX_MODES:
+        return DhelixRunner(opts, mode, example_batch, link_gbps)
+    if mode in ("deepspeed", "autotp"):
+        return DeepSpeedRunner(opts, mode)
+    raise SkipMode(f"mode {mode!r} has no runner yet")  # pipeline modes: add a runner here

@@ -1,0 +1,147 @@
+"""What a benchmark run measures: ``BenchOptions`` (model, layout, shapes, modes, link rates) and
+the ds_config each mode trains with.
+
+Modes, all on the same model, the same world and the same tokens per optimizer step::
+
+    deepspeed   plain DeepSpeed engine, data parallel over the whole world (no TP, no overlap)
+    autotp      DeepSpeed AutoTP ("tensor_parallel": {"autotp_size": tp}), collectives inside modules
+    sequential  ds_dhelix TP/SP, micro-batches one after another, every comm waited at once
+    si          ds_dhelix TP/SP with strand interleaving, default plan
+    si-planned  ds_dhelix SI with the plan the planner makes from a profile ("planner.profile": "auto")
+
+Pipeline modes (DeepSpeed DualPipeV, our ``w``) are listed in ``PP_MODES`` and need ``pp > 1``;
+they plug in as further entries of ``ds_dhelix.bench.modes.RUNNERS``.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+MODES = ("deepspeed", "autotp", "sequential", "si", "si-planned")
+"""Modes a run can measure, in table order."""
+
+DHELIX_MODES = ("sequential", "si", "si-planned")
+"""Modes that run the ds_dhelix executor (they report compute / comm / exposed time)."""
+
+PP_MODES = ("dualpipev", "w")
+"""Pipeline modes, reserved for pp > 1 (not measured yet)."""
+
+REFERENCE_GBPS = 2.0
+"""The link whose sequential comm/comp ratio the run reports (the paper's A40-like regime)."""
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """One benchmark run: every mode at every link rate.
+
+    Defaults are the representative regime: tiny-llama, TP=2, 4 micro-batches of 4 x 256 tokens,
+    where at 2 Gbit/s the sequential run spends about as long communicating as computing.
+    """
+
+    model: str = "tiny-llama"
+    """Preset name or local HF checkpoint directory."""
+    tp: int = 2
+    """Tensor-parallel size; the world is ``tp`` ranks (deepspeed mode: data parallel over them)."""
+    modes: tuple[str, ...] = MODES
+    """Modes to measure (subset of ``MODES``)."""
+    link_gbps: tuple[float | None, ...] = (1.0, 2.0, 5.0, 10.0, None)
+    """Emulated link rates in Gbit/s; None = unshaped loopback."""
+    micro_batches: int = 4
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    num_layers: int | None = None
+    """Shrink the preset to this many layers (None: as the preset says)."""
+    warmup: int = 2
+    """Untimed steps per mode before measuring."""
+    repeats: int = 5
+    """Timed steps per mode; modes alternate step by step, the median is reported."""
+    zero_stage: int = 0
+    """ZeRO stage of every mode."""
+    seed: int = 1234
+    timeout: float = 900.0
+    """Seconds one link rate may take before its world is killed."""
+    extra_dhelix: dict = field(default_factory=dict)
+    """Extra keys for the "dhelix" section of the ds_dhelix modes."""
+
+    def __post_init__(self):
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown:
+            pp = [m for m in unknown if m in PP_MODES]
+            hint = f" ({', '.join(pp)} need pipeline parallelism, not benchmarked yet)" if pp else ""
+            raise ValueError(f"unknown bench mode(s) {unknown}{hint}; choose from {', '.join(MODES)}")
+        if not self.modes:
+            raise ValueError("no modes to measure; pass e.g. --modes sequential si")
+        if not self.link_gbps:
+            raise ValueError("no link rates; pass e.g. --link-gbps 2 or --link-gbps unshaped")
+        for g in self.link_gbps:
+            if g is not None and not g > 0:
+                raise ValueError(f"link rate {g} Gbit/s must be > 0 (or 'unshaped')")
+        for name in ("tp", "micro_batches", "micro_batch_size", "seq_len", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num-layers must be >= 1, got {self.num_layers}")
+        if self.seq_len % self.tp:
+            raise ValueError(f"seq-len {self.seq_len} is not divisible by tp {self.tp} "
+                             f"(sequence parallelism splits the sequence over the TP group)")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero stage {self.zero_stage} not supported here; use 0, 1 or 2")
+
+    @property
+    def world(self) -> int:
+        return self.tp
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step, the same in every mode."""
+        return self.micro_batches * self.micro_batch_size * self.seq_len
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # ---------------------------------------------------------------- ds_configs per mode
+    def base_ds_config(self, micro_batches: int) -> dict:
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": micro_batches,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 10 ** 9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
+            "zero_optimization": {"stage": self.zero_stage},
+        }
+
+    def dhelix_ds_config(self, mode: str, link_gbps: float | None = None) -> dict:
+        """ds_config of a ds_dhelix mode: TP over the whole world, all micro-batches on it.
+        ``link_gbps`` keys the planner's cached overlap table to the emulated link."""
+        assert mode in DHELIX_MODES, mode
+        section = copy.deepcopy(self.extra_dhelix)
+        section.update(enabled=True, schedule="sequential" if mode == "sequential" else "si",
+                       tensor_parallel={"size": self.tp})
+        section["benchmark"] = {**section.get("benchmark", {}), "link_gbps": link_gbps}
+        if mode == "si-planned":
+            section["planner"] = {**section.get("planner", {}), "profile": "auto"}
+        return {**self.base_ds_config(self.micro_batches), "dhelix": section}
+
+    def deepspeed_ds_config(self) -> dict:
+        """Plain DeepSpeed, data parallel over the world: each rank takes 1/world of the step."""
+        return self.base_ds_config(self.micro_batches // self.world)
+
+    def autotp_ds_config(self) -> dict:
+        """DeepSpeed AutoTP over the whole world: every rank sees all micro-batches."""
+        return {**self.base_ds_config(self.micro_batches),
+                "tensor_parallel": {"autotp_size": self.tp}}
+
+
+def quick(opts: BenchOptions, **overrides) -> BenchOptions:
+    """The ``--quick`` variant: two layers, shorter sequences, one link rate, few steps."""
+    values = {**asdict(opts), "num_layers": 2, "seq_len": 128, "warmup": 1, "repeats": 3,
+              "link_gbps": (REFERENCE_GBPS,), "timeout": 170.0}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    values["modes"] = tuple(values["modes"])
+    values["link_gbps"] = tuple(values["link_gbps"])
+    return BenchOptions(**values)

@@ -1,0 +1,122 @@
+"""``dhelix bench``: plain DeepSpeed, DeepSpeed AutoTP and ds_dhelix sequential / SI / planned SI on
+the same model and world, at emulated link rates, in one run (``ds_dhelix.bench``).
+
+    dhelix bench --link-gbps 1 2 5 10 unshaped --out benchmarks/results
+    dhelix bench --quick --json
+
+Each link rate runs the whole world in a private network namespace whose loopback is shaped by a
+token-bucket filter (real TCP through gloo; needs root + iproute2, otherwise it runs unshaped and
+says so). Modes alternate step by step; rows report medians.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+from ds_dhelix.bench.options import MODES, BenchOptions, quick
+
+
+def _link_rate(text: str) -> float | None:
+    if text.lower() in ("unshaped", "none", "loopback"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected Gbit/s like 2 or 'unshaped'") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a link rate must be > 0 Gbit/s")
+    return value
+
+
+def register(sub) -> None:
+    d = BenchOptions()
+    p = sub.add_parser("bench", help="side-by-side throughput: DeepSpeed, AutoTP, sequential, SI (emulated links)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help=f"preset or local HF checkpoint dir (default {d.model})")
+    p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size = world size (default {d.tp})")
+    p.add_argument("--modes", nargs="+", default=None, choices=MODES, metavar="MODE",
+                   help=f"modes to measure (default: all of {' '.join(MODES)})")
+    p.add_argument("--link-gbps", nargs="+", type=_link_rate, default=None, metavar="GBPS",
+                   help="emulated link rates in Gbit/s, 'unshaped' for plain loopback "
+                        "(default: 1 2 5 10 unshaped; --quick: 2)")
+    p.add_argument("--micro-batches", type=int, default=None, help=f"per step (default {d.micro_batches})")
+    p.add_argument("--micro-batch-size", type=int, default=None, help=f"default {d.micro_batch_size}")
+    p.add_argument("--seq-len", type=int, default=None, help=f"default {d.seq_len} (--quick: 128)")
+    p.add_argument("--num-layers", type=int, default=None, help="shrink the preset (--quick: 2)")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed steps per mode (default {d.warmup})")
+    p.add_argument("--repeats", type=int, default=None, help=f"timed steps per mode (default {d.repeats})")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2], help="ZeRO stage (default 0)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per link rate before the world is killed")
+    p.add_argument("--planner-cache", default=None, metavar="DIR",
+                   help="cache dir of the overlap tables si-planned profiles (default: the planner's, "
+                        "~/.cache/ds_dhelix)")
+    p.add_argument("--quick", action="store_true", help="2 layers, seq 128, 2 Gbit/s only, 1+3 steps (< 3 min)")
+    p.add_argument("--out", default=None, help="write bench.json/.csv/.md/.png here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
+    p.set_defaults(func=run)
+
+
+def options_from_args(args) -> BenchOptions:
+    given = {"model": args.model, "tp": args.tp, "modes": args.modes, "link_gbps": args.link_gbps,
+             "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
+             "seq_len": args.seq_len, "num_layers": args.num_layers, "warmup": args.warmup,
+             "repeats": args.repeats, "zero_stage": args.zero, "timeout": args.timeout}
+    if args.planner_cache:
+        given["extra_dhelix"] = {"planner": {"cache_dir": args.planner_cache}}
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
+    if args.quick:
+        return quick(BenchOptions(), **given)
+    return BenchOptions(**given)
+
+
+def check_model(opts: BenchOptions) -> None:
+    """Bad model / TP / sequence length: a ValueError before any process starts."""
+    from hf_models.adapters import adapter_for
+    from hf_models.registry import load_config
+    config = load_config(opts.model)
+    adapter_for(config).check_tp(config, opts.tp, opts.world)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit and opts.seq_len > limit:
+        raise ValueError(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions")
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(enabled: bool):
+    """Send everything written to stdout (libraries' log lines included) to stderr meanwhile."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run(args) -> int:
+    from ds_dhelix.bench import run_bench
+    from ds_dhelix.bench.report import dumps, markdown_table, write_outputs
+    opts = options_from_args(args)
+    check_model(opts)
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    with _stdout_to_stderr(args.json):  # --json: stdout carries the JSON and nothing else
+        report = run_bench(opts, progress=log)
+    if args.out:
+        paths = write_outputs(report, args.out)
+        log(f"[bench] wrote {', '.join(paths.values())}")
+    if args.json:
+        print(dumps(report))
+    else:
+        print()
+        print(report["title"])
+        print(markdown_table(report), end="")
+        print("ideal = (comp + comm) / max(comp, comm) of the sequential run; achieved/ideal = "
+              "speedup vs sequential / ideal")
+    ok = all(r["status"] != "error" for r in report["results"] if r["mode"] in ("sequential", "si"))
+    return 0 if ok else 1

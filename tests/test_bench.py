@@ -1,0 +1,121 @@
+"""dhelix bench: the metrics are computed as documented, and a tiny run of every mode produces
+complete rows and output files. Speed is never asserted here (it belongs in benchmark output)."""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from ds_dhelix.bench.metrics import comm_comp_ratio, ideal_speedup, summarize_link
+from ds_dhelix.bench.options import MODES, BenchOptions, quick
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------ pure: formulas and options
+def test_ideal_speedup_formula():
+    assert ideal_speedup(3.0, 1.0) == pytest.approx(4.0 / 3.0)
+    assert ideal_speedup(1.0, 1.0) == pytest.approx(2.0)
+    assert ideal_speedup(0.5, 2.0) == pytest.approx(1.25)
+    assert ideal_speedup(0.0, 0.0) == 1.0
+
+
+def _steps(step_times, comp=None, comm=None, exposed=None):
+    out = []
+    for t in step_times:
+        s = {"step_s": t, "peak_activation_bytes": 100}
+        if comp is not None:
+            s.update(compute_s=comp, comm_s=comm, exposed_s=exposed)
+        out.append(s)
+    return out
+
+
+def test_rows_from_medians():
+    opts = BenchOptions(modes=("deepspeed", "sequential", "si"), link_gbps=(2.0,),
+                        micro_batches=4, micro_batch_size=2, seq_len=64)
+    result = {"shaped": True, "modes": {
+        "deepspeed": {"status": "ok", "steps": _steps([0.5, 0.4, 9.0])},
+        "sequential": {"status": "ok", "steps": _steps([1.0, 1.2, 1.1, 50.0], 0.6, 0.4, 0.4)},
+        "si": {"status": "ok", "steps": _steps([0.8, 0.7, 0.75], 0.62, 0.5, 0.1)},
+    }}
+    rows = {r["mode"]: r for r in summarize_link(opts, 2.0, result)}
+    seq_med = statistics.median([1.0, 1.2, 1.1, 50.0])
+    assert rows["sequential"]["step_time_s"] == pytest.approx(seq_med)
+    assert rows["si"]["speedup_vs_sequential"] == pytest.approx(seq_med / 0.75)
+    assert rows["deepspeed"]["speedup_vs_sequential"] == pytest.approx(seq_med / 0.5)
+    assert rows["si"]["ideal_speedup"] == pytest.approx((0.6 + 0.4) / 0.6)  # sequential comp/comm
+    assert rows["si"]["achieved_over_ideal"] == pytest.approx(seq_med / 0.75 / (1.0 / 0.6))
+    assert rows["si"]["hidden_fraction"] == pytest.approx((0.4 - 0.1) / 0.4)  # hidden / hideable
+    assert rows["sequential"]["hidden_fraction"] == pytest.approx(0.0)
+    assert rows["deepspeed"]["hidden_fraction"] is None and rows["deepspeed"]["mfu"] is None
+    assert rows["si"]["tokens_per_s"] == pytest.approx(opts.tokens_per_step / 0.75)
+    assert comm_comp_ratio(list(rows.values()))["value"] == pytest.approx(0.4 / 0.6)
+
+
+def test_failed_modes_become_rows():
+    opts = BenchOptions(modes=("autotp", "sequential"), link_gbps=(None,), seq_len=64)
+    rows = summarize_link(opts, None, {"error": "TimeoutError: hang", "modes": {
+        "autotp": {"status": "skipped", "reason": "AutoTP does not apply"}}})
+    assert [(r["mode"], r["status"]) for r in rows] == [("autotp", "skipped"), ("sequential", "error")]
+    assert "hang" in rows[1]["reason"] and rows[0]["link"] == "unshaped"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"modes": ("si", "fast")}, ["fast", "sequential"]),
+    ({"modes": ("w",)}, ["pipeline"]),
+    ({"link_gbps": (0.0,)}, ["0.0", "> 0"]),
+    ({"seq_len": 63}, ["63", "tp 2"]),
+    ({"repeats": 0}, ["repeats"]),
+])
+def test_bad_options_name_the_value(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        BenchOptions(**kwargs)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_quick_keeps_explicit_values():
+    q = quick(BenchOptions(), seq_len=64, link_gbps=(None,))
+    assert q.seq_len == 64 and q.link_gbps == (None,) and q.num_layers == 2 and q.repeats == 3
+
+
+# ------------------------------------------------------------------ end to end: every mode, tiny
+def test_bench_quick_json_every_mode(tmp_path):
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "ds_dhelix.cli", "bench", "--quick", "--json", "--num-layers", "1",
+            "--seq-len", "64", "--micro-batch-size", "2", "--warmup", "1", "--repeats", "2",
+            "--link-gbps", "unshaped", "--timeout", "150", "--planner-cache", str(tmp_path / "cache"),
+            "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    rows = {r["mode"]: r for r in report["results"]}
+    assert list(rows) == list(MODES)
+    for mode in ("deepspeed", "sequential", "si"):
+        assert rows[mode]["status"] == "ok", rows[mode]
+    seq = rows["sequential"]
+    for mode, r in rows.items():
+        assert r["link_gbps"] is None and r["link"] == "unshaped"
+        if r["status"] != "ok":  # autotp / si-planned may not apply: then a reason says why
+            assert r["status"] in ("skipped", "error") and r["reason"], r
+            continue
+        assert r["steps"] == 2 and r["step_time_s"] == pytest.approx(statistics.median(r["step_times_s"]))
+        for key in ("step_time_s", "tokens_per_s", "speedup_vs_sequential", "ideal_speedup",
+                    "peak_activation_bytes"):
+            assert r[key] > 0, (mode, key, r[key])
+        assert r["speedup_vs_sequential"] == pytest.approx(seq["step_time_s"] / r["step_time_s"])
+        assert r["ideal_speedup"] == pytest.approx(
+            (seq["compute_s"] + seq["comm_s"]) / max(seq["compute_s"], seq["comm_s"]))
+        assert r["mfu"] is None  # CPU: peak unknown
+    for mode in ("sequential", "si"):
+        r = rows[mode]
+        assert r["compute_s"] > 0 and r["comm_s"] > 0 and 0 <= r["exposed_comm_s"]
+        assert 0.0 <= r["hidden_fraction"] <= 1.0
+    assert rows["si"]["achieved_over_ideal"] == pytest.approx(
+        rows["si"]["speedup_vs_sequential"] / rows["si"]["ideal_speedup"])
+    assert report["comm_comp_ratio"]["value"] == pytest.approx(seq["comm_s"] / seq["compute_s"])
+    for ext in ("json", "csv", "md", "png"):
+        assert (out / f"bench.{ext}").stat().st_size > 0
+    assert json.loads((out / "bench.json").read_text())["results"] == report["results"]

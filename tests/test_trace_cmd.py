@@ -1,0 +1,59 @@
+"""dhelix trace: a few SI steps give one valid Chrome trace with a compute lane and per-strand
+communication lanes on every rank, spans ordered and non-overlapping within each lane."""
+import json
+import os
+import subprocess
+import sys
+
+from ds_dhelix.bench.tracing import summarize_trace
+from ds_dhelix.linkemu import link_emulation_available
+from ds_dhelix.trace import validate_trace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYER_OPS = {"attn.norm", "attn.qkv", "attn.core", "attn.out", "mlp.norm", "mlp.up", "mlp.down", "mlp.add"}
+COMM_OPS = {"attn.ag", "attn.rs", "mlp.ag", "mlp.rs"}
+
+
+def test_trace_of_si_steps(tmp_path):
+    out = tmp_path / "trace.json"
+    # behind an emulated link where this machine can (root + iproute2), else on plain loopback
+    link = ["--link-gbps", "5"] if link_emulation_available()[0] else []
+    argv = [sys.executable, "-m", "ds_dhelix.cli", "trace", "--model", "tiny-llama", "--tp", "2",
+            "--steps", "2", "--num-layers", "2", "--seq-len", "64", "--micro-batch-size", "2",
+            "--micro-batches", "3", "--out", str(out), "--timeout", "150", "--json", *link]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout)
+    assert printed["problems"] == [] and printed["shaped"] == bool(link)
+
+    trace = json.loads(out.read_text())
+    assert validate_trace(trace, lanes=("compute", "comm:tp:F", "comm:tp:B")) == []
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    by_lane = {}
+    for e in spans:
+        by_lane.setdefault((e["pid"], lanes[(e["pid"], e["tid"])]), []).append(e)
+    for rank in (0, 1):
+        compute = by_lane[(rank, "compute")]
+        assert LAYER_OPS <= {e["name"] for e in compute}
+        for strand in ("F", "B"):
+            comm = by_lane[(rank, f"comm:tp:{strand}")]
+            assert {e["name"] for e in comm} == COMM_OPS
+            assert {e["args"]["strand"] for e in comm} == {strand}
+        for lane_spans in (by_lane[(rank, lane)] for lane in ("compute", "comm:tp:F", "comm:tp:B")):
+            starts = [e["ts"] for e in lane_spans]
+            assert starts == sorted(starts)
+            for a, b in zip(lane_spans, lane_spans[1:]):
+                assert b["ts"] >= a["ts"] + a["dur"] - 1e-3  # no overlap within a lane
+    # 2 steps x 3 micro-batches, every span says which micro-batch and strand it belongs to
+    assert {e["args"]["microbatch"] for e in spans} == {0, 1, 2}
+    assert {e["args"]["strand"] for e in spans} == {"F", "B"}
+    # SI co-executes: some forward comm runs while the compute lane works on a backward op
+    b_compute = [(e["ts"], e["ts"] + e["dur"]) for e in by_lane[(0, "compute")] if e["args"]["strand"] == "B"]
+    f_comm = [(e["ts"], e["ts"] + e["dur"]) for e in by_lane[(0, "comm:tp:F")]]
+    assert any(c0 < b1 and b0 < c1 for c0, c1 in f_comm for b0, b1 in b_compute)
+    summary = summarize_trace(trace)
+    assert set(summary["ranks"]) == {0, 1} and summary["wall_ms"] > 0
+    assert summary["ranks"][0]["comm:tp:F"]["spans"] == 2 * 3 * 2 * len(COMM_OPS)
