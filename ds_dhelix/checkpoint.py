@@ -19,8 +19,11 @@ from hf_models.common import gather_param
 
 
 def full_state_dict(model, tp_group=None, tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """Every parameter as its full HF tensor (collective over the TP group when sharded)."""
-    return {name: gather_param(p, tp_group, tp_size) for name, p in model.named_parameters()}
+    """Every parameter as its full HF tensor (collective over the TP group when sharded; expert
+    shards are gathered over their EP group by global expert id)."""
+    from .moe.experts import gather_expert_param, is_expert_param
+    return {name: gather_expert_param(p) if is_expert_param(p) else gather_param(p, tp_group, tp_size)
+            for name, p in model.named_parameters()}
 
 
 def export_hf(model, out_dir: str, tokenizer=None, tp_group=None, tp_size: int = 1) -> str | None:

@@ -1,7 +1,10 @@
 """Process groups of a run: data parallel (DP) x tensor/sequence parallel (TP).
 
 Ranks are laid out TP-innermost: with TP=2 and 4 ranks, TP groups are {0,1} and {2,3}, DP groups
-{0,2} and {1,3}. ``ParallelLayout`` also answers DeepSpeed's ``mpu`` protocol, so DeepSpeed reduces
+{0,2} and {1,3}. Expert parallelism (EP) shards experts inside each DP group, DeepSpeed's way: EP
+groups are runs of ``ep`` consecutive DP peers, expert-data-parallel (EDP) groups the strided rest
+(TP=1, 4 ranks, EP=2: EP {0,1} {2,3}, EDP {0,2} {1,3}); they are registered in
+``deepspeed.utils.groups`` under ``ep_size_<ep>`` so ZeRO reduces expert gradients over EDP. ``ParallelLayout`` also answers DeepSpeed's ``mpu`` protocol, so DeepSpeed reduces
 gradients over the DP group only and computes the global grad norm over the TP group.
 """
 from __future__ import annotations
@@ -23,9 +26,13 @@ class ParallelLayout:
     tp_group: object = None        # TP/SP collectives of the op graph (COMM ops)
     tp_grad_group: object = None   # gradient all-reduce of replicated weights (small, blocking)
     dp_group: object = None
+    ep_size: int = 1
+    ep_group: object = None        # MoE dispatch / combine all-to-all (COMM ops)
+    ep_count_group: object = None  # MoE token-count exchange (small, blocking)
+    edp_group: object = None       # expert-data-parallel: reduces expert gradients
 
     @classmethod
-    def create(cls, tp_size: int) -> "ParallelLayout":
+    def create(cls, tp_size: int, ep_size: int = 1) -> "ParallelLayout":
         """Build the groups on an initialized default process group (collective on all ranks)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % tp_size:
@@ -42,7 +49,42 @@ class ParallelLayout:
             g = dist.new_group(ranks)
             if rank in ranks:
                 layout.dp_group = g
+        if ep_size > 1:
+            layout._create_expert_groups(ep_size)
         return layout
+
+    def _create_expert_groups(self, ep: int) -> None:
+        if self.dp_size % ep:
+            raise ValueError(f"expert_parallel.size {ep} does not divide the data-parallel size {self.dp_size} "
+                             f"(world {self.world_size} / tp {self.tp_size}); valid sizes: {valid_sizes(self.dp_size)}")
+        from deepspeed.utils import groups as ds_groups
+        self.ep_size = ep
+        name = f"ep_size_{ep}"
+        for t in range(self.tp_size):  # every rank creates every group, same order
+            peers = list(range(t, self.world_size, self.tp_size))  # one DP group
+            for start in range(0, len(peers), ep):
+                ranks = peers[start:start + ep]
+                g, cg = dist.new_group(ranks), dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.ep_group, self.ep_count_group = g, cg
+                    ds_groups._EXPERT_PARALLEL_GROUP[name] = g
+                    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ranks
+            for pos in range(ep):
+                ranks = peers[pos::ep]
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.edp_group = g
+                    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = g
+                    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = ranks
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep_size
+
+    def expert_groups(self):
+        """This rank's EP groups for the MoE op graph (``ds_dhelix.moe.ExpertGroups``)."""
+        from .moe.dispatch import ExpertGroups
+        return ExpertGroups(self.ep_size, self.ep_rank, self.ep_group, self.ep_count_group, f"ep_size_{self.ep_size}")
 
     @property
     def tp_rank(self) -> int:

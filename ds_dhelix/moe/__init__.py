@@ -1,0 +1,15 @@
+"""MoE with expert parallelism: routing bookkeeping (``router``), the dispatch/combine all-to-alls
+(``dispatch``), expert shards and their computation (``experts``), per-step numbers (``metrics``)
+and the DeepSpeed engine that knows about expert parameters (``engine``).
+
+    moe.router ─► moe.dispatch ─► moe.experts ─► moe.combine ─► moe.add
+      (COMP)        (COMM a2a)       (COMP)        (COMM a2a)      (COMP)
+
+Model adapters (``hf_models/phimoe.py``) build these ops from HF modules.
+"""
+from .dispatch import ExpertAllToAll, ExpertGroups
+from .experts import check_ep, gather_expert_param, is_expert_param, valid_ep_sizes
+from .router import Route
+
+__all__ = ["ExpertAllToAll", "ExpertGroups", "Route", "check_ep", "gather_expert_param", "is_expert_param",
+           "valid_ep_sizes"]

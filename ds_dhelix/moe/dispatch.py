@@ -1,0 +1,75 @@
+"""Expert-parallel all-to-alls as COMM op bodies: ``moe.dispatch`` and ``moe.combine``.
+
+    op            forward                                  backward
+    moe.dispatch  copies -> expert owners (send->recv)      gradients back (recv->send)
+    moe.combine   expert outputs -> token owners (recv->send)  gradients to experts (send->recv)
+
+Dropless mode needs the split sizes before the token all-to-all can be posted, so the dispatch
+launch first exchanges per-expert copy counts: a tiny blocking ``all_to_all_single`` on its own
+group (``count_group``) so it never queues behind the large asynchronous all-to-alls of the other
+strand. Every rank runs the same ops in the same order, so every rank issues the same collectives
+in the same order whatever the routing. Capacity mode has fixed, even splits: no exchange.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Pending
+from .router import Route
+
+
+@dataclass
+class ExpertGroups:
+    """This rank's expert-parallel groups (``ParallelLayout.expert_groups()`` builds it)."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None        # dispatch / combine all-to-all
+    count_group: object = None  # token-count exchange (small, blocking)
+    name: str = "ep_size_1"     # DeepSpeed's expert group name (param.group_name)
+
+
+def exchange_counts(route: Route, groups: ExpertGroups) -> None:
+    """Fill ``route``'s split sizes: send ``counts`` for each EP rank's experts, receive the
+    counts of this rank's experts from every source (blocking)."""
+    send = route.counts.view(groups.size, -1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=groups.count_group)
+    route.recv_counts = recv
+    route.send_splits = send.sum(dim=1).tolist()
+    route.recv_splits = recv.sum(dim=1).tolist()
+
+
+def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> Pending:
+    x = x.contiguous()
+    rows = x.shape[0] if out_splits is None else sum(out_splits)
+    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    work = dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                  group=group, async_op=True)
+    return Pending(work, out)
+
+
+class ExpertAllToAll:
+    """COMM op body for layer ``layer``: ``to_experts=True`` is ``moe.dispatch``, False ``moe.combine``."""
+
+    def __init__(self, layer: int, groups: ExpertGroups, to_experts: bool):
+        self.layer, self.groups, self.to_experts = layer, groups, to_experts
+
+    def _send(self, x, route: Route, toward_experts: bool) -> Pending:
+        if route.padded:
+            return _all_to_all(x, None, None, self.groups.group)
+        if toward_experts:
+            return _all_to_all(x, route.recv_splits, route.send_splits, self.groups.group)
+        return _all_to_all(x, route.send_splits, route.recv_splits, self.groups.group)
+
+    def forward(self, x, side) -> Pending:
+        route = side["moe"][self.layer]
+        if self.to_experts and not route.padded:
+            exchange_counts(route, self.groups)
+        return self._send(x, route, self.to_experts)
+
+    def backward(self, grad, side) -> Pending:
+        return self._send(grad, side["moe"][self.layer], not self.to_experts)

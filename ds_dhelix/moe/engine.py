@@ -1,0 +1,100 @@
+"""``DhelixMoeEngine``: the DHelix engine for graphs with expert-parallel MoE layers.
+
+DeepSpeed finds MoE layers by class (``deepspeed.moe.layer.MoE``); our experts are HF modules whose
+shards are marked like DeepSpeed's (``allreduce = False``, ``group_name``). This engine tells
+DeepSpeed the model has MoE layers before it builds the optimizer, so ZeRO puts expert shards in
+their own parameter groups and reduces their gradients over the expert-data-parallel group
+(divided by the full data-parallel size, DeepSpeed's convention). After each step it exposes:
+
+    engine.moe_aux_loss         mean load-balancing loss of the step (unscaled; over micro-batches and DP)
+    engine.moe_expert_load      [layers, experts] token copies routed to each expert, summed over DP
+    engine.moe_dropped_tokens   copies dropped by capacity in the step, summed over layers and DP
+
+and logs ``MoE/aux_loss``, ``MoE/dropped_tokens``, ``MoE/layer<i>/max_load_fraction`` (scalars) and
+``MoE/layer<i>/tokens_per_expert`` (histogram) to TensorBoard.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.utils import is_moe_param
+
+from ..engine import DhelixEngine
+
+
+class DhelixMoeEngine(DhelixEngine):
+    moe_aux_loss: float | None = None
+    moe_expert_load: torch.Tensor | None = None
+    moe_dropped_tokens: int = 0
+
+    def _configure_distributed_model(self, model):
+        if any(is_moe_param(p) for p in model.parameters()):  # expert parallel (ep > 1)
+            self.has_moe_layers = True  # before DeepSpeed builds the optimizer and broadcasts the model
+            self.num_experts.append(int(model.config.num_local_experts))
+        super()._configure_distributed_model(model)
+
+    def clip_fp32_gradients(self):
+        """ZeRO 0 clipping with the exact global norm. DeepSpeed's ``clip_grad_norm_`` averages the
+        per-rank norms when experts are sharded (each rank sees only its experts), so ranks clip by
+        an approximate norm; here the expert part is summed over the EP group instead. (ZeRO 1/2
+        already sum every partition over the DP group: exact.)"""
+        if not self.has_moe_layers:
+            return super().clip_fp32_gradients()
+        lay = self.layout
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        counted = [p for p in params if lay.tp_rank == 0 or getattr(p, "tensor_model_parallel", False)]
+        sq = torch.zeros(2, dtype=torch.float32, device=params[0].grad.device)
+        for p in counted:
+            sq[1 if is_moe_param(p) else 0] += p.grad.detach().float().norm() ** 2
+        if lay.tp_size > 1:
+            dist.all_reduce(sq, group=lay.tp_grad_group)
+        expert = sq[1:].clone()
+        dist.all_reduce(expert, group=lay.ep_group)
+        total = (sq[0] + expert[0]).sqrt()
+        coef = torch.clamp(self.gradient_clipping() / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.device))
+        return total
+
+    @property
+    def moe_metrics(self):
+        return self.graph.meta["moe_metrics"]
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        self.moe_metrics.reset()
+        return super().train_batch(data_iter)
+
+    def _reduce_moe_metrics(self) -> None:
+        m = self.moe_metrics
+        aux = m.aux_mean()
+        load = m.load if m.load is not None else torch.zeros(m.num_layers, m.num_experts, dtype=torch.float64)
+        dev = aux.device if aux is not None else load.device
+        packed = torch.cat([load.flatten().to(dev, torch.float64),
+                            torch.tensor([float(sum(m.dropped)), 0.0 if aux is None else float(aux)],
+                                         dtype=torch.float64, device=dev)])
+        if self.layout.dp_size > 1:
+            dist.all_reduce(packed, group=self.layout.dp_group)
+        n = m.num_layers * m.num_experts
+        self.moe_expert_load = packed[:n].view(m.num_layers, m.num_experts).cpu()
+        self.moe_dropped_tokens = int(packed[n])
+        self.moe_aux_loss = None if aux is None else float(packed[n + 1]) / self.layout.dp_size
+
+    def _log_step(self, batches) -> None:
+        self._reduce_moe_metrics()  # every rank (a DP all-reduce), at the end of each step
+        super()._log_step(batches)
+        if not (self.monitor.enabled and self.global_rank == 0) or self.global_steps % self.dhelix.log_interval:
+            return
+        step = self.global_steps
+        events = [("MoE/dropped_tokens", float(self.moe_dropped_tokens), step)]
+        if self.moe_aux_loss is not None:
+            events.append(("MoE/aux_loss", self.moe_aux_loss, step))
+        load = self.moe_expert_load
+        for layer in range(load.shape[0]):
+            total = float(load[layer].sum())
+            if total > 0:
+                events.append((f"MoE/layer{layer}/max_load_fraction", float(load[layer].max()) / total, step))
+        self.monitor.write_events(events)
+        writer = getattr(getattr(self.monitor, "tb_monitor", None), "summary_writer", None)
+        if writer is not None:
+            for layer in range(load.shape[0]):
+                writer.add_histogram(f"MoE/layer{layer}/tokens_per_expert", load[layer], step)

@@ -1,0 +1,146 @@
+"""Expert shards and their computation: HF's fused 3D expert tensors, sliced by global expert id.
+
+EP rank r of ``ep`` holds experts ``[r*E/ep, (r+1)*E/ep)`` of ``gate_up_proj [E, 2I, h]`` and
+``down_proj [E, h, I]`` (the HF parameter names stay, so state_dict keys do not change). Shards
+are marked the DeepSpeed way (``allreduce = False``, ``group_name = "ep_size_<ep>"``) so ZeRO
+reduces their gradients over the expert-data-parallel group, and carry ``expert_ids`` so that
+``gather_expert_param`` rebuilds the full HF tensor with every expert at its global index.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .dispatch import ExpertGroups
+from .router import Route
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def valid_ep_sizes(num_experts: int, dp_size: int | None = None) -> list[int]:
+    return [d for d in range(1, num_experts + 1)
+            if num_experts % d == 0 and (dp_size is None or dp_size % d == 0)]
+
+
+def check_ep(num_experts: int, top_k: int, ep: int, dp_size: int | None = None) -> None:
+    """``ValueError`` for an expert-parallel size or top-k that cannot work, naming the valid ones."""
+    if top_k > num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} is larger than num_local_experts {num_experts}: "
+                         f"a token cannot be routed to more experts than exist; use top-k <= {num_experts}")
+    if ep < 1 or num_experts % ep:
+        raise ValueError(f"expert_parallel.size {ep} does not divide num_local_experts {num_experts}; "
+                         f"valid EP sizes: {valid_ep_sizes(num_experts, dp_size)}")
+    if dp_size is not None and dp_size % ep:
+        raise ValueError(f"expert_parallel.size {ep} does not divide the data-parallel size {dp_size} "
+                         f"(experts are sharded inside the DP group); valid EP sizes: "
+                         f"{valid_ep_sizes(num_experts, dp_size)}")
+
+
+def shard_experts(experts: nn.Module, groups: ExpertGroups) -> None:
+    """Keep this EP rank's experts of every fused expert tensor, in place, and mark the shards."""
+    num = getattr(experts, "num_experts", None) or experts.gate_up_proj.shape[0]
+    local = num // groups.size
+    lo = groups.rank * local
+    for name in EXPERT_PARAMS:
+        p = getattr(experts, name)
+        if groups.size > 1:
+            p = nn.Parameter(p.data[lo:lo + local].clone(), requires_grad=p.requires_grad)
+            setattr(experts, name, p)
+        if groups.size > 1:  # DeepSpeed: an expert parameter, reduced over the expert-DP group
+            p.allreduce = False
+            p.group_name = groups.name
+        p.expert_ids = tuple(range(lo, lo + local))
+        p.ep_size, p.ep_group = groups.size, groups.group
+    experts.local_expert_ids = tuple(range(lo, lo + local))
+
+
+def is_expert_param(p) -> bool:
+    return getattr(p, "expert_ids", None) is not None
+
+
+def gather_expert_param(p: torch.Tensor) -> torch.Tensor:
+    """The full HF tensor ``[E, ...]`` of an expert shard: all-gather over its EP group, placing
+    every shard at its global expert ids (a shard claiming other ids is refused)."""
+    if getattr(p, "ep_size", 1) == 1:
+        return p.detach().clone()
+    group, ep = p.ep_group, p.ep_size
+    parts = [torch.empty_like(p.data) for _ in range(ep)]
+    dist.all_gather(parts, p.data.contiguous(), group=group)
+    ids = torch.tensor(p.expert_ids, dtype=torch.long)
+    all_ids = [torch.empty_like(ids) for _ in range(ep)]
+    dist.all_gather(all_ids, ids, group=group)
+    local = len(p.expert_ids)
+    for r, got in enumerate(all_ids):
+        want = list(range(r * local, (r + 1) * local))
+        if got.tolist() != want:
+            raise RuntimeError(f"EP rank {r} holds experts {got.tolist()}, expected {want}: "
+                               f"the expert shards do not match this EP layout")
+    return torch.cat(parts, dim=0)
+
+
+# ---------------------------------------------------------------------------- computation
+def expert_major_index(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Received rows come source-major ([src][local expert]); return the permutation to
+    expert-major order and the rows per local expert."""
+    ep, local = recv_counts.shape
+    cnt = recv_counts.tolist()
+    start, starts = 0, []
+    for s in range(ep):
+        row = []
+        for e in range(local):
+            row.append(start)
+            start += cnt[s][e]
+        starts.append(row)
+    pieces = [torch.arange(starts[s][e], starts[s][e] + cnt[s][e]) for e in range(local) for s in range(ep)]
+    index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    sizes = [sum(cnt[s][e] for s in range(ep)) for e in range(local)]
+    return index.to(recv_counts.device), sizes
+
+
+def expert_ffn(x, sizes, gate_up, down, act, grouped: bool) -> torch.Tensor:
+    """Rows ``x`` grouped by local expert (``sizes`` rows each) -> ``down(act(gate) * up)``.
+
+    ``grouped``: one ``torch.nn.functional.grouped_mm`` per projection; else a loop of
+    ``F.linear`` per expert, as HF's ``PhimoeExperts`` (every expert runs, even on 0 rows, so every
+    shard always gets a gradient)."""
+    if grouped:
+        offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
+        gate, up = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        return F.grouped_mm(act(gate) * up, down.transpose(1, 2), offs=offs)
+    outs, start = [], 0
+    for e, n in enumerate(sizes):
+        gate, up = F.linear(x[start:start + n], gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(act(gate) * up, down[e]))
+        start += n
+    return torch.cat(outs)
+
+
+def use_grouped_mm(x: torch.Tensor, mode: bool | None) -> bool:
+    """``mode`` None = auto: grouped GEMM on CUDA in bf16 where torch has it, else the loop."""
+    if mode is not None:
+        return mode
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+
+
+def run_experts(xr: torch.Tensor, route: Route, experts: nn.Module, ep: int,
+                grouped: bool | None = None) -> torch.Tensor:
+    """``moe.experts``: received rows (source-major) -> expert outputs in the same row order."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    local, h = gate_up.shape[0], xr.shape[-1]
+    grouped = use_grouped_mm(xr, grouped)
+    if route.padded:  # [src][expert][slot] -> [expert][src][slot]
+        cap = route.capacity
+        xe = xr.view(ep, local, cap, h).transpose(0, 1).reshape(-1, h)
+        ye = expert_ffn(xe, [ep * cap] * local, gate_up, down, experts.act_fn, grouped)
+        return ye.view(local, ep, cap, h).transpose(0, 1).reshape(-1, h)
+    if route.expert_index is None:
+        route.expert_index, route.expert_sizes = expert_major_index(route.recv_counts)
+    if ep == 1:
+        return expert_ffn(xr, route.expert_sizes, gate_up, down, experts.act_fn, grouped)
+    index = route.expert_index
+    ye = expert_ffn(xr.index_select(0, index), route.expert_sizes, gate_up, down, experts.act_fn, grouped)
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    return ye.index_select(0, inverse)

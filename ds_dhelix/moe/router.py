@@ -1,0 +1,147 @@
+"""Routing bookkeeping of one MoE layer for one micro-batch: which token copies go to which expert,
+the load-balancing loss pieces, and reproducible router noise.
+
+A token routed to k experts becomes k *copies* (copy ``c = token * k + slot``). The router sorts
+the copies by global expert id, so the copies for EP rank r (experts ``[r*E/ep, (r+1)*E/ep)``) are
+one contiguous run: that is the all-to-all send buffer.
+
+    dropless   xs [n = N*k, h]: copies sorted by expert; uneven splits after a count exchange
+    capacity   xs [E*C, h]: C slots per expert (C = ceil(cf * N * k / E)); copies past C are dropped
+               (their contribution is 0, counted in ``Route.dropped``); even splits, no exchange
+
+The ``Route`` lives in the micro-batch's ``side`` between the router, dispatch, experts, combine
+and add ops, and between forward and backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Route:
+    """One layer's routing of one micro-batch on this rank."""
+
+    num_tokens: int              # N tokens routed on this rank
+    top_k: int                   # copies per token
+    counts: torch.Tensor         # [E] copies sent to each global expert (before capacity)
+    copy_row: torch.Tensor       # [N*k] row of the combined buffer holding each copy's output
+    capacity: int | None = None  # slots per expert (capacity mode) or None (dropless)
+    dropped: int = 0             # copies dropped by capacity
+    # filled by the dispatch launch (dropless, ep > 1) or by ``local_counts`` (ep == 1)
+    recv_counts: torch.Tensor | None = None  # [ep, E/ep] copies this rank's experts get from each source
+    send_splits: list[int] | None = None
+    recv_splits: list[int] | None = None
+    expert_index: torch.Tensor | None = None  # received rows -> expert-major order
+    expert_sizes: list[int] | None = None     # received rows per local expert
+
+    @property
+    def padded(self) -> bool:
+        return self.capacity is not None
+
+
+def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots per expert: ``ceil(capacity_factor * tokens * top_k / experts)``, at least 1."""
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def route_tokens(x: torch.Tensor, selected: torch.Tensor, num_experts: int,
+                 capacity_factor: float | None = None) -> tuple[torch.Tensor, Route]:
+    """Token rows ``x [N, h]`` and expert ids ``selected [N, k]`` -> (send buffer, ``Route``).
+
+    The send buffer holds the copies grouped by expert in ascending id order (stable: earlier tokens
+    first), so gradients flow back to ``x`` through a plain ``index_select``/``index_copy``."""
+    n_tok, k = selected.shape
+    sel = selected.reshape(-1)
+    order = torch.argsort(sel, stable=True)  # sorted position -> copy
+    counts = torch.bincount(sel, minlength=num_experts)
+    token_of = torch.div(order, k, rounding_mode="floor")
+    if capacity_factor is None:
+        copy_row = torch.empty_like(order)
+        copy_row[order] = torch.arange(order.numel(), device=order.device)
+        return x.index_select(0, token_of), Route(n_tok, k, counts, copy_row)
+    cap = capacity_for(n_tok, k, num_experts, capacity_factor)
+    sorted_sel = sel[order]
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(order.numel(), device=order.device) - starts[sorted_sel]
+    keep = pos < cap
+    slot = sorted_sel * cap + pos
+    buf = x.new_zeros(num_experts * cap, x.shape[-1]).index_copy(
+        0, slot[keep], x.index_select(0, token_of[keep]))
+    copy_row = torch.full_like(order, num_experts * cap)  # dropped copies read a zero pad row
+    copy_row[order[keep]] = slot[keep]
+    return buf, Route(n_tok, k, counts, copy_row, capacity=cap, dropped=int((~keep).sum()))
+
+
+def combine_copies(ys: torch.Tensor, weights: torch.Tensor, route: Route) -> torch.Tensor:
+    """Expert outputs back in the send layout ``ys`` -> per-token weighted sum ``[N, h]``.
+
+    Per token: ``sum_slot y[copy] * weight[slot]``, as HF's ``PhimoeExperts`` (for k = 2 the sum of
+    two products is exact in any order, so it matches HF's per-expert ``index_add_``)."""
+    if route.padded:
+        ys = torch.cat([ys, ys.new_zeros(1, ys.shape[-1])])
+    yc = ys.index_select(0, route.copy_row).view(route.num_tokens, route.top_k, -1)
+    return (yc * weights.unsqueeze(-1).to(yc.dtype)).sum(dim=1)
+
+
+def local_counts(route: Route, ep: int) -> None:
+    """Split sizes when nothing is exchanged (ep == 1, or capacity mode with even splits)."""
+    if route.padded:
+        return
+    route.recv_counts = route.counts.view(ep, -1)
+    route.send_splits = route.recv_splits = [int(route.counts.sum())]
+
+
+# ---------------------------------------------------------------------------- load-balancing loss
+def aux_piece(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """One layer's share of HF's ``load_balancing_loss_func`` (no attention mask): ``[2, E]`` =
+    (top-k assignment counts, summed router probabilities). Only the second row has a gradient."""
+    probs = torch.softmax(router_logits, dim=-1)
+    _, top = torch.topk(probs, top_k, dim=-1)
+    num_experts = router_logits.shape[-1]
+    dtype = torch.float32 if router_logits.device.type in ("cpu", "mps") else torch.int32
+    counts = torch.histc(top.reshape(-1).to(dtype), bins=num_experts, min=0, max=num_experts)
+    return torch.stack([counts.float(), probs.float().sum(dim=0)])
+
+
+def load_balancing_loss(pieces, num_tokens: int, num_experts: int, reduce=None, world: int = 1) -> torch.Tensor:
+    """HF's ``load_balancing_loss_func`` over all layers from the per-layer ``aux_piece`` s (same
+    accumulation order, so the value is HF's bit for bit when the pieces are).
+
+    ``reduce`` (e.g. a differentiable all-reduce over the TP group) sums the pieces of ``world``
+    ranks that each routed ``num_tokens`` tokens of the same micro-batch."""
+    tokens_sum = torch.zeros(num_experts, dtype=torch.float32, device=pieces[0].device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=pieces[0].device)
+    total = 0.0
+    for p in pieces:
+        tokens_sum = tokens_sum + p[0]
+        prob_sum = prob_sum + p[1]
+        total = total + num_tokens
+    if reduce is not None:
+        tokens_sum, prob_sum = reduce(torch.stack([tokens_sum, prob_sum]))
+        total = total * world
+    return torch.sum((tokens_sum / total) * (prob_sum / total).unsqueeze(0)) * num_experts
+
+
+# ---------------------------------------------------------------------------- router noise
+def noise_seed(base: int, microbatch: int, layer: int, rank: int) -> int:
+    """A seed per (run, micro-batch, layer, rank): the router's sampling noise does not depend on
+    the order in which micro-batches run, so SI and sequential draw the same noise."""
+    return (((base * 1_000_003 + microbatch) * 1_009 + layer) * 65_537 + rank) % (2 ** 63 - 1)
+
+
+@contextlib.contextmanager
+def seeded_rng(device: torch.device, seed: int):
+    """Run the body on a private RNG stream seeded with ``seed``; the global stream is untouched."""
+    if device.type == "cuda":
+        with torch.random.fork_rng(devices=[device.index if device.index is not None else 0],
+                                   device_type="cuda"):
+            torch.cuda.manual_seed(seed)
+            yield
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(seed)
+            yield
