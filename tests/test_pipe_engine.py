@@ -138,3 +138,55 @@ def test_boundary_carries_hidden_and_moe_aux_pieces():
     assert live_keys(g, 0) == ("h",)
     assert live_keys(g, 1) == ("h", "aux.0")
     assert live_keys(g, 2) == ("h", "aux.0", "aux.1")
+
+
+# ---- MoE inside the stages: the aux loss reaches every stage's routers ---------------------------
+def _rank_moe(rank, world):
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import ds_dhelix
+    opts = ParityOptions(model="tiny-phimoe", tp=1, pp=2, seq_len=32, micro_batches=3, steps=1)
+    engine, *_ = ds_dhelix.initialize(model=build(opts), config=opts.ds_config("w"))
+    pieces, grads = {}, {}
+
+    def watch(fn, layer):  # record each router's aux piece and the gradient that comes back to it
+        def router(side, x2):
+            xs, w, aux = fn(side, x2)
+            key = (side["moe_serial"], layer)  # serial = micro-batch index in the first step
+            pieces[key] = aux.detach().clone()
+            aux.register_hook(lambda g: grads.__setitem__(key, g.clone()))
+            return xs, w, aux.view_as(aux)
+        return router
+
+    for block in engine.blocks[0] + engine.blocks[1]:
+        ops = engine.graph.blocks[block]
+        for j, op in enumerate(ops):
+            if op.name == "moe.router":
+                ops[j] = dataclasses.replace(op, fn=watch(op.fn, block - 1))
+    loss = float(engine.train_batch(iter(make_batches(opts, 2048)[0])))
+    meta = engine.graph.meta["aux_loss_coef"], engine.module.hf_model.config.num_local_experts
+    everything = [None] * world
+    dist.all_gather_object(everything, (pieces, grads))
+    engine.destroy()
+    return loss, meta, everything
+
+
+def test_pp2_moe_aux_loss_gradient_reaches_every_stage():
+    pytest.importorskip("hf_models.phimoe")
+    loss, (coef, experts), everything = run_ranks(_rank_moe, 2, timeout=240)[0]
+    assert math.isfinite(loss)
+    pieces, grads = {}, {}
+    for p, g in everything:
+        pieces.update(p)
+        grads.update(g)
+    assert coef > 0 and sorted({layer for _, layer in grads}) == [0, 1, 2, 3]  # layers 1, 2 on stage 1
+    m, tokens = 3, 2 * 32
+    for k in range(m):
+        counts = sum(pieces[k, layer][0] for layer in range(4))  # expert loads summed over both stages
+        total = 4 * tokens
+        # d(coef * E * sum_e (T_e/total)(P_e/total)) / dP_e, seeded with 1/m
+        expected = coef * experts * counts / total / total / m
+        for layer in range(4):
+            torch.testing.assert_close(grads[k, layer][1], expected, rtol=1e-5, atol=0)

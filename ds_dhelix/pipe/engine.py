@@ -418,7 +418,9 @@ def initialize_pipeline(args=None, model=None, config: dict | None = None, dh=No
     if layout.rank == 0:
         logger.info(f"ds_dhelix: folded pipeline, schedule {dh.schedule!r}, pp={layout.pp_size} "
                     f"dp={layout.dp_size} tp={tp}; layer -> (rank, phase):\n{fold.table()}")
-    graph = adapter.build_graph(model, tp, layout.tp_rank, layout.tp_group, layout.tp_grad_group)
+    from ..engine import _check_moe  # MoE adapters: capacity factor and aux-loss weight (EP is 1 here)
+    moe = _check_moe(adapter, model.config, dh, layout.dp_size)
+    graph = adapter.build_graph(model, tp, layout.tp_rank, layout.tp_group, layout.tp_grad_group, **(moe or {}))
     if plan is None:
         specs = graph.layer_specs()
         plan = default_plan(specs, backward_order(specs))
