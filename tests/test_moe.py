@@ -4,7 +4,7 @@
         dropless and capacity mode with room for every token
     (b) SI vs sequential with EP=2 and router/input jitter on, 4 micro-batches: bitwise equal
     (c) SI vs sequential through the DeepSpeed engine (DP2 x EP2, ZeRO 1, 3 steps): losses and
-        parameters bitwise equal; close to HF
+        parameters bitwise equal; close to HF. TP=2 attention x EP=2 on 4 ranks vs HF.
     (d) dispatch then combine returns its input exactly; experts that receive no token work
     (e) expert shards gather back to the HF tensors bit for bit; a shard with foreign ids is refused
     (f) bad input: EP not dividing the experts, top-k > experts, EP on a dense model
@@ -236,13 +236,50 @@ def test_gather_and_refuse_foreign_shard(ep2):
 
 # ------------------------------------------------------------------------------ engine
 def test_si_bitwise_through_engine_dp2_ep2():
-    from ds_dhelix.parity import HF_TOLERANCE, ParityOptions, run_parity
+    from ds_dhelix.parity import ParityOptions, run_parity
     opts = ParityOptions(model="tiny-phimoe", tp=1, dp=2, num_layers=2, seq_len=32, zero_stage=1,
                          extra={"expert_parallel": {"size": 2}})
     r = run_parity(opts, timeout=300)
     assert r["bitwise_equal"], r["max_abs_diff_vs_sequential"]
     assert r["losses"]["si"] == r["losses"]["sequential"]
-    assert r["max_abs_diff_vs_hf"] <= HF_TOLERANCE and r["max_loss_diff_vs_hf"] <= HF_TOLERANCE, r
+    # tolerances and their reason: ds_dhelix.parity (observed: params 8.3e-6, losses 2.4e-7)
+    assert r["hf_close"], r
+
+
+def _tp2_ep2_main(rank, world):
+    """TP=2 attention x EP=2 experts on 4 ranks (DP=2): losses and gathered gradients vs HF."""
+    from ds_dhelix.parallel import ParallelLayout
+    from hf_models import phimoe
+    from hf_models.common import gather_param
+    lay = ParallelLayout.create(2, 2)
+    config = make_config()
+    batches = make_batches(lay.dp_size, config.vocab_size)
+    hf_losses, hf_grads = hf_reference(config, batches)
+    model = make_model(config)
+    graph = phimoe.build_graph(model, 2, lay.tp_rank, lay.tp_group, lay.tp_grad_group,
+                               ep_groups=lay.expert_groups(), seed=11)
+    losses = torch.tensor(run(graph, batches[lay.dp_rank], "si"))
+    dist.all_reduce(losses, group=lay.tp_grad_group)  # TP shares -> micro-batch loss
+    worst = 0.0
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        if getattr(p, "tensor_model_parallel", False):
+            g.tensor_model_parallel, g.tp_partition_dim = True, p.tp_partition_dim
+            g = gather_param(g, lay.tp_group, 2)
+        ref = hf_grads[name]
+        if getattr(p, "expert_ids", None) is not None:
+            ref = ref[list(p.expert_ids)]
+        else:
+            dist.all_reduce(g, group=lay.dp_group)
+        assert torch.allclose(g, ref, **TOL), name
+        worst = max(worst, float((g - ref).abs().max()))
+    return losses.tolist(), hf_losses[lay.dp_rank], worst
+
+
+def test_tp2_ep2_matches_hf():
+    for losses, hf_losses, worst in run_ranks(_tp2_ep2_main, 4, timeout=240):
+        assert torch.allclose(torch.tensor(losses), torch.tensor(hf_losses), **TOL)
+        assert worst <= 1e-5  # observed 7.5e-8
 
 
 # ------------------------------------------------------------------------------ single process
