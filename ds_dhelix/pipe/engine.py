@@ -16,6 +16,14 @@ all-reduce for ZeRO-0), its clipping over the pipe x model group and its optimiz
     WaitRecv / WaitSends    wait for the posted receives / all sends
     ReduceGrads / OptimizerStep   DeepSpeed's
 
+One W steady-state instruction on stage 0 (p = 2, 4 layers; blocks: embed, layer 0 | layer 3,
+head) and the slots the executor walks, each slot one SI step (layer pairs by the SI plan)::
+
+    F2B0'  = F(mb 2, phase 0) x B(mb 0, phase 1)
+             slot 0:  F embed      x  B head + loss   (seeded 1/m)
+             slot 1:  F layer 0    x  B layer 3
+             then     SendActivation(2, phase 0) and SendGrad(0, phase 1) to stage 1
+
 What crosses a stage boundary is every env tensor the later blocks read that the earlier blocks
 wrote (liveness over the op graph): ``h`` for dense models, ``h`` plus the routers' ``aux.<i>``
 pieces for MoE, so the aux loss computed on stage 0 sends its gradient back into each stage's
