@@ -46,10 +46,13 @@ def check_inputs(args):
         raise ValueError(f"--data {args.data!r}: no such file (give a local .txt or .jsonl file)")
     world = int(os.environ.get("WORLD_SIZE", 1))
     tp = dh.tensor_parallel.size if dh.enabled else 1
-    layout = derive_batch(ds_config, world, tp, 1, 1)
+    layout = derive_batch(ds_config, world, *((None, None, None) if dh.enabled else (1, 1, 1)))
     if dh.enabled:
         from hf_models.adapters import adapter_for
         adapter_for(model_config).check_tp(model_config, tp, world)
+        if dh.pipeline.stages > 1:
+            from ds_dhelix.pipe.engine import check_pipeline
+            check_pipeline(dh, ds_config, world, model_config.num_hidden_layers)
         if args.seq_len % tp:
             raise ValueError(f"--seq-len {args.seq_len} is not divisible by tensor_parallel.size {tp}")
     limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
@@ -98,7 +101,6 @@ def run(args, ds_config, dh, batch_layout):
     ids = encode_text(tokenizer, text)
     model, info = build_model(args.model, seed=args.seed)
 
-    tp = dh.tensor_parallel.size if dh.enabled else 1
     if dh.enabled:
         import ds_dhelix
         micro = ds_config.get("train_micro_batch_size_per_gpu", batch_layout.micro_batch_size)
@@ -133,10 +135,10 @@ def run(args, ds_config, dh, batch_layout):
     probe = probe_loss(engine, dh, ids, micro, args.seq_len)
     if args.ds_checkpoint:
         engine.save_checkpoint(args.ds_checkpoint)
-    from ds_dhelix.checkpoint import export_hf
     if dh.enabled:
-        path = export_hf(engine.module, args.output_dir, tokenizer, engine.layout.tp_group, tp)
+        path = engine.export_hf(args.output_dir, tokenizer)  # TP / EP / pipeline shards gathered
     else:
+        from ds_dhelix.checkpoint import export_hf
         path = export_hf(engine.module, args.output_dir, tokenizer)
     summarize(args, rank, losses, times, hidden, path, micro, engine, dp_size, dh, probe)
     if engine.monitor.enabled and rank == 0:
@@ -207,8 +209,11 @@ def summarize(args, rank, losses, times, stats, path, micro, engine, dp_size, dh
         summary.update(schedule=dh.schedule, comm_ms_per_step=comm / n * 1e3,
                        exposed_comm_ms_per_step=exposed / n * 1e3, hidden_fraction=frac,
                        peak_activation_bytes=max(s.peak_activation_bytes for s in stats))
-        line += (f"; schedule {dh.schedule}: communication {comm / n * 1e3:.0f} ms/step, "
-                 f"{frac:.0%} hidden ({exposed / n * 1e3:.0f} ms exposed)")
+        if comm > 0:
+            line += (f"; schedule {dh.schedule}: communication {comm / n * 1e3:.0f} ms/step, "
+                     f"{frac:.0%} hidden ({exposed / n * 1e3:.0f} ms exposed)")
+        else:  # pipeline transfers only: no collective to hide inside a stage
+            line += f"; schedule {dh.schedule}: {exposed / n * 1e3:.0f} ms/step waiting on transfers"
     print(line)
     print(f"HF checkpoint: {path}")
     summary.update(probe)

@@ -49,6 +49,11 @@ class DhelixEngine(DeepSpeedEngine):
         self.watchdog.stop()
         super().destroy()
 
+    def export_hf(self, out_dir: str, tokenizer=None) -> str | None:
+        """Write an HF checkpoint (shards gathered) from global rank 0; collective on all ranks."""
+        from .checkpoint import export_hf
+        return export_hf(self.module, out_dir, tokenizer, self.layout.tp_group, self.layout.tp_size)
+
     # ------------------------------------------------------------------ training
     def _reduction_context(self):
         if self.zero_optimization_stage() >= 1:
