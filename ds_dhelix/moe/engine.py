@@ -15,6 +15,8 @@ and logs ``MoE/aux_loss``, ``MoE/dropped_tokens``, ``MoE/layer<i>/max_load_fract
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
@@ -55,6 +57,63 @@ class DhelixMoeEngine(DhelixEngine):
         for p in params:
             p.grad.detach().mul_(coef.to(p.grad.device))
         return total
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's checkpoint + one file of expert shards per EP rank (DeepSpeed's model-state
+        file holds only DP rank 0's experts, which every rank would load)."""
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        out = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        if self.has_moe_layers:
+            lay = self.layout
+            if lay.tp_rank == 0 and lay.dp_rank < lay.ep_size:  # one writer per EP rank
+                shards = {n: {"expert_ids": list(p.expert_ids), "tensor": p.detach().cpu().clone()}
+                          for n, p in self.module.named_parameters() if is_moe_param(p)}
+                path = self._expert_shard_path(save_dir, tag, lay.ep_rank)
+                torch.save({"ep_size": lay.ep_size, "ep_rank": lay.ep_rank, "shards": shards}, path + ".tmp")
+                os.replace(path + ".tmp", path)
+            dist.barrier()
+        return out
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """DeepSpeed's load, then this EP rank's expert shards, checked against their global ids."""
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if os.path.isfile(latest):
+                with open(latest) as f:
+                    tag = f.read().strip()
+        out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        if self.has_moe_layers and tag is not None:
+            self._load_expert_shards(load_dir, str(tag))
+        return out
+
+    @staticmethod
+    def _expert_shard_path(save_dir, tag, ep_rank) -> str:
+        return os.path.join(save_dir, tag, f"dhelix_experts_ep_rank_{ep_rank:02d}.pt")
+
+    def _load_expert_shards(self, load_dir, tag) -> None:
+        lay = self.layout
+        path = self._expert_shard_path(load_dir, tag, lay.ep_rank)
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint {os.path.join(load_dir, tag)} has no expert shard file for EP rank "
+                             f"{lay.ep_rank} of {lay.ep_size} ({os.path.basename(path)}): it was saved with another "
+                             f"expert_parallel.size or without ds_dhelix; export an HF checkpoint and load that instead")
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved["ep_size"] != lay.ep_size:
+            raise ValueError(f"checkpoint was saved with expert_parallel.size {saved['ep_size']}, this run uses "
+                             f"{lay.ep_size}; resume with the same EP size or load its HF export")
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                if not is_moe_param(p):
+                    continue
+                shard = saved["shards"][name]
+                if shard["expert_ids"] != list(p.expert_ids):
+                    raise ValueError(f"{name}: checkpoint shard holds experts {shard['expert_ids']}, this rank "
+                                     f"holds experts {list(p.expert_ids)}")
+                p.copy_(shard["tensor"])
+        if self.zero_optimization_stage() in (1, 2) and not self.zero_load_from_fp32_weights():
+            self.optimizer._restore_from_bit16_weights()
 
     @property
     def moe_metrics(self):
