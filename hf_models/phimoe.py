@@ -144,11 +144,11 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
     xr, yr = ("xr", "yr") if ep > 1 else ("xs", "ys")
     ops = [comp("moe.router", ("x2",), ("xs", "w", f"aux.{index}"), router)]
     if ep > 1:
-        ops.append(comm("moe.dispatch", ExpertAllToAll(index, ep_groups, True), "xs", "xr"))
+        ops.append(comm("moe.dispatch", ExpertAllToAll(index, ep_groups, True, metrics), "xs", "xr"))
     ops.append(comp("moe.experts", (xr,), (yr,),
                     lambda side, x: (run_experts(x, side["moe"][index], block.experts, ep, grouped),)))
     if ep > 1:
-        ops.append(comm("moe.combine", ExpertAllToAll(index, ep_groups, False), "yr", "ys"))
+        ops.append(comm("moe.combine", ExpertAllToAll(index, ep_groups, False, metrics), "yr", "ys"))
     ops.append(comp("moe.add", ("h2", "ys", "w"), ("h",), add))
     return ops
 

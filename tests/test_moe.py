@@ -351,6 +351,8 @@ def _resume_main(rank, world, ckpt_dir):
     engine = ds_dhelix.initialize(model=make_model(config), config=opts.ds_config("si"))[0]
     it = data()
     engine.train_batch(it), engine.train_batch(it)
+    metrics = {"load": engine.moe_expert_load.sum(dim=1).tolist(), "aux": engine.moe_aux_loss,
+               "a2a_ms": engine.moe_a2a_ms, "exposed_ms": engine.moe_a2a_exposed_ms}
     engine.save_checkpoint(ckpt_dir)
     saved = full_state_dict(engine.module)
     next_loss = float(engine.train_batch(it))
@@ -365,7 +367,7 @@ def _resume_main(rank, world, ckpt_dir):
         next(it)
     resumed_loss = float(resumed.train_batch(it))
     after_resumed = full_state_dict(resumed.module)
-    res = {"loaded_equal": all(torch.equal(saved[k], loaded[k]) for k in saved),
+    res = {"metrics": metrics, "loaded_equal": all(torch.equal(saved[k], loaded[k]) for k in saved),
            "step_equal": next_loss == resumed_loss and all(torch.equal(after[k], after_resumed[k]) for k in after)}
     dist.barrier()
     if rank == 0:  # pretend the shard came from an EP=4 run
@@ -388,3 +390,7 @@ def test_deepspeed_checkpoint_resume_keeps_experts(tmp_path):
     assert r0["step_equal"] and r1["step_equal"]
     assert "saved with expert_parallel.size 4, this run uses 2" in r0["mismatch"]
     assert r1["mismatch"] is None  # rank 1's own shard file was left intact
+    m = r0["metrics"]  # engine metrics of a step: copies per layer over DP = dp x micro x tokens x top-k
+    assert m["load"] == [2.0 * 2 * BATCH * SEQ * 2] * 2
+    assert 1.0 < m["aux"] < 4.0  # E x sum(f_e p_e): 2 for a perfectly balanced top-2 router
+    assert m["a2a_ms"] > 0 and 0 <= m["exposed_ms"] <= m["a2a_ms"]

@@ -12,6 +12,7 @@ in the same order whatever the routing. Capacity mode has fixed, even splits: no
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,22 @@ class ExpertGroups:
     name: str = "ep_size_1"     # DeepSpeed's expert group name (param.group_name)
 
 
+@dataclass
+class TimedPending(Pending):
+    """A ``Pending`` that reports (busy, waited) seconds to ``sink`` once its result is taken."""
+
+    sink: object = None
+
+    def wait(self) -> torch.Tensor:
+        first = self.work is not None
+        out = super().wait()
+        if self.done_at is None:
+            self.done_at = time.perf_counter()
+        if first and self.sink is not None:
+            self.sink(self.done_at - self.launched_at, self.waited_s)
+        return out
+
+
 def exchange_counts(route: Route, groups: ExpertGroups) -> None:
     """Fill ``route``'s split sizes: send ``counts`` for each EP rank's experts, receive the
     counts of this rank's experts from every source (blocking)."""
@@ -49,14 +66,14 @@ def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> Pending:
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                   group=group, async_op=True)
-    return Pending(work, out)
+    return TimedPending(work, out)
 
 
 class ExpertAllToAll:
     """COMM op body for layer ``layer``: ``to_experts=True`` is ``moe.dispatch``, False ``moe.combine``."""
 
-    def __init__(self, layer: int, groups: ExpertGroups, to_experts: bool):
-        self.layer, self.groups, self.to_experts = layer, groups, to_experts
+    def __init__(self, layer: int, groups: ExpertGroups, to_experts: bool, metrics=None):
+        self.layer, self.groups, self.to_experts, self.metrics = layer, groups, to_experts, metrics
 
     def _send(self, x, route: Route, toward_experts: bool) -> Pending:
         if route.padded:
@@ -68,8 +85,16 @@ class ExpertAllToAll:
     def forward(self, x, side) -> Pending:
         route = side["moe"][self.layer]
         if self.to_experts and not route.padded:
+            t0 = time.perf_counter()
             exchange_counts(route, self.groups)
-        return self._send(x, route, self.to_experts)
+            if self.metrics is not None:
+                self.metrics.record_blocking_comm(time.perf_counter() - t0)
+        return self._record(self._send(x, route, self.to_experts))
 
     def backward(self, grad, side) -> Pending:
-        return self._send(grad, side["moe"][self.layer], not self.to_experts)
+        return self._record(self._send(grad, side["moe"][self.layer], not self.to_experts))
+
+    def _record(self, pending: TimedPending) -> TimedPending:
+        if self.metrics is not None:
+            pending.sink = self.metrics.record_comm
+        return pending

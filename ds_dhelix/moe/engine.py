@@ -9,8 +9,11 @@ their own parameter groups and reduces their gradients over the expert-data-para
     engine.moe_aux_loss         mean load-balancing loss of the step (unscaled; over micro-batches and DP)
     engine.moe_expert_load      [layers, experts] token copies routed to each expert, summed over DP
     engine.moe_dropped_tokens   copies dropped by capacity in the step, summed over layers and DP
+    engine.moe_a2a_ms           this rank's dispatch/combine all-to-all time (launch to completion)
+    engine.moe_a2a_exposed_ms   ... of which the executor was blocked waiting (not hidden by SI)
 
-and logs ``MoE/aux_loss``, ``MoE/dropped_tokens``, ``MoE/layer<i>/max_load_fraction`` (scalars) and
+and logs ``MoE/aux_loss``, ``MoE/dropped_tokens``, ``MoE/all_to_all_ms``, ``MoE/all_to_all_exposed_ms``,
+``MoE/all_to_all_hidden_fraction``, ``MoE/layer<i>/max_load_fraction`` (scalars) and
 ``MoE/layer<i>/tokens_per_expert`` (histogram) to TensorBoard.
 """
 from __future__ import annotations
@@ -28,6 +31,8 @@ class DhelixMoeEngine(DhelixEngine):
     moe_aux_loss: float | None = None
     moe_expert_load: torch.Tensor | None = None
     moe_dropped_tokens: int = 0
+    moe_a2a_ms: float = 0.0
+    moe_a2a_exposed_ms: float = 0.0
 
     def _configure_distributed_model(self, model):
         if any(is_moe_param(p) for p in model.parameters()):  # expert parallel (ep > 1)
@@ -137,6 +142,7 @@ class DhelixMoeEngine(DhelixEngine):
         self.moe_expert_load = packed[:n].view(m.num_layers, m.num_experts).cpu()
         self.moe_dropped_tokens = int(packed[n])
         self.moe_aux_loss = None if aux is None else float(packed[n + 1]) / self.layout.dp_size
+        self.moe_a2a_ms, self.moe_a2a_exposed_ms = m.a2a_busy_s * 1e3, m.a2a_exposed_s * 1e3
 
     def _log_step(self, batches) -> None:
         self._reduce_moe_metrics()  # every rank (a DP all-reduce), at the end of each step
@@ -145,6 +151,10 @@ class DhelixMoeEngine(DhelixEngine):
             return
         step = self.global_steps
         events = [("MoE/dropped_tokens", float(self.moe_dropped_tokens), step)]
+        if self.moe_a2a_ms > 0:
+            events += [("MoE/all_to_all_ms", self.moe_a2a_ms, step),
+                       ("MoE/all_to_all_exposed_ms", self.moe_a2a_exposed_ms, step),
+                       ("MoE/all_to_all_hidden_fraction", max(0.0, 1 - self.moe_a2a_exposed_ms / self.moe_a2a_ms), step)]
         if self.moe_aux_loss is not None:
             events.append(("MoE/aux_loss", self.moe_aux_loss, step))
         load = self.moe_expert_load

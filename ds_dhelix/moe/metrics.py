@@ -18,6 +18,8 @@ class MoeMetrics:
         self.load: torch.Tensor | None = None  # [layers, experts] token copies routed (before capacity)
         self.dropped = [0] * self.num_layers   # copies dropped by capacity, per layer
         self.aux: list[torch.Tensor] = []      # load-balancing loss (unscaled) per micro-batch
+        self.a2a_busy_s = 0.0                  # dispatch/combine all-to-alls: launch to completion
+        self.a2a_exposed_s = 0.0               # ... time the executor was blocked on them
 
     def record_route(self, layer: int, counts: torch.Tensor, dropped: int) -> None:
         if self.load is None:
@@ -25,6 +27,14 @@ class MoeMetrics:
                                     device=counts.device)
         self.load[layer] += counts.to(torch.float64)
         self.dropped[layer] += dropped
+
+    def record_comm(self, busy_s: float, waited_s: float) -> None:
+        self.a2a_busy_s += busy_s
+        self.a2a_exposed_s += waited_s
+
+    def record_blocking_comm(self, seconds: float) -> None:
+        """A token-count exchange: blocking, so all of it is exposed."""
+        self.record_comm(seconds, seconds)
 
     def record_aux(self, value: torch.Tensor) -> None:
         self.aux.append(value.detach().float())
