@@ -4,8 +4,9 @@ Ranks are laid out TP-innermost: with TP=2 and 4 ranks, TP groups are {0,1} and 
 {0,2} and {1,3}. Expert parallelism (EP) shards experts inside each DP group, DeepSpeed's way: EP
 groups are runs of ``ep`` consecutive DP peers, expert-data-parallel (EDP) groups the strided rest
 (TP=1, 4 ranks, EP=2: EP {0,1} {2,3}, EDP {0,2} {1,3}); they are registered in
-``deepspeed.utils.groups`` under ``ep_size_<ep>`` so ZeRO reduces expert gradients over EDP. ``ParallelLayout`` also answers DeepSpeed's ``mpu`` protocol, so DeepSpeed reduces
-gradients over the DP group only and computes the global grad norm over the TP group.
+``deepspeed.utils.groups`` under ``ep_size_<ep>`` so ZeRO reduces expert gradients over EDP.
+``ParallelLayout`` also answers DeepSpeed's ``mpu`` protocol, so DeepSpeed reduces gradients over
+the DP group only and computes the global grad norm over the TP group.
 """
 from __future__ import annotations
 

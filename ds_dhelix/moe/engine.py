@@ -103,7 +103,8 @@ class DhelixMoeEngine(DhelixEngine):
         if not os.path.isfile(path):
             raise ValueError(f"checkpoint {os.path.join(load_dir, tag)} has no expert shard file for EP rank "
                              f"{lay.ep_rank} of {lay.ep_size} ({os.path.basename(path)}): it was saved with another "
-                             f"expert_parallel.size or without ds_dhelix; export an HF checkpoint and load that instead")
+                             f"expert_parallel.size or without ds_dhelix; export an HF checkpoint and load "
+                             f"that instead")
         saved = torch.load(path, map_location="cpu", weights_only=True)
         if saved["ep_size"] != lay.ep_size:
             raise ValueError(f"checkpoint was saved with expert_parallel.size {saved['ep_size']}, this run uses "
@@ -152,9 +153,10 @@ class DhelixMoeEngine(DhelixEngine):
         step = self.global_steps
         events = [("MoE/dropped_tokens", float(self.moe_dropped_tokens), step)]
         if self.moe_a2a_ms > 0:
+            hidden = max(0.0, 1 - self.moe_a2a_exposed_ms / self.moe_a2a_ms)
             events += [("MoE/all_to_all_ms", self.moe_a2a_ms, step),
                        ("MoE/all_to_all_exposed_ms", self.moe_a2a_exposed_ms, step),
-                       ("MoE/all_to_all_hidden_fraction", max(0.0, 1 - self.moe_a2a_exposed_ms / self.moe_a2a_ms), step)]
+                       ("MoE/all_to_all_hidden_fraction", hidden, step)]
         if self.moe_aux_loss is not None:
             events.append(("MoE/aux_loss", self.moe_aux_loss, step))
         load = self.moe_expert_load
