@@ -5,7 +5,9 @@ import os
 import subprocess
 import sys
 
-from ds_dhelix.bench.tracing import summarize_trace
+import pytest
+
+from ds_dhelix.bench.tracing import idle_breakdown, summarize_trace
 from ds_dhelix.linkemu import link_emulation_available
 from ds_dhelix.trace import validate_trace
 
@@ -57,3 +59,11 @@ def test_trace_of_si_steps(tmp_path):
     summary = summarize_trace(trace)
     assert set(summary["ranks"]) == {0, 1} and summary["wall_ms"] > 0
     assert summary["ranks"][0]["comm:tp:F"]["spans"] == 2 * 3 * 2 * len(COMM_OPS)
+    idle = idle_breakdown(trace)
+    assert set(idle) == {0, 1}
+    for entry in idle.values():  # where the compute lane waited: per phase, per collective
+        assert entry["steps"] == 2
+        assert set(entry["phases"]) == {"forward_alone", "co_executed", "backward_alone"}
+        assert all(v >= 0 for v in entry["phases"].values())
+        assert set(entry["waited_on"]) <= {f"{op} {s}" for op in COMM_OPS for s in "FB"} | {"none"}
+        assert sum(entry["waited_on"].values()) == pytest.approx(sum(entry["phases"].values()))

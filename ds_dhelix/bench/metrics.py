@@ -10,6 +10,10 @@ Definitions (medians over the timed steps of one mode at one link rate):
     hidden_fraction       = (comm_seq - exposed) / min(comm_seq, comp_seq)   hidden / hideable
     hidden_of_comm        = (comm_seq - exposed) / comm_seq
 
+    cpu_s                 CPU seconds of one rank's process per step (mean over ranks);
+    other_threads_cpu_s   of which not on the main (compute) thread: gloo's threads and kernel
+                          TCP work, which on a CPU machine competes with compute for the cores
+
 comp is the time of the COMP ops, comm the time from launch to observed completion of each
 collective, exposed the time spent blocked waiting for one (all as the executor measures them).
 Hidden time is measured against the *sequential* run's comm: under SI a collective's completion
@@ -41,7 +45,8 @@ def _median(steps: list[dict], key: str):
 
 
 def mode_medians(steps: list[dict]) -> dict:
-    return {key: _median(steps, key) for key in ("step_s", "compute_s", "comm_s", "exposed_s")}
+    return {key: _median(steps, key)
+            for key in ("step_s", "compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s")}
 
 
 def summarize_link(opts: BenchOptions, gbps: float | None, result: dict,
@@ -72,10 +77,13 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token) -> d
     row = {"steps": len(steps), "step_times_s": times, "step_time_s": step_s, "step_time_min_s": min(times),
            "step_time_max_s": max(times), "tokens_per_s": opts.tokens_per_step / step_s,
            "compute_s": med["compute_s"], "comm_s": med["comm_s"], "exposed_comm_s": med["exposed_s"],
+           "cpu_s": med["cpu_s"], "other_threads_cpu_s": None,
            "peak_activation_bytes": max(s["peak_activation_bytes"] for s in steps),
            "hidden_fraction": None, "hidden_of_comm": None, "ideal_speedup": ideal,
            "speedup_vs_sequential": None, "achieved_over_ideal": None, "step_bound_speedup": None,
            "mfu": None}
+    if med["cpu_s"] is not None and med["main_thread_cpu_s"] is not None:
+        row["other_threads_cpu_s"] = max(0.0, med["cpu_s"] - med["main_thread_cpu_s"])
     ref = seq_med or med  # sequential comm / comp: what there was to hide
     comp, comm, exposed = ref["compute_s"], ref["comm_s"], med["exposed_s"]
     if comm is not None and exposed is not None and comm > 0 and comp > 0:

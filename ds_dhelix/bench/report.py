@@ -13,7 +13,7 @@ from ds_dhelix.plan import write_atomic
 CSV_COLUMNS = ("mode", "link_gbps", "link", "shaped", "status", "steps", "step_time_s", "tokens_per_s",
                "speedup_vs_sequential", "ideal_speedup", "achieved_over_ideal", "step_bound_speedup",
                "compute_s", "comm_s", "exposed_comm_s", "hidden_fraction", "hidden_of_comm",
-               "peak_activation_bytes", "mfu", "step_time_min_s", "step_time_max_s", "build_s",
+               "peak_activation_bytes", "mfu", "cpu_s", "other_threads_cpu_s", "step_time_min_s", "step_time_max_s", "build_s",
                "plan_source", "plan_is_default", "plan_fingerprint", "reason")
 
 
@@ -26,13 +26,13 @@ def _fmt(value, spec: str) -> str:
 def markdown_table(report: dict) -> str:
     """The rows as a markdown table, one block per link rate, plus the comm/comp ratio line."""
     lines = ["| link | mode | step ms | tokens/s | vs seq | ideal | achieved/ideal | comp ms | "
-             "comm ms | exposed ms | hidden | peak act MiB |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "comm ms | exposed ms | hidden | comm-thread CPU ms | peak act MiB |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in report["results"]:
         link = r["link"] + ("" if r["shaped"] or r["link_gbps"] is None else " (UNSHAPED)")
         if r["status"] != "ok":
             lines.append(f"| {link} | {r['mode']} | {r['status']}: {r.get('reason') or ''} "
-                         f"|  |  |  |  |  |  |  |  |  |")
+                         f"|  |  |  |  |  |  |  |  |  |  |")
             continue
         ms = lambda v: _fmt(v * 1e3 if v is not None else None, ".0f")  # noqa: E731
         lines.append(
@@ -40,6 +40,7 @@ def markdown_table(report: dict) -> str:
             f"{_fmt(r['speedup_vs_sequential'], '.2f')}× | {_fmt(r['ideal_speedup'], '.2f')}× | "
             f"{_fmt(r['achieved_over_ideal'], '.2f')} | {ms(r['compute_s'])} | {ms(r['comm_s'])} | "
             f"{ms(r['exposed_comm_s'])} | {_fmt(r['hidden_fraction'], '.0%')} | "
+            f"{ms(r.get('other_threads_cpu_s'))} | "
             f"{_fmt(r['peak_activation_bytes'] / 2**20, '.1f')} |")
     ratio = report.get("comm_comp_ratio") or {}
     if ratio.get("value") is not None:

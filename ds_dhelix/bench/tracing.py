@@ -6,11 +6,15 @@ on a CPU gloo world, optionally behind an emulated link, merged into one Chrome/
             comm:tp:F    |attn.ag F1 ...|
     rank 1  ...
 
-``summarize_trace`` turns a loaded trace into per-rank, per-lane span counts and busy time.
+``summarize_trace`` turns a loaded trace into per-rank, per-lane span counts and busy time;
+``idle_breakdown`` says where the compute lane waited: in which phase of the step (forward alone,
+co-executed pairs, backward alone) and on which collective.
 """
 from __future__ import annotations
 
+import bisect
 import os
+from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from .options import BenchOptions
@@ -24,10 +28,12 @@ class TraceOptions:
     model: str = "tiny-llama"
     tp: int = 2
     schedule: str = "si"
+    planned: bool = False
+    """SI with the planner's plan (``planner.profile = "auto"``) instead of the default plan."""
     steps: int = 3
-    micro_batches: int = 4
-    micro_batch_size: int = 4
-    seq_len: int = 256
+    micro_batches: int = BenchOptions.micro_batches
+    micro_batch_size: int = BenchOptions.micro_batch_size
+    seq_len: int = BenchOptions.seq_len
     num_layers: int | None = None
     link_gbps: float | None = None
     timeout: float = 600.0
@@ -35,6 +41,8 @@ class TraceOptions:
     def __post_init__(self):
         if self.schedule not in ("si", "sequential"):
             raise ValueError(f"--schedule {self.schedule!r}: choose 'si' or 'sequential'")
+        if self.planned and self.schedule != "si":
+            raise ValueError("--planned applies to --schedule si only")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.link_gbps is not None and not self.link_gbps > 0:
@@ -57,7 +65,8 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
     trace = {"enabled": True, "path": os.path.abspath(opts.out), "steps": opts.steps}
     bench = replace(bench, extra_dhelix={"trace": trace})
     batches = make_batches(bench, load_config(opts.model).vocab_size)
-    config = bench.dhelix_ds_config(opts.schedule, opts.link_gbps)
+    mode = "si-planned" if opts.planned and opts.schedule == "si" else opts.schedule
+    config = bench.dhelix_ds_config(mode, opts.link_gbps)
     engine, *_ = ds_dhelix.initialize(model=build_model(bench), config=config, example_batch=batches[0])
     steps = []
     for _ in range(opts.steps):
@@ -107,3 +116,60 @@ def summarize_trace(trace: dict) -> dict:
             entry["ops"] = sorted(entry["ops"])
     wall = (max(ends) - min(starts)) / 1e3 if starts else 0.0
     return {"ranks": {pid: ranks[pid] for pid in sorted(ranks)}, "wall_ms": wall}
+
+
+def _lane_names(trace: dict) -> dict:
+    return {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace.get("traceEvents", [])
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
+def _split_steps(compute: list[dict]) -> list[list[dict]]:
+    """Compute spans of one rank -> one list per optimizer step (a step starts at the forward
+    of micro-batch 0's first block)."""
+    steps: list[list[dict]] = []
+    for e in compute:
+        a = e.get("args", {})
+        if not steps or (a.get("microbatch") == 0 and a.get("block") == 0 and a.get("strand") == "F"
+                         and any(x["args"].get("strand") == "B" for x in steps[-1])):
+            steps.append([])
+        steps[-1].append(e)
+    return steps
+
+
+def idle_breakdown(trace: dict, min_gap_us: float = 50.0) -> dict:
+    """Per rank, ms of compute-lane idle time per step: ``{"phases": {"forward_alone",
+    "co_executed", "backward_alone"}, "waited_on": {"<op> <strand>": ms}}``, averaged over steps.
+
+    A gap ends when the collective the executor waited for completes; it is charged to the
+    collective(s) whose span ends inside the gap (``"none"``: no collective, e.g. bookkeeping).
+    """
+    lanes = _lane_names(trace)
+    spans = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    out = {}
+    for pid in sorted({e["pid"] for e in spans}):
+        mine = [e for e in spans if e["pid"] == pid]
+        compute = sorted((e for e in mine if lanes.get((pid, e.get("tid"))) == "compute"), key=lambda e: e["ts"])
+        comm_ends = sorted((e["ts"] + e["dur"], f"{e['name']} {e['args'].get('strand')}") for e in mine
+                           if str(lanes.get((pid, e.get("tid")), "")).startswith("comm"))
+        ends = [t for t, _ in comm_ends]
+        phases, waited = defaultdict(float), defaultdict(float)
+        steps = _split_steps(compute)
+        for step in steps:
+            f_end = max((e["ts"] + e["dur"] for e in step if e["args"].get("strand") == "F"), default=0)
+            b_start = min((e["ts"] for e in step if e["args"].get("strand") == "B"), default=float("inf"))
+            for a, b in zip(step, step[1:]):
+                gap = b["ts"] - (a["ts"] + a["dur"])
+                if gap < min_gap_us:
+                    continue
+                phase = ("forward_alone" if b["ts"] <= b_start else
+                         "backward_alone" if a["ts"] >= f_end else "co_executed")
+                phases[phase] += gap / 1e3
+                lo, hi = bisect.bisect_left(ends, a["ts"] + a["dur"]), bisect.bisect_right(ends, b["ts"] + 20)
+                names = sorted({name for _, name in comm_ends[lo:hi]}) or ["none"]
+                for name in names:
+                    waited[name] += gap / 1e3 / len(names)
+        n = max(len(steps), 1)
+        out[pid] = {"steps": len(steps),
+                    "phases": {k: phases[k] / n for k in ("forward_alone", "co_executed", "backward_alone")},
+                    "waited_on": {k: v / n for k, v in sorted(waited.items(), key=lambda kv: -kv[1])}}
+    return out

@@ -55,10 +55,14 @@ def _guarded(fn):
 
 
 def _timed_step(runner, batches) -> dict:
+    """One step: wall time, and CPU time of this rank's process and of its main (compute) thread;
+    the difference is what gloo's threads and the kernel's TCP work cost this rank."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
     record = runner.step(batches)
     record["step_s"] = time.perf_counter() - t0
+    record["cpu_s"] = time.process_time() - cpu0
+    record["main_thread_cpu_s"] = time.thread_time() - main0
     return record
 
 
@@ -115,12 +119,12 @@ def _device_name() -> str:
 
 def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
     """One record per step from every rank's: the slowest rank's step time, the mean of compute /
-    comm / exposed time, the largest activation peak."""
+    comm / exposed / CPU time, the largest activation peak."""
     steps = []
     for recs in zip(*per_rank):
         step = {"step_s": max(r["step_s"] for r in recs),
                 "peak_activation_bytes": max(r["peak_activation_bytes"] for r in recs)}
-        for key in ("compute_s", "comm_s", "exposed_s"):
+        for key in ("compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s"):
             if key in recs[0]:
                 step[key] = sum(r[key] for r in recs) / len(recs)
         steps.append(step)

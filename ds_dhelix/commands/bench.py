@@ -52,7 +52,7 @@ def register(sub) -> None:
     p.add_argument("--planner-cache", default=None, metavar="DIR",
                    help="cache dir of the overlap tables si-planned profiles (default: the planner's, "
                         "~/.cache/ds_dhelix)")
-    p.add_argument("--quick", action="store_true", help="2 layers, seq 128, 2 Gbit/s only, 1+3 steps (< 3 min)")
+    p.add_argument("--quick", action="store_true", help="2 layers, 4 micro-batches of seq 128, 2 Gbit/s only, 1+3 steps (< 3 min)")
     p.add_argument("--out", default=None, help="write bench.json/.csv/.md/.png here")
     p.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
     p.set_defaults(func=run)

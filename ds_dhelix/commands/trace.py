@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ds_dhelix.bench.tracing import TraceOptions
+
 from .bench import _link_rate, _stdout_to_stderr
 
 
@@ -21,10 +23,13 @@ def register(sub) -> None:
     p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size = world size")
     p.add_argument("--schedule", default="si", choices=["si", "sequential"])
+    p.add_argument("--planned", action="store_true",
+                   help="SI with the planner's plan (planner.profile=auto: profile, then DP search)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to trace")
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
+    d = TraceOptions()
+    p.add_argument("--micro-batches", type=int, default=d.micro_batches)
+    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--num-layers", type=int, default=None, help="shrink the preset")
     p.add_argument("--link-gbps", type=_link_rate, default=None, metavar="GBPS",
                    help="emulated link rate in Gbit/s (default: unshaped loopback)")
@@ -35,10 +40,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ds_dhelix.bench.tracing import TraceOptions, record_trace, summarize_trace
+    from ds_dhelix.bench.tracing import idle_breakdown, record_trace, summarize_trace
     from ds_dhelix.trace import validate_trace
     from .bench import check_model
-    opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, schedule=args.schedule, steps=args.steps,
+    opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, schedule=args.schedule, planned=args.planned, steps=args.steps,
                         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                         seq_len=args.seq_len, num_layers=args.num_layers, link_gbps=args.link_gbps,
                         timeout=args.timeout)
@@ -49,12 +54,13 @@ def run(args) -> int:
         trace = json.load(f)
     problems = validate_trace(trace, lanes=("compute",))
     summary = summarize_trace(trace)
+    idle = idle_breakdown(trace)
     if args.json:
-        print(json.dumps({**run_info, "summary": summary, "problems": problems}, indent=1))
+        print(json.dumps({**run_info, "summary": summary, "idle": idle, "problems": problems}, indent=1))
         return 0 if not problems else 1
     link = "unshaped loopback" if opts.link_gbps is None else f"{opts.link_gbps:g} Gbit/s" + (
         "" if run_info["shaped"] else " (emulation unavailable: ran UNSHAPED)")
-    print(f"trace of {opts.steps} {opts.schedule} steps, {opts.model} TP={opts.tp}, {link}: {run_info['path']}")
+    print(f"trace of {opts.steps} {opts.schedule}{' (planned)' if opts.planned else ''} steps, {opts.model} TP={opts.tp}, {link}: {run_info['path']}")
     print(f"  {summary['wall_ms']:.0f} ms from first to last span")
     for rank, lanes in summary["ranks"].items():
         for lane, entry in lanes.items():
@@ -64,6 +70,15 @@ def run(args) -> int:
         s = r["steps"][-1]
         print(f"  rank {r['rank']} last step: {s['step_s'] * 1e3:.0f} ms, compute {s['compute_s'] * 1e3:.0f} ms, "
               f"comm {s['comm_s'] * 1e3:.0f} ms ({s['exposed_s'] * 1e3:.0f} ms exposed), {s['num_comms']} collectives")
+    for rank, entry in idle.items():
+        ph = entry["phases"]
+        top = ", ".join(f"{k} {v:.0f}" for k, v in list(entry["waited_on"].items())[:4])
+        if opts.schedule == "si":
+            where = (f"F alone {ph['forward_alone']:.0f}, pairs {ph['co_executed']:.0f}, "
+                     f"B alone {ph['backward_alone']:.0f}")
+        else:
+            where = f"{sum(ph.values()):.0f}"
+        print(f"  rank {rank} compute lane idle per step (ms): {where}; waiting on {top}")
     if problems:
         print(f"  INVALID trace: {len(problems)} problem(s), first: {problems[0]}")
         return 1
