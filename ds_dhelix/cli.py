@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 
@@ -32,8 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    # With --json, stdout carries only the JSON document (commands print it to ``args.stdout``);
+    # everything else, DeepSpeed's log lines included, goes to stderr.
+    args.stdout = sys.stdout
+    quiet = contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()
     try:
-        return int(args.func(args) or 0)
+        with quiet:
+            return int(args.func(args) or 0)
     except ValueError as err:  # user mistakes: one clear line, no traceback
         print(f"dhelix {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -23,6 +23,9 @@ def free_port() -> int:
 
 
 def _entry(rank, fn, world, port, outdir, args):
+    import sys
+    os.dup2(2, 1)  # ranks log to stderr: the parent's stdout stays clean for --json output
+    sys.stdout = sys.stderr
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

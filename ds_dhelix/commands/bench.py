@@ -111,7 +111,7 @@ def run(args) -> int:
         paths = write_outputs(report, args.out)
         log(f"[bench] wrote {', '.join(paths.values())}")
     if args.json:
-        print(dumps(report))
+        print(dumps(report), file=args.stdout)
     else:
         print()
         print(report["title"])

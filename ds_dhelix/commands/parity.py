@@ -7,8 +7,10 @@ import json
 def register(sub) -> None:
     p = sub.add_parser("parity", help="check that a schedule trains exactly like sequential (and close to HF)")
     p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2; 1 with --pp > 1)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel size (world = tp x dp)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (default 2; 1 with --pp > 1 or --ep > 1)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (world = tp x dp; default: --ep)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; shards experts inside DP)")
     p.add_argument("--schedule", default="si", choices=["si", "sequential", "w", "dualpipev"],
                    help="si/sequential: one stage; w/dualpipev (or sequential): the folded pipeline with --pp")
     p.add_argument("--pp", type=int, default=1,
@@ -27,24 +29,33 @@ def register(sub) -> None:
 def run(args) -> int:
     from ds_dhelix.parity import ParityOptions, run_parity
     if args.tp is None:
-        args.tp = 2 if args.pp == 1 else 1
-    for name in ("tp", "dp", "pp", "steps", "micro_batches", "micro_batch_size", "seq_len"):
+        args.tp = 2 if args.pp == 1 and args.ep == 1 else 1
+    if args.dp is None:
+        args.dp = args.ep
+    for name in ("tp", "dp", "ep", "pp", "steps", "micro_batches", "micro_batch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     opts = ParityOptions(model=args.model, tp=args.tp, dp=args.dp, schedule=args.schedule, steps=args.steps,
                          micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                         seq_len=args.seq_len, zero_stage=args.zero, pp=args.pp, clip=args.clip)
+                         seq_len=args.seq_len, zero_stage=args.zero, pp=args.pp, clip=args.clip,
+                         extra={"expert_parallel": {"size": args.ep}} if args.ep > 1 else {})
     from hf_models.adapters import adapter_for
     from hf_models.registry import load_config
-    adapter_for(load_config(args.model)).check_tp(load_config(args.model), args.tp)
+    config = load_config(args.model)
+    adapter = adapter_for(config)
+    adapter.check_tp(config, args.tp)
+    if args.ep > 1:
+        if not hasattr(adapter, "check_ep"):
+            raise ValueError(f"--ep {args.ep}: {config.model_type} has no experts; use --ep 1")
+        adapter.check_ep(config, args.ep, args.dp)
     _check_pipeline(opts, load_config(args.model).num_hidden_layers)
     result = run_parity(opts, timeout=args.timeout)
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1), file=args.stdout)
     else:
         from ds_dhelix.parity import pipe_label
         s = args.schedule if args.pp == 1 else pipe_label(opts)
-        print(f"{args.model} pp={args.pp} tp={args.tp} dp={args.dp} zero={args.zero} {args.steps} steps x "
+        print(f"{args.model} pp={args.pp} tp={args.tp} dp={args.dp} ep={args.ep} zero={args.zero} {args.steps} steps x "
               f"{args.micro_batches} micro-batches")
         print(f"  losses sequential: {result['losses']['sequential']}")
         print(f"  losses {s}:{' ' * (10 - len(s))} {result['losses'][s]}")

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         plan.save(args.out)
     if args.json:
-        print(json.dumps(dict(result, plan=plan.to_dict()), indent=1))
+        print(json.dumps(dict(result, plan=plan.to_dict()), indent=1), file=args.stdout)
         return 0
     print(plan.render_text(planner.step_costs(table, plan)))
     for key, value in result.items():

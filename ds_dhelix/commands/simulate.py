@@ -66,7 +66,7 @@ def run(args) -> int:
             "closed_form": CLOSED_FORMS.get(args.schedule) if closed is not None else None,
             "peak_activations": result.peak_activations,
             "timeline": [[{"start": ev.start, "end": ev.end, "label": ev.instruction.label()}
-                          for ev in events] for events in result.events]}, indent=1))
+                          for ev in events] for events in result.events]}, indent=1), file=args.stdout)
         return 0 if result.ok else 1
     print(f"schedule {args.schedule}: p={p} stages, m={m} micro-batches, F={F:g} B={B:g} "
           f"pair={c:g}")

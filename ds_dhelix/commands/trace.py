@@ -56,7 +56,7 @@ def run(args) -> int:
     summary = summarize_trace(trace)
     idle = idle_breakdown(trace)
     if args.json:
-        print(json.dumps({**run_info, "summary": summary, "idle": idle, "problems": problems}, indent=1))
+        print(json.dumps({**run_info, "summary": summary, "idle": idle, "problems": problems}, indent=1), file=args.stdout)
         return 0 if not problems else 1
     link = "unshaped loopback" if opts.link_gbps is None else f"{opts.link_gbps:g} Gbit/s" + (
         "" if run_info["shaped"] else " (emulation unavailable: ran UNSHAPED)")

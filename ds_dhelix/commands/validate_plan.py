@@ -38,7 +38,7 @@ def run(args) -> int:
         res = validate_world(o, args.timeout)
     res["link_gbps"] = args.link_gbps
     if args.json:
-        print(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1), file=args.stdout)
         return 0
     print(f"{'plan':<12}{'steps':>6}{'predicted ms':>14}{'measured ms':>13}{'error %':>9}")
     for r in sorted(res["rows"], key=lambda r: r["measured_ms"]):
