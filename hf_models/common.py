@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_dhelix.comm import allreduce_grad_hook
-from ds_dhelix.graph import comp
+from ds_dhelix.comm import SeqAllGather, SeqReduceScatter, allreduce_grad_hook
+from ds_dhelix.graph import comm, comp
 
 
 def check_divisible(tp: int, world: int | None = None, **dims: int) -> None:
@@ -132,3 +132,97 @@ def gather_param(p: torch.Tensor, group, tp: int) -> torch.Tensor:
         out.index_copy_(dim, torch.cat(idx), full)
         full = out
     return full
+
+
+# ---------------------------------------------------------------------------------- dense layers
+def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, residual, mlp_up, mlp_down):
+    """The op list of a dense decoder layer, COMM ops included when ``tp > 1``.
+
+    Each argument except ``attn_core`` (an Op) and ``residual`` is a COMP body ``fn(side, *inputs)``:
+    ``attn_norm(h) -> x``, ``qkv(xf) -> q, k, v``, ``attn_out(o) -> ao`` (row-parallel partial
+    sums, no bias), ``mlp_up(x2f) -> act``, ``mlp_down(act) -> mo``. ``residual(ar, mr)`` returns the
+    ``mlp.norm`` and ``mlp.add`` ops, which read the attention and MLP outputs under the keys given
+    (the reduce-scattered ones when sharded) and add the row-parallel biases.
+    """
+    sharded = tp > 1
+    xin, x2in = ("xf", "x2f") if sharded else ("x", "x2")
+    ar, mr = ("ar", "mr") if sharded else ("ao", "mo")
+    gather, scatter = SeqAllGather(tp_group, tp), SeqReduceScatter(tp_group, tp)
+
+    def when_sharded(op):
+        return [op] if sharded else []
+
+    mlp_norm, mlp_add = residual(ar, mr)
+    return [
+        comp("attn.norm", ("h",), ("x",), attn_norm),
+        *when_sharded(comm("attn.ag", gather, "x", "xf")),
+        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv),
+        attn_core,
+        comp("attn.out", ("o",), ("ao",), attn_out),
+        *when_sharded(comm("attn.rs", scatter, "ao", "ar")),
+        mlp_norm,
+        *when_sharded(comm("mlp.ag", gather, "x2", "x2f")),
+        comp("mlp.up", (x2in,), ("act",), mlp_up),
+        comp("mlp.down", ("act",), ("mo",), mlp_down),
+        *when_sharded(comm("mlp.rs", scatter, "mo", "mr")),
+        mlp_add,
+    ]
+
+
+def sequential_residual(norm: nn.Module, attn_bias, mlp_bias):
+    """``residual`` for ``h2 = h + attn; h = h2 + mlp`` (pre-norm, the common case).
+    ``attn_bias`` / ``mlp_bias``: the row-parallel biases (or None), added after the reduce-scatter."""
+
+    def plus(x, bias):
+        return x if bias is None else x + bias
+
+    def mlp_norm(side, h, a):
+        h2 = h + plus(a, attn_bias)
+        return h2, norm(h2)
+
+    def make(ar: str, mr: str):
+        return (comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm),
+                comp("mlp.add", ("h2", mr), ("h",), lambda side, h2, m: (h2 + plus(m, mlp_bias),)))
+
+    return make
+
+
+def attn_core_op(attn_module, config, eager_fn):
+    """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d]."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    impl = config._attn_implementation or "sdpa"
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_fn)
+
+    def fn(side, q, k, v):
+        mask = side.get("causal_mask") if impl == "eager" else None
+        o, _ = attend(attn_module, q, k, v, mask, dropout=0.0, scaling=attn_module.scaling)
+        return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
+
+    return comp("attn.core", ("q", "k", "v"), ("o",), fn)
+
+
+def causal_mask_side(config, dtype, seq_len: int) -> dict:
+    """The additive causal mask eager attention needs (sdpa uses ``is_causal`` instead)."""
+    if (config._attn_implementation or "sdpa") != "eager":
+        return {}
+    mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype).triu(1)
+    return {"causal_mask": mask[None, None]}
+
+
+def rotary_side_fn(rotary_emb: nn.Module, weight: torch.Tensor, config):
+    """``extra`` for ``make_side_fn``: rotary cos/sin over the full sequence (+ the eager mask)."""
+
+    def extra(batch, side):
+        s, dummy = side["seq_len"], weight[:1].detach()
+        cos, sin = rotary_emb(dummy, torch.arange(s).unsqueeze(0))
+        return {"cos": cos, "sin": sin, **causal_mask_side(config, dummy.dtype, s)}
+
+    return extra
+
+
+def warn_dropout(config, keys, family: str) -> None:
+    """The op graph applies no dropout (SI reorders random draws): say so when a config sets it."""
+    import warnings
+    active = {k: getattr(config, k) for k in keys if getattr(config, k, 0.0)}
+    if active:
+        warnings.warn(f"ds_dhelix runs {family} without dropout; ignoring {active}", stacklevel=3)

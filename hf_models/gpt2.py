@@ -27,15 +27,13 @@ Dropout is not applied (see ``build_graph``).
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 from transformers.models.gpt2 import modeling_gpt2 as hf
 
-from ds_dhelix.comm import SeqAllGather, SeqReduceScatter
-from ds_dhelix.graph import ModelGraph, comm, comp
+from ds_dhelix.graph import ModelGraph, comp
 
-from .common import check_divisible, embed_op, head_ops, make_side_fn, mark_replicated, shard_param
+from .common import (causal_mask_side, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
+                     mark_replicated, sequential_residual, shard_param, warn_dropout)
 
 _DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
@@ -94,41 +92,22 @@ def attn_core_op(attn_module, config):
 def layer_ops(block, config, tp: int, tp_group):
     at, mlp = block.attn, block.mlp
     hd = at.head_dim
-    sharded = tp > 1
-    xin, x2in = ("xf", "x2f") if sharded else ("x", "x2")
-    ar, mr = ("ar", "mr") if sharded else ("ao", "mo")
-    gather, scatter = SeqAllGather(tp_group, tp), SeqReduceScatter(tp_group, tp)
 
     def qkv(side, xf):
         s, b, _ = xf.shape
         parts = at.c_attn(xf).split(at.c_attn.nf // 3, dim=2)
         return tuple(p.view(s, b, -1, hd).permute(1, 2, 0, 3) for p in parts)  # [b, n/t, s, d]
 
-    def mlp_norm(side, h, a):
-        h2 = (a + at.c_proj.bias) + h
-        return h2, block.ln_2(h2)
-
-    ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (block.ln_1(h),))]
-    if sharded:
-        ops.append(comm("attn.ag", gather, "x", "xf"))
-    ops += [
-        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv),
-        attn_core_op(at, config),
-        comp("attn.out", ("o",), ("ao",), lambda side, o: (torch.matmul(o, at.c_proj.weight),)),
-    ]
-    if sharded:
-        ops.append(comm("attn.rs", scatter, "ao", "ar"))
-    ops.append(comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm))
-    if sharded:
-        ops.append(comm("mlp.ag", gather, "x2", "x2f"))
-    ops += [
-        comp("mlp.up", (x2in,), ("act",), lambda side, x: (mlp.act(mlp.c_fc(x)),)),
-        comp("mlp.down", ("act",), ("mo",), lambda side, a: (torch.matmul(a, mlp.c_proj.weight),)),
-    ]
-    if sharded:
-        ops.append(comm("mlp.rs", scatter, "mo", "mr"))
-    ops.append(comp("mlp.add", ("h2", mr), ("h",), lambda side, h2, m: (h2 + (m + mlp.c_proj.bias),)))
-    return ops
+    return dense_layer_ops(
+        tp, tp_group,
+        attn_norm=lambda side, h: (block.ln_1(h),),
+        qkv=qkv,
+        attn_core=attn_core_op(at, config),
+        attn_out=lambda side, o: (torch.matmul(o, at.c_proj.weight),),
+        residual=sequential_residual(block.ln_2, at.c_proj.bias, mlp.c_proj.bias),
+        mlp_up=lambda side, x: (mlp.act(mlp.c_fc(x)),),
+        mlp_down=lambda side, a: (torch.matmul(a, mlp.c_proj.weight),),
+    )
 
 
 def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None) -> ModelGraph:
@@ -139,9 +118,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     """
     config = model.config
     check_tp(config, tp)
-    active = {k: getattr(config, k) for k in _DROPOUT_KEYS if getattr(config, k, 0.0)}
-    if active:
-        warnings.warn(f"ds_dhelix runs GPT-2 without dropout; ignoring {active}", stacklevel=2)
+    warn_dropout(config, _DROPOUT_KEYS, "GPT-2")
     shard(model, tp, tp_rank)
     tr = model.transformer
     if tp > 1:
@@ -152,10 +129,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
         mark_replicated(replicated, tp_grad_group)  # a tied lm_head/wte gets one hook
 
     def eager_mask(batch, side):
-        if (config._attn_implementation or "sdpa") != "eager":
-            return {}
-        s, dtype = side["seq_len"], tr.wte.weight.dtype
-        return {"causal_mask": torch.full((s, s), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]}
+        return causal_mask_side(config, tr.wte.weight.dtype, side["seq_len"])
 
     blocks = [[embed_op(tr.wte, pos_embed=tr.wpe)]]
     blocks += [layer_ops(block, config, tp, tp_group) for block in tr.h]

@@ -27,16 +27,13 @@ reduce-scatter. Dropout is not applied (see ``build_graph``).
 """
 from __future__ import annotations
 
-import warnings
-
-import torch
 import torch.nn.functional as F
 from transformers.models.gpt_neox import modeling_gpt_neox as hf
 
-from ds_dhelix.comm import SeqAllGather, SeqReduceScatter
-from ds_dhelix.graph import ModelGraph, comm, comp
+from ds_dhelix.graph import ModelGraph, comp
 
-from .common import check_divisible, embed_op, head_ops, make_side_fn, mark_replicated, shard_param
+from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
+                     mark_replicated, rotary_side_fn, sequential_residual, shard_param, warn_dropout)
 
 _DROPOUT_KEYS = ("hidden_dropout", "attention_dropout")
 
@@ -57,48 +54,28 @@ def shard(model, tp: int, tp_rank: int) -> None:
             shard_param(lin, "weight", 1, tp_rank, tp)
 
 
-def with_bias(x, lin):
-    return x if lin.bias is None else x + lin.bias
-
-
-def attn_core_op(attn_module, config):
-    """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d]."""
-    impl = config._attn_implementation or "sdpa"
-    attend = hf.ALL_ATTENTION_FUNCTIONS.get_interface(impl, hf.eager_attention_forward)
-
-    def fn(side, q, k, v):
-        mask = side.get("causal_mask") if impl == "eager" else None
-        o, _ = attend(attn_module, q, k, v, mask, dropout=0.0, scaling=attn_module.scaling)
-        return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
-
-    return comp("attn.core", ("q", "k", "v"), ("o",), fn)
-
-
-def residual_ops(layer, ar: str, mr: str):
-    """``mlp.norm`` and ``mlp.add`` for the parallel or the sequential residual."""
+def residual(layer):
+    """``mlp.norm`` / ``mlp.add`` for the parallel residual (h + attn(ln1(h)) + mlp(ln2(h))) or the
+    sequential one."""
     at, mlp = layer.attention, layer.mlp
-    if layer.use_parallel_residual:  # h + attn(ln1(h)) + mlp(ln2(h))
+    if not layer.use_parallel_residual:
+        return sequential_residual(layer.post_attention_layernorm, at.dense.bias, mlp.dense_4h_to_h.bias)
+
+    def plus(x, lin):
+        return x if lin.bias is None else x + lin.bias
+
+    def make(ar: str, mr: str):
         norm = comp("mlp.norm", ("h",), ("x2",), lambda side, h: (layer.post_attention_layernorm(h),))
         add = comp("mlp.add", ("h", ar, mr), ("h",),
-                   lambda side, h, a, m: (with_bias(m, mlp.dense_4h_to_h) + with_bias(a, at.dense) + h,))
+                   lambda side, h, a, m: (plus(m, mlp.dense_4h_to_h) + plus(a, at.dense) + h,))
         return norm, add
 
-    def mlp_norm(side, h, a):
-        h2 = with_bias(a, at.dense) + h
-        return h2, layer.post_attention_layernorm(h2)
-
-    norm = comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm)
-    add = comp("mlp.add", ("h2", mr), ("h",), lambda side, h2, m: (with_bias(m, mlp.dense_4h_to_h) + h2,))
-    return norm, add
+    return make
 
 
 def layer_ops(layer, config, tp: int, tp_group):
     at, mlp = layer.attention, layer.mlp
     hd = at.head_size
-    sharded = tp > 1
-    xin, x2in = ("xf", "x2f") if sharded else ("x", "x2")
-    ar, mr = ("ar", "mr") if sharded else ("ao", "mo")
-    gather, scatter = SeqAllGather(tp_group, tp), SeqReduceScatter(tp_group, tp)
 
     def qkv(side, xf):
         s, b, _ = xf.shape
@@ -107,28 +84,16 @@ def layer_ops(layer, config, tp: int, tp_group):
         q, k = hf.apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
         return q, k, v
 
-    norm, add = residual_ops(layer, ar, mr)
-    ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (layer.input_layernorm(h),))]
-    if sharded:
-        ops.append(comm("attn.ag", gather, "x", "xf"))
-    ops += [
-        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv),
-        attn_core_op(at, config),
-        comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.dense.weight),)),
-    ]
-    if sharded:
-        ops.append(comm("attn.rs", scatter, "ao", "ar"))
-    ops.append(norm)
-    if sharded:
-        ops.append(comm("mlp.ag", gather, "x2", "x2f"))
-    ops += [
-        comp("mlp.up", (x2in,), ("act",), lambda side, x: (mlp.act(mlp.dense_h_to_4h(x)),)),
-        comp("mlp.down", ("act",), ("mo",), lambda side, a: (F.linear(a, mlp.dense_4h_to_h.weight),)),
-    ]
-    if sharded:
-        ops.append(comm("mlp.rs", scatter, "mo", "mr"))
-    ops.append(add)
-    return ops
+    return dense_layer_ops(
+        tp, tp_group,
+        attn_norm=lambda side, h: (layer.input_layernorm(h),),
+        qkv=qkv,
+        attn_core=attn_core_op(at, config, hf.eager_attention_forward),
+        attn_out=lambda side, o: (F.linear(o, at.dense.weight),),
+        residual=residual(layer),
+        mlp_up=lambda side, x: (mlp.act(mlp.dense_h_to_4h(x)),),
+        mlp_down=lambda side, a: (F.linear(a, mlp.dense_4h_to_h.weight),),
+    )
 
 
 def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None) -> ModelGraph:
@@ -139,9 +104,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     """
     config = model.config
     check_tp(config, tp)
-    active = {k: getattr(config, k) for k in _DROPOUT_KEYS if getattr(config, k, 0.0)}
-    if active:
-        warnings.warn(f"ds_dhelix runs GPT-NeoX without dropout; ignoring {active}", stacklevel=2)
+    warn_dropout(config, _DROPOUT_KEYS, "GPT-NeoX")
     shard(model, tp, tp_rank)
     inner = model.gpt_neox
     if tp > 1:
@@ -153,16 +116,8 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
                            layer.attention.dense.bias, layer.mlp.dense_4h_to_h.bias]
         mark_replicated(replicated, tp_grad_group)
 
-    def rotary(batch, side):
-        s, dummy = side["seq_len"], inner.embed_in.weight[:1].detach()
-        cos, sin = inner.rotary_emb(dummy, torch.arange(s).unsqueeze(0))  # [1, s, rotary_ndims]
-        extra = {"cos": cos, "sin": sin}
-        if (config._attn_implementation or "sdpa") == "eager":
-            mask = torch.full((s, s), torch.finfo(dummy.dtype).min, dtype=dummy.dtype).triu(1)
-            extra["causal_mask"] = mask[None, None]
-        return extra
-
     blocks = [[embed_op(inner.embed_in)]]
     blocks += [layer_ops(layer, config, tp, tp_group) for layer in inner.layers]
     blocks.append(head_ops(inner.final_layer_norm, model.lm_head))
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, rotary), family="gpt_neox")
+    side = rotary_side_fn(inner.rotary_emb, inner.embed_in.weight, config)  # cos/sin: [1, s, rotary_ndims]
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="gpt_neox")

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch.nn.functional as F
 from transformers.models.llama import modeling_llama as hf
 
-from ds_dhelix.comm import SeqAllGather, SeqReduceScatter
-from ds_dhelix.graph import ModelGraph, comm, comp
+from ds_dhelix.graph import ModelGraph
 
-from .common import check_divisible, embed_op, head_ops, make_side_fn, mark_replicated, shard_param
+from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
+                     mark_replicated, rotary_side_fn, sequential_residual, shard_param)
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
@@ -46,30 +46,9 @@ def shard(model, tp: int, tp_rank: int) -> None:
             shard_param(lin, "weight", 1, tp_rank, tp)
 
 
-def attention_fn(config):
-    name = config._attn_implementation or "sdpa"
-    return hf.ALL_ATTENTION_FUNCTIONS.get_interface(name, hf.eager_attention_forward), name
-
-
-def attn_core_op(attn_module, config):
-    """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d]."""
-    attend, impl = attention_fn(config)
-
-    def fn(side, q, k, v):
-        mask = side.get("causal_mask") if impl == "eager" else None
-        o, _ = attend(attn_module, q, k, v, mask, dropout=0.0, scaling=attn_module.scaling)
-        return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
-
-    return comp("attn.core", ("q", "k", "v"), ("o",), fn)
-
-
 def layer_ops(layer, config, tp: int, tp_group):
     at, mlp = layer.self_attn, layer.mlp
     hd = at.head_dim
-    sharded = tp > 1
-    xin, x2in = ("xf", "x2f") if sharded else ("x", "x2")
-    ar, mr = ("ar", "mr") if sharded else ("ao", "mo")
-    gather, scatter = SeqAllGather(tp_group, tp), SeqReduceScatter(tp_group, tp)
 
     def qkv(side, xf):
         s, b, _ = xf.shape
@@ -77,37 +56,16 @@ def layer_ops(layer, config, tp: int, tp_group):
         q, k = hf.apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
         return q, k, v
 
-    def out_bias(x):
-        return x if at.o_proj.bias is None else x + at.o_proj.bias
-
-    def mlp_norm(side, h, a):
-        h2 = h + out_bias(a)
-        return h2, layer.post_attention_layernorm(h2)
-
-    def mlp_add(side, h2, m):
-        return (h2 + (m if mlp.down_proj.bias is None else m + mlp.down_proj.bias),)
-
-    ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (layer.input_layernorm(h),))]
-    if sharded:
-        ops.append(comm("attn.ag", gather, "x", "xf"))
-    ops += [
-        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv),
-        attn_core_op(at, config),
-        comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.o_proj.weight),)),
-    ]
-    if sharded:
-        ops.append(comm("attn.rs", scatter, "ao", "ar"))
-    ops.append(comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm))
-    if sharded:
-        ops.append(comm("mlp.ag", gather, "x2", "x2f"))
-    ops += [
-        comp("mlp.up", (x2in,), ("act",), lambda side, x: (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x),)),
-        comp("mlp.down", ("act",), ("mo",), lambda side, a: (F.linear(a, mlp.down_proj.weight),)),
-    ]
-    if sharded:
-        ops.append(comm("mlp.rs", scatter, "mo", "mr"))
-    ops.append(comp("mlp.add", ("h2", mr), ("h",), mlp_add))
-    return ops
+    return dense_layer_ops(
+        tp, tp_group,
+        attn_norm=lambda side, h: (layer.input_layernorm(h),),
+        qkv=qkv,
+        attn_core=attn_core_op(at, config, hf.eager_attention_forward),
+        attn_out=lambda side, o: (F.linear(o, at.o_proj.weight),),
+        residual=sequential_residual(layer.post_attention_layernorm, at.o_proj.bias, mlp.down_proj.bias),
+        mlp_up=lambda side, x: (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x),),
+        mlp_down=lambda side, a: (F.linear(a, mlp.down_proj.weight),),
+    )
 
 
 def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None) -> ModelGraph:
@@ -123,19 +81,8 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
                            layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias]
         mark_replicated(replicated, tp_grad_group)
 
-    def rotary(batch, side):
-        import torch
-        pos = torch.arange(side["seq_len"]).unsqueeze(0)
-        dummy = inner.embed_tokens.weight[:1]
-        cos, sin = inner.rotary_emb(dummy, pos)
-        extra = {"cos": cos, "sin": sin}
-        if (config._attn_implementation or "sdpa") == "eager":
-            s = side["seq_len"]
-            mask = torch.full((s, s), torch.finfo(dummy.dtype).min, dtype=dummy.dtype).triu(1)
-            extra["causal_mask"] = mask[None, None]
-        return extra
-
     blocks = [[embed_op(inner.embed_tokens)]]
     blocks += [layer_ops(layer, config, tp, tp_group) for layer in inner.layers]
     blocks.append(head_ops(inner.norm, model.lm_head))
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, rotary), family="llama")
+    side = rotary_side_fn(inner.rotary_emb, inner.embed_tokens.weight, config)
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="llama")
