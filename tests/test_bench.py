@@ -68,6 +68,7 @@ def test_failed_modes_become_rows():
     ({"link_gbps": (0.0,)}, ["0.0", "> 0"]),
     ({"seq_len": 63}, ["63", "tp 2"]),
     ({"repeats": 0}, ["repeats"]),
+    ({"link_burst_kb": 16}, ["16", "MTU"]),
 ])
 def test_bad_options_name_the_value(kwargs, words):
     with pytest.raises(ValueError) as err:

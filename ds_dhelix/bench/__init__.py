@@ -48,7 +48,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None)
                 f"shared the cores, timings are noisy")
     return {
         "title": f"{opts.model} TP={opts.tp}, {opts.micro_batches}x{opts.micro_batch_size}x"
-                 f"{opts.seq_len} tokens/step, {opts.world} CPU ranks x 1 thread",
+                 f"{opts.seq_len} tokens/step, {opts.world} CPU ranks x 1 thread, "
+                 f"link burst {opts.link_burst_kb} KB",
         "options": opts.to_dict(),
         "results": rows,
         "comm_comp_ratio": comm_comp_ratio(rows),

@@ -13,7 +13,8 @@ from ds_dhelix.plan import write_atomic
 CSV_COLUMNS = ("mode", "link_gbps", "link", "shaped", "status", "steps", "step_time_s", "tokens_per_s",
                "speedup_vs_sequential", "ideal_speedup", "achieved_over_ideal", "step_bound_speedup",
                "compute_s", "comm_s", "exposed_comm_s", "hidden_fraction", "hidden_of_comm",
-               "peak_activation_bytes", "mfu", "cpu_s", "other_threads_cpu_s", "step_time_min_s", "step_time_max_s", "build_s",
+               "peak_activation_bytes", "mfu", "cpu_s", "other_threads_cpu_s", "step_time_min_s",
+               "step_time_max_s", "build_s",
                "plan_source", "plan_is_default", "plan_fingerprint", "reason")
 
 

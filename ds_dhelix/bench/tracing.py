@@ -36,6 +36,7 @@ class TraceOptions:
     seq_len: int = BenchOptions.seq_len
     num_layers: int | None = None
     link_gbps: float | None = None
+    link_burst_kb: int = BenchOptions.link_burst_kb
     timeout: float = 600.0
 
     def __post_init__(self):
@@ -52,7 +53,8 @@ class TraceOptions:
     def bench_options(self) -> BenchOptions:
         return BenchOptions(model=self.model, tp=self.tp, modes=(self.schedule,), link_gbps=(self.link_gbps,),
                             micro_batches=self.micro_batches, micro_batch_size=self.micro_batch_size,
-                            seq_len=self.seq_len, num_layers=self.num_layers, timeout=self.timeout)
+                            seq_len=self.seq_len, num_layers=self.num_layers, timeout=self.timeout,
+                            link_burst_kb=self.link_burst_kb)
 
 
 def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
@@ -88,7 +90,8 @@ def record_trace(opts: TraceOptions) -> dict:
     written by the engine (rank 0 merges every rank's spans)."""
     from ds_dhelix.linkemu import link_emulation_available, run_in_link
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
-    per_rank = run_in_link(_link_main, opts.link_gbps, args=(opts,), timeout=opts.timeout + 30)
+    per_rank = run_in_link(_link_main, opts.link_gbps, args=(opts,), timeout=opts.timeout + 30,
+                           burst_kb=opts.link_burst_kb)
     shaped = opts.link_gbps is not None and link_emulation_available()[0]
     return {"path": os.path.abspath(opts.out), "shaped": shaped, "per_rank_steps": per_rank}
 

@@ -144,7 +144,8 @@ def measure_link(opts: BenchOptions, gbps: float | None) -> dict:
     shaped = gbps is not None and link_emulation_available()[0]
     t0, load0 = time.perf_counter(), _loadavg()
     try:
-        result = run_in_link(_link_main, gbps, args=(opts, gbps), timeout=opts.timeout + 30)
+        result = run_in_link(_link_main, gbps, args=(opts, gbps), timeout=opts.timeout + 30,
+                             burst_kb=opts.link_burst_kb)
     except Exception as err:  # noqa: BLE001 -- reported in the rows of this link
         text = str(err).strip().splitlines()
         result = {"error": f"{type(err).__name__}: {text[-1] if text else ''}"[:800], "modes": {}}

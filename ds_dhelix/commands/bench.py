@@ -41,6 +41,9 @@ def register(sub) -> None:
     p.add_argument("--link-gbps", nargs="+", type=_link_rate, default=None, metavar="GBPS",
                    help="emulated link rates in Gbit/s, 'unshaped' for plain loopback "
                         "(default: 1 2 5 10 unshaped; --quick: 2)")
+    p.add_argument("--link-burst-kb", type=int, default=None, metavar="KB",
+                   help=f"token-bucket burst of the emulated link (default {d.link_burst_kb}, just above the "
+                        f"loopback MTU; larger lets an idle link bank credit)")
     p.add_argument("--micro-batches", type=int, default=None, help=f"per step (default {d.micro_batches})")
     p.add_argument("--micro-batch-size", type=int, default=None, help=f"default {d.micro_batch_size}")
     p.add_argument("--seq-len", type=int, default=None, help=f"default {d.seq_len} (--quick: 128)")
@@ -52,7 +55,8 @@ def register(sub) -> None:
     p.add_argument("--planner-cache", default=None, metavar="DIR",
                    help="cache dir of the overlap tables si-planned profiles (default: the planner's, "
                         "~/.cache/ds_dhelix)")
-    p.add_argument("--quick", action="store_true", help="2 layers, 4 micro-batches of seq 128, 2 Gbit/s only, 1+3 steps (< 3 min)")
+    p.add_argument("--quick", action="store_true",
+                   help="2 layers, 4 micro-batches of seq 128, 2 Gbit/s only, 1+3 steps (< 3 min)")
     p.add_argument("--out", default=None, help="write bench.json/.csv/.md/.png here")
     p.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
     p.set_defaults(func=run)
@@ -60,6 +64,7 @@ def register(sub) -> None:
 
 def options_from_args(args) -> BenchOptions:
     given = {"model": args.model, "tp": args.tp, "modes": args.modes, "link_gbps": args.link_gbps,
+             "link_burst_kb": args.link_burst_kb,
              "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
              "seq_len": args.seq_len, "num_layers": args.num_layers, "warmup": args.warmup,
              "repeats": args.repeats, "zero_stage": args.zero, "timeout": args.timeout}

@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--num-layers", type=int, default=None, help="shrink the preset")
     p.add_argument("--link-gbps", type=_link_rate, default=None, metavar="GBPS",
                    help="emulated link rate in Gbit/s (default: unshaped loopback)")
+    p.add_argument("--link-burst-kb", type=int, default=d.link_burst_kb, metavar="KB",
+                   help="token-bucket burst of the emulated link (see dhelix bench --help)")
     p.add_argument("--out", default="trace.json", help="trace file to write")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the world is killed")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -43,10 +45,11 @@ def run(args) -> int:
     from ds_dhelix.bench.tracing import idle_breakdown, record_trace, summarize_trace
     from ds_dhelix.trace import validate_trace
     from .bench import check_model
-    opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, schedule=args.schedule, planned=args.planned, steps=args.steps,
+    opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, schedule=args.schedule,
+                        planned=args.planned, steps=args.steps,
                         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                         seq_len=args.seq_len, num_layers=args.num_layers, link_gbps=args.link_gbps,
-                        timeout=args.timeout)
+                        link_burst_kb=args.link_burst_kb, timeout=args.timeout)
     check_model(opts.bench_options())
     with _stdout_to_stderr(args.json):
         run_info = record_trace(opts)
@@ -56,11 +59,13 @@ def run(args) -> int:
     summary = summarize_trace(trace)
     idle = idle_breakdown(trace)
     if args.json:
-        print(json.dumps({**run_info, "summary": summary, "idle": idle, "problems": problems}, indent=1), file=args.stdout)
+        report = {**run_info, "summary": summary, "idle": idle, "problems": problems}
+        print(json.dumps(report, indent=1), file=args.stdout)
         return 0 if not problems else 1
     link = "unshaped loopback" if opts.link_gbps is None else f"{opts.link_gbps:g} Gbit/s" + (
         "" if run_info["shaped"] else " (emulation unavailable: ran UNSHAPED)")
-    print(f"trace of {opts.steps} {opts.schedule}{' (planned)' if opts.planned else ''} steps, {opts.model} TP={opts.tp}, {link}: {run_info['path']}")
+    what = f"{opts.schedule}{' (planned)' if opts.planned else ''}"
+    print(f"trace of {opts.steps} {what} steps, {opts.model} TP={opts.tp}, {link}: {run_info['path']}")
     print(f"  {summary['wall_ms']:.0f} ms from first to last span")
     for rank, lanes in summary["ranks"].items():
         for lane, entry in lanes.items():
