@@ -190,8 +190,8 @@ def _plan_from_config(dh, graph, model, layout, ds_config, example_batch) -> SIP
     log = (lambda msg: logger.info(msg)) if layout.rank == 0 else (lambda msg: None)
     plan, table = resolve_plan(dh.planner, graph, meta, example_batch, list(model.parameters()), log)
     from .planner import predict_ms
-    log(f"ds_dhelix: SI plan (predicted {plan.predicted_ms:.2f} ms per layer pair; default plan "
-        f"{predict_ms(table, fallback):.2f} ms)\n{plan.render_text()}")
+    log(f"ds_dhelix: SI plan '{plan.source}' (predicted {predict_ms(table, plan):.2f} ms per layer pair; "
+        f"default plan {predict_ms(table, fallback):.2f} ms)\n{plan.render_text()}")
     return plan
 
 
