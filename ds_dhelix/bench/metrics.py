@@ -65,7 +65,7 @@ def summarize_link(opts: BenchOptions, gbps: float | None, result: dict,
         if out.get("steps"):
             row.update(_timing(opts, out["steps"], seq_med, ideal, mode, peak_flops, flops_per_token))
         if mode == "si-planned" and row.get("plan_is_default"):
-            row["reason"] = "planner.profile='auto' produced the default plan (planner not applied)"
+            row["reason"] = f"the planner kept the default plan (plan source {row.get('plan_source')!r})"
         rows.append(row)
     return rows
 

@@ -30,6 +30,8 @@ class TraceOptions:
     schedule: str = "si"
     planned: bool = False
     """SI with the planner's plan (``planner.profile = "auto"``) instead of the default plan."""
+    planner_cache: str | None = None
+    """Overlap-table cache of the planner (None: its default, ~/.cache/ds_dhelix)."""
     steps: int = 3
     micro_batches: int = BenchOptions.micro_batches
     micro_batch_size: int = BenchOptions.micro_batch_size
@@ -65,7 +67,10 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
     from .world import make_batches
     bench = opts.bench_options()
     trace = {"enabled": True, "path": os.path.abspath(opts.out), "steps": opts.steps}
-    bench = replace(bench, extra_dhelix={"trace": trace})
+    extra = {"trace": trace}
+    if opts.planner_cache:
+        extra["planner"] = {"cache_dir": os.path.abspath(opts.planner_cache)}
+    bench = replace(bench, extra_dhelix=extra)
     batches = make_batches(bench, load_config(opts.model).vocab_size)
     mode = "si-planned" if opts.planned and opts.schedule == "si" else opts.schedule
     config = bench.dhelix_ds_config(mode, opts.link_gbps)

@@ -25,6 +25,8 @@ def register(sub) -> None:
     p.add_argument("--schedule", default="si", choices=["si", "sequential"])
     p.add_argument("--planned", action="store_true",
                    help="SI with the planner's plan (planner.profile=auto: profile, then DP search)")
+    p.add_argument("--planner-cache", default=None, metavar="DIR",
+                   help="overlap-table cache for --planned (default: the planner's, ~/.cache/ds_dhelix)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to trace")
     d = TraceOptions()
     p.add_argument("--micro-batches", type=int, default=d.micro_batches)
@@ -46,7 +48,7 @@ def run(args) -> int:
     from ds_dhelix.trace import validate_trace
     from .bench import check_model
     opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, schedule=args.schedule,
-                        planned=args.planned, steps=args.steps,
+                        planned=args.planned, planner_cache=args.planner_cache, steps=args.steps,
                         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                         seq_len=args.seq_len, num_layers=args.num_layers, link_gbps=args.link_gbps,
                         link_burst_kb=args.link_burst_kb, timeout=args.timeout)
