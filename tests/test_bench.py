@@ -83,13 +83,15 @@ def test_quick_keeps_explicit_values():
 
 # ------------------------------------------------------------------ end to end: every mode, tiny
 def test_bench_quick_json_every_mode(tmp_path):
+    # ~65 s on an idle 2-core machine; si-planned profiles its layer (fresh cache) and DeepSpeed
+    # may JIT-build its CPU comm op on first use, so the bound leaves room for a busy machine.
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "ds_dhelix.cli", "bench", "--quick", "--json", "--num-layers", "1",
             "--seq-len", "64", "--micro-batch-size", "2", "--warmup", "1", "--repeats", "2",
-            "--link-gbps", "unshaped", "--timeout", "150", "--planner-cache", str(tmp_path / "cache"),
+            "--link-gbps", "unshaped", "--timeout", "200", "--planner-cache", str(tmp_path / "cache"),
             "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     rows = {r["mode"]: r for r in report["results"]}
