@@ -40,6 +40,11 @@ def _unshare_prefix() -> list[str]:
     return ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-r", "-n"]
 
 
+# Token-bucket burst just above the loopback MTU (64 KiB): an idle link banks almost no credit, so a
+# message sent after a long compute phase does not beat the nominal rate (a 512 KB burst did).
+DEFAULT_BURST_KB = 96
+
+
 def _shaping_script(gbps: float, burst_kb: int, latency_ms: float) -> str:
     exports = " ".join(f"{k}={v}" for k, v in LINK_ENV.items())
     return (f"ip link set lo up && "
@@ -70,7 +75,7 @@ def link_emulation_available() -> tuple[bool, str]:
     return True, f"{' '.join(_unshare_prefix())} + tc tbf on lo"
 
 
-def wrap_command(argv: Sequence[str], gbps: float | None, burst_kb: int = 512,
+def wrap_command(argv: Sequence[str], gbps: float | None, burst_kb: int = DEFAULT_BURST_KB,
                  latency_ms: float = 100) -> LinkCommand:
     """Wrap ``argv`` so it runs behind a loopback shaped to ``gbps`` Gbit/s.
 
@@ -98,7 +103,7 @@ def wrap_command(argv: Sequence[str], gbps: float | None, burst_kb: int = 512,
 
 def run_in_link(target: Sequence[str] | Callable[..., Any], gbps: float | None, *,
                 args: tuple = (), kwargs: dict | None = None, timeout: float | None = None,
-                burst_kb: int = 512, latency_ms: float = 100, **run_kwargs) -> Any:
+                burst_kb: int = DEFAULT_BURST_KB, latency_ms: float = 100, **run_kwargs) -> Any:
     """Run a command line or a function in a subprocess behind a ``gbps`` link.
 
     A command (list of str) returns its ``subprocess.CompletedProcess`` (``run_kwargs`` go to

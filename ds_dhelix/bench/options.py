@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field
 
+from ..linkemu import DEFAULT_BURST_KB
+
 MODES = ("deepspeed", "autotp", "sequential", "si", "si-planned")
 """Modes a run can measure, in table order."""
 
@@ -48,7 +50,7 @@ class BenchOptions:
     """Modes to measure (subset of ``MODES``)."""
     link_gbps: tuple[float | None, ...] = (1.0, 2.0, 5.0, 10.0, None)
     """Emulated link rates in Gbit/s; None = unshaped loopback."""
-    link_burst_kb: int = 96
+    link_burst_kb: int = DEFAULT_BURST_KB
     """Token-bucket burst of the emulated link in KB. Kept just above the loopback MTU (64 KiB):
     a larger bucket banks credit while the link idles, so a schedule that leaves the link idle
     during compute (sequential) gets its next messages faster than the nominal rate; a real link
