@@ -67,11 +67,15 @@ class LayerProbe:
 
     def _strands(self):
         ex, blk = self.executor, self.block
-        f = MicroBatch(1, self.side, env=dict(self.env0))
-        b = MicroBatch(0, self.side, env=dict(self.env0))
+        f = MicroBatch(1, self._own_side(), env=dict(self.env0))
+        b = MicroBatch(0, self._own_side(), env=dict(self.env0))
         ex.run_step([], ex.tasks(b, blk, False))
         b.grads["h"] = self.g0.clone()
         return f, b
+
+    def _own_side(self) -> dict:
+        """Each strand owns its side dict (MoE ops keep per-micro-batch routing in side["moe"])."""
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in self.side.items()}
 
     def time_step(self, fseg, bseg) -> float:
         """Seconds of one co-executed step (either segment may be empty)."""
@@ -208,14 +212,23 @@ def confirm_by_measurement(graph, batch: dict, plan, params=(), log=print, repea
 
 
 # ---------------------------------------------------------------------------------- CLI worlds
-def build_sharded(model_name: str, tp: int, seed: int = 1234):
-    """On a running world: the preset/checkpoint model, sharded for this rank, and its graph."""
+def build_sharded(model_name: str, tp: int, seed: int = 1234, ep: int = 1):
+    """On a running world of tp x ep ranks: the preset/checkpoint model, sharded for this rank
+    (TP slices; experts over the EP group for MoE models), and its graph."""
     from hf_models.adapters import adapter_for
     from hf_models.registry import build_model
+    from .config import DhelixConfig
+    from .engine import _check_moe
     from .parallel import ParallelLayout
-    layout = ParallelLayout.create(tp)
     model, _ = build_model(model_name, seed=seed)
-    graph = adapter_for(model.config).build_graph(model, tp, layout.tp_rank, layout.tp_group, layout.tp_grad_group)
+    adapter = adapter_for(model.config)
+    dh = DhelixConfig.from_dict({"enabled": True, "tensor_parallel": {"size": tp},
+                                 "expert_parallel": {"size": ep}})
+    moe = _check_moe(adapter, model.config, dh, dist.get_world_size() // tp)
+    layout = ParallelLayout.create(tp, ep)
+    if moe is not None:
+        moe["ep_groups"] = layout.expert_groups()
+    graph = adapter.build_graph(model, tp, layout.tp_rank, layout.tp_group, layout.tp_grad_group, **(moe or {}))
     return model, graph, layout
 
 
@@ -226,10 +239,10 @@ def example_batch(vocab: int, micro: int, seq_len: int, seed: int = 0) -> dict:
 
 
 def _profile_rank(rank, world, o: dict):
-    model, graph, layout = build_sharded(o["model"], o["tp"])
-    batch = example_batch(model.config.vocab_size, o["micro_batch_size"], o["seq_len"])
+    model, graph, layout = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1))
+    batch = example_batch(model.config.vocab_size, o["micro_batch_size"], o["seq_len"], seed=rank // o["tp"])
     meta = run_meta(model.config, o["tp"], world, tuple(batch["input_ids"].shape),
-                    next(model.parameters()).dtype, o.get("link_gbps"))
+                    next(model.parameters()).dtype, o.get("link_gbps"), ep=o.get("ep", 1))
     t0 = time.perf_counter()
     table = profile_layer(graph, batch, meta, list(model.parameters()), o["warmup"], o["repeats"])
     seconds = time.perf_counter() - t0
@@ -239,7 +252,7 @@ def _profile_rank(rank, world, o: dict):
 def profile_world(o: dict, timeout: float = 900.0):
     """Spawn a CPU gloo world of ``o["tp"]`` ranks and profile; returns (table, seconds)."""
     from .spawn import run_ranks
-    table, seconds = run_ranks(_profile_rank, o["tp"], args=(o,), timeout=timeout)[0]
+    table, seconds = run_ranks(_profile_rank, o["tp"] * o.get("ep", 1), args=(o,), timeout=timeout)[0]
     return OverlapTable.from_dict(table), seconds
 
 
@@ -249,10 +262,10 @@ def _validate_rank(rank, world, o: dict):
     from .plan import default_plan, sequential_plan
     from .planner import predict_ms, random_plan
     table = OverlapTable.from_dict(o["table"])
-    model, graph, layout = build_sharded(o["model"], o["tp"])
+    model, graph, layout = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1))
     specs = graph.layer_specs()
     table.check_matches({}, specs, backward_order(specs))
-    batch = example_batch(model.config.vocab_size, *table.meta["batch_shape"])
+    batch = example_batch(model.config.vocab_size, *table.meta["batch_shape"], seed=rank // o["tp"])
     rng = random.Random(o["seed"])
     plans = {"dp": plan_dp(table), "default": default_plan(table.fwd_ops, table.bwd_ops),
              "sequential": sequential_plan(table.fwd_ops, table.bwd_ops)}
@@ -277,7 +290,7 @@ def _validate_rank(rank, world, o: dict):
 def validate_world(o: dict, timeout: float = 900.0) -> dict:
     """Run the DP plan and alternatives for real; compare predicted and measured makespans."""
     from .spawn import run_ranks
-    rows = run_ranks(_validate_rank, o["tp"], args=(o,), timeout=timeout)[0]
+    rows = run_ranks(_validate_rank, o["tp"] * o.get("ep", 1), args=(o,), timeout=timeout)[0]
     pred = [r["predicted_ms"] for r in rows]
     meas = [r["measured_ms"] for r in rows]
     for r in rows:

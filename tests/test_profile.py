@@ -81,3 +81,13 @@ def test_engine_uses_table_and_refuses_mismatch(table, tmp_path):
     assert ok[0][0] in ("dp", "default") and ok[0][2]  # DP plan, confirmed by measurement against the default
     bad = run_ranks(_engine_with_table, 2, args=(path, True), timeout=180)
     assert bad[0].startswith("ValueError") and "batch_shape" in bad[0], bad[0]
+
+
+def test_profile_moe_layer_with_expert_parallelism():
+    opts = dict(OPTS, model="tiny-phimoe", tp=1, ep=2)
+    t, _ = profile_world(opts, timeout=240)
+    names = [op.name for op in t.fwd_ops]
+    assert "moe.dispatch" in names and "moe.combine" in names
+    assert t.meta["layout"] == "world=2,tp=1,ep=2"
+    plan = plan_dp(t)
+    assert plan.predicted_ms > 0 and not plan.comm_conflicts()

@@ -7,8 +7,8 @@ import json
 def register(sub) -> None:
     p = sub.add_parser("profile", help="profile operator overlap (segments alone and co-executed)")
     p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (= ranks spawned)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models); tp x ep ranks are spawned")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
@@ -22,17 +22,20 @@ def register(sub) -> None:
 def options(args) -> dict:
     if args.tp < 1 or args.micro_batch_size < 1 or args.seq_len < 1 or args.repeats < 1:
         raise ValueError("--tp, --micro-batch-size, --seq-len and --repeats must be >= 1")
-    if args.ep != 1:
-        raise ValueError("--ep > 1: profiling MoE layers is not supported yet; use --ep 1")
     from hf_models.adapters import adapter_for
     from hf_models.registry import load_config
     cfg = load_config(args.model)
-    adapter_for(cfg).check_tp(cfg, args.tp)
+    adapter = adapter_for(cfg)
+    adapter.check_tp(cfg, args.tp)
+    if args.ep > 1:
+        if not hasattr(adapter, "check_ep"):
+            raise ValueError(f"--ep {args.ep}: {cfg.model_type} has no experts; use --ep 1")
+        adapter.check_ep(cfg, args.ep, args.ep)
     if args.seq_len % args.tp:
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}")
     return {"model": args.model, "tp": args.tp, "micro_batch_size": args.micro_batch_size,
             "seq_len": args.seq_len, "warmup": args.warmup, "repeats": args.repeats,
-            "link_gbps": args.link_gbps}
+            "link_gbps": args.link_gbps, "ep": args.ep}
 
 
 def run(args) -> int:

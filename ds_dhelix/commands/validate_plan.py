@@ -24,13 +24,11 @@ def run(args) -> int:
     from ds_dhelix.linkemu import run_in_link
     from ds_dhelix.planner import OverlapTable
     from ds_dhelix.profile import validate_world
-    if args.ep != 1:
-        raise ValueError("--ep > 1: validating MoE plans is not supported yet; use --ep 1")
     table = OverlapTable.load(args.table)
     if table.meta.get("link_gbps") != args.link_gbps:
         raise ValueError(f"the table was profiled at link_gbps={table.meta.get('link_gbps')}, "
                          f"this run has --link-gbps {args.link_gbps}: use the same link or re-profile")
-    o = {"model": args.model, "tp": args.tp, "table": table.to_dict(), "alternatives": args.alternatives,
+    o = {"model": args.model, "tp": args.tp, "ep": args.ep, "table": table.to_dict(), "alternatives": args.alternatives,
          "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed}
     if args.link_gbps:
         res = run_in_link(validate_world, args.link_gbps, args=(o, args.timeout))
