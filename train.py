@@ -35,7 +35,7 @@ def parse_args(argv=None):
 def check_inputs(args):
     """Everything that can be checked without a model: one ValueError line per mistake."""
     from ds_dhelix.config import DhelixConfig, derive_batch, load_ds_config
-    from hf_models.registry import is_preset, load_config
+    from hf_models.registry import load_config
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
