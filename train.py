@@ -48,14 +48,8 @@ def check_inputs(args):
     tp = dh.tensor_parallel.size if dh.enabled else 1
     layout = derive_batch(ds_config, world, *((None, None, None) if dh.enabled else (1, 1, 1)))
     if dh.enabled:
-        from hf_models.adapters import adapter_for
-        adapter = adapter_for(model_config)
-        adapter.check_tp(model_config, tp, world)
-        if dh.expert_parallel.size > 1:
-            if not hasattr(adapter, "check_ep"):
-                raise ValueError(f"dhelix.expert_parallel.size {dh.expert_parallel.size}: "
-                                 f"{model_config.model_type} has no experts; set it to 1")
-            adapter.check_ep(model_config, dh.expert_parallel.size, layout.data_parallel_size)
+        from hf_models.adapters import check_layout
+        check_layout(model_config, tp, dh.expert_parallel.size, layout.data_parallel_size, world)
         if dh.pipeline.stages > 1:
             from ds_dhelix.pipe.engine import check_pipeline
             check_pipeline(dh, ds_config, world, model_config.num_hidden_layers)

@@ -39,16 +39,11 @@ def run(args) -> int:
                          micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                          seq_len=args.seq_len, zero_stage=args.zero, pp=args.pp, clip=args.clip,
                          extra={"expert_parallel": {"size": args.ep}} if args.ep > 1 else {})
-    from hf_models.adapters import adapter_for
+    from hf_models.adapters import check_layout
     from hf_models.registry import load_config
     config = load_config(args.model)
-    adapter = adapter_for(config)
-    adapter.check_tp(config, args.tp)
-    if args.ep > 1:
-        if not hasattr(adapter, "check_ep"):
-            raise ValueError(f"--ep {args.ep}: {config.model_type} has no experts; use --ep 1")
-        adapter.check_ep(config, args.ep, args.dp)
-    _check_pipeline(opts, load_config(args.model).num_hidden_layers)
+    check_layout(config, args.tp, args.ep, args.dp)
+    _check_pipeline(opts, config.num_hidden_layers)
     result = run_parity(opts, timeout=args.timeout)
     if args.json:
         print(json.dumps(result, indent=1), file=args.stdout)

@@ -22,15 +22,9 @@ def register(sub) -> None:
 def options(args) -> dict:
     if args.tp < 1 or args.micro_batch_size < 1 or args.seq_len < 1 or args.repeats < 1:
         raise ValueError("--tp, --micro-batch-size, --seq-len and --repeats must be >= 1")
-    from hf_models.adapters import adapter_for
+    from hf_models.adapters import check_layout
     from hf_models.registry import load_config
-    cfg = load_config(args.model)
-    adapter = adapter_for(cfg)
-    adapter.check_tp(cfg, args.tp)
-    if args.ep > 1:
-        if not hasattr(adapter, "check_ep"):
-            raise ValueError(f"--ep {args.ep}: {cfg.model_type} has no experts; use --ep 1")
-        adapter.check_ep(cfg, args.ep, args.ep)
+    check_layout(load_config(args.model), args.tp, args.ep, dp=args.ep)  # profiling world: tp x ep ranks
     if args.seq_len % args.tp:
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}")
     return {"model": args.model, "tp": args.tp, "micro_batch_size": args.micro_batch_size,
