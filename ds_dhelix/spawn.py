@@ -39,9 +39,15 @@ def _entry(rank, fn, world, port, outdir, args):
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
     try:
+        dist.barrier()  # no rank tears down while another still talks to it
         dist.destroy_process_group()
     except Exception:
         pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: destroying gloo's worker threads from static destructors can abort
+    # ("terminate called without an active exception") after the result is already written.
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, args=(), timeout: float = 180.0):
