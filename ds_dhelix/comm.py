@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ class Pending:
     launched_at: float = field(default_factory=time.perf_counter)
     waited_s: float = 0.0  # time the caller spent blocked in wait()
     done_at: float | None = None  # first time the executor saw it complete
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None  # local epilogue after the wait
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -43,6 +45,8 @@ class Pending:
             self.work.wait()
             self.waited_s = time.perf_counter() - t0
             self.work = None
+            if self.finish is not None:
+                self.out, self.finish = self.finish(self.out), None
         return self.out
 
 
@@ -78,23 +82,68 @@ def all_gather_seq(x: torch.Tensor, group, world: int) -> Pending:
 def reduce_scatter_seq(x: torch.Tensor, group, world: int) -> Pending:
     if x.shape[0] % world:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor_parallel.size {world}")
+    if dist.get_backend(group) == "gloo":
+        return _reduce_scatter_by_all_to_all(x.contiguous(), group, world)
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = _REDUCE_SCATTER(out, x.contiguous(), group=group, async_op=True)
     return Pending(work, out)
 
 
-def allreduce_grad_hook(group):
-    """A parameter hook that sums the gradient over ``group`` before it is accumulated.
+def _reduce_scatter_by_all_to_all(x: torch.Tensor, group, world: int) -> Pending:
+    """Reduce-scatter as an all-to-all of the shards plus a local sum, in rank order.
 
-    For weights replicated across the TP group but applied to a sequence shard (norms, embeddings,
-    LM head, row-parallel biases): each rank computes only its shard's contribution. A small
-    blocking all-reduce on its own group (``tp_grad_group``), so it never queues behind the large
-    asynchronous all-gathers of the op graph.
+    gloo implements reduce-scatter with a full all-reduce (measured at 2 Gbit/s on 2 ranks, 512 KB:
+    4.1 ms, the same as an all-reduce, against 2.1 ms for an all-gather of the result). The
+    all-to-all moves only the (t-1)/t of the tensor that other ranks own, like a ring
+    reduce-scatter, and costs what the all-gather costs. The sum runs when the result is waited for.
+    """
+    recv = torch.empty_like(x)
+    work = dist.all_to_all_single(recv, x, group=group, async_op=True)
+
+    def finish(buf: torch.Tensor) -> torch.Tensor:
+        parts = buf.view(world, x.shape[0] // world, *x.shape[1:])
+        acc = parts[0].clone()
+        for r in range(1, world):
+            acc += parts[r]
+        return acc
+
+    return Pending(work, recv, finish=finish)
+
+
+class ReplicatedGrads:
+    """Weights replicated across the TP group but applied to a sequence shard (norms, embeddings,
+    LM head, row-parallel biases): each rank's gradient holds only its shard's contribution.
+
+    Their gradients accumulate locally over the micro-batches of a step and are summed over the TP
+    group once, by ``all_reduce()`` after the last backward: one coalesced all-reduce per step on its
+    own group (``tp_grad_group``), instead of a blocking one per parameter per micro-batch (at
+    2 Gbit/s those took ~15% of a tiny-llama step). Sum order is fixed, so SI and sequential stay
+    bitwise equal.
     """
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=group)
-        return grad
+    def __init__(self, params, group):
+        seen, self.params = set(), []
+        for p in params:
+            if p is None or id(p) in seen or getattr(p, "tensor_model_parallel", False):
+                continue
+            seen.add(id(p))
+            p.tp_replicated = True
+            self.params.append(p)
+        self.group = group
 
-    return hook
+    def all_reduce(self) -> int:
+        """Sum the accumulated gradients over the group in place; returns the bytes reduced."""
+        by_dtype: dict = {}
+        for p in self.params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        total = 0
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            total += flat.numel() * flat.element_size()
+        return total

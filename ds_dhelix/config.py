@@ -35,6 +35,9 @@ from typing import Any, ClassVar
 SCHEDULES = ("sequential", "si", "w", "dualpipev")
 """Valid values of ``dhelix.schedule``."""
 
+SI_EXECUTIONS = ("stream", "plan")
+"""Valid values of ``dhelix.si_execution``."""
+
 FOLDED_SCHEDULES = ("w", "dualpipev")
 """Schedules that fold the layer list into 2 x stages chunks (rank r holds chunks r and 2p-1-r)."""
 
@@ -311,6 +314,14 @@ class DhelixConfig(_Section):
     schedule: str = "si"
     """"sequential" (reference, no overlap), "si" (strand interleaving), "w" (folded W pipeline with SI),
     "dualpipev" (folded pipeline, pairs run one after the other: DeepSpeed's DualPipeV)."""
+    si_execution: str = "stream"
+    """How an SI pair runs: "stream" (both strands walk the whole model barrier-free, nearest
+    collective first, deferred weight gradients) or "plan" (layer pairs follow the SI plan's steps
+    with a barrier after each: the planner's searched plan when planner.profile is set, else the
+    default plan)."""
+    defer_weight_grads: bool = True
+    """"stream" only: linear ops (attn.out, mlp.down) compute their input gradient first and their
+    weight gradient later, filling the time both strands wait on collectives."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     """Tensor/sequence parallelism."""
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
@@ -334,6 +345,15 @@ class DhelixConfig(_Section):
             close = difflib.get_close_matches(self.schedule, SCHEDULES, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise self._fail("schedule", f"choose one of {', '.join(SCHEDULES)}{hint}")
+        if self.si_execution not in SI_EXECUTIONS:
+            close = difflib.get_close_matches(self.si_execution, SI_EXECUTIONS, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise self._fail("si_execution", f"choose one of {', '.join(SI_EXECUTIONS)}{hint}")
+        if self.planner.profile != "off" and self.si_execution != "plan":
+            raise ValueError(
+                f"dhelix.planner.profile = {self.planner.profile!r} needs dhelix.si_execution = 'plan' "
+                f"(got {self.si_execution!r}): the planner's plan is only run in plan mode; set "
+                f"\"si_execution\": \"plan\" or \"planner\": {{\"profile\": \"off\"}}")
         self._positive("watchdog_s")
         self._at_least("log_interval", 1)
         split = self.pipeline.split

@@ -35,7 +35,8 @@ class DhelixEngine(DeepSpeedEngine):
         super().__init__(**kwargs)
         self.dhelix, self.layout, self.graph, self.plan = dhelix, layout, graph, plan
         self.meter = ActivationMeter(self.module.parameters())
-        self.executor = Executor(graph, plan if dhelix.schedule == "si" else None, meter=self.meter)
+        self.executor = Executor(graph, plan if dhelix.schedule == "si" else None, meter=self.meter,
+                                 defer_weight_grads=dhelix.defer_weight_grads)
         self.watchdog = Watchdog(dhelix.watchdog_s, self.global_rank).start()
         self.watchdog.pause()  # armed only inside train_batch / eval_batch
         self.executor.watchdog = self.watchdog
@@ -205,8 +206,9 @@ def initialize(args=None, model=None, config=None, model_parameters=None, optimi
                lr_scheduler=None, plan: SIPlan | None = None, example_batch: dict | None = None):
     """Like ``deepspeed.initialize`` for an HF causal LM: returns ``(engine, optimizer, None,
     lr_scheduler)``. ``config`` is the ds_config dict (or path) with an enabled "dhelix" section.
-    The model is sharded in place for this rank's TP slice. ``plan`` overrides the SI plan;
-    ``example_batch`` (one micro-batch) gives the shapes to profile for ``planner.profile="auto"``."""
+    The model is sharded in place for this rank's TP slice. ``plan`` (an ``SIPlan``) runs SI pairs
+    by that plan, as ``si_execution="plan"`` would; ``example_batch`` (one micro-batch) gives the
+    shapes to profile for ``planner.profile="auto"``."""
     import deepspeed
     from hf_models.adapters import adapter_for
 
@@ -232,7 +234,7 @@ def initialize(args=None, model=None, config=None, model_parameters=None, optimi
     if moe is not None:
         moe["ep_groups"] = layout.expert_groups()
     graph = adapter.build_graph(model, tp, layout.tp_rank, layout.tp_group, layout.tp_grad_group, **(moe or {}))
-    if plan is None and dh.schedule == "si":
+    if plan is None and dh.schedule == "si" and dh.si_execution == "plan":
         plan = _plan_from_config(dh, graph, model, layout, config, example_batch)
     ds_config = _strip_section(config)
     config_class = DeepSpeedConfig(ds_config, layout)

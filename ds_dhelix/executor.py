@@ -6,18 +6,29 @@ Schedules for a step of m micro-batches (F = forward, B = backward, k = micro-ba
     sequential:  F0 B0 F1 B1 ... F(m-1) B(m-1)           (each comm waited at once)
     si:          F0 | F1(x)B0 | F2(x)B1 | ... | B(m-1)   (x = co-executed pair)
 
-A pair F(k+1)(x)B(k) walks slots: forward block j with backward block nb-1-j, i.e. the embedding
-with the loss/head, layer i with layer L-1-i, the head with the embedding. A layer slot runs the
-SI plan: steps of (forward segment, backward segment), a barrier after each step. Inside a step::
+A pair F(k+1)(x)B(k) runs in one of two ways:
 
-    comm lane:     [F: attn.ag ........]      [B: mlp.rs ....]
-    compute lane:  [B: mlp.down][B: mlp.up]   [F: attn.qkv][F: attn.core]
+- **stream** (no plan, the default): both strands walk the whole model as one step, no barrier.
+  COMM ops are launched asynchronously the moment their strand reaches them; the next COMP op comes
+  from the strand with the fewest compute ops left before its next collective (ties: backward), so
+  the link is fed as early as possible; the executor waits only when neither strand can compute.
+  The backward strand's linear ops (a matmul and views: ``attn.out``, ``mlp.down``) compute their
+  input gradient first and leave their weight gradient for later, so the strand reaches its next
+  collective sooner; the deferred weight gradients (at most ``MAX_DEFERRED`` in flight) fill the
+  time when both strands wait, and all are done before the pair ends::
 
-COMM ops are launched asynchronously the moment their strand reaches them; COMP ops run from
-whichever strand is not waiting on its own comm (backward first, so activations are freed before
-new ones are saved); the executor waits only when neither strand can compute. Launch order is a
-pure function of the plan, so every rank issues collectives in the same order. Per-strand data
-dependencies and the per-op math are untouched: results are bitwise those of ``sequential``.
+      comm lane:     [F: attn.ag ........]   [B: mlp.ag(grad) ...]     [F: attn.rs ..]
+      compute lane:  [B: mlp.down dX][B: mlp.up]  [F: qkv][F: core][F: out] [B: mlp.down dW]
+
+- **plan**: a layer slot (forward layer i with backward layer L-1-i) runs the SI plan's steps of
+  (forward segment, backward segment) with a barrier after each, backward compute first; other
+  slots run as one step each. This is what the planner's overlap tables measure and predict.
+
+Launch order is a pure function of the op lists (and plan): a decision depends only on which ops
+are queued and which collectives were already waited for, never on timing, so every rank issues
+its collectives in the same order. Per-strand data dependencies and the per-op math are untouched:
+results are bitwise those of ``sequential`` (a weight gradient is the same matmul whether or not it
+is deferred; a deferred one always runs before any later op adds to the same weight).
 """
 from __future__ import annotations
 
@@ -75,20 +86,71 @@ class StepStats:
         return 0.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_s / self.comm_s)
 
 
+# Autograd nodes of a "linear" op: recomputing them for a separate weight-gradient pass costs nothing
+# but the weight matmul itself, so only ops made of these have their weight gradient deferred.
+_LINEAR_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "TBackward0", "ViewBackward0",
+                           "UnsafeViewBackward0", "ReshapeAliasBackward0", "TransposeBackward0",
+                           "PermuteBackward0", "CloneBackward0", "AccumulateGrad"})
+
+
+@dataclass(frozen=True)
+class _OpWeights:
+    params: tuple  # parameters the op's backward accumulates into
+    deferrable: bool  # a linear op with a matrix weight: input gradient now, weight gradient later
+
+
+def _op_weights(tensors, leaves) -> _OpWeights:
+    """Walk an op's autograd graph from its outputs to its leaves: its parameters, and whether it is
+    a linear op."""
+    leaf_ids = {id(x) for x in leaves}
+    seen, stack, params, linear = set(), [x.grad_fn for x in tensors if x.grad_fn is not None], [], True
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        linear &= type(fn).__name__ in _LINEAR_NODES
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            if id(var) not in leaf_ids:
+                params.append(var)
+            continue
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return _OpWeights(tuple(params), linear and any(p.dim() >= 2 for p in params))
+
+
+def _until_comm(queue) -> int:
+    """Compute ops ahead of the first COMM op in a strand's queue."""
+    for i, t in enumerate(queue):
+        if t.op.is_comm:
+            return i
+    return len(queue)
+
+
 def _accumulate(grads: dict, key: str, g: torch.Tensor) -> None:
     grads[key] = g if key not in grads else grads[key] + g
 
 
 class Executor:
     """Runs forward/backward of ``graph`` ops for micro-batches, with optional activation meter,
-    trace recorder (``span(lane, name, args)``) and watchdog (``beat(**where)``)."""
+    trace recorder (``span(lane, name, args)``) and watchdog (``beat(**where)``).
+
+    ``plan=None``: SI pairs stream (see the module docstring), with weight gradients of linear ops
+    deferred when ``defer_weight_grads``; a plan: pairs run its steps with barriers."""
+
+    MAX_DEFERRED = 4  # weight-gradient passes waiting at once (each keeps its op's saved tensors)
 
     def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, meter=None, recorder=None,
-                 watchdog=None):
+                 watchdog=None, defer_weight_grads: bool = True):
         self.graph, self.plan, self.meter = graph, plan, meter
         self.recorder, self.watchdog = recorder, watchdog
         self.stats = StepStats()
         self.grad_enabled = True
+        self.defer_weight_grads = defer_weight_grads and plan is None
+        self._deferring = False  # on inside SI pairs and the last lone backward (stream mode)
+        self._deferred: deque = deque()  # (task, outputs, grads, op weights), oldest first
+        self._deferred_params: dict[int, int] = {}  # id(param) -> deferred passes touching it
+        self._op_weights: dict = {}  # (block, op index) -> _OpWeights
 
     # ------------------------------------------------------------------ single ops
     def run_comp(self, t: Task) -> None:
@@ -128,11 +190,52 @@ class Executor:
                 tensors.append(out)
                 grads.append(g)
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            weights = self._weights(t, tensors, leaves) if self._deferring or self._deferred else None
+            if self._deferred_params and any(id(p) in self._deferred_params for p in weights.params):
+                self.drain_deferred()  # tied weights: keep each weight's accumulation order
+            need = [leaf for leaf in leaves if leaf.requires_grad]
+            if self._deferring and weights.deferrable and need:
+                torch.autograd.backward(tensors, grads, inputs=need, retain_graph=True)
+                self._defer(t, tensors, grads, weights)
+            else:
+                torch.autograd.backward(tensors, grads)
         for key, leaf in zip(op.inputs, leaves):
             if leaf.grad is not None:
                 _accumulate(mb.grads, key, leaf.grad)
         del leaves, outs, tensors, grads
+
+    def _weights(self, t: Task, tensors, leaves) -> _OpWeights:
+        key = (t.block, t.op_index)
+        found = self._op_weights.get(key)
+        if found is None:
+            found = self._op_weights[key] = _op_weights(tensors, leaves)
+        return found
+
+    def _defer(self, t: Task, tensors, grads, weights: _OpWeights) -> None:
+        self._deferred.append((t, tensors, grads, weights))
+        for p in weights.params:
+            self._deferred_params[id(p)] = self._deferred_params.get(id(p), 0) + 1
+
+    def run_deferred(self) -> bool:
+        """Run the oldest deferred weight-gradient pass; False when none is waiting."""
+        if not self._deferred:
+            return False
+        t, tensors, grads, weights = self._deferred.popleft()
+        t0 = time.perf_counter()
+        torch.autograd.backward(tensors, grads, inputs=list(weights.params))
+        t1 = time.perf_counter()
+        for p in weights.params:
+            left = self._deferred_params.pop(id(p)) - 1
+            if left:
+                self._deferred_params[id(p)] = left
+        self.stats.compute_s += t1 - t0
+        if self.recorder is not None:
+            self.recorder.add_span("compute", f"{t.op.name}.wgrad", t0, t1, self._args(t))
+        return True
+
+    def drain_deferred(self) -> None:
+        while self.run_deferred():
+            pass
 
     def launch_comm(self, t: Task) -> Pending:
         self._beat(t)
@@ -172,8 +275,16 @@ class Executor:
                     pending[s] = (task, self.launch_comm(task))
                     order.append(s)
             runnable = [s for s in (0, 1) if pending[s] is None and queues[s]]
+            if len(self._deferred) > self.MAX_DEFERRED:
+                self.run_deferred()
+                continue
             if runnable:
+                if self.plan is None and len(runnable) == 2:  # stream: nearest collective first
+                    runnable.sort(key=lambda s: (_until_comm(queues[s]), s))
                 self.run_comp(queues[runnable[0]].popleft())
+                self._poll(pending)
+                continue
+            if self.run_deferred():  # both strands wait: fill with a weight gradient
                 self._poll(pending)
                 continue
             s = order.pop(0)  # nothing to compute: wait for the oldest comm
@@ -212,6 +323,7 @@ class Executor:
             self.start_backward(mb, seed)
         for block in (reversed(range(len(self.graph.blocks))) if blocks is None else blocks):
             self.run_step(self.tasks(mb, block, True), [])
+        self.drain_deferred()
 
     def start_backward(self, mb: MicroBatch, seed: float) -> None:
         mb.loss = mb.env["loss"]
@@ -226,10 +338,16 @@ class Executor:
 
     def co_execute(self, f_mb: MicroBatch, f_blocks: list[int], b_mb: MicroBatch, b_blocks: list[int]) -> None:
         """Forward ``f_blocks`` (in order) of ``f_mb`` together with backward ``b_blocks`` (in the
-        order given, i.e. last layer first) of ``b_mb``: the j-th forward block runs beside the j-th
-        backward block; two decoder layers run by the SI plan, anything else as one step (backward
-        ops first); the longer list's surplus runs alone."""
+        order given, i.e. last layer first) of ``b_mb``. Stream (no plan): both as one step. With a
+        plan: the j-th forward block runs beside the j-th backward block; two decoder layers run by
+        the SI plan, anything else as one step (backward ops first); the longer list's surplus runs
+        alone."""
         nb = len(self.graph.blocks)
+        if self.plan is None:
+            self.run_step([t for bb in b_blocks for t in self.tasks(b_mb, bb, True)],
+                          [t for fb in f_blocks for t in self.tasks(f_mb, fb, False)])
+            self.drain_deferred()
+            return
         for j in range(max(len(f_blocks), len(b_blocks))):
             fb = f_blocks[j] if j < len(f_blocks) else None
             bb = b_blocks[j] if j < len(b_blocks) else None
@@ -250,9 +368,13 @@ class Executor:
                 self.backward(mb, seed)
         elif schedule == "si":
             self.forward(mbs[0])
-            for k in range(len(mbs) - 1):
-                self.pair(mbs[k + 1], mbs[k], seed)
-            self.backward(mbs[-1], seed)
+            self._deferring = self.defer_weight_grads
+            try:
+                for k in range(len(mbs) - 1):
+                    self.pair(mbs[k + 1], mbs[k], seed)
+                self.backward(mbs[-1], seed)
+            finally:
+                self._deferring = False
         else:
             raise ValueError(f"unknown schedule {schedule!r}; expected 'sequential' or 'si'")
         for mb in mbs:

@@ -52,13 +52,16 @@ class ModelGraph:
 
     ``make_side(batch) -> dict`` builds a micro-batch's side inputs from ``{"input_ids", "labels"}``;
     the last op of the last block writes ``"loss"``: this rank's share of the micro-batch loss
-    (shares sum over the TP group to the full loss).
+    (shares sum over the TP group to the full loss). ``replicated`` (a ``comm.ReplicatedGrads``,
+    None without TP): weights whose gradients the executor sums over the TP group after a step's
+    last backward.
     """
 
     blocks: list[list[Op]]
     make_side: Callable[[dict], dict]
     family: str = ""
     meta: dict = field(default_factory=dict)
+    replicated: object | None = None
 
     @property
     def num_layers(self) -> int:

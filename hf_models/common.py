@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_dhelix.comm import SeqAllGather, SeqReduceScatter, allreduce_grad_hook
+from ds_dhelix.comm import ReplicatedGrads, SeqAllGather, SeqReduceScatter
 from ds_dhelix.graph import comm, comp
 
 
@@ -49,14 +49,10 @@ def shard_param(module: nn.Module, name: str, dim: int, rank: int, tp: int, inde
     setattr(module, name, new)
 
 
-def mark_replicated(params, group) -> None:
-    """Replicated weights used on a sequence shard: sum their gradients over the TP group."""
-    seen = set()
-    for p in params:
-        if p is None or id(p) in seen or getattr(p, "tensor_model_parallel", False):
-            continue
-        seen.add(id(p))
-        p.register_hook(allreduce_grad_hook(group))
+def mark_replicated(params, group) -> ReplicatedGrads:
+    """Replicated weights used on a sequence shard: their gradients are summed over the TP group
+    once per step (the executor calls ``ReplicatedGrads.all_reduce`` after the last backward)."""
+    return ReplicatedGrads(params, group)
 
 
 def make_side_fn(tp: int, tp_rank: int, extra=None):

@@ -121,12 +121,13 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     warn_dropout(config, _DROPOUT_KEYS, "GPT-2")
     shard(model, tp, tp_rank)
     tr = model.transformer
+    replicated = None
     if tp > 1:
         replicated = [tr.wte.weight, tr.wpe.weight, tr.ln_f.weight, tr.ln_f.bias, model.lm_head.weight]
         for block in tr.h:
             replicated += [block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias,
                            block.attn.c_proj.bias, block.mlp.c_proj.bias]
-        mark_replicated(replicated, tp_grad_group)  # a tied lm_head/wte gets one hook
+        replicated = mark_replicated(replicated, tp_grad_group)  # a tied lm_head/wte is one parameter
 
     def eager_mask(batch, side):
         return causal_mask_side(config, tr.wte.weight.dtype, side["seq_len"])
@@ -134,4 +135,4 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     blocks = [[embed_op(tr.wte, pos_embed=tr.wpe)]]
     blocks += [layer_ops(block, config, tp, tp_group) for block in tr.h]
     blocks.append(head_ops(tr.ln_f, model.lm_head))
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, eager_mask), family="gpt2")
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, eager_mask), family="gpt2", replicated=replicated)

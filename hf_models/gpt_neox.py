@@ -107,6 +107,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     warn_dropout(config, _DROPOUT_KEYS, "GPT-NeoX")
     shard(model, tp, tp_rank)
     inner = model.gpt_neox
+    replicated = None
     if tp > 1:
         replicated = [inner.embed_in.weight, inner.final_layer_norm.weight, inner.final_layer_norm.bias,
                       model.lm_head.weight]
@@ -114,10 +115,10 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
             replicated += [layer.input_layernorm.weight, layer.input_layernorm.bias,
                            layer.post_attention_layernorm.weight, layer.post_attention_layernorm.bias,
                            layer.attention.dense.bias, layer.mlp.dense_4h_to_h.bias]
-        mark_replicated(replicated, tp_grad_group)
+        replicated = mark_replicated(replicated, tp_grad_group)
 
     blocks = [[embed_op(inner.embed_in)]]
     blocks += [layer_ops(layer, config, tp, tp_group) for layer in inner.layers]
     blocks.append(head_ops(inner.final_layer_norm, model.lm_head))
     side = rotary_side_fn(inner.rotary_emb, inner.embed_in.weight, config)  # cos/sin: [1, s, rotary_ndims]
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="gpt_neox")
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="gpt_neox", replicated=replicated)

@@ -74,15 +74,16 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     check_tp(config, tp)
     shard(model, tp, tp_rank)
     inner = model.model
+    replicated = None
     if tp > 1:
         replicated = [inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight]
         for layer in inner.layers:
             replicated += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                            layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias]
-        mark_replicated(replicated, tp_grad_group)
+        replicated = mark_replicated(replicated, tp_grad_group)
 
     blocks = [[embed_op(inner.embed_tokens)]]
     blocks += [layer_ops(layer, config, tp, tp_group) for layer in inner.layers]
     blocks.append(head_ops(inner.norm, model.lm_head))
     side = rotary_side_fn(inner.rotary_emb, inner.embed_tokens.weight, config)
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="llama")
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="llama", replicated=replicated)

@@ -191,6 +191,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     check_ep(config, ep_groups.size)
     shard(model, tp, tp_rank, ep_groups)
     inner = model.model
+    replicated = None
     if tp > 1:
         replicated = [inner.embed_tokens.weight, inner.norm.weight, inner.norm.bias, model.lm_head.weight,
                       model.lm_head.bias]
@@ -199,7 +200,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
                            layer.post_attention_layernorm.weight, layer.post_attention_layernorm.bias,
                            layer.self_attn.o_proj.bias, layer.mlp.router.weight,
                            layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj]
-        mark_replicated(replicated, tp_grad_group)
+        replicated = mark_replicated(replicated, tp_grad_group)
     if aux_loss_coef is None:
         aux_loss_coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
     num_layers = len(inner.layers)
@@ -215,7 +216,8 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
                   + [loss_op(config, num_layers, aux_loss_coef, tp, tp_grad_group, metrics)])
     meta = {"moe_metrics": metrics, "expert_groups": ep_groups, "capacity_factor": capacity_factor,
             "aux_loss_coef": aux_loss_coef}
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side_inputs(model)), family="phimoe", meta=meta)
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side_inputs(model)), family="phimoe", meta=meta,
+                      replicated=replicated)
 
 
 def side_inputs(model):

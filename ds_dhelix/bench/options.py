@@ -6,8 +6,9 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
     deepspeed   plain DeepSpeed engine, data parallel over the whole world (no TP, no overlap)
     autotp      DeepSpeed AutoTP ("tensor_parallel": {"autotp_size": tp}), collectives inside modules
     sequential  ds_dhelix TP/SP, micro-batches one after another, every comm waited at once
-    si          ds_dhelix TP/SP with strand interleaving, default plan
-    si-planned  ds_dhelix SI with the plan the planner makes from a profile ("planner.profile": "auto")
+    si          ds_dhelix TP/SP with strand interleaving, streamed pairs (the default "si_execution")
+    si-plan     SI run by the fixed default plan, a barrier after each plan step ("si_execution": "plan")
+    si-planned  SI run by the plan the planner makes from a profile ("planner.profile": "auto")
 
 Pipeline modes (DeepSpeed DualPipeV, our ``w``) are listed in ``PP_MODES`` and need ``pp > 1``;
 they plug in as further entries of ``ds_dhelix.bench.modes.RUNNERS``.
@@ -19,10 +20,10 @@ from dataclasses import asdict, dataclass, field
 
 from ..linkemu import DEFAULT_BURST_KB
 
-MODES = ("deepspeed", "autotp", "sequential", "si", "si-planned")
+MODES = ("deepspeed", "autotp", "sequential", "si", "si-plan", "si-planned")
 """Modes a run can measure, in table order."""
 
-DHELIX_MODES = ("sequential", "si", "si-planned")
+DHELIX_MODES = ("sequential", "si", "si-plan", "si-planned")
 """Modes that run the ds_dhelix executor (they report compute / comm / exposed time)."""
 
 PP_MODES = ("dualpipev", "w")
@@ -135,6 +136,8 @@ class BenchOptions:
         section.update(enabled=True, schedule="sequential" if mode == "sequential" else "si",
                        tensor_parallel={"size": self.tp})
         section["benchmark"] = {**section.get("benchmark", {}), "link_gbps": link_gbps}
+        if mode in ("si-plan", "si-planned"):
+            section["si_execution"] = "plan"
         if mode == "si-planned":
             section["planner"] = {**section.get("planner", {}), "profile": "auto"}
         return {**self.base_ds_config(self.micro_batches), "dhelix": section}

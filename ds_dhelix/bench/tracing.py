@@ -42,10 +42,10 @@ class TraceOptions:
     timeout: float = 600.0
 
     def __post_init__(self):
-        if self.schedule not in ("si", "sequential"):
-            raise ValueError(f"--schedule {self.schedule!r}: choose 'si' or 'sequential'")
-        if self.planned and self.schedule != "si":
-            raise ValueError("--planned applies to --schedule si only")
+        if self.schedule not in ("si", "si-plan", "sequential"):
+            raise ValueError(f"--schedule {self.schedule!r}: choose 'si', 'si-plan' or 'sequential'")
+        if self.planned and self.schedule == "sequential":
+            raise ValueError("--planned applies to --schedule si or si-plan only")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.link_gbps is not None and not self.link_gbps > 0:
@@ -72,7 +72,7 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
         extra["planner"] = {"cache_dir": os.path.abspath(opts.planner_cache)}
     bench = replace(bench, extra_dhelix=extra)
     batches = make_batches(bench, load_config(opts.model).vocab_size)
-    mode = "si-planned" if opts.planned and opts.schedule == "si" else opts.schedule
+    mode = "si-planned" if opts.planned else opts.schedule
     config = bench.dhelix_ds_config(mode, opts.link_gbps)
     engine, *_ = ds_dhelix.initialize(model=build_model(bench), config=config, example_batch=batches[0])
     steps = []

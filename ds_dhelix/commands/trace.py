@@ -22,9 +22,11 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size = world size")
-    p.add_argument("--schedule", default="si", choices=["si", "sequential"])
+    p.add_argument("--schedule", default="si", choices=["si", "si-plan", "sequential"],
+                   help="si: streamed pairs (default); si-plan: the default SI plan with barriers; "
+                        "sequential: no overlap")
     p.add_argument("--planned", action="store_true",
-                   help="SI with the planner's plan (planner.profile=auto: profile, then DP search)")
+                   help="SI run by the planner's plan (planner.profile=auto: profile, then DP search)")
     p.add_argument("--planner-cache", default=None, metavar="DIR",
                    help="overlap-table cache for --planned (default: the planner's, ~/.cache/ds_dhelix)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to trace")
@@ -80,7 +82,7 @@ def run(args) -> int:
     for rank, entry in idle.items():
         ph = entry["phases"]
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(entry["waited_on"].items())[:4])
-        if opts.schedule == "si":
+        if opts.schedule != "sequential":
             where = (f"F alone {ph['forward_alone']:.0f}, pairs {ph['co_executed']:.0f}, "
                      f"B alone {ph['backward_alone']:.0f}")
         else:

@@ -382,6 +382,7 @@ class FoldedPipelineEngine(PipelineEngine):
         assert not self._state.recvs, f"receives posted but never waited: {sorted(self._state.recvs)}"
 
     def _exec_reduce(self, ins: S.ReduceGrads) -> None:
+        self.executor.reduce_replicated_grads()  # TP first, then DeepSpeed's data-parallel reduction
         PipelineEngine._exec_reduce_grads(self)
 
     def _exec_step(self, ins: S.OptimizerStep) -> None:
