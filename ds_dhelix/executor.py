@@ -381,7 +381,24 @@ class Executor:
             assert not mb.saved, "op contexts left after backward"
             mb.env.clear()
             mb.grads.clear()
+        self.reduce_replicated_grads()
         return mbs
+
+    def reduce_replicated_grads(self) -> None:
+        """Sum the step's gradients of TP-replicated weights over the TP group (one blocking
+        all-reduce, counted as exposed communication)."""
+        if self.graph.replicated is None or not self.grad_enabled:
+            return
+        t0 = time.perf_counter()
+        nbytes = self.graph.replicated.all_reduce()
+        t1 = time.perf_counter()
+        if nbytes:
+            self.stats.comm_s += t1 - t0
+            self.stats.exposed_s += t1 - t0
+            self.stats.num_comms += 1
+            if self.recorder is not None:
+                self.recorder.add_span("comm:tp:grads", "replicated.allreduce", t0, t1,
+                                       {"bytes": nbytes, "direction": "backward"})
 
     def _beat(self, t: Task) -> None:
         if self.watchdog is not None:
