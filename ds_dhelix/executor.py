@@ -62,6 +62,7 @@ class Task:
     op_index: int
     op: Op
     backward: bool
+    slot: int = 0  # position of the block in its strand's block list (stream mode's memory gate)
 
     @property
     def strand(self) -> str:
@@ -139,6 +140,7 @@ class Executor:
     deferred when ``defer_weight_grads``; a plan: pairs run its steps with barriers."""
 
     MAX_DEFERRED = 4  # weight-gradient passes waiting at once (each keeps its op's saved tensors)
+    FORWARD_LEAD = 0  # stream: the forward strand enters slot j only after backward finished slot j-1
 
     def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, meter=None, recorder=None,
                  watchdog=None, defer_weight_grads: bool = True):
@@ -263,18 +265,31 @@ class Executor:
             t.mb.env[t.op.outputs[0]] = out
 
     # ------------------------------------------------------------------ one plan step
-    def run_step(self, b_tasks: list[Task], f_tasks: list[Task]) -> None:
-        """Run two strands' task lists together (either may be empty); barrier at the end."""
+    def run_step(self, b_tasks: list[Task], f_tasks: list[Task], lead: int | None = None) -> None:
+        """Run two strands' task lists together (either may be empty); barrier at the end.
+
+        ``lead``: the forward strand may not start a task of a slot more than ``lead`` slots past
+        the backward strand's current slot, so it does not save activations ahead of those the
+        backward strand frees (None: no limit)."""
         queues = [deque(b_tasks), deque(f_tasks)]  # backward strand first
         pending: list[tuple[Task, Pending] | None] = [None, None]
         order: list[int] = []  # strands with a pending comm, in launch order
+
+        def may_go(s: int) -> bool:
+            if pending[s] is not None or not queues[s]:
+                return False
+            if s == 0 or lead is None or not (queues[0] or pending[0]):
+                return True
+            b_slot = pending[0][0].slot if pending[0] is not None else queues[0][0].slot
+            return queues[1][0].slot <= b_slot + lead
+
         while queues[0] or queues[1] or order:
             for s in (0, 1):  # launch every comm that has reached the head of its strand
-                if pending[s] is None and queues[s] and queues[s][0].op.is_comm:
+                if may_go(s) and queues[s][0].op.is_comm:
                     task = queues[s].popleft()
                     pending[s] = (task, self.launch_comm(task))
                     order.append(s)
-            runnable = [s for s in (0, 1) if pending[s] is None and queues[s]]
+            runnable = [s for s in (0, 1) if may_go(s)]
             if len(self._deferred) > self.MAX_DEFERRED:
                 self.run_deferred()
                 continue
@@ -301,14 +316,15 @@ class Executor:
                 item[1].done_at = now
 
     # ------------------------------------------------------------------ blocks and schedules
-    def tasks(self, mb: MicroBatch, block: int, backward: bool, lo: int = 0, hi: int | None = None):
+    def tasks(self, mb: MicroBatch, block: int, backward: bool, lo: int = 0, hi: int | None = None,
+              slot: int = 0):
         ops = self.graph.blocks[block]
         hi = len(ops) if hi is None else hi
         if not backward:
-            return [Task(mb, block, i, ops[i], False) for i in range(lo, hi)]
+            return [Task(mb, block, i, ops[i], False, slot) for i in range(lo, hi)]
         # backward positions index the reversed op list
         n = len(ops)
-        return [Task(mb, block, n - 1 - j, ops[n - 1 - j], True) for j in range(lo, hi)]
+        return [Task(mb, block, n - 1 - j, ops[n - 1 - j], True, slot) for j in range(lo, hi)]
 
     def forward(self, mb: MicroBatch, blocks=None) -> None:
         """Forward of ``blocks`` (default: all) for one micro-batch, alone."""
@@ -344,8 +360,9 @@ class Executor:
         alone."""
         nb = len(self.graph.blocks)
         if self.plan is None:
-            self.run_step([t for bb in b_blocks for t in self.tasks(b_mb, bb, True)],
-                          [t for fb in f_blocks for t in self.tasks(f_mb, fb, False)])
+            self.run_step([t for j, bb in enumerate(b_blocks) for t in self.tasks(b_mb, bb, True, slot=j)],
+                          [t for j, fb in enumerate(f_blocks) for t in self.tasks(f_mb, fb, False, slot=j)],
+                          lead=self.FORWARD_LEAD)
             self.drain_deferred()
             return
         for j in range(max(len(f_blocks), len(b_blocks))):
@@ -381,12 +398,13 @@ class Executor:
             assert not mb.saved, "op contexts left after backward"
             mb.env.clear()
             mb.grads.clear()
-        self.reduce_replicated_grads()
+        self.reduce_replicated_grads(mbs[-1].index)
         return mbs
 
-    def reduce_replicated_grads(self) -> None:
+    def reduce_replicated_grads(self, after_microbatch: int = -1) -> None:
         """Sum the step's gradients of TP-replicated weights over the TP group (one blocking
-        all-reduce, counted as exposed communication)."""
+        all-reduce, counted as exposed communication; traced as part of the backward strand of the
+        step's last micro-batch)."""
         if self.graph.replicated is None or not self.grad_enabled:
             return
         t0 = time.perf_counter()
@@ -398,7 +416,8 @@ class Executor:
             self.stats.num_comms += 1
             if self.recorder is not None:
                 self.recorder.add_span("comm:tp:grads", "replicated.allreduce", t0, t1,
-                                       {"bytes": nbytes, "direction": "backward"})
+                                       {"strand": "B", "microbatch": after_microbatch, "bytes": nbytes,
+                                        "op": "replicated.allreduce", "direction": "backward"})
 
     def _beat(self, t: Task) -> None:
         if self.watchdog is not None:

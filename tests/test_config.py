@@ -43,6 +43,8 @@ def test_round_trip_through_json(tmp_path):
     section = {
         "enabled": True,
         "schedule": "w",
+        "si_execution": "plan",
+        "defer_weight_grads": False,
         "tensor_parallel": {"size": 2, "sequence_parallel": False},
         "expert_parallel": {"size": 2, "capacity_factor": 1.25, "aux_loss_coef": 0.02},
         "pipeline": {"stages": 2, "split": [1, 2, 2, 1]},
@@ -161,6 +163,8 @@ def test_section_must_be_object():
     [
         ({"schedule": "dualpipe"}, "dhelix.schedule", "sequential, si, w, dualpipev; did you mean 'dualpipev'"),
         ({"schedule": "1f1b"}, "dhelix.schedule", "sequential, si, w, dualpipev"),
+        ({"si_execution": "streaming"}, "dhelix.si_execution", "stream, plan; did you mean 'stream'"),
+        ({"planner": {"profile": "auto"}}, "dhelix.planner.profile", "needs dhelix.si_execution = 'plan'"),
         ({"tensor_parallel": {"size": 0}}, "dhelix.tensor_parallel.size", ">= 1"),
         ({"expert_parallel": {"size": -2}}, "dhelix.expert_parallel.size", ">= 1"),
         ({"expert_parallel": {"capacity_factor": 0}}, "dhelix.expert_parallel.capacity_factor", "> 0"),

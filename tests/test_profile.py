@@ -61,7 +61,8 @@ def _engine_with_table(rank, world, path, meta_override):
     model, _ = build_model("tiny-llama", seed=0)
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-           "dhelix": {"enabled": True, "tensor_parallel": {"size": 2}, "planner": {"profile": path}}}
+           "dhelix": {"enabled": True, "tensor_parallel": {"size": 2}, "si_execution": "plan",
+                      "planner": {"profile": path}}}
     batch = example_batch(model.config.vocab_size, 1, 16)
     if meta_override:
         batch = example_batch(model.config.vocab_size, 1, 32)  # another shape than the table's
