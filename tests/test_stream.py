@@ -111,3 +111,26 @@ def test_stream_plan_sequential_bitwise(preset, overrides):
         assert set(r["replicated_spans"].values()) == {1}
         assert len(set(r["comms"].values())) == 1
         assert r["replicated_vs_hf"] <= 1e-5  # TOL of tests/test_adapters.py
+
+
+@pytest.mark.timeout(60)
+def test_tied_weight_keeps_accumulation_order(monkeypatch):
+    """GPT-2's lm_head is wte: head.logits defers its weight gradient, and the embedding's backward
+    (which adds to the same tensor) must wait for it. TP=1 has no collectives, so nothing drains the
+    deferred passes early; 4 micro-batches make a reordered sum visible."""
+    monkeypatch.setattr(Executor, "MAX_DEFERRED", 10**6)
+    config = make_config("tiny-gpt2", tie_word_embeddings=True)
+    ref = make_model(config)
+    batches = make_batches(config.vocab_size, 4)
+    grads = {}
+    for schedule in ("sequential", "si"):
+        model = copy.deepcopy(ref)
+        graph = adapter_for(config).build_graph(model)
+        rec = TraceRecorder(0)
+        Executor(graph, None, recorder=rec).run_microbatches(list(batches), schedule, 0.25)
+        grads[schedule] = {n: p.grad for n, p in model.named_parameters()}
+        if schedule == "si":
+            assert "head.logits.wgrad" in {e.get("name") for e in rec.events()}
+    assert model.lm_head.weight is model.transformer.wte.weight
+    differ = [n for n, g in grads["si"].items() if not torch.equal(g, grads["sequential"][n])]
+    assert differ == []
