@@ -54,7 +54,9 @@ class DhelixRunner:
                          "plan_steps": len(plan.steps)}
 
     def step(self, batches: list[dict]) -> dict:
-        self.engine.train_batch(iter(batches))
+        share = len(batches) // self.engine.layout.dp_size  # this data-parallel group's micro-batches
+        dp_rank = self.engine.layout.dp_rank
+        self.engine.train_batch(iter(batches[dp_rank * share:(dp_rank + 1) * share]))
         s = self.engine.last_stats
         return {"compute_s": s.compute_s, "comm_s": s.comm_s, "exposed_s": s.exposed_s,
                 "num_comms": s.num_comms, "peak_activation_bytes": s.peak_activation_bytes}
@@ -72,11 +74,14 @@ class DeepSpeedRunner:
         from ds_dhelix.memory import ActivationMeter
         self.mode, self.world = mode, opts.world
         if mode == "deepspeed":
-            if opts.micro_batches % opts.world:
-                raise SkipMode(f"{opts.micro_batches} micro-batches do not split over {opts.world} "
+            if opts.step_micro_batches % opts.world:
+                raise SkipMode(f"{opts.step_micro_batches} micro-batches do not split over {opts.world} "
                                f"data-parallel ranks; pass --micro-batches as a multiple of {opts.world}")
             config = opts.deepspeed_ds_config()
         else:
+            if opts.tp < 2 or opts.ep > 1:
+                raise SkipMode(f"AutoTP needs tensor parallelism over the whole world (tp {opts.tp}, "
+                               f"ep {opts.ep}); it applies to the dense --tp runs")
             config = opts.autotp_ds_config()
         model = build_model(opts)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

@@ -46,7 +46,10 @@ class BenchOptions:
     model: str = "tiny-llama"
     """Preset name or local HF checkpoint directory."""
     tp: int = 2
-    """Tensor-parallel size; the world is ``tp`` ranks (deepspeed mode: data parallel over them)."""
+    """Tensor-parallel size; the world is ``tp x ep`` ranks (deepspeed mode: data parallel over them)."""
+    ep: int = 1
+    """Expert-parallel size for MoE models (e.g. tiny-phimoe with ``tp=1, ep=2``): the ds_dhelix
+    modes shard the experts over ``ep`` data-parallel ranks, each rank with its own micro-batches."""
     modes: tuple[str, ...] = MODES
     """Modes to measure (subset of ``MODES``)."""
     link_gbps: tuple[float | None, ...] = (1.0, 2.0, 5.0, 10.0, None)
@@ -57,7 +60,8 @@ class BenchOptions:
     during compute (sequential) gets its next messages faster than the nominal rate; a real link
     never exceeds its rate. (linkemu's default, 512 KB, made sequential comm ~25-40% faster.)"""
     micro_batches: int = 8
-    """Micro-batches per optimizer step (gradient accumulation)."""
+    """Micro-batches per optimizer step (gradient accumulation) of each data-parallel group: with
+    ``ep > 1`` a step has ``micro_batches x ep`` micro-batches in all."""
     micro_batch_size: int = 4
     """Sequences per micro-batch."""
     seq_len: int = 256
@@ -92,7 +96,7 @@ class BenchOptions:
         if self.link_burst_kb < 65:
             raise ValueError(f"link-burst-kb {self.link_burst_kb} is below the loopback MTU (64 KiB): "
                              f"the token bucket would drop full-size packets; use >= 65")
-        for name in ("tp", "micro_batches", "micro_batch_size", "seq_len", "repeats"):
+        for name in ("tp", "ep", "micro_batches", "micro_batch_size", "seq_len", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
@@ -107,12 +111,22 @@ class BenchOptions:
 
     @property
     def world(self) -> int:
-        return self.tp
+        return self.tp * self.ep
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size of the ds_dhelix modes (their TP group spans ``tp`` ranks)."""
+        return self.world // self.tp
+
+    @property
+    def step_micro_batches(self) -> int:
+        """Micro-batches of one optimizer step over the whole world, the same in every mode."""
+        return self.micro_batches * self.dp
 
     @property
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step, the same in every mode."""
-        return self.micro_batches * self.micro_batch_size * self.seq_len
+        return self.step_micro_batches * self.micro_batch_size * self.seq_len
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,6 +149,8 @@ class BenchOptions:
         section = copy.deepcopy(self.extra_dhelix)
         section.update(enabled=True, schedule="sequential" if mode == "sequential" else "si",
                        tensor_parallel={"size": self.tp})
+        if self.ep > 1:
+            section["expert_parallel"] = {**section.get("expert_parallel", {}), "size": self.ep}
         section["benchmark"] = {**section.get("benchmark", {}), "link_gbps": link_gbps}
         if mode in ("si-plan", "si-planned"):
             section["si_execution"] = "plan"
@@ -144,7 +160,7 @@ class BenchOptions:
 
     def deepspeed_ds_config(self) -> dict:
         """Plain DeepSpeed, data parallel over the world: each rank takes 1/world of the step."""
-        return self.base_ds_config(self.micro_batches // self.world)
+        return self.base_ds_config(self.step_micro_batches // self.world)
 
     def autotp_ds_config(self) -> dict:
         """DeepSpeed AutoTP over the whole world: every rank sees all micro-batches."""

@@ -21,10 +21,11 @@ from .options import BenchOptions
 
 
 def make_batches(opts: BenchOptions, vocab: int) -> list[dict]:
-    """The step's micro-batches: deterministic random tokens, reused every step and mode."""
+    """The step's micro-batches (all data-parallel groups'): deterministic random tokens, reused
+    every step and mode; each mode takes its rank's share."""
     g = torch.Generator().manual_seed(opts.seed + 1)
     out = []
-    for _ in range(opts.micro_batches):
+    for _ in range(opts.step_micro_batches):
         ids = torch.randint(3, vocab, (opts.micro_batch_size, opts.seq_len), generator=g)
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out

@@ -35,7 +35,9 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side throughput: DeepSpeed, AutoTP, sequential, SI (emulated links)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=f"preset or local HF checkpoint dir (default {d.model})")
-    p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size = world size (default {d.tp})")
+    p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size (default {d.tp}); world = tp x ep")
+    p.add_argument("--ep", type=int, default=None,
+                   help=f"expert-parallel size for MoE models (default {d.ep}); e.g. --model tiny-phimoe --tp 1 --ep 2")
     p.add_argument("--modes", nargs="+", default=None, choices=MODES, metavar="MODE",
                    help=f"modes to measure (default: all of {' '.join(MODES)})")
     p.add_argument("--link-gbps", nargs="+", type=_link_rate, default=None, metavar="GBPS",
@@ -63,7 +65,7 @@ def register(sub) -> None:
 
 
 def options_from_args(args) -> BenchOptions:
-    given = {"model": args.model, "tp": args.tp, "modes": args.modes, "link_gbps": args.link_gbps,
+    given = {"model": args.model, "tp": args.tp, "ep": args.ep, "modes": args.modes, "link_gbps": args.link_gbps,
              "link_burst_kb": args.link_burst_kb,
              "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
              "seq_len": args.seq_len, "num_layers": args.num_layers, "warmup": args.warmup,
@@ -77,11 +79,11 @@ def options_from_args(args) -> BenchOptions:
 
 
 def check_model(opts: BenchOptions) -> None:
-    """Bad model / TP / sequence length: a ValueError before any process starts."""
-    from hf_models.adapters import adapter_for
+    """Bad model / TP / EP / sequence length: a ValueError before any process starts."""
+    from hf_models.adapters import check_layout
     from hf_models.registry import load_config
     config = load_config(opts.model)
-    adapter_for(config).check_tp(config, opts.tp, opts.world)
+    check_layout(config, opts.tp, opts.ep, opts.dp, opts.world)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit and opts.seq_len > limit:
         raise ValueError(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions")
