@@ -50,17 +50,44 @@ class Pending:
         return self.out
 
 
+# Forward and backward collectives of the op graph go to two process groups over the same ranks
+# (the "strand groups"): each group then sees only one strand's collectives, in that strand's
+# program order, whatever the interleaving. That lets the stream executor react to completions as
+# they happen (a timing-dependent interleaving) and still issue every group's collectives in the
+# same order on every rank.
+_BACKWARD_GROUP: dict = {}
+
+
+def register_backward_group(group, twin) -> None:
+    """``twin`` (same ranks as ``group``) carries the backward collectives of COMM ops on ``group``."""
+    _BACKWARD_GROUP[group] = twin
+
+
+def backward_group(group):
+    """The group for backward collectives of COMM ops built on ``group`` (itself if none)."""
+    return _BACKWARD_GROUP.get(group, group)
+
+
+def has_strand_groups(group) -> bool:
+    return group in _BACKWARD_GROUP
+
+
 class SeqAllGather:
     """COMM op body: all-gather along the sequence forward, reduce-scatter backward."""
 
     def __init__(self, group, world: int):
         self.group, self.world = group, world
 
+    @property
+    def strand_safe(self) -> bool:
+        """Forward and backward collectives on separate groups (see ``register_backward_group``)."""
+        return has_strand_groups(self.group)
+
     def forward(self, x, side) -> Pending:
         return all_gather_seq(x, self.group, self.world)
 
     def backward(self, grad, side) -> Pending:
-        return reduce_scatter_seq(grad, self.group, self.world)
+        return reduce_scatter_seq(grad, backward_group(self.group), self.world)
 
 
 class SeqReduceScatter(SeqAllGather):
@@ -70,7 +97,7 @@ class SeqReduceScatter(SeqAllGather):
         return reduce_scatter_seq(x, self.group, self.world)
 
     def backward(self, grad, side) -> Pending:
-        return all_gather_seq(grad, self.group, self.world)
+        return all_gather_seq(grad, backward_group(self.group), self.world)
 
 
 def all_gather_seq(x: torch.Tensor, group, world: int) -> Pending:

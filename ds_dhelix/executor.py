@@ -136,23 +136,31 @@ class Executor:
     """Runs forward/backward of ``graph`` ops for micro-batches, with optional activation meter,
     trace recorder (``span(lane, name, args)``) and watchdog (``beat(**where)``).
 
-    ``plan=None``: SI pairs stream (see the module docstring), with weight gradients of linear ops
-    deferred when ``defer_weight_grads``; a plan: pairs run its steps with barriers."""
+    ``stream`` (default: when there is no plan): SI pairs stream (see the module docstring), with
+    weight gradients of linear ops deferred when ``defer_weight_grads``; otherwise pairs run the
+    plan's steps with barriers (no plan: one step per block slot), backward compute first."""
 
     MAX_DEFERRED = 4  # weight-gradient passes waiting at once (each keeps its op's saved tensors)
     FORWARD_LEAD = 0  # stream: the forward strand enters slot j only after backward finished slot j-1
 
     def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, meter=None, recorder=None,
-                 watchdog=None, defer_weight_grads: bool = True):
+                 watchdog=None, defer_weight_grads: bool = True, stream: bool | None = None):
         self.graph, self.plan, self.meter = graph, plan, meter
+        self.stream = plan is None if stream is None else stream
+        if self.stream and plan is not None:
+            raise ValueError("Executor: a plan runs with barriers; pass stream=False (or no plan)")
         self.recorder, self.watchdog = recorder, watchdog
         self.stats = StepStats()
         self.grad_enabled = True
-        self.defer_weight_grads = defer_weight_grads and plan is None
+        self.defer_weight_grads = defer_weight_grads and self.stream
         self._deferring = False  # on inside SI pairs and the last lone backward (stream mode)
         self._deferred: deque = deque()  # (task, outputs, grads, op weights), oldest first
         self._deferred_params: dict[int, int] = {}  # id(param) -> deferred passes touching it
         self._op_weights: dict = {}  # (block, op index) -> _OpWeights
+        # stream mode reacts to completed collectives at once when every COMM op keeps forward and
+        # backward collectives on separate groups (timing may then reorder the two strands' launches)
+        self.react = self.stream and all(getattr(op.comm, "strand_safe", False)
+                                          for block in graph.blocks for op in block if op.is_comm)
 
     # ------------------------------------------------------------------ single ops
     def run_comp(self, t: Task) -> None:
@@ -284,23 +292,36 @@ class Executor:
             return queues[1][0].slot <= b_slot + lead
 
         while queues[0] or queues[1] or order:
+            if self.react:  # a strand whose collective has completed may go on
+                for s in list(order):
+                    task, p = pending[s]
+                    if p.work is not None and p.work.is_completed():
+                        pending[s] = None
+                        order.remove(s)
+                        self.finish_comm(task, p)
             for s in (0, 1):  # launch every comm that has reached the head of its strand
-                if may_go(s) and queues[s][0].op.is_comm:
+                while may_go(s) and queues[s][0].op.is_comm:
                     task = queues[s].popleft()
-                    pending[s] = (task, self.launch_comm(task))
+                    launched = self.launch_comm(task)
+                    if launched.work is None:  # nothing to wait for (e.g. a pass-through backward)
+                        self.finish_comm(task, launched)
+                        continue
+                    pending[s] = (task, launched)
                     order.append(s)
             runnable = [s for s in (0, 1) if may_go(s)]
             if len(self._deferred) > self.MAX_DEFERRED:
                 self.run_deferred()
                 continue
             if runnable:
-                if self.plan is None and len(runnable) == 2:  # stream: nearest collective first
+                if self.stream and len(runnable) == 2:  # nearest collective first
                     runnable.sort(key=lambda s: (_until_comm(queues[s]), s))
                 self.run_comp(queues[runnable[0]].popleft())
                 self._poll(pending)
                 continue
             if self.run_deferred():  # both strands wait: fill with a weight gradient
                 self._poll(pending)
+                continue
+            if not order:  # everything finished in the reaction above
                 continue
             s = order.pop(0)  # nothing to compute: wait for the oldest comm
             task, p = pending[s]
@@ -359,7 +380,7 @@ class Executor:
         the SI plan, anything else as one step (backward ops first); the longer list's surplus runs
         alone."""
         nb = len(self.graph.blocks)
-        if self.plan is None:
+        if self.stream:
             self.run_step([t for j, bb in enumerate(b_blocks) for t in self.tasks(b_mb, bb, True, slot=j)],
                           [t for j, fb in enumerate(f_blocks) for t in self.tasks(f_mb, fb, False, slot=j)],
                           lead=self.FORWARD_LEAD)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .comm import register_backward_group
+
 
 def valid_sizes(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -24,11 +26,11 @@ class ParallelLayout:
     world_size: int
     rank: int
     tp_size: int
-    tp_group: object = None        # TP/SP collectives of the op graph (COMM ops)
+    tp_group: object = None        # TP/SP collectives of the op graph (COMM ops; backward ones on its twin)
     tp_grad_group: object = None   # gradient all-reduce of replicated weights (small, blocking)
     dp_group: object = None
     ep_size: int = 1
-    ep_group: object = None        # MoE dispatch / combine all-to-all (COMM ops)
+    ep_group: object = None        # MoE dispatch / combine all-to-all (COMM ops; backward ones on its twin)
     ep_count_group: object = None  # MoE token-count exchange (small, blocking)
     edp_group: object = None       # expert-data-parallel: reduces expert gradients
 
@@ -42,9 +44,10 @@ class ParallelLayout:
         layout = cls(world, rank, tp_size)
         for start in range(0, world, tp_size):  # every rank creates every group, same order
             ranks = list(range(start, start + tp_size))
-            g, gg = dist.new_group(ranks), dist.new_group(ranks)
+            g, gg, gb = dist.new_group(ranks), dist.new_group(ranks), dist.new_group(ranks)
             if rank in ranks:
                 layout.tp_group, layout.tp_grad_group = g, gg
+                register_backward_group(g, gb)
         for offset in range(tp_size):
             ranks = list(range(offset, world, tp_size))
             g = dist.new_group(ranks)
@@ -65,9 +68,10 @@ class ParallelLayout:
             peers = list(range(t, self.world_size, self.tp_size))  # one DP group
             for start in range(0, len(peers), ep):
                 ranks = peers[start:start + ep]
-                g, cg = dist.new_group(ranks), dist.new_group(ranks)
+                g, cg, gb = dist.new_group(ranks), dist.new_group(ranks), dist.new_group(ranks)
                 if self.rank in ranks:
                     self.ep_group, self.ep_count_group = g, cg
+                    register_backward_group(g, gb)
                     ds_groups._EXPERT_PARALLEL_GROUP[name] = g
                     ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ranks
             for pos in range(ep):

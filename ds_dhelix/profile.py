@@ -53,7 +53,7 @@ class LayerProbe:
 
     def __init__(self, graph, batch: dict, block: int = 1):
         self.graph, self.block = graph, block
-        self.executor = Executor(graph)
+        self.executor = Executor(graph, stream=False)  # plan-mode semantics: what plans run by
         self.side = graph.make_side(batch)
         pre = MicroBatch(-1, self.side)
         for b in range(block):

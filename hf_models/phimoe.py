@@ -34,7 +34,7 @@ from transformers.models.phimoe import modeling_phimoe as hf
 
 from ds_dhelix.comm import SeqAllGather, SeqReduceScatter
 from ds_dhelix.graph import ModelGraph, comm, comp
-from ds_dhelix.moe.dispatch import ExpertAllToAll, ExpertGroups
+from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll, ExpertGroups
 from ds_dhelix.moe.experts import check_ep as _check_ep
 from ds_dhelix.moe.experts import run_experts, shard_experts
 from ds_dhelix.moe.metrics import MoeMetrics
@@ -144,7 +144,10 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
     xr, yr = ("xr", "yr") if ep > 1 else ("xs", "ys")
     ops = [comp("moe.router", ("x2",), ("xs", "w", f"aux.{index}"), router)]
     if ep > 1:
-        ops.append(comm("moe.dispatch", ExpertAllToAll(index, ep_groups, True, metrics), "xs", "xr"))
+        if cf is None:  # dropless: the split sizes travel first, asynchronously
+            ops.append(comm("moe.counts", CountExchange(index, ep_groups, metrics), "xs", "xc"))
+        ops.append(comm("moe.dispatch", ExpertAllToAll(index, ep_groups, True, metrics),
+                        "xs" if cf is not None else "xc", "xr"))
     ops.append(comp("moe.experts", (xr,), (yr,),
                     lambda side, x: (run_experts(x, side["moe"][index], block.experts, ep, grouped),)))
     if ep > 1:

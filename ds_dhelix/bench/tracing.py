@@ -22,11 +22,12 @@ from .options import BenchOptions
 
 @dataclass(frozen=True)
 class TraceOptions:
-    """A traced run: ``steps`` optimizer steps of ``schedule`` on ``tp`` ranks."""
+    """A traced run: ``steps`` optimizer steps of ``schedule`` on ``tp x ep`` ranks."""
 
     out: str = "trace.json"
     model: str = "tiny-llama"
     tp: int = 2
+    ep: int = 1
     schedule: str = "si"
     planned: bool = False
     """SI with the planner's plan (``planner.profile = "auto"``) instead of the default plan."""
@@ -53,7 +54,7 @@ class TraceOptions:
         self.bench_options()  # shape checks
 
     def bench_options(self) -> BenchOptions:
-        return BenchOptions(model=self.model, tp=self.tp, modes=(self.schedule,), link_gbps=(self.link_gbps,),
+        return BenchOptions(model=self.model, tp=self.tp, ep=self.ep, modes=(self.schedule,), link_gbps=(self.link_gbps,),
                             micro_batches=self.micro_batches, micro_batch_size=self.micro_batch_size,
                             seq_len=self.seq_len, num_layers=self.num_layers, timeout=self.timeout,
                             link_burst_kb=self.link_burst_kb)
@@ -76,8 +77,10 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
     config = bench.dhelix_ds_config(mode, opts.link_gbps)
     engine, *_ = ds_dhelix.initialize(model=build_model(bench), config=config, example_batch=batches[0])
     steps = []
+    share = len(batches) // engine.layout.dp_size  # this data-parallel group's micro-batches
+    mine = batches[engine.layout.dp_rank * share:(engine.layout.dp_rank + 1) * share]
     for _ in range(opts.steps):
-        engine.train_batch(iter(batches))
+        engine.train_batch(iter(mine))
         s = engine.last_stats
         steps.append({"step_s": s.step_s, "compute_s": s.compute_s, "comm_s": s.comm_s,
                       "exposed_s": s.exposed_s, "num_comms": s.num_comms})
@@ -87,7 +90,7 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
 
 def _link_main(opts: TraceOptions) -> list[dict]:
     from ds_dhelix.spawn import run_ranks
-    return run_ranks(_rank_main, opts.tp, args=(opts,), timeout=opts.timeout)
+    return run_ranks(_rank_main, opts.tp * opts.ep, args=(opts,), timeout=opts.timeout)
 
 
 def record_trace(opts: TraceOptions) -> dict:

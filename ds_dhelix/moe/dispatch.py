@@ -4,11 +4,16 @@
     moe.dispatch  copies -> expert owners (send->recv)      gradients back (recv->send)
     moe.combine   expert outputs -> token owners (recv->send)  gradients to experts (send->recv)
 
-Dropless mode needs the split sizes before the token all-to-all can be posted, so the dispatch
-launch first exchanges per-expert copy counts: a tiny blocking ``all_to_all_single`` on its own
-group (``count_group``) so it never queues behind the large asynchronous all-to-alls of the other
-strand. Every rank runs the same ops in the same order, so every rank issues the same collectives
-in the same order whatever the routing. Capacity mode has fixed, even splits: no exchange.
+    moe.counts    per-expert copy counts exchanged          nothing (no gradient)
+
+Dropless mode needs the split sizes before the token all-to-all can be posted: ``moe.counts``
+exchanges the per-expert copy counts (a tiny asynchronous ``all_to_all_single`` on its own group,
+``count_group``, so it never queues behind the large all-to-alls) as an op of its own between the
+router and the dispatch, so the other strand computes while it is in flight instead of both ranks
+meeting in a blocking exchange. Without that op the dispatch launch exchanges the counts itself,
+blocking. Every rank runs the same ops in the same order, so every rank issues the same
+collectives in the same order whatever the routing. Capacity mode has fixed, even splits: no
+exchange.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import Pending
+from ..comm import Pending, backward_group, has_strand_groups
 from .router import Route
 
 
@@ -60,6 +65,38 @@ def exchange_counts(route: Route, groups: ExpertGroups) -> None:
     route.recv_splits = recv.sum(dim=1).tolist()
 
 
+class CountExchange:
+    """COMM op body of ``moe.counts``: forward passes ``x`` through once this rank knows how many
+    copies it sends to / receives from each EP rank; backward passes the gradient through."""
+
+    def __init__(self, layer: int, groups: ExpertGroups, metrics=None):
+        self.layer, self.groups, self.metrics = layer, groups, metrics
+
+    strand_safe = True  # forward only; its backward launches nothing
+
+    def forward(self, x, side) -> Pending:
+        route = side["moe"][self.layer]
+        if route.padded:  # capacity mode: fixed splits
+            return Pending(None, x)
+        send = route.counts.view(self.groups.size, -1).contiguous()
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=self.groups.count_group, async_op=True)
+
+        def finish(_):
+            route.recv_counts = recv
+            route.send_splits = send.sum(dim=1).tolist()
+            route.recv_splits = recv.sum(dim=1).tolist()
+            return x
+
+        pending = TimedPending(work, x, finish=finish)
+        if self.metrics is not None:
+            pending.sink = self.metrics.record_comm
+        return pending
+
+    def backward(self, grad, side) -> Pending:
+        return Pending(None, grad)
+
+
 def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> Pending:
     x = x.contiguous()
     rows = x.shape[0] if out_splits is None else sum(out_splits)
@@ -75,24 +112,29 @@ class ExpertAllToAll:
     def __init__(self, layer: int, groups: ExpertGroups, to_experts: bool, metrics=None):
         self.layer, self.groups, self.to_experts, self.metrics = layer, groups, to_experts, metrics
 
-    def _send(self, x, route: Route, toward_experts: bool) -> Pending:
+    @property
+    def strand_safe(self) -> bool:
+        return has_strand_groups(self.groups.group)
+
+    def _send(self, x, route: Route, toward_experts: bool, group) -> Pending:
         if route.padded:
-            return _all_to_all(x, None, None, self.groups.group)
+            return _all_to_all(x, None, None, group)
         if toward_experts:
-            return _all_to_all(x, route.recv_splits, route.send_splits, self.groups.group)
-        return _all_to_all(x, route.send_splits, route.recv_splits, self.groups.group)
+            return _all_to_all(x, route.recv_splits, route.send_splits, group)
+        return _all_to_all(x, route.send_splits, route.recv_splits, group)
 
     def forward(self, x, side) -> Pending:
         route = side["moe"][self.layer]
-        if self.to_experts and not route.padded:
+        if self.to_experts and not route.padded and route.recv_splits is None:  # no moe.counts op
             t0 = time.perf_counter()
             exchange_counts(route, self.groups)
             if self.metrics is not None:
                 self.metrics.record_blocking_comm(time.perf_counter() - t0)
-        return self._record(self._send(x, route, self.to_experts))
+        return self._record(self._send(x, route, self.to_experts, self.groups.group))
 
     def backward(self, grad, side) -> Pending:
-        return self._record(self._send(grad, side["moe"][self.layer], not self.to_experts))
+        return self._record(self._send(grad, side["moe"][self.layer], not self.to_experts,
+                                       backward_group(self.groups.group)))
 
     def _record(self, pending: TimedPending) -> TimedPending:
         if self.metrics is not None:
