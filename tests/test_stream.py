@@ -74,11 +74,11 @@ def _modes_rank(rank, world, preset, overrides):
         wgrad = sorted({e["name"] for e in rec.events() if e.get("name", "").endswith(".wgrad")})
         runs[name] = {"losses": [mb.loss.detach().clone() for mb in mbs],
                       "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                      "wgrad": wgrad, "comms": ex.stats.num_comms,
+                      "wgrad": wgrad, "comms": ex.stats.num_comms, "react": ex.react,
                       "replicated_spans": sum(e.get("name") == "replicated.allreduce" for e in rec.events())}
     want = hf_reference(ref, batches)
     seq = runs["sequential"]
-    out = {"wgrad": {k: r["wgrad"] for k, r in runs.items()},
+    out = {"wgrad": {k: r["wgrad"] for k, r in runs.items()}, "react": {k: r["react"] for k, r in runs.items()},
            "replicated_spans": {k: r["replicated_spans"] for k, r in runs.items()},
            "comms": {k: r["comms"] for k, r in runs.items()}, "differ": {}}
     for name, r in runs.items():
@@ -107,6 +107,8 @@ def test_stream_plan_sequential_bitwise(preset, overrides):
         assert {"attn.out", "mlp.down"} <= {w.removesuffix(".wgrad") for w in r["wgrad"]["stream"]}
         assert not {"mlp.up", "attn.norm", "mlp.norm", "attn.core"} & {w.removesuffix(".wgrad")
                                                                        for w in r["wgrad"]["stream"]}
+        # ParallelLayout gave every TP group a backward twin: stream mode reacts to completions
+        assert r["react"] == {"sequential": True, "plan": False, "stream": True, "stream-nodefer": True}
         # once per step, the same number of collectives in every mode
         assert set(r["replicated_spans"].values()) == {1}
         assert len(set(r["comms"].values())) == 1
@@ -134,3 +136,42 @@ def test_tied_weight_keeps_accumulation_order(monkeypatch):
     assert model.lm_head.weight is model.transformer.wte.weight
     differ = [n for n, g in grads["si"].items() if not torch.equal(g, grads["sequential"][n])]
     assert differ == []
+
+
+# ------------------------------------------------------------------------ executor reactions
+class _DoneWork:
+    """An async handle that has already completed (what a fast link gives the reaction path)."""
+
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        return True
+
+
+class _InstantComm:
+    strand_safe = True
+
+    def forward(self, x, side):
+        from ds_dhelix.comm import Pending
+        return Pending(_DoneWork(), x + 1)
+
+    backward = forward
+
+
+def test_stream_reacts_to_completed_collectives_until_both_strands_end():
+    """Both strands end in a collective that completes at once: the reaction finishes both and the
+    step ends (it once tried to wait on an empty list), values as computed one by one."""
+    from ds_dhelix.executor import MicroBatch
+    from ds_dhelix.graph import ModelGraph, comm, comp
+    work = [comp("double", ("x",), ("y",), lambda side, x: (x * 2,)), comm("send", _InstantComm(), "y", "z")]
+    only_comm = [comm("send", _InstantComm(), "x", "z")]
+    graph = ModelGraph([work, work, only_comm], make_side=lambda batch: {})
+    ex = Executor(graph, stream=True, defer_weight_grads=False)
+    assert ex.react
+    ex.grad_enabled = False
+    for block, want in ((1, [1.0, 3.0]), (2, [1.0, 2.0])):  # (2): both strands launch at once
+        mbs = [MicroBatch(k, {}, env={"x": torch.tensor([float(k)])}) for k in range(2)]
+        ex.run_step(ex.tasks(mbs[0], block, False), ex.tasks(mbs[1], block, False), lead=None)
+        assert [mb.env["z"].item() for mb in mbs] == want
+    assert ex.stats.num_comms == 4
