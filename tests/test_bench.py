@@ -69,11 +69,27 @@ def test_failed_modes_become_rows():
     ({"seq_len": 63}, ["63", "tp 2"]),
     ({"repeats": 0}, ["repeats"]),
     ({"link_burst_kb": 16}, ["16", "MTU"]),
+    ({"pp": 2, "modes": ("si",)}, ["si", "drop --pp", "ds-1f1b"]),
+    ({"pp": 2}, ["--pp 2", "--tp 2", "--tp 1"]),
+    ({"pp": 2, "tp": 1, "ep": 2}, ["--ep 2", "--tp 1"]),
+    ({"ep": 0}, ["ep must be >= 1"]),
 ])
 def test_bad_options_name_the_value(kwargs, words):
     with pytest.raises(ValueError) as err:
         BenchOptions(**kwargs)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_layouts_world_and_tokens():
+    ep = BenchOptions(model="tiny-phimoe", tp=1, ep=2, micro_batches=8)
+    assert ep.world == 2 and ep.dp == 2 and ep.step_micro_batches == 16
+    assert ep.tokens_per_step == 16 * ep.micro_batch_size * ep.seq_len  # every mode, same tokens
+    assert ep.dhelix_ds_config("si")["dhelix"]["expert_parallel"] == {"size": 2}
+    assert ep.deepspeed_ds_config()["gradient_accumulation_steps"] == 8  # 16 over 2 DP ranks
+    pp = BenchOptions(tp=1, pp=2)
+    assert pp.modes == ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si") and pp.world == 2
+    section = pp.dhelix_ds_config("dualpipev-si")["dhelix"]
+    assert section["schedule"] == "dualpipev" and section["pipeline"] == {"stages": 2}
 
 
 def test_quick_keeps_explicit_values():
@@ -122,3 +138,33 @@ def test_bench_quick_json_every_mode(tmp_path):
     for ext in ("json", "csv", "md", "png"):
         assert (out / f"bench.{ext}").stat().st_size > 0
     assert json.loads((out / "bench.json").read_text())["results"] == report["results"]
+
+
+def _run_bench(tmp_path, *extra):
+    argv = [sys.executable, "-m", "ds_dhelix.cli", "bench", "--json", "--seq-len", "64", "--micro-batch-size", "2",
+            "--warmup", "0", "--repeats", "1", "--link-gbps", "unshaped", "--timeout", "150", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["mode"]: r for r in json.loads(proc.stdout)["results"]}
+
+
+@pytest.mark.timeout(240)
+def test_bench_moe_expert_parallel(tmp_path):
+    rows = _run_bench(tmp_path, "--model", "tiny-phimoe", "--tp", "1", "--ep", "2", "--num-layers", "1",
+                      "--micro-batches", "2", "--modes", "deepspeed", "autotp", "sequential", "si")
+    assert rows["autotp"]["status"] == "skipped" and "AutoTP" in rows["autotp"]["reason"]
+    for mode in ("deepspeed", "sequential", "si"):
+        assert rows[mode]["status"] == "ok", rows[mode]
+        assert rows[mode]["tokens_per_s"] > 0
+    assert rows["si"]["comm_s"] > 0 and rows["si"]["ideal_speedup"] >= 1.0  # dispatch/combine timed
+
+
+@pytest.mark.timeout(240)
+def test_bench_pipeline_modes(tmp_path):
+    rows = _run_bench(tmp_path, "--pp", "2", "--tp", "1", "--num-layers", "4", "--micro-batches", "4")
+    assert list(rows) == ["ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si"]
+    for mode, row in rows.items():
+        assert row["status"] == "ok", row
+        assert row["speedup_vs_sequential"] > 0 and row["ideal_speedup"] is None  # no comm bound for p2p
+    assert rows["w"]["peak_activation_bytes"] > 0 and rows["ds-1f1b"]["peak_activation_bytes"] is None

@@ -55,7 +55,8 @@ def summarize_link(opts: BenchOptions, gbps: float | None, result: dict,
     outcomes = result.get("modes", {})
     seq = outcomes.get("sequential", {})
     seq_med = mode_medians(seq["steps"]) if seq.get("steps") else None
-    ideal = ideal_speedup(seq_med["compute_s"], seq_med["comm_s"]) if seq_med else None
+    # pipelines: point-to-point transfers are not timed as comm, so there is no overlap bound
+    ideal = ideal_speedup(seq_med["compute_s"], seq_med["comm_s"]) if seq_med and opts.pp == 1 else None
     rows = []
     for mode in opts.modes:
         out = outcomes.get(mode) or {"status": "error", "reason": result.get("error", "no result")}
@@ -78,7 +79,8 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token) -> d
            "step_time_max_s": max(times), "tokens_per_s": opts.tokens_per_step / step_s,
            "compute_s": med["compute_s"], "comm_s": med["comm_s"], "exposed_comm_s": med["exposed_s"],
            "cpu_s": med["cpu_s"], "other_threads_cpu_s": None,
-           "peak_activation_bytes": max(s["peak_activation_bytes"] for s in steps),
+           "peak_activation_bytes": max((s["peak_activation_bytes"] for s in steps
+                                         if s.get("peak_activation_bytes") is not None), default=None),
            "hidden_fraction": None, "hidden_of_comm": None, "ideal_speedup": ideal,
            "speedup_vs_sequential": None, "achieved_over_ideal": None, "step_bound_speedup": None,
            "mfu": None}
@@ -86,15 +88,16 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token) -> d
         row["other_threads_cpu_s"] = max(0.0, med["cpu_s"] - med["main_thread_cpu_s"])
     ref = seq_med or med  # sequential comm / comp: what there was to hide
     comp, comm, exposed = ref["compute_s"], ref["comm_s"], med["exposed_s"]
-    if comm is not None and exposed is not None and comm > 0 and comp > 0:
+    if comm and exposed is not None and comp and opts.pp == 1:
         hidden = min(comm, max(0.0, comm - exposed))
         row["hidden_of_comm"] = hidden / comm
         row["hidden_fraction"] = min(1.0, hidden / min(comm, comp))
     if seq_med:
         row["speedup_vs_sequential"] = seq_med["step_s"] / step_s
-        hideable = min(seq_med["compute_s"], seq_med["comm_s"])
-        row["step_bound_speedup"] = seq_med["step_s"] / max(seq_med["step_s"] - hideable, 1e-9)
-        if mode in DHELIX_MODES and mode != "sequential":
+        if ideal:
+            hideable = min(seq_med["compute_s"], seq_med["comm_s"])
+            row["step_bound_speedup"] = seq_med["step_s"] / max(seq_med["step_s"] - hideable, 1e-9)
+        if mode in DHELIX_MODES and mode != "sequential" and ideal:
             row["achieved_over_ideal"] = row["speedup_vs_sequential"] / ideal
     if peak_flops and flops_per_token:
         row["mfu"] = flops_per_token * row["tokens_per_s"] / (peak_flops * opts.world)

@@ -109,9 +109,39 @@ class DeepSpeedRunner:
         self.engine.destroy()
 
 
+class PipeRunner:
+    """``pp > 1``: DeepSpeed's pipelines (``ds-1f1b``, ``ds-dualpipev``) and ours (``sequential``,
+    ``w``, ``dualpipev-si``) on the same HF model and micro-batches; ours report executor stats."""
+
+    def __init__(self, opts: BenchOptions, mode: str, link_gbps: float | None):
+        self.mode, self.info = mode, {}
+        if mode.startswith("ds-"):
+            from ds_dhelix.pipe.baseline import build_deepspeed_pipe
+            self.engine = build_deepspeed_pipe(build_model(opts), opts.pp, mode.removeprefix("ds-"),
+                                               opts.base_ds_config(opts.micro_batches))
+        else:
+            import ds_dhelix
+            self.engine, *_ = ds_dhelix.initialize(model=build_model(opts),
+                                                   config=opts.dhelix_ds_config(mode, link_gbps))
+
+    def step(self, batches: list[dict]) -> dict:
+        if self.mode.startswith("ds-"):
+            self.engine.train_batch(iter([(b["input_ids"], b["labels"]) for b in batches]))
+            return {"peak_activation_bytes": None}
+        self.engine.train_batch(iter(batches))
+        s = self.engine.last_stats
+        return {"compute_s": s.compute_s, "comm_s": s.comm_s, "exposed_s": s.exposed_s,
+                "num_comms": s.num_comms, "peak_activation_bytes": s.peak_activation_bytes}
+
+    def close(self) -> None:
+        self.engine.destroy()
+
+
 def build_runner(opts: BenchOptions, mode: str, example_batch: dict, link_gbps: float | None = None):
     """The runner of ``mode`` (``SkipMode`` when it does not apply here). ``example_batch`` is one
     micro-batch (the planner profiles its shapes), ``link_gbps`` the emulated link rate."""
+    if opts.pp > 1:
+        return PipeRunner(opts, mode, link_gbps)
     if mode in DHELIX_MODES:
         return DhelixRunner(opts, mode, example_batch, link_gbps)
     if mode in ("deepspeed", "autotp"):

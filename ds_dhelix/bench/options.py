@@ -10,8 +10,13 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
     si-plan     SI run by the fixed default plan, a barrier after each plan step ("si_execution": "plan")
     si-planned  SI run by the plan the planner makes from a profile ("planner.profile": "auto")
 
-Pipeline modes (DeepSpeed DualPipeV, our ``w``) are listed in ``PP_MODES`` and need ``pp > 1``;
-they plug in as further entries of ``ds_dhelix.bench.modes.RUNNERS``.
+With ``pp > 1`` (folded pipeline over ``pp`` ranks, ``tp = 1``) the modes are ``PP_MODES``::
+
+    ds-1f1b       DeepSpeed PipelineEngine, its 1F1B schedule, on the HF decoder layers
+    ds-dualpipev  DeepSpeed DualPipeVEngine (V-folded, forward/backward pairs one after the other)
+    sequential    ds_dhelix folded pipeline, pairs run one after the other (the reference)
+    w             ds_dhelix W schedule: folded pipeline, pairs co-executed by SI
+    dualpipev-si  ds_dhelix DualPipeV order with SI pairs
 """
 from __future__ import annotations
 
@@ -23,11 +28,14 @@ from ..linkemu import DEFAULT_BURST_KB
 MODES = ("deepspeed", "autotp", "sequential", "si", "si-plan", "si-planned")
 """Modes a run can measure, in table order."""
 
-DHELIX_MODES = ("sequential", "si", "si-plan", "si-planned")
+DHELIX_MODES = ("sequential", "si", "si-plan", "si-planned", "w", "dualpipev-si")
 """Modes that run the ds_dhelix executor (they report compute / comm / exposed time)."""
 
-PP_MODES = ("dualpipev", "w")
-"""Pipeline modes, reserved for pp > 1 (not measured yet)."""
+PP_MODES = ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si")
+"""Modes of a pipeline run (pp > 1), in table order."""
+
+PP_SCHEDULES = {"sequential": "sequential", "w": "w", "dualpipev-si": "dualpipev"}
+"""ds_dhelix pipeline modes -> their ``dhelix.schedule``."""
 
 REFERENCE_GBPS = 2.0
 """The link whose sequential comm/comp ratio the run reports (the paper's A40-like regime)."""
@@ -47,6 +55,9 @@ class BenchOptions:
     """Preset name or local HF checkpoint directory."""
     tp: int = 2
     """Tensor-parallel size; the world is ``tp x ep`` ranks (deepspeed mode: data parallel over them)."""
+    pp: int = 1
+    """Pipeline stages (folded, two chunks per rank); with ``pp > 1`` the world is ``pp`` ranks
+    (``tp = 1``) and the modes are ``PP_MODES``."""
     ep: int = 1
     """Expert-parallel size for MoE models (e.g. tiny-phimoe with ``tp=1, ep=2``): the ds_dhelix
     modes shard the experts over ``ep`` data-parallel ranks, each rank with its own micro-batches."""
@@ -81,11 +92,20 @@ class BenchOptions:
     """Extra keys for the "dhelix" section of the ds_dhelix modes."""
 
     def __post_init__(self):
-        unknown = [m for m in self.modes if m not in MODES]
+        if self.pp > 1 and self.modes == MODES:  # the default list: the pipeline's
+            object.__setattr__(self, "modes", PP_MODES)
+        allowed = PP_MODES if self.pp > 1 else MODES
+        unknown = [m for m in self.modes if m not in allowed]
         if unknown:
-            pp = [m for m in unknown if m in PP_MODES]
-            hint = f" ({', '.join(pp)} need pipeline parallelism, not benchmarked yet)" if pp else ""
-            raise ValueError(f"unknown bench mode(s) {unknown}{hint}; choose from {', '.join(MODES)}")
+            other = PP_MODES if self.pp == 1 else MODES
+            hint = ""
+            if any(m in other for m in unknown):
+                hint = " (pipeline modes need --pp > 1)" if self.pp == 1 else " (not a pipeline mode; drop --pp)"
+            raise ValueError(f"unknown bench mode(s) {unknown}{hint}; choose from {', '.join(allowed)}")
+        if self.pp > 1 and (self.tp != 1 or self.ep != 1):
+            raise ValueError(f"--pp {self.pp} with --tp {self.tp} --ep {self.ep}: the pipeline benchmark runs "
+                             f"one rank per stage (DeepSpeed's pipelines here have no TP/EP to match); "
+                             f"pass --tp 1 (and no --ep)")
         if not self.modes:
             raise ValueError("no modes to measure; pass e.g. --modes sequential si")
         if not self.link_gbps:
@@ -96,7 +116,7 @@ class BenchOptions:
         if self.link_burst_kb < 65:
             raise ValueError(f"link-burst-kb {self.link_burst_kb} is below the loopback MTU (64 KiB): "
                              f"the token bucket would drop full-size packets; use >= 65")
-        for name in ("tp", "ep", "micro_batches", "micro_batch_size", "seq_len", "repeats"):
+        for name in ("tp", "pp", "ep", "micro_batches", "micro_batch_size", "seq_len", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
@@ -111,12 +131,12 @@ class BenchOptions:
 
     @property
     def world(self) -> int:
-        return self.tp * self.ep
+        return self.tp * self.ep * self.pp
 
     @property
     def dp(self) -> int:
         """Data-parallel size of the ds_dhelix modes (their TP group spans ``tp`` ranks)."""
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
 
     @property
     def step_micro_batches(self) -> int:
@@ -149,6 +169,8 @@ class BenchOptions:
         section = copy.deepcopy(self.extra_dhelix)
         section.update(enabled=True, schedule="sequential" if mode == "sequential" else "si",
                        tensor_parallel={"size": self.tp})
+        if self.pp > 1:
+            section.update(schedule=PP_SCHEDULES[mode], pipeline={"stages": self.pp})
         if self.ep > 1:
             section["expert_parallel"] = {**section.get("expert_parallel", {}), "size": self.ep}
         section["benchmark"] = {**section.get("benchmark", {}), "link_gbps": link_gbps}

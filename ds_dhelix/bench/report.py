@@ -42,7 +42,7 @@ def markdown_table(report: dict) -> str:
             f"{_fmt(r['achieved_over_ideal'], '.2f')} | {ms(r['compute_s'])} | {ms(r['comm_s'])} | "
             f"{ms(r['exposed_comm_s'])} | {_fmt(r['hidden_fraction'], '.0%')} | "
             f"{ms(r.get('other_threads_cpu_s'))} | "
-            f"{_fmt(r['peak_activation_bytes'] / 2**20, '.1f')} |")
+            f"{_fmt(None if r['peak_activation_bytes'] is None else r['peak_activation_bytes'] / 2**20, '.1f')} |")
     ratio = report.get("comm_comp_ratio") or {}
     if ratio.get("value") is not None:
         lines.append("")

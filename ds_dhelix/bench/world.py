@@ -123,8 +123,8 @@ def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
     comm / exposed / CPU time, the largest activation peak."""
     steps = []
     for recs in zip(*per_rank):
-        step = {"step_s": max(r["step_s"] for r in recs),
-                "peak_activation_bytes": max(r["peak_activation_bytes"] for r in recs)}
+        peaks = [r["peak_activation_bytes"] for r in recs if r.get("peak_activation_bytes") is not None]
+        step = {"step_s": max(r["step_s"] for r in recs), "peak_activation_bytes": max(peaks, default=None)}
         for key in ("compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s"):
             if key in recs[0]:
                 step[key] = sum(r[key] for r in recs) / len(recs)

@@ -36,6 +36,9 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=f"preset or local HF checkpoint dir (default {d.model})")
     p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size (default {d.tp}); world = tp x ep")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline stages: DeepSpeed 1F1B / DualPipeV vs our sequential fold, W and DualPipeV+SI "
+                        "(one rank per stage; needs --tp 1)")
     p.add_argument("--ep", type=int, default=None,
                    help=f"expert-parallel size for MoE models (default {d.ep}); e.g. --model tiny-phimoe --tp 1 --ep 2")
     p.add_argument("--modes", nargs="+", default=None, choices=MODES, metavar="MODE",
@@ -65,7 +68,7 @@ def register(sub) -> None:
 
 
 def options_from_args(args) -> BenchOptions:
-    given = {"model": args.model, "tp": args.tp, "ep": args.ep, "modes": args.modes, "link_gbps": args.link_gbps,
+    given = {"model": args.model, "tp": args.tp, "pp": args.pp, "ep": args.ep, "modes": args.modes, "link_gbps": args.link_gbps,
              "link_burst_kb": args.link_burst_kb,
              "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
              "seq_len": args.seq_len, "num_layers": args.num_layers, "warmup": args.warmup,
@@ -83,7 +86,7 @@ def check_model(opts: BenchOptions) -> None:
     from hf_models.adapters import check_layout
     from hf_models.registry import load_config
     config = load_config(opts.model)
-    check_layout(config, opts.tp, opts.ep, opts.dp, opts.world)
+    check_layout(config, opts.tp, opts.ep, opts.dp, opts.world // opts.pp)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit and opts.seq_len > limit:
         raise ValueError(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions")

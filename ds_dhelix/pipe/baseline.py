@@ -110,28 +110,36 @@ def _time_steps(engine, make_iter, steps: int, warmup: int) -> tuple[list[float]
     return times, losses
 
 
-def run_deepspeed_pipe(model_name: str, pp: int, schedule: str = "1f1b", steps: int = 3, micro_batches: int = 4,
-                       micro_batch_size: int = 2, seq_len: int = 64, zero_stage: int = 0, lr: float = 1e-3,
-                       seed: int = 1234, num_layers: int | None = None, warmup: int = 1) -> dict:
-    """Time ``steps`` training steps of DeepSpeed's own pipeline (``"1f1b"``: PipelineEngine with
-    its TrainSchedule; ``"dualpipev"``: DualPipeVEngine) on the HF model, DP = world / pp."""
+def build_deepspeed_pipe(model, pp: int, schedule: str, ds_config: dict):
+    """DeepSpeed's own pipeline engine on the HF model's layers (``"1f1b"``: PipelineEngine with its
+    TrainSchedule; ``"dualpipev"``: DualPipeVEngine); ``train_batch`` takes ``(ids, labels)`` pairs."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.pipe import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     if schedule not in ("1f1b", "dualpipev"):
         raise ValueError(f"schedule={schedule!r}: DeepSpeed's pipelines are '1f1b' and 'dualpipev'")
+    micro_batches = ds_config.get("gradient_accumulation_steps", 1)
     if schedule == "dualpipev" and micro_batches < 2 * pp:
         raise ValueError(f"DeepSpeed's DualPipeV needs micro_batches >= 2 * pp = {2 * pp}, got {micro_batches}")
     deepspeed.init_distributed(dist_init_required=not dist.is_initialized())
-    model = _build(model_name, seed, num_layers)
     cls = DualPipeVModule if schedule == "dualpipev" else PipelineModule
-    vocab = model.config.vocab_size
     module = cls(layers=pipe_layers(model), num_stages=pp, loss_fn=causal_lm_loss,
                  partition_method="type:HFDecoderPipe")
-    del model
-    engine, *_ = deepspeed.initialize(model=module, config=_ds_config(micro_batches, micro_batch_size, zero_stage, lr),
+    engine, *_ = deepspeed.initialize(model=module, config=ds_config,
                                       model_parameters=[p for p in module.parameters() if p.requires_grad])
+    return engine
+
+
+def run_deepspeed_pipe(model_name: str, pp: int, schedule: str = "1f1b", steps: int = 3, micro_batches: int = 4,
+                       micro_batch_size: int = 2, seq_len: int = 64, zero_stage: int = 0, lr: float = 1e-3,
+                       seed: int = 1234, num_layers: int | None = None, warmup: int = 1) -> dict:
+    """Time ``steps`` training steps of DeepSpeed's own pipeline (``"1f1b"``: PipelineEngine with
+    its TrainSchedule; ``"dualpipev"``: DualPipeVEngine) on the HF model, DP = world / pp."""
+    import torch.distributed as dist
+    model = _build(model_name, seed, num_layers)
+    vocab = model.config.vocab_size
+    engine = build_deepspeed_pipe(model, pp, schedule, _ds_config(micro_batches, micro_batch_size, zero_stage, lr))
     data = _batches(vocab, micro_batches, micro_batch_size, seq_len, seed)
     times, losses = _time_steps(engine, lambda: iter([(ids, ids) for ids in data]), steps, warmup)
     engine.destroy()
