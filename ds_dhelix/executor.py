@@ -140,7 +140,7 @@ class Executor:
     weight gradients of linear ops deferred when ``defer_weight_grads``; otherwise pairs run the
     plan's steps with barriers (no plan: one step per block slot), backward compute first."""
 
-    MAX_DEFERRED = 4  # weight-gradient passes waiting at once (each keeps its op's saved tensors)
+    MAX_DEFERRED = 2  # weight-gradient passes waiting at once (each keeps its op's saved tensors)
     FORWARD_LEAD = 0  # stream: the forward strand enters slot j only after backward finished slot j-1
 
     def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, meter=None, recorder=None,
@@ -277,8 +277,9 @@ class Executor:
         """Run two strands' task lists together (either may be empty); barrier at the end.
 
         ``lead``: the forward strand may not start a task of a slot more than ``lead`` slots past
-        the backward strand's current slot, so it does not save activations ahead of those the
-        backward strand frees (None: no limit)."""
+        the backward strand's current slot, nor while a weight gradient of an earlier slot is still
+        deferred, so it does not save activations ahead of those the backward strand frees
+        (None: no limit)."""
         queues = [deque(b_tasks), deque(f_tasks)]  # backward strand first
         pending: list[tuple[Task, Pending] | None] = [None, None]
         order: list[int] = []  # strands with a pending comm, in launch order
@@ -286,10 +287,15 @@ class Executor:
         def may_go(s: int) -> bool:
             if pending[s] is not None or not queues[s]:
                 return False
-            if s == 0 or lead is None or not (queues[0] or pending[0]):
+            if s == 0 or lead is None:
+                return True
+            f_slot = queues[1][0].slot
+            if self._deferred and self._deferred[0][0].slot < f_slot:
+                return False  # a finished slot's weight gradient still holds its activations
+            if not (queues[0] or pending[0]):
                 return True
             b_slot = pending[0][0].slot if pending[0] is not None else queues[0][0].slot
-            return queues[1][0].slot <= b_slot + lead
+            return f_slot <= b_slot + lead
 
         while queues[0] or queues[1] or order:
             if self.react:  # a strand whose collective has completed may go on
