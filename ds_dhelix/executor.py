@@ -11,11 +11,16 @@ A pair F(k+1)(x)B(k) runs in one of two ways:
 - **stream** (no plan, the default): both strands walk the whole model as one step, no barrier.
   COMM ops are launched asynchronously the moment their strand reaches them; the next COMP op comes
   from the strand with the fewest compute ops left before its next collective (ties: backward), so
-  the link is fed as early as possible; the executor waits only when neither strand can compute.
-  The backward strand's linear ops (a matmul and views: ``attn.out``, ``mlp.down``) compute their
-  input gradient first and leave their weight gradient for later, so the strand reaches its next
-  collective sooner; the deferred weight gradients (at most ``MAX_DEFERRED`` in flight) fill the
-  time when both strands wait, and all are done before the pair ends::
+  the link is fed as early as possible; a strand whose collective has completed may go on at once
+  (forward and backward collectives use separate process groups, see ``comm.register_backward_group``,
+  so this timing-dependent interleaving still issues every group's collectives in the same order on
+  every rank); the executor waits only when neither strand can compute. The backward strand's
+  linear ops (a matmul and views: ``attn.out``, ``mlp.down``, ``head.logits``) compute their input
+  gradient first and leave their weight gradient for later, so the strand reaches its next
+  collective sooner; the deferred weight gradients (at most ``MAX_DEFERRED`` waiting) fill the time
+  when both strands wait, and all are done before the pair ends. The forward strand enters layer
+  slot j only after the backward strand has finished slot j-1 (and its deferred weight gradients),
+  so it never saves activations ahead of those the backward strand frees::
 
       comm lane:     [F: attn.ag ........]   [B: mlp.ag(grad) ...]     [F: attn.rs ..]
       compute lane:  [B: mlp.down dX][B: mlp.up]  [F: qkv][F: core][F: out] [B: mlp.down dW]
@@ -24,11 +29,12 @@ A pair F(k+1)(x)B(k) runs in one of two ways:
   (forward segment, backward segment) with a barrier after each, backward compute first; other
   slots run as one step each. This is what the planner's overlap tables measure and predict.
 
-Launch order is a pure function of the op lists (and plan): a decision depends only on which ops
-are queued and which collectives were already waited for, never on timing, so every rank issues
-its collectives in the same order. Per-strand data dependencies and the per-op math are untouched:
-results are bitwise those of ``sequential`` (a weight gradient is the same matmul whether or not it
-is deferred; a deferred one always runs before any later op adds to the same weight).
+In plan mode (and in stream mode without separate groups) launch order is a pure function of the
+op lists and plan: a decision depends only on which ops are queued and which collectives were
+already waited for, never on timing, so every rank issues its collectives in the same order.
+Per-strand data dependencies and the per-op math are untouched: results are bitwise those of
+``sequential`` (a weight gradient is the same matmul whether or not it is deferred; a deferred one
+always runs before any later op adds to the same weight).
 """
 from __future__ import annotations
 
