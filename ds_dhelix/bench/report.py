@@ -18,6 +18,10 @@ CSV_COLUMNS = ("mode", "link_gbps", "link", "shaped", "status", "steps", "step_t
                "plan_source", "plan_is_default", "plan_fingerprint", "reason")
 
 
+def _times(value) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
 def _fmt(value, spec: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
@@ -38,7 +42,7 @@ def markdown_table(report: dict) -> str:
         ms = lambda v: _fmt(v * 1e3 if v is not None else None, ".0f")  # noqa: E731
         lines.append(
             f"| {link} | {r['mode']} | {ms(r['step_time_s'])} | {_fmt(r['tokens_per_s'], '.0f')} | "
-            f"{_fmt(r['speedup_vs_sequential'], '.2f')}× | {_fmt(r['ideal_speedup'], '.2f')}× | "
+            f"{_times(r['speedup_vs_sequential'])} | {_times(r['ideal_speedup'])} | "
             f"{_fmt(r['achieved_over_ideal'], '.2f')} | {ms(r['compute_s'])} | {ms(r['comm_s'])} | "
             f"{ms(r['exposed_comm_s'])} | {_fmt(r['hidden_fraction'], '.0%')} | "
             f"{ms(r.get('other_threads_cpu_s'))} | "
