@@ -126,8 +126,9 @@ def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
         peaks = [r["peak_activation_bytes"] for r in recs if r.get("peak_activation_bytes") is not None]
         step = {"step_s": max(r["step_s"] for r in recs), "peak_activation_bytes": max(peaks, default=None)}
         for key in ("compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s"):
+            values = [r.get(key) for r in recs]
             if key in recs[0]:
-                step[key] = sum(r[key] for r in recs) / len(recs)
+                step[key] = None if None in values else sum(values) / len(values)
         steps.append(step)
     return steps
 
