@@ -60,6 +60,11 @@ def exchange_counts(route: Route, groups: ExpertGroups) -> None:
     send = route.counts.view(groups.size, -1).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=groups.count_group)
+    _set_splits(route, send, recv)
+
+
+def _set_splits(route: Route, send: torch.Tensor, recv: torch.Tensor) -> None:
+    """``send``/``recv``: [ep, E/ep] copies sent to / received from each EP rank, per expert."""
     route.recv_counts = recv
     route.send_splits = send.sum(dim=1).tolist()
     route.recv_splits = recv.sum(dim=1).tolist()
@@ -83,9 +88,7 @@ class CountExchange:
         work = dist.all_to_all_single(recv, send, group=self.groups.count_group, async_op=True)
 
         def finish(_):
-            route.recv_counts = recv
-            route.send_splits = send.sum(dim=1).tolist()
-            route.recv_splits = recv.sum(dim=1).tolist()
+            _set_splits(route, send, recv)
             return x
 
         pending = TimedPending(work, x, finish=finish)
