@@ -9,9 +9,15 @@ slice along dim 0 and all-gather / reduce-scatter need no copies.
 
 A COMM op's body is an object with ``forward(x, side) -> Pending`` and ``backward(grad, side) ->
 Pending`` (``side``: the micro-batch's side dict, where e.g. MoE split sizes are kept between the
-two directions). Every launch returns a ``Pending`` whose ``wait()`` gives the result; on CUDA (NCCL) the
-collective runs on the communication stream and ``wait()`` makes the compute stream wait on it;
-on CPU (gloo) it runs on gloo's worker threads. Same code path.
+two directions). Every launch returns a ``Pending`` whose ``wait()`` gives the result; on CUDA
+(NCCL) the collective runs on the communication stream and ``wait()`` makes the compute stream wait
+on it; on CPU (gloo) it runs on gloo's worker threads. Same code path. A body whose ``strand_safe``
+is true launches its backward collectives on the group's twin (``register_backward_group``), which
+lets the stream executor interleave the two strands by timing.
+
+On gloo a reduce-scatter is an all-to-all of the shards plus a local sum (gloo's own reduce-scatter
+is a full all-reduce: twice the bytes). Weights replicated over the TP group sum their gradients
+once per step (``ReplicatedGrads``).
 """
 from __future__ import annotations
 
