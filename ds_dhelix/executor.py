@@ -147,7 +147,6 @@ class Executor:
     plan's steps with barriers (no plan: one step per block slot), backward compute first."""
 
     MAX_DEFERRED = 2  # weight-gradient passes waiting at once (each keeps its op's saved tensors)
-    FORWARD_LEAD = 0  # stream: the forward strand enters slot j only after backward finished slot j-1
 
     def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, meter=None, recorder=None,
                  watchdog=None, defer_weight_grads: bool = True, stream: bool | None = None):
@@ -279,13 +278,13 @@ class Executor:
             t.mb.env[t.op.outputs[0]] = out
 
     # ------------------------------------------------------------------ one plan step
-    def run_step(self, b_tasks: list[Task], f_tasks: list[Task], lead: int | None = None) -> None:
+    def run_step(self, b_tasks: list[Task], f_tasks: list[Task], gated: bool = False) -> None:
         """Run two strands' task lists together (either may be empty); barrier at the end.
 
-        ``lead``: the forward strand may not start a task of a slot more than ``lead`` slots past
-        the backward strand's current slot, nor while a weight gradient of an earlier slot is still
-        deferred, so it does not save activations ahead of those the backward strand frees
-        (None: no limit)."""
+        ``gated``: the forward strand may not start a task of a slot past the backward strand's
+        current slot, nor while a weight gradient of an earlier slot is still deferred, so it does
+        not save activations ahead of those the backward strand frees. (Letting it run one slot
+        ahead measured the same speed and a 7% higher activation peak.)"""
         queues = [deque(b_tasks), deque(f_tasks)]  # backward strand first
         pending: list[tuple[Task, Pending] | None] = [None, None]
         order: list[int] = []  # strands with a pending comm, in launch order
@@ -293,7 +292,7 @@ class Executor:
         def may_go(s: int) -> bool:
             if pending[s] is not None or not queues[s]:
                 return False
-            if s == 0 or lead is None:
+            if s == 0 or not gated:
                 return True
             f_slot = queues[1][0].slot
             if self._deferred and self._deferred[0][0].slot < f_slot:
@@ -301,7 +300,7 @@ class Executor:
             if not (queues[0] or pending[0]):
                 return True
             b_slot = pending[0][0].slot if pending[0] is not None else queues[0][0].slot
-            return f_slot <= b_slot + lead
+            return f_slot <= b_slot
 
         while queues[0] or queues[1] or order:
             if self.react:  # a strand whose collective has completed may go on
@@ -395,7 +394,7 @@ class Executor:
         if self.stream:
             self.run_step([t for j, bb in enumerate(b_blocks) for t in self.tasks(b_mb, bb, True, slot=j)],
                           [t for j, fb in enumerate(f_blocks) for t in self.tasks(f_mb, fb, False, slot=j)],
-                          lead=self.FORWARD_LEAD)
+                          gated=True)
             self.drain_deferred()
             return
         for j in range(max(len(f_blocks), len(b_blocks))):

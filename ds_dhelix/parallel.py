@@ -31,7 +31,7 @@ class ParallelLayout:
     dp_group: object = None
     ep_size: int = 1
     ep_group: object = None        # MoE dispatch / combine all-to-all (COMM ops; backward ones on its twin)
-    ep_count_group: object = None  # MoE token-count exchange (small, blocking)
+    ep_count_group: object = None  # MoE token-count exchange (moe.counts, asynchronous)
     edp_group: object = None       # expert-data-parallel: reduces expert gradients
 
     @classmethod

@@ -172,9 +172,9 @@ def _rank_main(rank, world):
 
 
 def dispatch_roundtrip(rank, lay) -> dict:
-    """dispatch then combine (forward and backward) returns the input bit for bit, with uneven
+    """counts, dispatch, combine (forward and backward) return the input bit for bit, with uneven
     splits and with EP rank 1 receiving nothing."""
-    from ds_dhelix.moe.dispatch import ExpertAllToAll
+    from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll
     from ds_dhelix.moe.router import route_tokens
     groups = lay.expert_groups()
     gen = torch.Generator().manual_seed(rank)
@@ -185,7 +185,8 @@ def dispatch_roundtrip(rank, lay) -> dict:
         xs, route = route_tokens(x, selected, 4)
         side = {"moe": {0: route}}
         dispatch, combine = ExpertAllToAll(0, groups, True), ExpertAllToAll(0, groups, False)
-        xr = dispatch.forward(xs, side).wait()
+        xc = CountExchange(0, groups).forward(xs, side).wait()
+        xr = dispatch.forward(xc, side).wait()
         back = combine.forward(xr, side).wait()
         grad = combine.backward(xs, side).wait()
         grad_back = dispatch.backward(grad, side).wait()

@@ -172,6 +172,17 @@ def test_stream_reacts_to_completed_collectives_until_both_strands_end():
     ex.grad_enabled = False
     for block, want in ((1, [1.0, 3.0]), (2, [1.0, 2.0])):  # (2): both strands launch at once
         mbs = [MicroBatch(k, {}, env={"x": torch.tensor([float(k)])}) for k in range(2)]
-        ex.run_step(ex.tasks(mbs[0], block, False), ex.tasks(mbs[1], block, False), lead=None)
+        ex.run_step(ex.tasks(mbs[0], block, False), ex.tasks(mbs[1], block, False))
         assert [mb.env["z"].item() for mb in mbs] == want
     assert ex.stats.num_comms == 4
+
+
+def test_dispatch_without_counts_op_is_refused():
+    """The dropless dispatch needs the split sizes moe.counts exchanges; without them it says so
+    instead of posting an all-to-all with unknown sizes."""
+    from ds_dhelix.moe.dispatch import ExpertAllToAll, ExpertGroups
+    from ds_dhelix.moe.router import Route
+    route = Route(num_tokens=2, top_k=1, counts=torch.tensor([1, 1]), copy_row=torch.arange(2))
+    body = ExpertAllToAll(3, ExpertGroups(size=2), to_experts=True)
+    with pytest.raises(RuntimeError, match="layer 3.*moe.counts"):
+        body.forward(torch.zeros(2, 4), {"moe": {3: route}})

@@ -10,10 +10,9 @@ Dropless mode needs the split sizes before the token all-to-all can be posted: `
 exchanges the per-expert copy counts (a tiny asynchronous ``all_to_all_single`` on its own group,
 ``count_group``, so it never queues behind the large all-to-alls) as an op of its own between the
 router and the dispatch, so the other strand computes while it is in flight instead of both ranks
-meeting in a blocking exchange. Without that op the dispatch launch exchanges the counts itself,
-blocking. Every rank runs the same ops in the same order, so every rank issues the same
-collectives in the same order whatever the routing. Capacity mode has fixed, even splits: no
-exchange.
+meeting in a blocking exchange. Every rank runs the same ops in the same order, so every rank
+issues the same collectives in the same order whatever the routing. Capacity mode has fixed, even
+splits: no exchange.
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ class ExpertGroups:
     size: int = 1
     rank: int = 0
     group: object = None        # dispatch / combine all-to-all
-    count_group: object = None  # token-count exchange (small, blocking)
+    count_group: object = None  # token-count exchange (moe.counts; small, forward only)
     name: str = "ep_size_1"     # DeepSpeed's expert group name (param.group_name)
 
 
@@ -54,22 +53,6 @@ class TimedPending(Pending):
         return out
 
 
-def exchange_counts(route: Route, groups: ExpertGroups) -> None:
-    """Fill ``route``'s split sizes: send ``counts`` for each EP rank's experts, receive the
-    counts of this rank's experts from every source (blocking)."""
-    send = route.counts.view(groups.size, -1).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=groups.count_group)
-    _set_splits(route, send, recv)
-
-
-def _set_splits(route: Route, send: torch.Tensor, recv: torch.Tensor) -> None:
-    """``send``/``recv``: [ep, E/ep] copies sent to / received from each EP rank, per expert."""
-    route.recv_counts = recv
-    route.send_splits = send.sum(dim=1).tolist()
-    route.recv_splits = recv.sum(dim=1).tolist()
-
-
 class CountExchange:
     """COMM op body of ``moe.counts``: forward passes ``x`` through once this rank knows how many
     copies it sends to / receives from each EP rank; backward passes the gradient through."""
@@ -87,8 +70,10 @@ class CountExchange:
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.groups.count_group, async_op=True)
 
-        def finish(_):
-            _set_splits(route, send, recv)
+        def finish(_):  # [ep, E/ep] copies sent to / received from each EP rank, per expert
+            route.recv_counts = recv
+            route.send_splits = send.sum(dim=1).tolist()
+            route.recv_splits = recv.sum(dim=1).tolist()
             return x
 
         pending = TimedPending(work, x, finish=finish)
@@ -128,11 +113,9 @@ class ExpertAllToAll:
 
     def forward(self, x, side) -> Pending:
         route = side["moe"][self.layer]
-        if self.to_experts and not route.padded and route.recv_splits is None:  # no moe.counts op
-            t0 = time.perf_counter()
-            exchange_counts(route, self.groups)
-            if self.metrics is not None:
-                self.metrics.record_blocking_comm(time.perf_counter() - t0)
+        if not route.padded and route.recv_splits is None:
+            raise RuntimeError(f"moe.dispatch of layer {self.layer}: no split sizes; a dropless graph "
+                               f"needs its moe.counts op before the dispatch")
         return self._record(self._send(x, route, self.to_experts, self.groups.group))
 
     def backward(self, grad, side) -> Pending:

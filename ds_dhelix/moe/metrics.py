@@ -32,10 +32,6 @@ class MoeMetrics:
         self.a2a_busy_s += busy_s
         self.a2a_exposed_s += waited_s
 
-    def record_blocking_comm(self, seconds: float) -> None:
-        """A token-count exchange: blocking, so all of it is exposed."""
-        self.record_comm(seconds, seconds)
-
     def record_aux(self, value: torch.Tensor) -> None:
         self.aux.append(value.detach().float())
 
