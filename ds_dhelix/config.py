@@ -320,8 +320,9 @@ class DhelixConfig(_Section):
     with a barrier after each: the planner's searched plan when planner.profile is set, else the
     default plan)."""
     defer_weight_grads: bool = True
-    """"stream" only: linear ops (attn.out, mlp.down) compute their input gradient first and their
-    weight gradient later, filling the time both strands wait on collectives."""
+    """"stream" only: linear ops (attn.out, mlp.down, expert projections) compute their input
+    gradient first and their weight gradient later, filling the time both strands wait on
+    collectives."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     """Tensor/sequence parallelism."""
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)

@@ -15,7 +15,8 @@ A pair F(k+1)(x)B(k) runs in one of two ways:
   (forward and backward collectives use separate process groups, see ``comm.register_backward_group``,
   so this timing-dependent interleaving still issues every group's collectives in the same order on
   every rank); the executor waits only when neither strand can compute. The backward strand's
-  linear ops (a matmul and views: ``attn.out``, ``mlp.down``, ``head.logits``) compute their input
+  linear ops (matmuls, views, row selection: ``attn.out``, ``mlp.down``, ``head.logits``,
+  ``moe.experts.up`` / ``.down``) compute their input
   gradient first and leave their weight gradient for later, so the strand reaches its next
   collective sooner; the deferred weight gradients (at most ``MAX_DEFERRED`` waiting) fill the time
   when both strands wait, and all are done before the pair ends. The forward strand enters layer
@@ -97,7 +98,9 @@ class StepStats:
 # but the weight matmul itself, so only ops made of these have their weight gradient deferred.
 _LINEAR_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "TBackward0", "ViewBackward0",
                            "UnsafeViewBackward0", "ReshapeAliasBackward0", "TransposeBackward0",
-                           "PermuteBackward0", "CloneBackward0", "AccumulateGrad"})
+                           "PermuteBackward0", "CloneBackward0", "AccumulateGrad",
+                           # row selection and regrouping around per-expert projections
+                           "IndexSelectBackward0", "SliceBackward0", "SelectBackward0", "CatBackward0"})
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ Layer ops (``s`` sequence, ``t`` TP size, ``N`` tokens of this rank, hidden sequ
     mlp.norm      COMP  h,ar -> h2,x2             residual add + post_attention_layernorm
     moe.router    COMP  x2 -> xs,w,aux.<i>        HF router (sparsemixer); copies sorted by expert
     moe.dispatch  COMM  xs -> xr                  all-to-all to the experts' EP ranks  ep > 1
-    moe.experts   COMP  xr -> yr                  this rank's experts (HF fused tensors, sliced)
+    moe.experts.up   COMP  xr -> xg               regroup rows by expert; gate/up projections
+    moe.experts.act  COMP  xg -> xa               act(gate) x up
+    moe.experts.down COMP  xa -> yr               down projection; rows back in received order
     moe.combine   COMM  yr -> ys                  all-to-all back                      ep > 1
     moe.add       COMP  h2,ys,w -> h              weighted sum of each token's copies + residual
 
@@ -36,7 +38,7 @@ from ds_dhelix.comm import SeqAllGather, SeqReduceScatter
 from ds_dhelix.graph import ModelGraph, comm, comp
 from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll, ExpertGroups
 from ds_dhelix.moe.experts import check_ep as _check_ep
-from ds_dhelix.moe.experts import run_experts, shard_experts
+from ds_dhelix.moe.experts import expert_act, run_expert_down, run_expert_up, shard_experts
 from ds_dhelix.moe.metrics import MoeMetrics
 from ds_dhelix.moe.router import (aux_piece, combine_copies, load_balancing_loss, local_counts,
                                   noise_seed, route_tokens, seeded_rng)
@@ -148,8 +150,12 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
             ops.append(comm("moe.counts", CountExchange(index, ep_groups, metrics), "xs", "xc"))
         ops.append(comm("moe.dispatch", ExpertAllToAll(index, ep_groups, True, metrics),
                         "xs" if cf is not None else "xc", "xr"))
-    ops.append(comp("moe.experts", (xr,), (yr,),
-                    lambda side, x: (run_experts(x, side["moe"][index], block.experts, ep, grouped),)))
+    experts = block.experts
+    ops += [comp("moe.experts.up", (xr,), ("xg",),
+                 lambda side, x: (run_expert_up(x, side["moe"][index], experts, ep, grouped),)),
+            comp("moe.experts.act", ("xg",), ("xa",), lambda side, g: (expert_act(g, experts.act_fn),)),
+            comp("moe.experts.down", ("xa",), (yr,),
+                 lambda side, a: (run_expert_down(a, side["moe"][index], experts, ep, grouped),))]
     if ep > 1:
         ops.append(comm("moe.combine", ExpertAllToAll(index, ep_groups, False, metrics), "yr", "ys"))
     ops.append(comp("moe.add", ("h2", "ys", "w"), ("h",), add))

@@ -2,7 +2,8 @@
 
     (a) EP=2 op graph vs unsharded HF PhimoeForCausalLM (jitter 0): losses and every gradient close,
         dropless and capacity mode with room for every token
-    (b) SI vs sequential with EP=2 and router/input jitter on, 4 micro-batches: bitwise equal
+    (b) SI (default plan, and streamed with deferred weight gradients: the expert projections'
+        among them) vs sequential with EP=2 and router/input jitter on, 4 micro-batches: bitwise equal
     (c) SI vs sequential through the DeepSpeed engine (DP2 x EP2, ZeRO 1, 3 steps): losses and
         parameters bitwise equal; close to HF. TP=2 attention x EP=2 on 4 ranks vs HF.
     (d) dispatch then combine returns its input exactly; experts that receive no token work
@@ -76,13 +77,19 @@ def ep_graph(model, layout, **kw):
     return phimoe.build_graph(model, ep_groups=layout.expert_groups(), seed=11, **kw)
 
 
-def run(graph, batches, schedule):
+def run(graph, batches, schedule, deferred=None):
+    """Losses of one step; ``schedule`` "sequential", "si" (default plan) or "si-stream" (streamed
+    pairs, weight gradients deferred: their op names are added to ``deferred`` when given)."""
     from ds_dhelix.executor import Executor
     from ds_dhelix.ops import backward_order
     from ds_dhelix.plan import default_plan
+    from ds_dhelix.trace import TraceRecorder
     specs = graph.layer_specs()
-    ex = Executor(graph, default_plan(specs, backward_order(specs)) if schedule == "si" else None)
-    mbs = ex.run_microbatches(batches, schedule, 1.0 / len(batches))
+    rec = TraceRecorder(0) if deferred is not None else None
+    ex = Executor(graph, default_plan(specs, backward_order(specs)) if schedule == "si" else None, recorder=rec)
+    mbs = ex.run_microbatches(batches, schedule.removesuffix("-stream"), 1.0 / len(batches))
+    if rec is not None:
+        deferred.update(e["name"].removesuffix(".wgrad") for e in rec.events() if e.get("name", "").endswith(".wgrad"))
     return [float(mb.loss) for mb in mbs]
 
 
@@ -148,13 +155,14 @@ def _rank_main(rank, world):
 
     # (b) SI vs sequential with jitter: seeded router noise, bitwise
     jitter = make_config(router_jitter_noise=0.05, input_jitter_noise=0.05)
-    out = {}
-    for schedule in ("sequential", "si"):
+    out, res["deferred"] = {}, set()
+    for schedule in ("sequential", "si", "si-stream"):
         model = make_model(jitter)
-        losses = run(ep_graph(model, lay), batches[rank], schedule)
+        losses = run(ep_graph(model, lay), batches[rank], schedule,
+                     res["deferred"] if schedule == "si-stream" else None)
         out[schedule] = (losses, {n: p.grad.clone() for n, p in model.named_parameters()})
-    (ls, gs), (li, gi) = out["sequential"], out["si"]
-    res["si_bitwise"] = ls == li and all(torch.equal(gs[k], gi[k]) for k in gs)
+    ls, gs = out["sequential"]
+    res["si_bitwise"] = {k: ls == li and all(torch.equal(gs[n], gi[n]) for n in gs) for k, (li, gi) in out.items()}
 
     # (d) experts 2, 3 (EP rank 1) get no token at all
     bias = [50.0, 40.0, 0.0, 0.0]
@@ -211,7 +219,12 @@ def test_ep2_matches_hf(ep2):
 
 
 def test_si_bitwise_with_router_jitter(ep2):
-    assert all(r["si_bitwise"] for r in ep2)
+    for r in ep2:
+        assert r["si_bitwise"] == {"sequential": True, "si": True, "si-stream": True}
+        # the expert projections are linear ops: their weight gradients were deferred; the
+        # activation between them was not
+        assert {"moe.experts.up", "moe.experts.down"} <= r["deferred"], r["deferred"]
+        assert "moe.experts.act" not in r["deferred"] and "moe.router" not in r["deferred"]
 
 
 def test_experts_without_tokens(ep2):

@@ -2,8 +2,8 @@
 (``dispatch``), expert shards and their computation (``experts``), per-step numbers (``metrics``)
 and the DeepSpeed engine that knows about expert parameters (``engine``).
 
-    moe.router ─► moe.dispatch ─► moe.experts ─► moe.combine ─► moe.add
-      (COMP)        (COMM a2a)       (COMP)        (COMM a2a)      (COMP)
+    moe.router ─► moe.counts ─► moe.dispatch ─► moe.experts.{up,act,down} ─► moe.combine ─► moe.add
+      (COMP)      (COMM, sizes)   (COMM a2a)          (3 x COMP)              (COMM a2a)     (COMP)
 
 Model adapters (``hf_models/phimoe.py``) build these ops from HF modules.
 """

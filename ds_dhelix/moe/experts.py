@@ -99,22 +99,44 @@ def expert_major_index(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[in
     return index.to(recv_counts.device), sizes
 
 
-def expert_ffn(x, sizes, gate_up, down, act, grouped: bool) -> torch.Tensor:
-    """Rows ``x`` grouped by local expert (``sizes`` rows each) -> ``down(act(gate) * up)``.
+def _offsets(sizes, device) -> torch.Tensor:
+    return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
 
-    ``grouped``: one ``torch.nn.functional.grouped_mm`` per projection; else a loop of
-    ``F.linear`` per expert, as HF's ``PhimoeExperts`` (every expert runs, even on 0 rows, so every
-    shard always gets a gradient)."""
+
+def expert_up(x, sizes, gate_up, grouped: bool) -> torch.Tensor:
+    """``moe.experts.up``: rows grouped by local expert (``sizes`` rows each) -> ``[gate | up]``
+    pre-activations (``[rows, 2I]``). A loop of ``F.linear`` per expert, as HF's ``PhimoeExperts``
+    (every expert runs, even on 0 rows, so every shard always gets a gradient); ``grouped``: one
+    ``torch.nn.functional.grouped_mm``."""
     if grouped:
-        offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
-        gate, up = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return F.grouped_mm(act(gate) * up, down.transpose(1, 2), offs=offs)
+        return F.grouped_mm(x, gate_up.transpose(1, 2), offs=_offsets(sizes, x.device))
     outs, start = [], 0
     for e, n in enumerate(sizes):
-        gate, up = F.linear(x[start:start + n], gate_up[e]).chunk(2, dim=-1)
-        outs.append(F.linear(act(gate) * up, down[e]))
+        outs.append(F.linear(x[start:start + n], gate_up[e]))
         start += n
     return torch.cat(outs)
+
+
+def expert_act(gate_up_out: torch.Tensor, act) -> torch.Tensor:
+    """``moe.experts.act``: ``act(gate) * up`` (the only non-linear part of an expert)."""
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def expert_down(a, sizes, down, grouped: bool) -> torch.Tensor:
+    """``moe.experts.down``: activations grouped by local expert -> expert outputs ``[rows, h]``."""
+    if grouped:
+        return F.grouped_mm(a, down.transpose(1, 2), offs=_offsets(sizes, a.device))
+    outs, start = [], 0
+    for e, n in enumerate(sizes):
+        outs.append(F.linear(a[start:start + n], down[e]))
+        start += n
+    return torch.cat(outs)
+
+
+def expert_ffn(x, sizes, gate_up, down, act, grouped: bool) -> torch.Tensor:
+    """Rows ``x`` grouped by local expert (``sizes`` rows each) -> ``down(act(gate) * up)``."""
+    return expert_down(expert_act(expert_up(x, sizes, gate_up, grouped), act), sizes, down, grouped)
 
 
 def use_grouped_mm(x: torch.Tensor, mode: bool | None) -> bool:
@@ -124,23 +146,54 @@ def use_grouped_mm(x: torch.Tensor, mode: bool | None) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
 
-def run_experts(xr: torch.Tensor, route: Route, experts: nn.Module, ep: int,
-                grouped: bool | None = None) -> torch.Tensor:
-    """``moe.experts``: received rows (source-major) -> expert outputs in the same row order."""
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    local, h = gate_up.shape[0], xr.shape[-1]
-    grouped = use_grouped_mm(xr, grouped)
+def expert_rows(xr: torch.Tensor, route: Route, ep: int, local: int) -> tuple[torch.Tensor, list[int]]:
+    """Received rows (source-major) -> rows grouped by local expert, and the rows per expert."""
+    h = xr.shape[-1]
     if route.padded:  # [src][expert][slot] -> [expert][src][slot]
         cap = route.capacity
-        xe = xr.view(ep, local, cap, h).transpose(0, 1).reshape(-1, h)
-        ye = expert_ffn(xe, [ep * cap] * local, gate_up, down, experts.act_fn, grouped)
-        return ye.view(local, ep, cap, h).transpose(0, 1).reshape(-1, h)
+        return xr.view(ep, local, cap, h).transpose(0, 1).reshape(-1, h), [ep * cap] * local
     if route.expert_index is None:
         route.expert_index, route.expert_sizes = expert_major_index(route.recv_counts)
     if ep == 1:
-        return expert_ffn(xr, route.expert_sizes, gate_up, down, experts.act_fn, grouped)
+        return xr, route.expert_sizes
+    return xr.index_select(0, route.expert_index), route.expert_sizes
+
+
+def source_rows(ye: torch.Tensor, route: Route, ep: int, local: int) -> torch.Tensor:
+    """The inverse of ``expert_rows``: expert outputs back in the received (source-major) order."""
+    h = ye.shape[-1]
+    if route.padded:
+        return ye.view(local, ep, route.capacity, h).transpose(0, 1).reshape(-1, h)
+    if ep == 1:
+        return ye
     index = route.expert_index
-    ye = expert_ffn(xr.index_select(0, index), route.expert_sizes, gate_up, down, experts.act_fn, grouped)
     inverse = torch.empty_like(index)
     inverse[index] = torch.arange(index.numel(), device=index.device)
     return ye.index_select(0, inverse)
+
+
+def run_expert_up(xr: torch.Tensor, route: Route, experts: nn.Module, ep: int,
+                  grouped: bool | None = None) -> torch.Tensor:
+    """``moe.experts.up``: received rows (source-major) -> regrouped by local expert -> gate/up
+    pre-activations."""
+    xe, sizes = expert_rows(xr, route, ep, experts.gate_up_proj.shape[0])
+    return expert_up(xe, sizes, experts.gate_up_proj, use_grouped_mm(xr, grouped))
+
+
+def run_expert_down(a: torch.Tensor, route: Route, experts: nn.Module, ep: int,
+                    grouped: bool | None = None) -> torch.Tensor:
+    """``moe.experts.down``: activations -> down projection -> rows back in the received order."""
+    local = experts.down_proj.shape[0]
+    sizes = [ep * route.capacity] * local if route.padded else route.expert_sizes
+    ye = expert_down(a, sizes, experts.down_proj, use_grouped_mm(a, grouped))
+    return source_rows(ye, route, ep, local)
+
+
+def run_experts(xr: torch.Tensor, route: Route, experts: nn.Module, ep: int,
+                grouped: bool | None = None) -> torch.Tensor:
+    """Received rows (source-major) -> expert outputs in the same row order (the three expert ops
+    in one call). The graph keeps them apart (``moe.experts.up``, ``.act``, ``.down``) so that the
+    two projections are linear ops whose weight gradients the SI executor may defer: the input
+    gradient first, the expert all-to-all of the backward launched sooner."""
+    gu = run_expert_up(xr, route, experts, ep, grouped)
+    return run_expert_down(expert_act(gu, experts.act_fn), route, experts, ep, grouped)
