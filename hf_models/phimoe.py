@@ -11,10 +11,11 @@ Layer ops (``s`` sequence, ``t`` TP size, ``N`` tokens of this rank, hidden sequ
     attn.rs       COMM  ao -> ar[s/t]             reduce-scatter (sequence)       t > 1
     mlp.norm      COMP  h,ar -> h2,x2             residual add + post_attention_layernorm
     moe.router    COMP  x2 -> xs,w,aux.<i>        HF router (sparsemixer); copies sorted by expert
-    moe.dispatch  COMM  xs -> xr                  all-to-all to the experts' EP ranks  ep > 1
-    moe.experts.up   COMP  xr -> xg               regroup rows by expert; gate/up projections
-    moe.experts.act  COMP  xg -> xa               act(gate) x up
-    moe.experts.down COMP  xa -> yr               down projection; rows back in received order
+    moe.counts    COMM  xs -> xc                  rows per (rank, expert), async    ep > 1, dropless
+    moe.dispatch  COMM  xs|xc -> xr               all-to-all to the experts' EP ranks  ep > 1
+    moe.experts.up    COMP  xr -> xg              regroup rows by expert; gate/up projections
+    moe.experts.act   COMP  xg -> xa              act(gate) x up
+    moe.experts.down  COMP  xa -> yr              down projection; rows back in received order
     moe.combine   COMM  yr -> ys                  all-to-all back                      ep > 1
     moe.add       COMP  h2,ys,w -> h              weighted sum of each token's copies + residual
 

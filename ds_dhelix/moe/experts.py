@@ -175,7 +175,9 @@ def source_rows(ye: torch.Tensor, route: Route, ep: int, local: int) -> torch.Te
 def run_expert_up(xr: torch.Tensor, route: Route, experts: nn.Module, ep: int,
                   grouped: bool | None = None) -> torch.Tensor:
     """``moe.experts.up``: received rows (source-major) -> regrouped by local expert -> gate/up
-    pre-activations."""
+    pre-activations. The expert computation is three ops (``.up``, ``.act``, ``.down``) so that the
+    two projections are linear ops whose weight gradients the SI executor may defer: the input
+    gradient first, the backward's expert all-to-all launched sooner."""
     xe, sizes = expert_rows(xr, route, ep, experts.gate_up_proj.shape[0])
     return expert_up(xe, sizes, experts.gate_up_proj, use_grouped_mm(xr, grouped))
 
@@ -187,13 +189,3 @@ def run_expert_down(a: torch.Tensor, route: Route, experts: nn.Module, ep: int,
     sizes = [ep * route.capacity] * local if route.padded else route.expert_sizes
     ye = expert_down(a, sizes, experts.down_proj, use_grouped_mm(a, grouped))
     return source_rows(ye, route, ep, local)
-
-
-def run_experts(xr: torch.Tensor, route: Route, experts: nn.Module, ep: int,
-                grouped: bool | None = None) -> torch.Tensor:
-    """Received rows (source-major) -> expert outputs in the same row order (the three expert ops
-    in one call). The graph keeps them apart (``moe.experts.up``, ``.act``, ``.down``) so that the
-    two projections are linear ops whose weight gradients the SI executor may defer: the input
-    gradient first, the expert all-to-all of the backward launched sooner."""
-    gu = run_expert_up(xr, route, experts, ep, grouped)
-    return run_expert_down(expert_act(gu, experts.act_fn), route, experts, ep, grouped)
