@@ -61,7 +61,10 @@ class Pending:
 # program order, whatever the interleaving. That lets the stream executor react to completions as
 # they happen (a timing-dependent interleaving) and still issue every group's collectives in the
 # same order on every rank.
+# A pair of two strands of the same direction (``dhelix.pair_ends``: the first two forwards, the
+# last two backwards) swaps the groups for its second strand, so again each group sees one strand.
 _BACKWARD_GROUP: dict = {}
+_SWAPPED = False
 
 
 def register_backward_group(group, twin) -> None:
@@ -69,9 +72,23 @@ def register_backward_group(group, twin) -> None:
     _BACKWARD_GROUP[group] = twin
 
 
+def strand_group(group, backward: bool):
+    """The group a collective of a COMM op built on ``group`` goes to: ``group`` itself forward, its
+    twin backward (itself if it has none); the other way round while ``swap_strand_groups(True)``."""
+    return _BACKWARD_GROUP.get(group, group) if backward != _SWAPPED else group
+
+
 def backward_group(group):
-    """The group for backward collectives of COMM ops built on ``group`` (itself if none)."""
-    return _BACKWARD_GROUP.get(group, group)
+    """The group for backward collectives of COMM ops built on ``group``."""
+    return strand_group(group, True)
+
+
+def swap_strand_groups(on: bool) -> bool:
+    """Launch the following collectives on the other strand group (the executor sets it around the
+    launches of a same-direction pair's second strand); returns the previous setting."""
+    global _SWAPPED
+    previous, _SWAPPED = _SWAPPED, on
+    return previous
 
 
 def has_strand_groups(group) -> bool:
@@ -90,7 +107,7 @@ class SeqAllGather:
         return has_strand_groups(self.group)
 
     def forward(self, x, side) -> Pending:
-        return all_gather_seq(x, self.group, self.world)
+        return all_gather_seq(x, strand_group(self.group, False), self.world)
 
     def backward(self, grad, side) -> Pending:
         return reduce_scatter_seq(grad, backward_group(self.group), self.world)
@@ -100,7 +117,7 @@ class SeqReduceScatter(SeqAllGather):
     """COMM op body: reduce-scatter along the sequence forward, all-gather backward."""
 
     def forward(self, x, side) -> Pending:
-        return reduce_scatter_seq(x, self.group, self.world)
+        return reduce_scatter_seq(x, strand_group(self.group, False), self.world)
 
     def backward(self, grad, side) -> Pending:
         return all_gather_seq(grad, backward_group(self.group), self.world)

@@ -323,6 +323,11 @@ class DhelixConfig(_Section):
     """"stream" only: linear ops (attn.out, mlp.down, expert projections) compute their input
     gradient first and their weight gradient later, filling the time both strands wait on
     collectives."""
+    pair_ends: bool = False
+    """"si" + "stream" only: co-execute the step's first two forwards and its last two backwards
+    too (F0xF1 | F2xB0 | ... | B(m-2)xB(m-1)), so no strand runs alone and their collectives are
+    hidden as well. Costs one more micro-batch of activation memory (a whole micro-batch waits
+    between its forward and its backward); results stay bitwise those of "sequential"."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     """Tensor/sequence parallelism."""
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
@@ -355,6 +360,12 @@ class DhelixConfig(_Section):
                 f"dhelix.planner.profile = {self.planner.profile!r} needs dhelix.si_execution = 'plan' "
                 f"(got {self.si_execution!r}): the planner's plan is only run in plan mode; set "
                 f"\"si_execution\": \"plan\" or \"planner\": {{\"profile\": \"off\"}}")
+        if self.pair_ends and (self.schedule != "si" or self.si_execution != "stream"):
+            raise ValueError(
+                f"dhelix.pair_ends = true needs schedule 'si' with si_execution 'stream' (got schedule "
+                f"{self.schedule!r}, si_execution {self.si_execution!r}): it pairs the first two forwards "
+                f"and the last two backwards of a non-pipelined SI step; set \"pair_ends\": false or use "
+                f"\"schedule\": \"si\", \"si_execution\": \"stream\"")
         self._positive("watchdog_s")
         self._at_least("log_interval", 1)
         split = self.pipeline.split

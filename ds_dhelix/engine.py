@@ -36,7 +36,7 @@ class DhelixEngine(DeepSpeedEngine):
         self.dhelix, self.layout, self.graph, self.plan = dhelix, layout, graph, plan
         self.meter = ActivationMeter(self.module.parameters())
         self.executor = Executor(graph, plan if dhelix.schedule == "si" else None, meter=self.meter,
-                                 defer_weight_grads=dhelix.defer_weight_grads)
+                                 defer_weight_grads=dhelix.defer_weight_grads, pair_ends=dhelix.pair_ends)
         self.watchdog = Watchdog(dhelix.watchdog_s, self.global_rank).start()
         self.watchdog.pause()  # armed only inside train_batch / eval_batch
         self.executor.watchdog = self.watchdog

@@ -68,10 +68,11 @@ class ParallelLayout:
             peers = list(range(t, self.world_size, self.tp_size))  # one DP group
             for start in range(0, len(peers), ep):
                 ranks = peers[start:start + ep]
-                g, cg, gb = dist.new_group(ranks), dist.new_group(ranks), dist.new_group(ranks)
+                g, cg, gb, cgb = (dist.new_group(ranks) for _ in range(4))
                 if self.rank in ranks:
                     self.ep_group, self.ep_count_group = g, cg
                     register_backward_group(g, gb)
+                    register_backward_group(cg, cgb)  # a second forward strand's counts (pair_ends)
                     ds_groups._EXPERT_PARALLEL_GROUP[name] = g
                     ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ranks
             for pos in range(ep):

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ds_dhelix.bench.metrics import comm_comp_ratio, ideal_speedup, summarize_link
-from ds_dhelix.bench.options import MODES, BenchOptions, quick
+from ds_dhelix.bench.options import DEFAULT_MODES, BenchOptions, quick
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,7 +111,7 @@ def test_bench_quick_json_every_mode(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     rows = {r["mode"]: r for r in report["results"]}
-    assert list(rows) == list(MODES)
+    assert list(rows) == list(DEFAULT_MODES)
     for mode in ("deepspeed", "sequential", "si"):
         assert rows[mode]["status"] == "ok", rows[mode]
     seq = rows["sequential"]
@@ -152,12 +152,14 @@ def _run_bench(tmp_path, *extra):
 @pytest.mark.timeout(240)
 def test_bench_moe_expert_parallel(tmp_path):
     rows = _run_bench(tmp_path, "--model", "tiny-phimoe", "--tp", "1", "--ep", "2", "--num-layers", "1",
-                      "--micro-batches", "2", "--modes", "deepspeed", "autotp", "sequential", "si")
+                      "--micro-batches", "2", "--modes", "deepspeed", "autotp", "sequential", "si", "si-ends")
     assert rows["autotp"]["status"] == "skipped" and "AutoTP" in rows["autotp"]["reason"]
-    for mode in ("deepspeed", "sequential", "si"):
+    for mode in ("deepspeed", "sequential", "si", "si-ends"):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["tokens_per_s"] > 0
     assert rows["si"]["comm_s"] > 0 and rows["si"]["ideal_speedup"] >= 1.0  # dispatch/combine timed
+    # pair_ends (F0xF1 | B0xB1 here) holds both micro-batches' activations at once
+    assert rows["si-ends"]["peak_activation_bytes"] > rows["si"]["peak_activation_bytes"]
 
 
 @pytest.mark.timeout(240)

@@ -165,6 +165,8 @@ def test_section_must_be_object():
         ({"schedule": "1f1b"}, "dhelix.schedule", "sequential, si, w, dualpipev"),
         ({"si_execution": "streaming"}, "dhelix.si_execution", "stream, plan; did you mean 'stream'"),
         ({"planner": {"profile": "auto"}}, "dhelix.planner.profile", "needs dhelix.si_execution = 'plan'"),
+        ({"pair_ends": True, "si_execution": "plan"}, "dhelix.pair_ends", "si_execution 'plan'"),
+        ({"pair_ends": True, "schedule": "w"}, "dhelix.pair_ends", "schedule 'w'"),
         ({"tensor_parallel": {"size": 0}}, "dhelix.tensor_parallel.size", ">= 1"),
         ({"expert_parallel": {"size": -2}}, "dhelix.expert_parallel.size", ">= 1"),
         ({"expert_parallel": {"capacity_factor": 0}}, "dhelix.expert_parallel.capacity_factor", "> 0"),

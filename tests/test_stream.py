@@ -63,13 +63,14 @@ def _modes_rank(rank, world, preset, overrides):
     batches = make_batches(config.vocab_size, 4)
     runs = {}
     for name, schedule, kind, defer in [("sequential", "sequential", None, True), ("plan", "si", "plan", True),
-                                        ("stream", "si", "stream", True), ("stream-nodefer", "si", "stream", False)]:
+                                        ("stream", "si", "stream", True), ("stream-nodefer", "si", "stream", False),
+                                        ("stream-ends", "si", "stream", True)]:
         model = copy.deepcopy(ref)
         graph = adapter_for(config).build_graph(model, world, layout.tp_rank, layout.tp_group, layout.tp_grad_group)
         specs = graph.layer_specs()
         plan = default_plan(specs, backward_order(specs)) if kind == "plan" else None
         rec = TraceRecorder(rank)
-        ex = Executor(graph, plan, recorder=rec, defer_weight_grads=defer)
+        ex = Executor(graph, plan, recorder=rec, defer_weight_grads=defer, pair_ends=name == "stream-ends")
         mbs = ex.run_microbatches(list(batches), schedule, 1.0 / len(batches))
         wgrad = sorted({e["name"] for e in rec.events() if e.get("name", "").endswith(".wgrad")})
         runs[name] = {"losses": [mb.loss.detach().clone() for mb in mbs],
@@ -101,14 +102,16 @@ def _modes_rank(rank, world, preset, overrides):
                          ids=["llama", "gpt2-tied"])
 def test_stream_plan_sequential_bitwise(preset, overrides):
     for r in run_ranks(_modes_rank, 2, args=(preset, dict(overrides)), timeout=180):
-        assert r["differ"] == {"sequential": [], "plan": [], "stream": [], "stream-nodefer": []}, r["differ"]
+        assert r["differ"] == {"sequential": [], "plan": [], "stream": [], "stream-nodefer": [], "stream-ends": []}, \
+            r["differ"]
         assert r["wgrad"]["sequential"] == [] and r["wgrad"]["plan"] == [] and r["wgrad"]["stream-nodefer"] == []
         # linear ops only: ops with elementwise math before their matmul would be recomputed
         assert {"attn.out", "mlp.down"} <= {w.removesuffix(".wgrad") for w in r["wgrad"]["stream"]}
         assert not {"mlp.up", "attn.norm", "mlp.norm", "attn.core"} & {w.removesuffix(".wgrad")
                                                                        for w in r["wgrad"]["stream"]}
         # ParallelLayout gave every TP group a backward twin: stream mode reacts to completions
-        assert r["react"] == {"sequential": True, "plan": False, "stream": True, "stream-nodefer": True}
+        assert r["react"] == {"sequential": True, "plan": False, "stream": True, "stream-nodefer": True,
+                              "stream-ends": True}
         # once per step, the same number of collectives in every mode
         assert set(r["replicated_spans"].values()) == {1}
         assert len(set(r["comms"].values())) == 1
@@ -136,6 +139,38 @@ def test_tied_weight_keeps_accumulation_order(monkeypatch):
     assert model.lm_head.weight is model.transformer.wte.weight
     differ = [n for n, g in grads["si"].items() if not torch.equal(g, grads["sequential"][n])]
     assert differ == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("preset, tied", [("tiny-llama", False), ("tiny-gpt2", True)], ids=["llama", "gpt2-tied"])
+def test_pair_ends_keeps_accumulation_order(monkeypatch, preset, tied):
+    """pair_ends co-executes the last two backwards. Here the policy is rigged to prefer the later
+    micro-batch's strand, so without the trail rule the last micro-batch's ops would run first and add to the weights' gradients out of order; with it, gradients are bitwise
+    those of sequential (tied embeddings too: used at both ends of the backward). TP=1, 3
+    micro-batches: F0xF1 | F2xB0 | B1xB2."""
+    import ds_dhelix.executor as executor_module
+    monkeypatch.setattr(executor_module, "_until_comm", lambda queue: -queue[0].mb.index if queue else 0)
+    config = make_config(preset, **({"tie_word_embeddings": True} if tied else {}))
+    ref = make_model(config)
+    batches = make_batches(config.vocab_size, 3)
+    grads, losses = {}, {}
+    for schedule in ("sequential", "si"):
+        model = copy.deepcopy(ref)
+        graph = adapter_for(config).build_graph(model)
+        mbs = Executor(graph, None, pair_ends=True).run_microbatches(list(batches), schedule, 1 / 3)
+        grads[schedule] = {n: p.grad for n, p in model.named_parameters()}
+        losses[schedule] = [mb.loss for mb in mbs]
+    assert all(torch.equal(a, b) for a, b in zip(losses["si"], losses["sequential"]))
+    differ = [n for n, g in grads["si"].items() if not torch.equal(g, grads["sequential"][n])]
+    assert differ == []
+
+
+def test_pair_ends_needs_stream_mode():
+    config = make_config("tiny-llama")
+    graph = adapter_for(config).build_graph(make_model(config))
+    specs = graph.layer_specs()
+    with pytest.raises(ValueError, match="pair_ends needs stream mode"):
+        Executor(graph, default_plan(specs, backward_order(specs)), pair_ends=True)
 
 
 # ------------------------------------------------------------------------ executor reactions

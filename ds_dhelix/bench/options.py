@@ -9,6 +9,8 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
     si          ds_dhelix TP/SP with strand interleaving, streamed pairs (the default "si_execution")
     si-plan     SI run by the fixed default plan, a barrier after each plan step ("si_execution": "plan")
     si-planned  SI run by the plan the planner makes from a profile ("planner.profile": "auto")
+    si-ends     streamed SI with "pair_ends": the first two forwards and the last two backwards paired
+                too (no strand alone; one more micro-batch of activations)
 
 With ``pp > 1`` (folded pipeline over ``pp`` ranks, ``tp = 1``) the modes are ``PP_MODES``::
 
@@ -25,10 +27,13 @@ from dataclasses import asdict, dataclass, field
 
 from ..linkemu import DEFAULT_BURST_KB
 
-MODES = ("deepspeed", "autotp", "sequential", "si", "si-plan", "si-planned")
+MODES = ("deepspeed", "autotp", "sequential", "si", "si-ends", "si-plan", "si-planned")
 """Modes a run can measure, in table order."""
 
-DHELIX_MODES = ("sequential", "si", "si-plan", "si-planned", "w", "dualpipev-si")
+DEFAULT_MODES = tuple(m for m in MODES if m != "si-ends")
+"""Modes measured unless ``--modes`` says otherwise (``si-ends`` is asked for by name)."""
+
+DHELIX_MODES = ("sequential", "si", "si-ends", "si-plan", "si-planned", "w", "dualpipev-si")
 """Modes that run the ds_dhelix executor (they report compute / comm / exposed time)."""
 
 PP_MODES = ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si")
@@ -61,7 +66,7 @@ class BenchOptions:
     ep: int = 1
     """Expert-parallel size for MoE models (e.g. tiny-phimoe with ``tp=1, ep=2``): the ds_dhelix
     modes shard the experts over ``ep`` data-parallel ranks, each rank with its own micro-batches."""
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     """Modes to measure (subset of ``MODES``)."""
     link_gbps: tuple[float | None, ...] = (1.0, 2.0, 5.0, 10.0, None)
     """Emulated link rates in Gbit/s; None = unshaped loopback."""
@@ -92,7 +97,7 @@ class BenchOptions:
     """Extra keys for the "dhelix" section of the ds_dhelix modes."""
 
     def __post_init__(self):
-        if self.pp > 1 and self.modes == MODES:  # the default list: the pipeline's
+        if self.pp > 1 and self.modes == DEFAULT_MODES:  # the default list: the pipeline's
             object.__setattr__(self, "modes", PP_MODES)
         allowed = PP_MODES if self.pp > 1 else MODES
         unknown = [m for m in self.modes if m not in allowed]
@@ -176,6 +181,8 @@ class BenchOptions:
         section["benchmark"] = {**section.get("benchmark", {}), "link_gbps": link_gbps}
         if mode in ("si-plan", "si-planned"):
             section["si_execution"] = "plan"
+        if mode == "si-ends":
+            section["pair_ends"] = True
         if mode == "si-planned":
             section["planner"] = {**section.get("planner", {}), "profile": "auto"}
         return {**self.base_ds_config(self.micro_batches), "dhelix": section}

@@ -15,7 +15,7 @@ import contextlib
 import os
 import sys
 
-from ds_dhelix.bench.options import MODES, BenchOptions, quick
+from ds_dhelix.bench.options import DEFAULT_MODES, MODES, BenchOptions, quick
 
 
 def _link_rate(text: str) -> float | None:
@@ -42,7 +42,7 @@ def register(sub) -> None:
     p.add_argument("--ep", type=int, default=None,
                    help=f"expert-parallel size for MoE models (default {d.ep}); e.g. --model tiny-phimoe --tp 1 --ep 2")
     p.add_argument("--modes", nargs="+", default=None, choices=MODES, metavar="MODE",
-                   help=f"modes to measure (default: all of {' '.join(MODES)})")
+                   help=f"modes to measure, of {' '.join(MODES)} (default: {' '.join(DEFAULT_MODES)})")
     p.add_argument("--link-gbps", nargs="+", type=_link_rate, default=None, metavar="GBPS",
                    help="emulated link rates in Gbit/s, 'unshaped' for plain loopback "
                         "(default: 1 2 5 10 unshaped; --quick: 2)")

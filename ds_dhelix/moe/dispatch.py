@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import Pending, backward_group, has_strand_groups
+from ..comm import Pending, backward_group, has_strand_groups, strand_group
 from .router import Route
 
 
@@ -60,7 +60,10 @@ class CountExchange:
     def __init__(self, layer: int, groups: ExpertGroups, metrics=None):
         self.layer, self.groups, self.metrics = layer, groups, metrics
 
-    strand_safe = True  # forward only; its backward launches nothing
+    @property
+    def strand_safe(self) -> bool:
+        """Its backward launches nothing; two forward strands (``pair_ends``) need the twin group."""
+        return has_strand_groups(self.groups.count_group)
 
     def forward(self, x, side) -> Pending:
         route = side["moe"][self.layer]
@@ -68,7 +71,8 @@ class CountExchange:
             return Pending(None, x)
         send = route.counts.view(self.groups.size, -1).contiguous()
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.groups.count_group, async_op=True)
+        work = dist.all_to_all_single(recv, send, group=strand_group(self.groups.count_group, False),
+                                      async_op=True)
 
         def finish(_):  # [ep, E/ep] copies sent to / received from each EP rank, per expert
             route.recv_counts = recv
@@ -116,7 +120,7 @@ class ExpertAllToAll:
         if not route.padded and route.recv_splits is None:
             raise RuntimeError(f"moe.dispatch of layer {self.layer}: no split sizes; a dropless graph "
                                f"needs its moe.counts op before the dispatch")
-        return self._record(self._send(x, route, self.to_experts, self.groups.group))
+        return self._record(self._send(x, route, self.to_experts, strand_group(self.groups.group, False)))
 
     def backward(self, grad, side) -> Pending:
         return self._record(self._send(grad, side["moe"][self.layer], not self.to_experts,
