@@ -186,6 +186,8 @@ class Executor:
     # ------------------------------------------------------------------ single ops
     def run_comp(self, t: Task) -> None:
         self._beat(t)
+        if t.backward and self._deferred_params:
+            self._drain_for(t)
         t0 = time.perf_counter()
         if t.backward:
             self._comp_backward(t)
@@ -225,9 +227,8 @@ class Executor:
                 tensors.append(out)
                 grads.append(g)
         if tensors:
-            weights = self._weights(t, tensors, leaves) if self._deferring or self._deferred else None
-            if self._deferred_params and any(id(p) in self._deferred_params for p in weights.params):
-                self.drain_deferred()  # tied weights: keep each weight's accumulation order
+            # (run_comp has already run any deferred pass that adds to this op's weights)
+            weights = self._weights(t, tensors, leaves) if self._deferring else None
             need = [leaf for leaf in leaves if leaf.requires_grad]
             if self._deferring and weights.deferrable and need:
                 torch.autograd.backward(tensors, grads, inputs=need, retain_graph=True)
@@ -238,6 +239,14 @@ class Executor:
             if leaf.grad is not None:
                 _accumulate(mb.grads, key, leaf.grad)
         del leaves, outs, tensors, grads
+
+    def _drain_for(self, t: Task) -> None:
+        """Before a backward op adds to a weight that a deferred pass will also add to (a tied
+        weight, or the same op of an earlier micro-batch in a backward-backward pair), run the
+        deferred passes first: each weight keeps its accumulation order. Ops not seen yet drain."""
+        known = self._op_weights.get((t.block, t.op_index))
+        if known is None or any(id(p) in self._deferred_params for p in known.params):
+            self.drain_deferred()
 
     def _weights(self, t: Task, tensors, leaves) -> _OpWeights:
         key = (t.block, t.op_index)

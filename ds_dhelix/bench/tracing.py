@@ -43,8 +43,8 @@ class TraceOptions:
     timeout: float = 600.0
 
     def __post_init__(self):
-        if self.schedule not in ("si", "si-plan", "sequential"):
-            raise ValueError(f"--schedule {self.schedule!r}: choose 'si', 'si-plan' or 'sequential'")
+        if self.schedule not in ("si", "si-ends", "si-plan", "sequential"):
+            raise ValueError(f"--schedule {self.schedule!r}: choose 'si', 'si-ends', 'si-plan' or 'sequential'")
         if self.planned and self.schedule == "sequential":
             raise ValueError("--planned applies to --schedule si or si-plan only")
         if self.steps < 1:
@@ -150,6 +150,9 @@ def _split_steps(compute: list[dict]) -> list[list[dict]]:
 def idle_breakdown(trace: dict, min_gap_us: float = 50.0) -> dict:
     """Per rank, ms of compute-lane idle time per step: ``{"phases": {"forward_alone",
     "co_executed", "backward_alone"}, "waited_on": {"<op> <strand>": ms}}``, averaged over steps.
+    The phases are: before the step's first backward op, while forwards and backwards interleave,
+    after its last forward op (with ``pair_ends`` the first and last are the F0xF1 and
+    B(m-2)xB(m-1) pairs).
 
     A gap ends when the collective the executor waited for completes; it is charged to the
     collective(s) whose span ends inside the gap (``"none"``: no collective, e.g. bookkeeping).

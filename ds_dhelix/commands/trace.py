@@ -23,8 +23,9 @@ def register(sub) -> None:
     p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (world = tp x ep)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size for MoE models (e.g. tiny-phimoe --tp 1 --ep 2)")
-    p.add_argument("--schedule", default="si", choices=["si", "si-plan", "sequential"],
-                   help="si: streamed pairs (default); si-plan: the default SI plan with barriers; "
+    p.add_argument("--schedule", default="si", choices=["si", "si-ends", "si-plan", "sequential"],
+                   help="si: streamed pairs (default); si-ends: streamed, first two forwards and last two "
+                        "backwards paired too (pair_ends); si-plan: the default SI plan with barriers; "
                         "sequential: no overlap")
     p.add_argument("--planned", action="store_true",
                    help="SI run by the planner's plan (planner.profile=auto: profile, then DP search)")
@@ -83,7 +84,10 @@ def run(args) -> int:
     for rank, entry in idle.items():
         ph = entry["phases"]
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(entry["waited_on"].items())[:4])
-        if opts.schedule != "sequential":
+        if opts.schedule == "si-ends":  # the ends are pairs too: F0xF1 before any backward, B(m-2)xB(m-1) last
+            where = (f"F0xF1 {ph['forward_alone']:.0f}, mixed pairs {ph['co_executed']:.0f}, "
+                     f"last two backwards {ph['backward_alone']:.0f}")
+        elif opts.schedule != "sequential":
             where = (f"F alone {ph['forward_alone']:.0f}, pairs {ph['co_executed']:.0f}, "
                      f"B alone {ph['backward_alone']:.0f}")
         else:
