@@ -18,7 +18,7 @@ from ds_dhelix.comm import reduce_scatter_seq
 from ds_dhelix.executor import Executor
 from ds_dhelix.ops import backward_order
 from ds_dhelix.plan import default_plan
-from ds_dhelix.trace import TraceRecorder
+from ds_dhelix.trace import TraceRecorder, validate_trace
 from hf_models.adapters import adapter_for
 from tests.distributed import run_ranks
 from tests.test_adapters import hf_reference, make_batches, make_config, make_model
@@ -157,12 +157,16 @@ def test_pair_ends_keeps_accumulation_order(monkeypatch, preset, tied):
     for schedule in ("sequential", "si"):
         model = copy.deepcopy(ref)
         graph = adapter_for(config).build_graph(model)
-        mbs = Executor(graph, None, pair_ends=True).run_microbatches(list(batches), schedule, 1 / 3)
+        rec = TraceRecorder(0)
+        mbs = Executor(graph, None, recorder=rec, pair_ends=True).run_microbatches(list(batches), schedule, 1 / 3)
         grads[schedule] = {n: p.grad for n, p in model.named_parameters()}
         losses[schedule] = [mb.loss for mb in mbs]
     assert all(torch.equal(a, b) for a, b in zip(losses["si"], losses["sequential"]))
     differ = [n for n, g in grads["si"].items() if not torch.equal(g, grads["sequential"][n])]
     assert differ == []
+    # deferred passes drained for a shared weight run before the op, not nested inside its span
+    assert any(e.get("name", "").endswith(".wgrad") for e in rec.events())
+    assert validate_trace({"traceEvents": rec.events()}) == []
 
 
 def test_pair_ends_needs_stream_mode():
