@@ -99,20 +99,18 @@ def expert_major_index(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[in
     return index.to(recv_counts.device), sizes
 
 
-def _offsets(sizes, device) -> torch.Tensor:
-    return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-
-
-def expert_up(x, sizes, gate_up, grouped: bool) -> torch.Tensor:
-    """``moe.experts.up``: rows grouped by local expert (``sizes`` rows each) -> ``[gate | up]``
-    pre-activations (``[rows, 2I]``). A loop of ``F.linear`` per expert, as HF's ``PhimoeExperts``
-    (every expert runs, even on 0 rows, so every shard always gets a gradient); ``grouped``: one
+def expert_linear(x, sizes, weight, grouped: bool) -> torch.Tensor:
+    """Rows ``x`` grouped by local expert (``sizes`` rows each) times each expert's matrix of
+    ``weight [E_local, out, in]``: the gate/up (``moe.experts.up``) and down (``moe.experts.down``)
+    projections. A loop of ``F.linear`` per expert, as HF's ``PhimoeExperts`` (every expert runs,
+    even on 0 rows, so every shard always gets a gradient); ``grouped``: one
     ``torch.nn.functional.grouped_mm``."""
     if grouped:
-        return F.grouped_mm(x, gate_up.transpose(1, 2), offs=_offsets(sizes, x.device))
+        offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
     outs, start = [], 0
     for e, n in enumerate(sizes):
-        outs.append(F.linear(x[start:start + n], gate_up[e]))
+        outs.append(F.linear(x[start:start + n], weight[e]))
         start += n
     return torch.cat(outs)
 
@@ -123,20 +121,9 @@ def expert_act(gate_up_out: torch.Tensor, act) -> torch.Tensor:
     return act(gate) * up
 
 
-def expert_down(a, sizes, down, grouped: bool) -> torch.Tensor:
-    """``moe.experts.down``: activations grouped by local expert -> expert outputs ``[rows, h]``."""
-    if grouped:
-        return F.grouped_mm(a, down.transpose(1, 2), offs=_offsets(sizes, a.device))
-    outs, start = [], 0
-    for e, n in enumerate(sizes):
-        outs.append(F.linear(a[start:start + n], down[e]))
-        start += n
-    return torch.cat(outs)
-
-
 def expert_ffn(x, sizes, gate_up, down, act, grouped: bool) -> torch.Tensor:
     """Rows ``x`` grouped by local expert (``sizes`` rows each) -> ``down(act(gate) * up)``."""
-    return expert_down(expert_act(expert_up(x, sizes, gate_up, grouped), act), sizes, down, grouped)
+    return expert_linear(expert_act(expert_linear(x, sizes, gate_up, grouped), act), sizes, down, grouped)
 
 
 def use_grouped_mm(x: torch.Tensor, mode: bool | None) -> bool:
@@ -179,7 +166,7 @@ def run_expert_up(xr: torch.Tensor, route: Route, experts: nn.Module, ep: int,
     two projections are linear ops whose weight gradients the SI executor may defer: the input
     gradient first, the backward's expert all-to-all launched sooner."""
     xe, sizes = expert_rows(xr, route, ep, experts.gate_up_proj.shape[0])
-    return expert_up(xe, sizes, experts.gate_up_proj, use_grouped_mm(xr, grouped))
+    return expert_linear(xe, sizes, experts.gate_up_proj, use_grouped_mm(xr, grouped))
 
 
 def run_expert_down(a: torch.Tensor, route: Route, experts: nn.Module, ep: int,
@@ -187,5 +174,5 @@ def run_expert_down(a: torch.Tensor, route: Route, experts: nn.Module, ep: int,
     """``moe.experts.down``: activations -> down projection -> rows back in the received order."""
     local = experts.down_proj.shape[0]
     sizes = [ep * route.capacity] * local if route.padded else route.expert_sizes
-    ye = expert_down(a, sizes, experts.down_proj, use_grouped_mm(a, grouped))
+    ye = expert_linear(a, sizes, experts.down_proj, use_grouped_mm(a, grouped))
     return source_rows(ye, route, ep, local)
