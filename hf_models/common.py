@@ -40,7 +40,7 @@ def shard_param(module: nn.Module, name: str, dim: int, rank: int, tp: int, inde
         size = p.shape[dim] // tp
         data = p.data.narrow(dim, rank * size, size)
     else:
-        data = p.data.index_select(dim, index)
+        data = p.data.index_select(dim, index.to(p.device))
     new = nn.Parameter(data.clone().contiguous(), requires_grad=p.requires_grad)
     new.tensor_model_parallel = True
     new.tp_partition_dim = dim
@@ -74,7 +74,7 @@ def make_side_fn(tp: int, tp_rank: int, extra=None):
             "ids": ids[:, sl],
             "targets": targets[:, sl].t().contiguous(),  # [s/tp, b], sequence-first
             "num_valid": int((targets != -100).sum()),
-            "positions": torch.arange(tp_rank * n, (tp_rank + 1) * n).unsqueeze(0).expand(b, n),
+            "positions": torch.arange(tp_rank * n, (tp_rank + 1) * n, device=ids.device).unsqueeze(0).expand(b, n),
             "seq_len": s,
             "batch": b,
         }
@@ -197,11 +197,11 @@ def attn_core_op(attn_module, config, eager_fn):
     return comp("attn.core", ("q", "k", "v"), ("o",), fn)
 
 
-def causal_mask_side(config, dtype, seq_len: int) -> dict:
+def causal_mask_side(config, dtype, seq_len: int, device=None) -> dict:
     """The additive causal mask eager attention needs (sdpa uses ``is_causal`` instead)."""
     if (config._attn_implementation or "sdpa") != "eager":
         return {}
-    mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype).triu(1)
+    mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
     return {"causal_mask": mask[None, None]}
 
 
@@ -210,8 +210,8 @@ def rotary_side_fn(rotary_emb: nn.Module, weight: torch.Tensor, config):
 
     def extra(batch, side):
         s, dummy = side["seq_len"], weight[:1].detach()
-        cos, sin = rotary_emb(dummy, torch.arange(s).unsqueeze(0))
-        return {"cos": cos, "sin": sin, **causal_mask_side(config, dummy.dtype, s)}
+        cos, sin = rotary_emb(dummy, torch.arange(s, device=dummy.device).unsqueeze(0))
+        return {"cos": cos, "sin": sin, **causal_mask_side(config, dummy.dtype, s, dummy.device)}
 
     return extra
 

@@ -130,7 +130,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
         replicated = mark_replicated(replicated, tp_grad_group)  # a tied lm_head/wte is one parameter
 
     def eager_mask(batch, side):
-        return causal_mask_side(config, tr.wte.weight.dtype, side["seq_len"])
+        return causal_mask_side(config, tr.wte.weight.dtype, side["seq_len"], tr.wte.weight.device)
 
     blocks = [[embed_op(tr.wte, pos_embed=tr.wpe)]]
     blocks += [layer_ops(block, config, tp, tp_group) for block in tr.h]

@@ -241,12 +241,12 @@ def side_inputs(model):
         if window is not None and s > window:
             raise ValueError(f"sequence length {s} exceeds Phi-MoE's sliding_window {window}; the ds_dhelix "
                              f"adapter runs full causal attention: use --seq-len <= {window}")
-        pos = torch.arange(s).unsqueeze(0)
         dummy = inner.embed_tokens.weight[:1]
+        pos = torch.arange(s, device=dummy.device).unsqueeze(0)
         cos, sin = inner.rotary_emb(dummy, pos)
         out = {"cos": cos, "sin": sin, "moe": {}, "moe_serial": next(serial)}
         if (config._attn_implementation or "sdpa") == "eager":
-            mask = torch.full((s, s), torch.finfo(dummy.dtype).min, dtype=dummy.dtype).triu(1)
+            mask = torch.full((s, s), torch.finfo(dummy.dtype).min, dtype=dummy.dtype, device=dummy.device).triu(1)
             out["causal_mask"] = mask[None, None]
         return out
 

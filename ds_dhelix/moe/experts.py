@@ -68,7 +68,7 @@ def gather_expert_param(p: torch.Tensor) -> torch.Tensor:
     group, ep = p.ep_group, p.ep_size
     parts = [torch.empty_like(p.data) for _ in range(ep)]
     dist.all_gather(parts, p.data.contiguous(), group=group)
-    ids = torch.tensor(p.expert_ids, dtype=torch.long)
+    ids = torch.tensor(p.expert_ids, dtype=torch.long, device=p.device)
     all_ids = [torch.empty_like(ids) for _ in range(ep)]
     dist.all_gather(all_ids, ids, group=group)
     local = len(p.expert_ids)

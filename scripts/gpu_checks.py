@@ -1,0 +1,176 @@
+"""The prepared GPU checks for a session that is lent a device: one short run, JSON lines out.
+
+    python3 scripts/gpu_checks.py --out "$OUT"                 # on the GPU machine (cuda)
+    python3 scripts/gpu_checks.py --device cpu --steps 2       # dry run anywhere
+
+Needs torch and transformers only (the GPU image has no DeepSpeed): it drives the op-graph executor
+directly, on one device, so there are no collectives. Each check prints one JSON line; all of them
+go to ``<out>/gpu_checks.json``.
+
+1. ``env``: torch, device name.
+2. ``parity``: tiny-llama (TP=1) through the executor, sequential vs streamed SI (deferred weight
+   gradients) vs SI with ``pair_ends``: losses and every gradient bitwise equal or not, max abs
+   difference (on CUDA, kernels must be deterministic for bitwise: cuBLAS is; this reports).
+3. ``step_time``: median step of the executor's sequential and SI schedules against plain HF
+   forward/backward on the same micro-batches: the executor's own cost where kernels run
+   asynchronously (on CPU every op is synchronous).
+4. ``stream_overlap`` (CUDA only): a matmul chain on the compute stream while pinned host<->device
+   copies run on a side stream: time of both together against each alone. SI on a GPU relies on
+   communication (NCCL, copy engines) progressing beside compute like this.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from ds_dhelix.executor import Executor  # noqa: E402
+from hf_models.adapters import adapter_for  # noqa: E402
+from hf_models.registry import build_model  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(vocab: int, num: int, size: int, seq: int, device) -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(num):
+        ids = torch.randint(3, vocab, (size, seq), generator=gen).to(device)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _executor_step(model, batches, schedule: str, pair_ends: bool = False) -> tuple[list, dict]:
+    graph = adapter_for(model.config).build_graph(model)
+    mbs = Executor(graph, None, pair_ends=pair_ends).run_microbatches(list(batches), schedule, 1 / len(batches))
+    return [mb.loss.detach() for mb in mbs], {n: p.grad for n, p in model.named_parameters()}
+
+
+def check_parity(ref, batches) -> dict:
+    runs = {}
+    for name, schedule, ends in (("sequential", "sequential", False), ("si", "si", False), ("si-ends", "si", True)):
+        runs[name] = _executor_step(copy.deepcopy(ref), batches, schedule, ends)
+    seq_losses, seq_grads = runs["sequential"]
+    out = {}
+    for name in ("si", "si-ends"):
+        losses, grads = runs[name]
+        diff = max((grads[k] - seq_grads[k]).abs().max().item() for k in seq_grads)
+        out[name] = {"bitwise": all(torch.equal(a, b) for a, b in zip(losses, seq_losses))
+                     and all(torch.equal(grads[k], seq_grads[k]) for k in seq_grads),
+                     "max_abs_grad_diff": diff}
+    return out
+
+
+def check_step_time(ref, batches, steps: int, device) -> dict:
+    def hf_step(model):
+        for b in batches:
+            (model(input_ids=b["input_ids"], labels=b["labels"]).loss / len(batches)).backward()
+
+    timings = {}
+    models = {"hf": copy.deepcopy(ref), "sequential": copy.deepcopy(ref), "si": copy.deepcopy(ref)}
+    graphs = {k: adapter_for(m.config).build_graph(m) for k, m in models.items() if k != "hf"}
+    executors = {k: Executor(g, None) for k, g in graphs.items()}
+    for name in models:
+        times = []
+        for _ in range(steps + 1):  # the first is a warm-up
+            for p in models[name].parameters():
+                p.grad = None
+            _sync(device)
+            t0 = time.perf_counter()
+            if name == "hf":
+                hf_step(models[name])
+            else:
+                executors[name].run_microbatches(list(batches), name, 1 / len(batches))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        timings[name] = statistics.median(times[1:]) * 1e3
+    return {f"{k}_ms": round(v, 2) for k, v in timings.items()} | {
+        "executor_vs_hf": round(timings["sequential"] / timings["hf"], 3),
+        "si_vs_sequential": round(timings["sequential"] / timings["si"], 3)}
+
+
+def check_stream_overlap(device, reps: int = 20) -> dict:
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    host = torch.empty(256 * 2 ** 20, dtype=torch.uint8, pin_memory=True)  # 256 MiB
+    dev = torch.empty_like(host, device=device)
+    side = torch.cuda.Stream(device)
+
+    def compute():
+        x = a
+        for _ in range(reps):
+            x = x @ a
+        return x
+
+    def copies():
+        with torch.cuda.stream(side):
+            for _ in range(4):
+                dev.copy_(host, non_blocking=True)
+                host.copy_(dev, non_blocking=True)
+
+    def timed(fn) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return (time.perf_counter() - t0) * 1e3
+
+    for fn in (compute, copies):
+        timed(fn)  # warm-up
+    alone_c, alone_x = timed(compute), timed(copies)
+    both = timed(lambda: (copies(), compute()))
+    return {"compute_ms": round(alone_c, 2), "copy_ms": round(alone_x, 2), "both_ms": round(both, 2),
+            "overlap": round((alone_c + alone_x - both) / min(alone_c, alone_x), 3)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per schedule (median)")
+    p.add_argument("--out", default=None, help="directory for gpu_checks.json")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    results = []
+
+    def report(name, fn):
+        t0 = time.perf_counter()
+        try:
+            row = {"check": name, "ok": True, **fn()}
+        except Exception as err:  # report and go on: one run should say as much as it can
+            row = {"check": name, "ok": False, "error": f"{type(err).__name__}: {err}"}
+        row["wall_s"] = round(time.perf_counter() - t0, 2)
+        print(json.dumps(row), flush=True)
+        results.append(row)
+
+    report("env", lambda: {"torch": torch.__version__, "device": args.device,
+                           "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
+    ref = build_model(args.model, seed=1234)[0].to(device)
+    batches = _batches(ref.config.vocab_size, args.micro_batches, args.micro_batch_size, args.seq_len, device)
+    report("parity", lambda: check_parity(ref, batches))
+    report("step_time", lambda: check_step_time(ref, batches, args.steps, device))
+    if device.type == "cuda":
+        report("stream_overlap", lambda: check_stream_overlap(device))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_checks.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

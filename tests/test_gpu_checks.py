@@ -1,0 +1,21 @@
+"""scripts/gpu_checks.py, the prepared GPU checks, dry-run on CPU so it does not rot between the
+sessions that are lent a device: every check runs, SI and pair_ends are bitwise sequential."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scripts.gpu_checks import main
+
+
+@pytest.mark.timeout(120)
+def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
+    rc = main(["--device", "cpu", "--steps", "1", "--micro-batches", "3", "--micro-batch-size", "1",
+               "--seq-len", "32", "--out", str(tmp_path)])
+    rows = {r["check"]: r for r in json.loads((tmp_path / "gpu_checks.json").read_text())}
+    assert rc == 0, rows
+    assert list(rows) == ["env", "parity", "step_time"]  # stream_overlap needs CUDA
+    assert rows["parity"]["si"]["bitwise"] and rows["parity"]["si-ends"]["bitwise"]
+    assert rows["step_time"]["hf_ms"] > 0 and rows["step_time"]["si_ms"] > 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 3  # one JSON line per check
