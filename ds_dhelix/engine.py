@@ -218,9 +218,6 @@ def initialize(args=None, model=None, config=None, model_parameters=None, optimi
     dh = DhelixConfig.from_ds_config(config)
     if not dh.enabled:
         raise ValueError('ds_dhelix.initialize needs "dhelix": {"enabled": true}; use deepspeed.initialize otherwise')
-    if next(model.parameters()).device.type == "cpu":
-        from .hostmem import keep_freed_memory
-        keep_freed_memory()  # reuse freed activation buffers instead of page-faulting new ones
     if dh.pipeline.stages > 1:  # folded pipeline: W, DualPipeV with SI, or the sequential fold
         from .pipe.engine import initialize_pipeline
         return initialize_pipeline(args, model, config, dh, model_parameters, optimizer, lr_scheduler, plan)

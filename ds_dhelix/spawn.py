@@ -31,8 +31,6 @@ def _entry(rank, fn, world, port, outdir, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from .hostmem import keep_freed_memory
-    keep_freed_memory()  # every mode of a bench world alike
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = ("ok", fn(rank, world, *args))
