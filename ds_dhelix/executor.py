@@ -177,7 +177,7 @@ class Executor:
         self._deferred: deque = deque()  # (task, outputs, grads, op weights), oldest first
         self._deferred_params: dict[int, int] = {}  # id(param) -> deferred passes touching it
         self._op_weights: dict = {}  # (block, op index) -> _OpWeights
-        self._op_params: dict = {}  # (block, op index) -> ids of the parameters its forward used
+        self._op_params: dict = {}  # (block, op index) -> ids of the parameters it uses (first forward)
         # stream mode reacts to completed collectives at once when every COMM op keeps forward and
         # backward collectives on separate groups (timing may then reorder the two strands' launches)
         self.react = self.stream and all(getattr(op.comm, "strand_safe", False)
@@ -210,7 +210,7 @@ class Executor:
         with torch.enable_grad(), hooks:
             outs = op.fn(mb.side, *leaves)
         key = (t.block, t.op_index)
-        if self.pair_ends and key not in self._op_params:  # once: which weights the op touches
+        if key not in self._op_params:  # once per op: the weights its backward will add to
             self._op_params[key] = frozenset(
                 id(p) for p in _op_weights([o for o in outs if o.requires_grad], leaves).params)
         mb.saved[key] = (leaves, outs)
@@ -243,9 +243,8 @@ class Executor:
     def _drain_for(self, t: Task) -> None:
         """Before a backward op adds to a weight that a deferred pass will also add to (a tied
         weight, or the same op of an earlier micro-batch in a backward-backward pair), run the
-        deferred passes first: each weight keeps its accumulation order. Ops not seen yet drain."""
-        known = self._op_weights.get((t.block, t.op_index))
-        if known is None or any(id(p) in self._deferred_params for p in known.params):
+        deferred passes first: each weight keeps its accumulation order."""
+        if any(pid in self._deferred_params for pid in self._op_params[(t.block, t.op_index)]):
             self.drain_deferred()
 
     def _weights(self, t: Task, tensors, leaves) -> _OpWeights:
@@ -331,7 +330,7 @@ class Executor:
         last_use: dict = {}  # trail: param id -> last position of strand 0 that accumulates into it
         if trail:
             for pos, t in enumerate(b_tasks):
-                for pid in self._op_params.get((t.block, t.op_index), ()):
+                for pid in self._op_params.get((t.block, t.op_index), ()):  # COMM ops: none
                     last_use[pid] = pos
         pending: list[tuple[Task, Pending] | None] = [None, None]
         order: list[int] = []  # strands with a pending comm, in launch order
