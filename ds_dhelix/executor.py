@@ -46,6 +46,7 @@ always runs before any later op adds to the same weight).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -188,12 +189,13 @@ class Executor:
         self._beat(t)
         if t.backward and self._deferred_params:
             self._drain_for(t)
-        t0 = time.perf_counter()
-        if t.backward:
-            self._comp_backward(t)
-        else:
-            self._comp_forward(t)
-        t1 = time.perf_counter()
+        with self._label(t.op.name):
+            t0 = time.perf_counter()
+            if t.backward:
+                self._comp_backward(t)
+            else:
+                self._comp_forward(t)
+            t1 = time.perf_counter()
         self.stats.compute_s += t1 - t0
         if self.recorder is not None:
             self.recorder.add_span("compute", t.op.name, t0, t1, self._args(t))
@@ -264,9 +266,10 @@ class Executor:
         if not self._deferred:
             return False
         t, tensors, grads, weights = self._deferred.popleft()
-        t0 = time.perf_counter()
-        torch.autograd.backward(tensors, grads, inputs=list(weights.params))
-        t1 = time.perf_counter()
+        with self._label(f"{t.op.name}.wgrad"):
+            t0 = time.perf_counter()
+            torch.autograd.backward(tensors, grads, inputs=list(weights.params))
+            t1 = time.perf_counter()
         for p in weights.params:
             left = self._deferred_params.pop(id(p)) - 1
             if left:
@@ -285,10 +288,11 @@ class Executor:
         op, mb = t.op, t.mb
         previous = swap_strand_groups(t.alt)
         try:
-            if t.backward:
-                pending = op.comm.backward(mb.grads.pop(op.outputs[0]), mb.side)
-            else:
-                pending = op.comm.forward(mb.env[op.inputs[0]], mb.side)
+            with self._label(op.name):
+                if t.backward:
+                    pending = op.comm.backward(mb.grads.pop(op.outputs[0]), mb.side)
+                else:
+                    pending = op.comm.forward(mb.env[op.inputs[0]], mb.side)
         finally:
             swap_strand_groups(previous)
         self.stats.num_comms += 1
@@ -528,6 +532,10 @@ class Executor:
                 self.recorder.add_span("comm:tp:grads", "replicated.allreduce", t0, t1,
                                        {"strand": "B", "microbatch": after_microbatch, "bytes": nbytes,
                                         "op": "replicated.allreduce", "direction": "backward"})
+
+    def _label(self, name: str):
+        """The recorder's ``torch.profiler`` range for an op (no-op without a recorder)."""
+        return self.recorder.label(name) if self.recorder is not None else contextlib.nullcontext()
 
     def _beat(self, t: Task) -> None:
         if self.watchdog is not None:

@@ -67,14 +67,20 @@ class TraceRecorder:
             self._lanes[lane] = tid
         return tid
 
+    def label(self, name: str):
+        """A ``torch.profiler`` range named ``name`` (a no-op context without ``record_function``):
+        what the executor wraps each op in, so profiler ranges carry the trace's op names."""
+        if self._record_function is None:
+            return contextlib.nullcontext()
+        return self._record_function(name)
+
     @contextlib.contextmanager
     def span(self, lane: str, name: str, args: dict | None = None) -> Iterator[None]:
         """Record the enclosed block as one span ``name`` on ``lane``."""
         if not self.enabled:
             yield
             return
-        label = self._record_function(name) if self._record_function else contextlib.nullcontext()
-        with label:
+        with self.label(name):
             t0 = time.perf_counter()
             try:
                 yield

@@ -14,7 +14,11 @@ go to ``<out>/gpu_checks.json``.
 3. ``step_time``: median step of the executor's sequential and SI schedules against plain HF
    forward/backward on the same micro-batches: the executor's own cost where kernels run
    asynchronously (on CPU every op is synchronous).
-4. ``stream_overlap`` (CUDA only): a matmul chain on the compute stream while pinned host<->device
+4. ``profiler``: one SI step under ``torch.profiler`` with a trace recorder: every op span of the
+   executor must be a profiler range of the same name; on CUDA each range's kernel time gives a
+   per-op device-time table (the GPU counterpart of the CPU op timings), and the profiler's own
+   Chrome trace goes to ``<out>/profiler_trace.json.gz``.
+5. ``stream_overlap`` (CUDA only): a matmul chain on the compute stream while pinned host<->device
    copies run on a side stream: time of both together against each alone. SI on a GPU relies on
    communication (NCCL, copy engines) progressing beside compute like this.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gzip
 import json
 import os
 import statistics
@@ -34,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ds_dhelix.executor import Executor  # noqa: E402
+from ds_dhelix.trace import TraceRecorder  # noqa: E402
 from hf_models.adapters import adapter_for  # noqa: E402
 from hf_models.registry import build_model  # noqa: E402
 
@@ -101,6 +107,42 @@ def check_step_time(ref, batches, steps: int, device) -> dict:
         "si_vs_sequential": round(timings["sequential"] / timings["si"], 3)}
 
 
+def check_profiler(ref, batches, device, out_dir: str | None) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    model = copy.deepcopy(ref)
+    executor = Executor(adapter_for(model.config).build_graph(model), None,
+                        recorder=TraceRecorder(0, record_function=True))
+    executor.run_microbatches(list(batches), "si", 1 / len(batches))  # warm-up
+    for p in model.parameters():
+        p.grad = None
+    executor.recorder = rec = TraceRecorder(0, record_function=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        executor.run_microbatches(list(batches), "si", 1 / len(batches))
+        _sync(device)
+    spans = {e["name"] for e in rec.events() if e["ph"] == "X" and e["cat"] == "compute"}
+    ranges = {e.key: e for e in prof.key_averages()}
+
+    def device_ms(e) -> float:  # kernel time on CUDA; CPU time of the range in a CPU dry run
+        if device.type != "cuda":
+            return e.cpu_time_total / 1e3
+        return getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) / 1e3
+
+    table = sorted(((name, round(device_ms(ranges[name]), 3), ranges[name].count)
+                    for name in spans if name in ranges), key=lambda r: -r[1])
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "profiler_trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            g.write(f.read())
+        os.remove(path)
+    return {"spans": len(spans), "missing_ranges": sorted(spans - set(ranges)),
+            "op_device_ms": {name: ms for name, ms, _ in table[:16]},
+            "named_device_ms": round(sum(ms for _, ms, _ in table), 3)}
+
+
 def check_stream_overlap(device, reps: int = 20) -> dict:
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     host = torch.empty(256 * 2 ** 20, dtype=torch.uint8, pin_memory=True)  # 256 MiB
@@ -163,6 +205,7 @@ def main(argv=None) -> int:
     batches = _batches(ref.config.vocab_size, args.micro_batches, args.micro_batch_size, args.seq_len, device)
     report("parity", lambda: check_parity(ref, batches))
     report("step_time", lambda: check_step_time(ref, batches, args.steps, device))
+    report("profiler", lambda: check_profiler(ref, batches, device, args.out))
     if device.type == "cuda":
         report("stream_overlap", lambda: check_stream_overlap(device))
     if args.out:

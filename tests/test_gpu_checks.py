@@ -15,7 +15,10 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
                "--seq-len", "32", "--out", str(tmp_path)])
     rows = {r["check"]: r for r in json.loads((tmp_path / "gpu_checks.json").read_text())}
     assert rc == 0, rows
-    assert list(rows) == ["env", "parity", "step_time"]  # stream_overlap needs CUDA
+    assert list(rows) == ["env", "parity", "step_time", "profiler"]  # stream_overlap needs CUDA
     assert rows["parity"]["si"]["bitwise"] and rows["parity"]["si-ends"]["bitwise"]
     assert rows["step_time"]["hf_ms"] > 0 and rows["step_time"]["si_ms"] > 0
-    assert len(capsys.readouterr().out.strip().splitlines()) == 3  # one JSON line per check
+    assert rows["profiler"]["spans"] > 0 and rows["profiler"]["missing_ranges"] == []
+    assert (tmp_path / "profiler_trace.json.gz").stat().st_size > 0
+    lines = [l for l in capsys.readouterr().out.strip().splitlines() if l.startswith("{")]
+    assert len(lines) == 4  # one JSON line per check

@@ -83,6 +83,26 @@ def test_record_function_labels_on_cpu():
     assert "attn.core" in {e.key for e in prof.key_averages()}
 
 
+def test_executor_ops_are_profiler_ranges():
+    """Every compute span of an SI step (forward ops, backward ops, deferred weight-gradient
+    passes) is also a ``torch.profiler`` range of the same name: on CUDA the profiler then
+    attributes kernels to the trace's op names."""
+    torch = pytest.importorskip("torch")
+    from ds_dhelix.executor import Executor
+    from hf_models.adapters import adapter_for
+    from tests.test_adapters import make_batches, make_config, make_model
+
+    config = make_config("tiny-llama")
+    model = make_model(config)
+    rec = TraceRecorder(0, record_function=True)
+    executor = Executor(adapter_for(config).build_graph(model), None, recorder=rec)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        executor.run_microbatches(list(make_batches(config.vocab_size, 4)), "si", 0.25)
+    spans = {e["name"] for e in rec.events() if e["ph"] == "X"}
+    assert any(name.endswith(".wgrad") for name in spans)
+    assert spans - {e.key for e in prof.key_averages()} == set()
+
+
 def test_merge_traces(tmp_path):
     paths = [_recorder(r).dump(tmp_path / f"rank{r}.json") for r in range(2)]
     merged = merge_traces(paths, tmp_path / "merged.json")
