@@ -13,13 +13,14 @@ go to ``<out>/gpu_checks.json``.
    difference (on CUDA, kernels must be deterministic for bitwise: cuBLAS is; this reports).
 3. ``step_time``: median step of the executor's sequential and SI schedules against plain HF
    forward/backward on the same micro-batches: the executor's own cost where kernels run
-   asynchronously (on CPU every op is synchronous).
+   asynchronously (on CPU every op is synchronous); also both schedules with autograd's
+   multithreading off (``*_1thread``: no hand-off to the device thread per backward call).
 4. ``profiler``: one SI step under ``torch.profiler`` with a trace recorder: every op span of the
    executor must be a profiler range of the same name; the profiler's own Chrome trace goes to
-   ``<out>/profiler_trace.json.gz``. On CUDA the table is the kernel time under each range, which
-   is the forward kernels only: backward kernels are launched by autograd's device thread, under
-   autograd's own ranges (the profiler links them to the forward op by its flow events), and the
-   deferred ``.wgrad`` passes show 0. On CPU it is each range's CPU time.
+   ``<out>/profiler_trace.json.gz``. On CUDA the table is the kernel time under each range; the
+   profiled step runs with autograd's multithreading off, so backward kernels are launched on the
+   executor's thread, inside its ranges (by default autograd's device thread launches them, under
+   its own ranges, and a table counts forward kernels only). On CPU it is each range's CPU time.
 5. ``stream_overlap`` (CUDA only): a matmul chain on the compute stream while pinned host<->device
    copies run on a side stream: time of both together against each alone. SI on a GPU relies on
    communication (NCCL, copy engines) progressing beside compute like this.
@@ -87,25 +88,30 @@ def check_step_time(ref, batches, steps: int, device) -> dict:
             (model(input_ids=b["input_ids"], labels=b["labels"]).loss / len(batches)).backward()
 
     timings = {}
-    models = {"hf": copy.deepcopy(ref), "sequential": copy.deepcopy(ref), "si": copy.deepcopy(ref)}
-    graphs = {k: adapter_for(m.config).build_graph(m) for k, m in models.items() if k != "hf"}
-    executors = {k: Executor(g, None) for k, g in graphs.items()}
-    for name in models:
+    # "_1thread": autograd runs backward on the calling thread (on CUDA it otherwise hands every
+    # backward call to its device thread and waits: the executor makes one call per op)
+    names = ("hf", "sequential", "si", "sequential_1thread", "si_1thread")
+    models = {k: copy.deepcopy(ref) for k in names}
+    executors = {k: Executor(adapter_for(m.config).build_graph(m), None) for k, m in models.items() if k != "hf"}
+    for name in names:
+        schedule, _, threads = name.partition("_")
         times = []
-        for _ in range(steps + 1):  # the first is a warm-up
-            for p in models[name].parameters():
-                p.grad = None
-            _sync(device)
-            t0 = time.perf_counter()
-            if name == "hf":
-                hf_step(models[name])
-            else:
-                executors[name].run_microbatches(list(batches), name, 1 / len(batches))
-            _sync(device)
-            times.append(time.perf_counter() - t0)
+        with torch.autograd.set_multithreading_enabled(threads != "1thread"):
+            for _ in range(steps + 1):  # the first is a warm-up
+                for p in models[name].parameters():
+                    p.grad = None
+                _sync(device)
+                t0 = time.perf_counter()
+                if name == "hf":
+                    hf_step(models[name])
+                else:
+                    executors[name].run_microbatches(list(batches), schedule, 1 / len(batches))
+                _sync(device)
+                times.append(time.perf_counter() - t0)
         timings[name] = statistics.median(times[1:]) * 1e3
     return {f"{k}_ms": round(v, 2) for k, v in timings.items()} | {
         "executor_vs_hf": round(timings["sequential"] / timings["hf"], 3),
+        "executor_1thread_vs_hf": round(timings["sequential_1thread"] / timings["hf"], 3),
         "si_vs_sequential": round(timings["sequential"] / timings["si"], 3)}
 
 
@@ -120,7 +126,8 @@ def check_profiler(ref, batches, device, out_dir: str | None) -> dict:
         p.grad = None
     executor.recorder = rec = TraceRecorder(0, record_function=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    # backward on this thread, so backward kernels fall under the executor's ranges too
+    with profile(activities=activities) as prof, torch.autograd.set_multithreading_enabled(False):
         executor.run_microbatches(list(batches), "si", 1 / len(batches))
         _sync(device)
     spans = {e["name"] for e in rec.events() if e["ph"] == "X" and e["cat"] == "compute"}
