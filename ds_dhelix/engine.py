@@ -28,6 +28,28 @@ from .trace import TraceRecorder, merge_traces
 from .watchdog import Watchdog
 
 
+FEW_MICROBATCHES = 3
+"""At or below this many micro-batches per step, SI's unpaired ends are a large share of the step."""
+
+
+def few_microbatches_hint(num_microbatches: int, pair_ends: bool) -> str | None:
+    """The warning for an SI step with too few micro-batches to overlap much, or None.
+
+    With m micro-batches SI pairs F(k+1) with B(k); the first forward and the last backward run
+    alone, one micro-batch's compute in all: 1/m of the step runs with nothing to hide its
+    communication behind (``pair_ends`` pairs them too)."""
+    m = num_microbatches
+    if m == 1:
+        return ("ds_dhelix: one micro-batch per step: SI has nothing to pair (set "
+                "gradient_accumulation_steps >= 2 to overlap communication)")
+    if m <= FEW_MICROBATCHES and not pair_ends:
+        return (f"ds_dhelix: {m} micro-batches per step: SI runs the first forward and the last "
+                f"backward without a partner, 1/{m} of the step's compute with its communication "
+                f"exposed; more gradient_accumulation_steps (e.g. 16) or \"dhelix\": "
+                f"{{\"pair_ends\": true}} hide more")
+    return None
+
+
 class DhelixEngine(DeepSpeedEngine):
     """DeepSpeed engine + SI executor. Build it with :func:`ds_dhelix.initialize`."""
 
@@ -44,7 +66,7 @@ class DhelixEngine(DeepSpeedEngine):
         self.executor.recorder = self.recorder
         self.last_stats = StepStats()
         self.last_loss = None
-        self._warned_single = False
+        self._warned_few = False
 
     def destroy(self):
         self.watchdog.stop()
@@ -78,10 +100,11 @@ class DhelixEngine(DeepSpeedEngine):
         Returns the mean loss of the step (over micro-batches and data-parallel ranks)."""
         batches = self._pull_batches(data_iter)
         schedule = self.dhelix.schedule
-        if schedule == "si" and len(batches) == 1 and not self._warned_single:
-            logger.warning("ds_dhelix: one micro-batch per step: SI has nothing to pair (set "
-                           "gradient_accumulation_steps >= 2 to overlap communication)")
-            self._warned_single = True
+        if schedule == "si" and not self._warned_few:
+            hint = few_microbatches_hint(len(batches), self.dhelix.pair_ends)
+            if hint:
+                logger.warning(hint)
+            self._warned_few = True
         self.module.train()
         self.executor.stats = StepStats()
         self.meter.reset_peak()

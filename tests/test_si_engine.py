@@ -47,3 +47,16 @@ def test_si_bitwise_dp2_tp2_zero2_four_ranks():
 def test_si_single_microbatch_runs():
     r = parity(model="tiny-llama", tp=2, micro_batches=1, steps=2)
     assert_parity(r)
+
+
+def test_few_microbatches_hint():
+    """SI with 1-3 micro-batches per step says how much runs unpaired and what to change; the
+    shipped configs (4) and pair_ends stay quiet."""
+    from ds_dhelix.engine import few_microbatches_hint
+
+    assert "nothing to pair" in few_microbatches_hint(1, False)
+    assert "nothing to pair" in few_microbatches_hint(1, True)
+    hint = few_microbatches_hint(3, False)
+    assert "3 micro-batches" in hint and "1/3" in hint and "pair_ends" in hint
+    assert few_microbatches_hint(2, True) is None
+    assert few_microbatches_hint(4, False) is None and few_microbatches_hint(16, False) is None
