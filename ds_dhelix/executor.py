@@ -116,6 +116,10 @@ _LINEAR_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "TBa
 class _OpWeights:
     params: tuple  # parameters the op's backward accumulates into
     deferrable: bool  # a linear op with a matrix weight: input gradient now, weight gradient later
+    ids: frozenset = frozenset()  # id() of each of ``params``
+
+
+_NO_WEIGHTS = _OpWeights((), False)  # COMM ops
 
 
 def _op_weights(tensors, leaves) -> _OpWeights:
@@ -135,7 +139,8 @@ def _op_weights(tensors, leaves) -> _OpWeights:
                 params.append(var)
             continue
         stack.extend(f for f, _ in fn.next_functions if f is not None)
-    return _OpWeights(tuple(params), linear and any(p.dim() >= 2 for p in params))
+    return _OpWeights(tuple(params), linear and any(p.dim() >= 2 for p in params),
+                      frozenset(id(p) for p in params))
 
 
 def _until_comm(queue) -> int:
@@ -177,8 +182,7 @@ class Executor:
         self._deferring = False  # on inside SI pairs and the last lone backward (stream mode)
         self._deferred: deque = deque()  # (task, outputs, grads, op weights), oldest first
         self._deferred_params: dict[int, int] = {}  # id(param) -> deferred passes touching it
-        self._op_weights: dict = {}  # (block, op index) -> _OpWeights
-        self._op_params: dict = {}  # (block, op index) -> ids of the parameters it uses (first forward)
+        self._op_weights: dict = {}  # (block, op index) -> _OpWeights, from the op's first forward
         # stream mode reacts to completed collectives at once when every COMM op keeps forward and
         # backward collectives on separate groups (timing may then reorder the two strands' launches)
         self.react = self.stream and all(getattr(op.comm, "strand_safe", False)
@@ -212,9 +216,8 @@ class Executor:
         with torch.enable_grad(), hooks:
             outs = op.fn(mb.side, *leaves)
         key = (t.block, t.op_index)
-        if key not in self._op_params:  # once per op: the weights its backward will add to
-            self._op_params[key] = frozenset(
-                id(p) for p in _op_weights([o for o in outs if o.requires_grad], leaves).params)
+        if key not in self._op_weights:  # once per op: the weights its backward will add to
+            self._op_weights[key] = _op_weights([o for o in outs if o.requires_grad], leaves)
         mb.saved[key] = (leaves, outs)
         for key, out in zip(op.outputs, outs):
             mb.env[key] = out.detach()
@@ -230,7 +233,7 @@ class Executor:
                 grads.append(g)
         if tensors:
             # (run_comp has already run any deferred pass that adds to this op's weights)
-            weights = self._weights(t, tensors, leaves) if self._deferring else None
+            weights = self._op_weights[(t.block, t.op_index)]
             need = [leaf for leaf in leaves if leaf.requires_grad]
             if self._deferring and weights.deferrable and need:
                 torch.autograd.backward(tensors, grads, inputs=need, retain_graph=True)
@@ -246,15 +249,8 @@ class Executor:
         """Before a backward op adds to a weight that a deferred pass will also add to (a tied
         weight, or the same op of an earlier micro-batch in a backward-backward pair), run the
         deferred passes first: each weight keeps its accumulation order."""
-        if any(pid in self._deferred_params for pid in self._op_params[(t.block, t.op_index)]):
+        if any(pid in self._deferred_params for pid in self._op_weights[(t.block, t.op_index)].ids):
             self.drain_deferred()
-
-    def _weights(self, t: Task, tensors, leaves) -> _OpWeights:
-        key = (t.block, t.op_index)
-        found = self._op_weights.get(key)
-        if found is None:
-            found = self._op_weights[key] = _op_weights(tensors, leaves)
-        return found
 
     def _defer(self, t: Task, tensors, grads, weights: _OpWeights) -> None:
         self._deferred.append((t, tensors, grads, weights))
@@ -334,7 +330,7 @@ class Executor:
         last_use: dict = {}  # trail: param id -> last position of strand 0 that accumulates into it
         if trail:
             for pos, t in enumerate(b_tasks):
-                for pid in self._op_params.get((t.block, t.op_index), ()):  # COMM ops: none
+                for pid in self._op_weights.get((t.block, t.op_index), _NO_WEIGHTS).ids:
                     last_use[pid] = pos
         pending: list[tuple[Task, Pending] | None] = [None, None]
         order: list[int] = []  # strands with a pending comm, in launch order
@@ -346,7 +342,8 @@ class Executor:
                 done0 = lengths[0] - len(queues[0])  # tasks strand 0 has run or launched
                 head = queues[1][0]
                 return lengths[1] - len(queues[1]) < done0 and all(
-                    last_use.get(pid, -1) < done0 for pid in self._op_params.get((head.block, head.op_index), ()))
+                    last_use.get(pid, -1) < done0
+                    for pid in self._op_weights.get((head.block, head.op_index), _NO_WEIGHTS).ids)
             if s == 0 or not gated:
                 return True
             f_slot = queues[1][0].slot

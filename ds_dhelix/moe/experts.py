@@ -133,17 +133,23 @@ def use_grouped_mm(x: torch.Tensor, mode: bool | None) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
 
-def expert_rows(xr: torch.Tensor, route: Route, ep: int, local: int) -> tuple[torch.Tensor, list[int]]:
-    """Received rows (source-major) -> rows grouped by local expert, and the rows per expert."""
-    h = xr.shape[-1]
-    if route.padded:  # [src][expert][slot] -> [expert][src][slot]
-        cap = route.capacity
-        return xr.view(ep, local, cap, h).transpose(0, 1).reshape(-1, h), [ep * cap] * local
+def expert_sizes(route: Route, ep: int, local: int) -> list[int]:
+    """Rows per local expert after ``expert_rows`` (fixed with capacity buffers, else counted)."""
+    if route.padded:
+        return [ep * route.capacity] * local
     if route.expert_index is None:
         route.expert_index, route.expert_sizes = expert_major_index(route.recv_counts)
+    return route.expert_sizes
+
+
+def expert_rows(xr: torch.Tensor, route: Route, ep: int, local: int) -> tuple[torch.Tensor, list[int]]:
+    """Received rows (source-major) -> rows grouped by local expert, and the rows per expert."""
+    h, sizes = xr.shape[-1], expert_sizes(route, ep, local)
+    if route.padded:  # [src][expert][slot] -> [expert][src][slot]
+        return xr.view(ep, local, route.capacity, h).transpose(0, 1).reshape(-1, h), sizes
     if ep == 1:
-        return xr, route.expert_sizes
-    return xr.index_select(0, route.expert_index), route.expert_sizes
+        return xr, sizes
+    return xr.index_select(0, route.expert_index), sizes
 
 
 def source_rows(ye: torch.Tensor, route: Route, ep: int, local: int) -> torch.Tensor:
@@ -173,6 +179,5 @@ def run_expert_down(a: torch.Tensor, route: Route, experts: nn.Module, ep: int,
                     grouped: bool | None = None) -> torch.Tensor:
     """``moe.experts.down``: activations -> down projection -> rows back in the received order."""
     local = experts.down_proj.shape[0]
-    sizes = [ep * route.capacity] * local if route.padded else route.expert_sizes
-    ye = expert_linear(a, sizes, experts.down_proj, use_grouped_mm(a, grouped))
+    ye = expert_linear(a, expert_sizes(route, ep, local), experts.down_proj, use_grouped_mm(a, grouped))
     return source_rows(ye, route, ep, local)
