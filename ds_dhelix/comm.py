@@ -15,8 +15,9 @@ on it; on CPU (gloo) it runs on gloo's worker threads. Same code path. A body wh
 is true launches its backward collectives on the group's twin (``register_backward_group``), which
 lets the stream executor interleave the two strands by timing.
 
-On gloo a reduce-scatter is an all-to-all of the shards plus a local sum (gloo's own reduce-scatter
-is a full all-reduce: twice the bytes). Weights replicated over the TP group sum their gradients
+On gloo both sequence collectives are all-to-alls: a reduce-scatter is an all-to-all of the shards
+plus a local sum (gloo's own reduce-scatter is a full all-reduce: twice the bytes), an all-gather
+sends the rank's shard to every rank (cheaper per call than gloo's all-gather). Weights replicated over the TP group sum their gradients
 once per step (``ReplicatedGrads``).
 """
 from __future__ import annotations
@@ -125,6 +126,12 @@ class SeqReduceScatter(SeqAllGather):
 
 def all_gather_seq(x: torch.Tensor, group, world: int) -> Pending:
     out = torch.empty((x.shape[0] * world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if dist.get_backend(group) == "gloo":
+        # each rank sends its shard to every rank: rank r's chunk of the result is rank r's shard.
+        # gloo's own all-gather costs more per call on CPU (2 ranks, 256 KB shards, unshaped
+        # loopback: 0.82 ms and 0.59 ms of CPU, against 0.58 ms and 0.47 ms this way)
+        work = dist.all_to_all_single(out, torch.cat([x] * world), group=group, async_op=True)
+        return Pending(work, out)
     work = _ALL_GATHER(out, x.contiguous(), group=group, async_op=True)
     return Pending(work, out)
 

@@ -1,6 +1,7 @@
 """Streamed SI pairs and the communication changes that came with them (gloo ranks, CPU).
 
-    (a) reduce-scatter as all-to-all + local sum == gloo's reduce_scatter (2 ranks: bitwise; 4: close)
+    (a) reduce-scatter as all-to-all + local sum == gloo's reduce_scatter (2 ranks: bitwise; 4: close);
+        all-gather as all-to-all == gloo's all_gather_into_tensor (bitwise: copies only)
     (b) stream / plan / sequential through the executor on TP=2: losses and every gradient bitwise
         equal; stream mode defers the weight gradients of the linear ops only (attn.out, mlp.down,
         head.logits), none without ``defer_weight_grads``; a tied embedding keeps its order
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_dhelix.comm import reduce_scatter_seq
+from ds_dhelix.comm import all_gather_seq, reduce_scatter_seq
 from ds_dhelix.executor import Executor
 from ds_dhelix.ops import backward_order
 from ds_dhelix.plan import default_plan
@@ -36,6 +37,27 @@ def _rs_rank(rank, world):
         dist.reduce_scatter_tensor(ref, x.contiguous(), group=group)
         out[shape] = (torch.equal(ours, ref), (ours - ref).abs().max().item(), tuple(ours.shape))
     return out
+
+
+def _ag_rank(rank, world):
+    group = dist.new_group(list(range(world)))
+    out = {}
+    for shape in [(4, 3, 5), (7, 2, 16)]:
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(200 + rank))
+        ours = all_gather_seq(x, group, world).wait()
+        ref = torch.empty((shape[0] * world, *shape[1:]))
+        dist.all_gather_into_tensor(ref, x, group=group)
+        out[shape] = (torch.equal(ours, ref), tuple(ours.shape))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_by_all_to_all_matches_gloo(world):
+    for res in run_ranks(_ag_rank, world, timeout=90):
+        for shape, (equal, got) in res.items():
+            assert got == (shape[0] * world, *shape[1:])
+            assert equal, f"{shape}: all-gathered shards differ from gloo's all_gather_into_tensor"
 
 
 @pytest.mark.timeout(120)
