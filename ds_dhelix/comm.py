@@ -159,8 +159,8 @@ def _reduce_scatter_by_all_to_all(x: torch.Tensor, group, world: int) -> Pending
 
     def finish(buf: torch.Tensor) -> torch.Tensor:
         parts = buf.view(world, x.shape[0] // world, *x.shape[1:])
-        acc = parts[0].clone()
-        for r in range(1, world):
+        acc = parts[0] + parts[1] if world > 1 else parts[0].clone()
+        for r in range(2, world):
             acc += parts[r]
         return acc
 

@@ -51,7 +51,25 @@ def test_rows_from_medians():
     assert rows["sequential"]["hidden_fraction"] == pytest.approx(0.0)
     assert rows["deepspeed"]["hidden_fraction"] is None and rows["deepspeed"]["mfu"] is None
     assert rows["si"]["tokens_per_s"] == pytest.approx(opts.tokens_per_step / 0.75)
+    assert rows["si"]["cpu_bound_speedup"] is None  # no device / cores in this result
     assert comm_comp_ratio(list(rows.values()))["value"] == pytest.approx(0.4 / 0.6)
+
+
+def test_cpu_bound_on_cpu_devices():
+    opts = BenchOptions(modes=("sequential", "si"), link_gbps=(2.0,), seq_len=64)  # world 2
+    steps = lambda t, cpu, main: [dict(s, cpu_s=cpu, main_thread_cpu_s=main)  # noqa: E731
+                                  for s in _steps([t], 0.6, 0.4, 0.1)]
+    result = {"shaped": True, "device": "cpu", "cpu_cores": 2, "modes": {
+        "sequential": {"status": "ok", "steps": steps(1.2, 0.9, 0.7)},
+        "si": {"status": "ok", "steps": steps(0.9, 0.8, 0.6)}}}
+    rows = {r["mode"]: r for r in summarize_link(opts, 2.0, result)}
+    assert rows["si"]["cpu_bound_speedup"] == pytest.approx(1.2 / 0.8)  # 2 ranks x 0.8 s on 2 cores
+    assert rows["si"]["other_threads_cpu_s"] == pytest.approx(0.2)
+    one_core = dict(result, cpu_cores=1)
+    rows = {r["mode"]: r for r in summarize_link(opts, 2.0, one_core)}
+    assert rows["si"]["cpu_bound_speedup"] == pytest.approx(1.2 / 1.6)
+    cuda = dict(result, device="cuda")  # host CPU time says nothing about a GPU's compute
+    assert all(r["cpu_bound_speedup"] is None for r in summarize_link(opts, 2.0, cuda))
 
 
 def test_failed_modes_become_rows():
@@ -128,6 +146,7 @@ def test_bench_quick_json_every_mode(tmp_path):
         assert r["ideal_speedup"] == pytest.approx(
             (seq["compute_s"] + seq["comm_s"]) / max(seq["compute_s"], seq["comm_s"]))
         assert r["mfu"] is None  # CPU: peak unknown
+        assert r["cpu_bound_speedup"] > 0, (mode, r["cpu_bound_speedup"])
     for mode in ("sequential", "si"):
         r = rows[mode]
         assert r["compute_s"] > 0 and r["comm_s"] > 0 and 0 <= r["exposed_comm_s"]

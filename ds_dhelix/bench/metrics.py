@@ -13,6 +13,10 @@ Definitions (medians over the timed steps of one mode at one link rate):
     cpu_s                 CPU seconds of one rank's process per step (mean over ranks);
     other_threads_cpu_s   of which not on the main (compute) thread: gloo's threads and kernel
                           TCP work, which on a CPU machine competes with compute for the cores
+    cpu_bound_speedup     step(seq) / max(cpu_s x world / cores, main_thread_cpu_s)   (CPU
+                          devices): the speedup this mode would reach if the machine's cores did
+                          nothing but this mode's own CPU work, all step long: no schedule of it
+                          beats this on this machine
 
 comp is the time of the COMP ops, comm the time from launch to observed completion of each
 collective, exposed the time spent blocked waiting for one (all as the executor measures them).
@@ -57,6 +61,7 @@ def summarize_link(opts: BenchOptions, gbps: float | None, result: dict,
     seq_med = mode_medians(seq["steps"]) if seq.get("steps") else None
     # pipelines: point-to-point transfers are not timed as comm, so there is no overlap bound
     ideal = ideal_speedup(seq_med["compute_s"], seq_med["comm_s"]) if seq_med and opts.pp == 1 else None
+    cores = result.get("cpu_cores") if result.get("device") == "cpu" else None
     rows = []
     for mode in opts.modes:
         out = outcomes.get(mode) or {"status": "error", "reason": result.get("error", "no result")}
@@ -64,14 +69,14 @@ def summarize_link(opts: BenchOptions, gbps: float | None, result: dict,
                "shaped": bool(result.get("shaped")), "status": out["status"], "reason": out.get("reason"),
                "build_s": out.get("build_s"), **(out.get("info") or {})}
         if out.get("steps"):
-            row.update(_timing(opts, out["steps"], seq_med, ideal, mode, peak_flops, flops_per_token))
+            row.update(_timing(opts, out["steps"], seq_med, ideal, mode, peak_flops, flops_per_token, cores))
         if mode == "si-planned" and row.get("plan_is_default"):
             row["reason"] = f"the planner kept the default plan (plan source {row.get('plan_source')!r})"
         rows.append(row)
     return rows
 
 
-def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token) -> dict:
+def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, cores=None) -> dict:
     med = mode_medians(steps)
     step_s = med["step_s"]
     times = [s["step_s"] for s in steps]
@@ -83,7 +88,7 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token) -> d
                                          if s.get("peak_activation_bytes") is not None), default=None),
            "hidden_fraction": None, "hidden_of_comm": None, "ideal_speedup": ideal,
            "speedup_vs_sequential": None, "achieved_over_ideal": None, "step_bound_speedup": None,
-           "mfu": None}
+           "cpu_bound_speedup": None, "mfu": None}
     if med["cpu_s"] is not None and med["main_thread_cpu_s"] is not None:
         row["other_threads_cpu_s"] = max(0.0, med["cpu_s"] - med["main_thread_cpu_s"])
     ref = seq_med or med  # sequential comm / comp: what there was to hide
@@ -99,6 +104,9 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token) -> d
             row["step_bound_speedup"] = seq_med["step_s"] / max(seq_med["step_s"] - hideable, 1e-9)
         if mode in DHELIX_MODES and mode != "sequential" and ideal:
             row["achieved_over_ideal"] = row["speedup_vs_sequential"] / ideal
+        if cores and med["cpu_s"] and med["main_thread_cpu_s"]:
+            floor = max(med["cpu_s"] * opts.world / cores, med["main_thread_cpu_s"])
+            row["cpu_bound_speedup"] = seq_med["step_s"] / floor
     if peak_flops and flops_per_token:
         row["mfu"] = flops_per_token * row["tokens_per_s"] / (peak_flops * opts.world)
     return row

@@ -12,6 +12,7 @@ from ds_dhelix.plan import write_atomic
 
 CSV_COLUMNS = ("mode", "link_gbps", "link", "shaped", "status", "steps", "step_time_s", "tokens_per_s",
                "speedup_vs_sequential", "ideal_speedup", "achieved_over_ideal", "step_bound_speedup",
+               "cpu_bound_speedup",
                "compute_s", "comm_s", "exposed_comm_s", "hidden_fraction", "hidden_of_comm",
                "peak_activation_bytes", "mfu", "cpu_s", "other_threads_cpu_s", "step_time_min_s",
                "step_time_max_s", "build_s",
@@ -30,20 +31,21 @@ def _fmt(value, spec: str) -> str:
 
 def markdown_table(report: dict) -> str:
     """The rows as a markdown table, one block per link rate, plus the comm/comp ratio line."""
-    lines = ["| link | mode | step ms | tokens/s | vs seq | ideal | achieved/ideal | comp ms | "
+    lines = ["| link | mode | step ms | tokens/s | vs seq | ideal | achieved/ideal | CPU bound | comp ms | "
              "comm ms | exposed ms | hidden | comm-thread CPU ms | peak act MiB |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in report["results"]:
         link = r["link"] + ("" if r["shaped"] or r["link_gbps"] is None else " (UNSHAPED)")
         if r["status"] != "ok":
             lines.append(f"| {link} | {r['mode']} | {r['status']}: {r.get('reason') or ''} "
-                         f"|  |  |  |  |  |  |  |  |  |  |")
+                         f"|  |  |  |  |  |  |  |  |  |  |  |")
             continue
         ms = lambda v: _fmt(v * 1e3 if v is not None else None, ".0f")  # noqa: E731
         lines.append(
             f"| {link} | {r['mode']} | {ms(r['step_time_s'])} | {_fmt(r['tokens_per_s'], '.0f')} | "
             f"{_times(r['speedup_vs_sequential'])} | {_times(r['ideal_speedup'])} | "
-            f"{_fmt(r['achieved_over_ideal'], '.2f')} | {ms(r['compute_s'])} | {ms(r['comm_s'])} | "
+            f"{_fmt(r['achieved_over_ideal'], '.2f')} | {_times(r.get('cpu_bound_speedup'))} | "
+            f"{ms(r['compute_s'])} | {ms(r['comm_s'])} | "
             f"{ms(r['exposed_comm_s'])} | {_fmt(r['hidden_fraction'], '.0%')} | "
             f"{ms(r.get('other_threads_cpu_s'))} | "
             f"{_fmt(None if r['peak_activation_bytes'] is None else r['peak_activation_bytes'] / 2**20, '.1f')} |")

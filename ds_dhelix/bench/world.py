@@ -107,7 +107,15 @@ def rank_main(rank: int, world: int, opts: BenchOptions, gbps: float | None):
         return None
     for mode in runners:
         outcome[mode]["steps"] = combine_ranks([g[mode] for g in gathered])
-    return {"modes": outcome, "world": world, "device": _device_name()}
+    return {"modes": outcome, "world": world, "device": _device_name(), "cpu_cores": _cpu_cores()}
+
+
+def _cpu_cores() -> int:
+    import os
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _device_name() -> str:

@@ -127,6 +127,7 @@ def run(args) -> int:
         print(report["title"])
         print(markdown_table(report), end="")
         print("ideal = (comp + comm) / max(comp, comm) of the sequential run; achieved/ideal = "
-              "speedup vs sequential / ideal")
+              "speedup vs sequential / ideal; CPU bound (CPU devices) = sequential step / the mode's "
+              "CPU time per step spread over the cores: what no schedule of the mode beats here")
     ok = all(r["status"] != "error" for r in report["results"] if r["mode"] in ("sequential", "si"))
     return 0 if ok else 1
