@@ -109,7 +109,8 @@ _LINEAR_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "TBa
                            "UnsafeViewBackward0", "ReshapeAliasBackward0", "TransposeBackward0",
                            "PermuteBackward0", "CloneBackward0", "AccumulateGrad",
                            # row selection and regrouping around per-expert projections
-                           "IndexSelectBackward0", "SliceBackward0", "SelectBackward0", "CatBackward0"})
+                           "IndexSelectBackward0", "SliceBackward0", "SelectBackward0", "CatBackward0",
+                           "SplitBackward0", "SplitWithSizesBackward0"})  # (a fused q/k/v split)
 
 
 @dataclass(frozen=True)

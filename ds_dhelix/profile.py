@@ -33,15 +33,21 @@ def device_name() -> str:
     return f"cpu:{platform.machine()}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
 
 
+OP_GRAPH_REVISION = 2
+"""Bumped when the adapters move math from one op to another (2: rotary moved from ``attn.qkv`` to
+``attn.core``): op names stay, their times change, so tables cached before no longer apply."""
+
+
 def run_meta(model_config, tp: int, world: int, batch_shape, dtype, link_gbps=None, ep: int = 1) -> dict:
-    """What a table is keyed by: device, model shape, dtype, parallel layout, batch shape, link."""
+    """What a table is keyed by: device, model shape, dtype, parallel layout, batch shape, link,
+    op-graph revision."""
     c = model_config
     shape = {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                "num_attention_heads", "num_key_value_heads", "vocab_size",
                                                "num_local_experts", "num_experts_per_tok")}
     return {"device": device_name(), "model": json.dumps(shape, sort_keys=True),
             "dtype": str(dtype).removeprefix("torch."), "layout": f"world={world},tp={tp},ep={ep}",
-            "batch_shape": list(batch_shape), "link_gbps": link_gbps}
+            "batch_shape": list(batch_shape), "link_gbps": link_gbps, "op_graph": OP_GRAPH_REVISION}
 
 
 def meta_key(meta: dict) -> str:

@@ -183,13 +183,23 @@ def sequential_residual(norm: nn.Module, attn_bias, mlp_bias):
     return make
 
 
-def attn_core_op(attn_module, config, eager_fn):
-    """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d]."""
+def rotary(apply_rotary_pos_emb):
+    """``attn_core_op``'s ``rotary`` from an HF family's ``apply_rotary_pos_emb`` and the side
+    inputs' cos/sin. Rotary runs in ``attn.core``, not ``attn.qkv``: the projection op stays linear,
+    so SI can defer its weight gradient (see ``Executor``)."""
+    return lambda q, k, side: apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
+
+
+def attn_core_op(attn_module, config, eager_fn, rotary=None):
+    """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d];
+    ``rotary(q, k, side) -> (q, k)`` first when given."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     impl = config._attn_implementation or "sdpa"
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_fn)
 
     def fn(side, q, k, v):
+        if rotary is not None:
+            q, k = rotary(q, k, side)
         mask = side.get("causal_mask") if impl == "eager" else None
         o, _ = attend(attn_module, q, k, v, mask, dropout=0.0, scaling=attn_module.scaling)
         return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]

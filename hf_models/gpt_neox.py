@@ -8,8 +8,8 @@ Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
 
     attn.norm  COMP  h[s/t] -> x                 input_layernorm
     attn.ag    COMM  x -> xf[s]                  all-gather (sequence)
-    attn.qkv   COMP  xf -> q,k,v                 query_key_value (column-parallel) + partial rotary
-    attn.core  COMP  q,k,v -> o                  HF attention function (sdpa/eager)
+    attn.qkv   COMP  xf -> q,k,v                 query_key_value (column-parallel)
+    attn.core  COMP  q,k,v -> o                  partial rotary + HF attention function (sdpa/eager)
     attn.out   COMP  o -> ao                     dense weight (row-parallel, partial sums)
     attn.rs    COMM  ao -> ar[s/t]               reduce-scatter (sequence)
     mlp.norm   COMP  see below                   post_attention_layernorm
@@ -32,7 +32,7 @@ from transformers.models.gpt_neox import modeling_gpt_neox as hf
 
 from ds_dhelix.graph import ModelGraph, comp
 
-from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
+from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn, rotary,
                      mark_replicated, rotary_side_fn, sequential_residual, shard_param, warn_dropout)
 
 _DROPOUT_KEYS = ("hidden_dropout", "attention_dropout")
@@ -80,15 +80,13 @@ def layer_ops(layer, config, tp: int, tp_group):
     def qkv(side, xf):
         s, b, _ = xf.shape
         fused = at.query_key_value(xf).view(s, b, -1, 3 * hd).permute(1, 2, 0, 3)  # [b, n/t, s, 3d]
-        q, k, v = fused.chunk(3, dim=-1)
-        q, k = hf.apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
-        return q, k, v
+        return fused.chunk(3, dim=-1)
 
     return dense_layer_ops(
         tp, tp_group,
         attn_norm=lambda side, h: (layer.input_layernorm(h),),
         qkv=qkv,
-        attn_core=attn_core_op(at, config, hf.eager_attention_forward),
+        attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb)),
         attn_out=lambda side, o: (F.linear(o, at.dense.weight),),
         residual=residual(layer),
         mlp_up=lambda side, x: (mlp.act(mlp.dense_h_to_4h(x)),),

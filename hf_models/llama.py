@@ -4,8 +4,8 @@ Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
 
     attn.norm  COMP  h[s/t] -> x                 input_layernorm
     attn.ag    COMM  x -> xf[s]                  all-gather (sequence)
-    attn.qkv   COMP  xf -> q,k,v                 q/k/v_proj (column-parallel) + rotary
-    attn.core  COMP  q,k,v -> o                  HF attention function (sdpa/eager)
+    attn.qkv   COMP  xf -> q,k,v                 q/k/v_proj (column-parallel)
+    attn.core  COMP  q,k,v -> o                  rotary + HF attention function (sdpa/eager)
     attn.out   COMP  o -> ao                     o_proj (row-parallel, partial sums)
     attn.rs    COMM  ao -> ar[s/t]               reduce-scatter (sequence)
     mlp.norm   COMP  h,ar -> h2,x2               residual add + post_attention_layernorm
@@ -26,7 +26,7 @@ from transformers.models.llama import modeling_llama as hf
 from ds_dhelix.graph import ModelGraph
 
 from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
-                     mark_replicated, rotary_side_fn, sequential_residual, shard_param)
+                     mark_replicated, rotary, rotary_side_fn, sequential_residual, shard_param)
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
@@ -53,14 +53,13 @@ def layer_ops(layer, config, tp: int, tp_group):
     def qkv(side, xf):
         s, b, _ = xf.shape
         q, k, v = (proj(xf).view(s, b, -1, hd).permute(1, 2, 0, 3) for proj in (at.q_proj, at.k_proj, at.v_proj))
-        q, k = hf.apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
         return q, k, v
 
     return dense_layer_ops(
         tp, tp_group,
         attn_norm=lambda side, h: (layer.input_layernorm(h),),
         qkv=qkv,
-        attn_core=attn_core_op(at, config, hf.eager_attention_forward),
+        attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb)),
         attn_out=lambda side, o: (F.linear(o, at.o_proj.weight),),
         residual=sequential_residual(layer.post_attention_layernorm, at.o_proj.bias, mlp.down_proj.bias),
         mlp_up=lambda side, x: (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x),),

@@ -5,8 +5,8 @@ Layer ops (``s`` sequence, ``t`` TP size, ``N`` tokens of this rank, hidden sequ
 
     attn.norm     COMP  h[s/t] -> x               input_layernorm
     attn.ag       COMM  x -> xf[s]                all-gather (sequence)           t > 1
-    attn.qkv      COMP  xf -> q,k,v               q/k/v_proj (column-parallel) + rotary
-    attn.core     COMP  q,k,v -> o                HF attention function (sdpa/eager)
+    attn.qkv      COMP  xf -> q,k,v               q/k/v_proj (column-parallel)
+    attn.core     COMP  q,k,v -> o                rotary + HF attention function (sdpa/eager)
     attn.out      COMP  o -> ao                   o_proj (row-parallel, partial sums)
     attn.rs       COMM  ao -> ar[s/t]             reduce-scatter (sequence)       t > 1
     mlp.norm      COMP  h,ar -> h2,x2             residual add + post_attention_layernorm
@@ -90,11 +90,10 @@ def attention_ops(layer, config, tp: int, tp_group):
 
     def qkv(side, xf):
         s, b, _ = xf.shape
-        q, k, v = (proj(xf).view(s, b, -1, hd).permute(1, 2, 0, 3) for proj in (at.q_proj, at.k_proj, at.v_proj))
-        q, k = hf.apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
-        return q, k, v
+        return tuple(proj(xf).view(s, b, -1, hd).permute(1, 2, 0, 3) for proj in (at.q_proj, at.k_proj, at.v_proj))
 
-    def core(side, q, k, v):
+    def core(side, q, k, v):  # rotary here: attn.qkv stays linear, so SI defers its weight gradient
+        q, k = hf.apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
         mask = side.get("causal_mask") if eager else None
         o, _ = attend(at, q, k, v, mask, dropout=0.0, scaling=at.scaling)
         return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
