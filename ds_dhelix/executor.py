@@ -22,9 +22,9 @@ A pair F(k+1)(x)B(k) runs in one of two ways:
   (forward and backward collectives use separate process groups, see ``comm.register_backward_group``,
   so this timing-dependent interleaving still issues every group's collectives in the same order on
   every rank); the executor waits only when neither strand can compute. The backward strand's
-  linear ops (matmuls, views, row selection: ``attn.out``, ``mlp.down``, ``head.logits``,
-  ``moe.experts.up`` / ``.down``) compute their input
-  gradient first and leave their weight gradient for later, so the strand reaches its next
+  ops that are linear on the way to their weights (matmuls, views, row selection: ``attn.qkv``,
+  ``attn.out``, ``mlp.up``, ``mlp.down``, ``head.logits``, ``moe.experts.up`` / ``.down``) compute
+  their input gradient first and leave their weight gradient for later, so the strand reaches its next
   collective sooner; the deferred weight gradients (at most ``MAX_DEFERRED`` waiting) fill the time
   when both strands wait, and all are done before the pair ends. The forward strand enters layer
   slot j only after the backward strand has finished slot j-1 (and its deferred weight gradients),
@@ -104,7 +104,8 @@ class StepStats:
 
 
 # Autograd nodes of a "linear" op: recomputing them for a separate weight-gradient pass costs nothing
-# but the weight matmul itself, so only ops made of these have their weight gradient deferred.
+# but the weight matmul itself, so only ops whose paths to their weights are made of these have
+# their weight gradient deferred.
 _LINEAR_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "TBackward0", "ViewBackward0",
                            "UnsafeViewBackward0", "ReshapeAliasBackward0", "TransposeBackward0",
                            "PermuteBackward0", "CloneBackward0", "AccumulateGrad",
@@ -124,22 +125,33 @@ _NO_WEIGHTS = _OpWeights((), False)  # COMM ops
 
 
 def _op_weights(tensors, leaves) -> _OpWeights:
-    """Walk an op's autograd graph from its outputs to its leaves: its parameters, and whether it is
-    a linear op."""
+    """Walk an op's autograd graph from its outputs to its leaves: its parameters, and whether its
+    weight gradients can be left for later at no extra cost: every node on a path from the outputs
+    to a parameter is linear (a later ``backward(inputs=params)`` runs only those nodes, so it costs
+    the weight matmuls and nothing else; nodes that lead only to the op's inputs, such as an
+    activation before a projection, are not run again)."""
     leaf_ids = {id(x) for x in leaves}
-    seen, stack, params, linear = set(), [x.grad_fn for x in tensors if x.grad_fn is not None], [], True
-    while stack:
-        fn = stack.pop()
+    roots = [x.grad_fn for x in tensors if x.grad_fn is not None]
+    params, reaches, order, seen, stack = [], {}, [], set(), [(fn, False) for fn in roots]
+    while stack:  # post-order: a node after everything below it
+        fn, expanded = stack.pop()
+        if expanded:
+            order.append(fn)
+            continue
         if fn in seen:
             continue
         seen.add(fn)
-        linear &= type(fn).__name__ in _LINEAR_NODES
         var = getattr(fn, "variable", None)
         if var is not None:
-            if id(var) not in leaf_ids:
+            reaches[fn] = id(var) not in leaf_ids
+            if reaches[fn]:
                 params.append(var)
             continue
-        stack.extend(f for f, _ in fn.next_functions if f is not None)
+        stack.append((fn, True))
+        stack.extend((f, False) for f, _ in fn.next_functions if f is not None and f not in seen)
+    for fn in order:  # does the node lead to a parameter?
+        reaches[fn] = any(reaches.get(f, False) for f, _ in fn.next_functions if f is not None)
+    linear = all(type(fn).__name__ in _LINEAR_NODES for fn, leads in reaches.items() if leads)
     return _OpWeights(tuple(params), linear and any(p.dim() >= 2 for p in params),
                       frozenset(id(p) for p in params))
 

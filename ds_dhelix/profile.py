@@ -35,7 +35,8 @@ def device_name() -> str:
 
 OP_GRAPH_REVISION = 2
 """Bumped when the adapters move math from one op to another (2: rotary moved from ``attn.qkv`` to
-``attn.core``): op names stay, their times change, so tables cached before no longer apply."""
+``attn.core``, the MLP activation from ``mlp.up`` to ``mlp.down``): op names stay, their times
+change, so tables cached before no longer apply."""
 
 
 def run_meta(model_config, tp: int, world: int, batch_shape, dtype, link_gbps=None, ep: int = 1) -> dict:

@@ -131,12 +131,16 @@ def gather_param(p: torch.Tensor, group, tp: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- dense layers
-def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, residual, mlp_up, mlp_down):
+def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, residual, mlp_up, mlp_down,
+                    mlp_hidden=("act",)):
     """The op list of a dense decoder layer, COMM ops included when ``tp > 1``.
 
     Each argument except ``attn_core`` (an Op) and ``residual`` is a COMP body ``fn(side, *inputs)``:
     ``attn_norm(h) -> x``, ``qkv(xf) -> q, k, v``, ``attn_out(o) -> ao`` (row-parallel partial
-    sums, no bias), ``mlp_up(x2f) -> act``, ``mlp_down(act) -> mo``. ``residual(ar, mr)`` returns the
+    sums, no bias), ``mlp_up(x2f) -> *hidden`` (the projections only, named ``mlp_hidden``),
+    ``mlp_down(*hidden) -> mo`` (activation, then the row-parallel projection: the activation sits
+    in ``mlp.down`` so that both MLP ops are linear on the way to their weights and streamed SI can
+    defer both weight gradients). ``residual(ar, mr)`` returns the
     ``mlp.norm`` and ``mlp.add`` ops, which read the attention and MLP outputs under the keys given
     (the reduce-scattered ones when sharded) and add the row-parallel biases.
     """
@@ -158,8 +162,8 @@ def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, r
         *when_sharded(comm("attn.rs", scatter, "ao", "ar")),
         mlp_norm,
         *when_sharded(comm("mlp.ag", gather, "x2", "x2f")),
-        comp("mlp.up", (x2in,), ("act",), mlp_up),
-        comp("mlp.down", ("act",), ("mo",), mlp_down),
+        comp("mlp.up", (x2in,), mlp_hidden, mlp_up),
+        comp("mlp.down", mlp_hidden, ("mo",), mlp_down),
         *when_sharded(comm("mlp.rs", scatter, "mo", "mr")),
         mlp_add,
     ]

@@ -15,8 +15,8 @@ Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
     attn.rs    COMM  ao -> ar[s/t]               reduce-scatter (sequence)
     mlp.norm   COMP  h,ar -> h2,x2               + c_proj bias, residual add, ln_2
     mlp.ag     COMM  x2 -> x2f[s]
-    mlp.up     COMP  x2f -> act                  act(c_fc) (column-parallel)
-    mlp.down   COMP  act -> mo                   mlp.c_proj weight (row-parallel)
+    mlp.up     COMP  x2f -> act                  c_fc (column-parallel)
+    mlp.down   COMP  act -> mo                   activation, mlp.c_proj weight (row-parallel)
     mlp.rs     COMM  mo -> mr[s/t]
     mlp.add    COMP  h2,mr -> h                  + c_proj bias, residual add
 
@@ -105,8 +105,8 @@ def layer_ops(block, config, tp: int, tp_group):
         attn_core=attn_core_op(at, config),
         attn_out=lambda side, o: (torch.matmul(o, at.c_proj.weight),),
         residual=sequential_residual(block.ln_2, at.c_proj.bias, mlp.c_proj.bias),
-        mlp_up=lambda side, x: (mlp.act(mlp.c_fc(x)),),
-        mlp_down=lambda side, a: (torch.matmul(a, mlp.c_proj.weight),),
+        mlp_up=lambda side, x: (mlp.c_fc(x),),
+        mlp_down=lambda side, a: (torch.matmul(mlp.act(a), mlp.c_proj.weight),),
     )
 
 

@@ -14,8 +14,8 @@ Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
     attn.rs    COMM  ao -> ar[s/t]               reduce-scatter (sequence)
     mlp.norm   COMP  see below                   post_attention_layernorm
     mlp.ag     COMM  x2 -> x2f[s]
-    mlp.up     COMP  x2f -> act                  act(dense_h_to_4h) (column-parallel)
-    mlp.down   COMP  act -> mo                   dense_4h_to_h weight (row-parallel)
+    mlp.up     COMP  x2f -> act                  dense_h_to_4h (column-parallel)
+    mlp.down   COMP  act -> mo                   activation, dense_4h_to_h weight (row-parallel)
     mlp.rs     COMM  mo -> mr[s/t]
     mlp.add    COMP  see below                   residual add
 
@@ -89,8 +89,8 @@ def layer_ops(layer, config, tp: int, tp_group):
         attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb)),
         attn_out=lambda side, o: (F.linear(o, at.dense.weight),),
         residual=residual(layer),
-        mlp_up=lambda side, x: (mlp.act(mlp.dense_h_to_4h(x)),),
-        mlp_down=lambda side, a: (F.linear(a, mlp.dense_4h_to_h.weight),),
+        mlp_up=lambda side, x: (mlp.dense_h_to_4h(x),),
+        mlp_down=lambda side, a: (F.linear(mlp.act(a), mlp.dense_4h_to_h.weight),),
     )
 
 

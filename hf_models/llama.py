@@ -10,8 +10,8 @@ Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
     attn.rs    COMM  ao -> ar[s/t]               reduce-scatter (sequence)
     mlp.norm   COMP  h,ar -> h2,x2               residual add + post_attention_layernorm
     mlp.ag     COMM  x2 -> x2f[s]
-    mlp.up     COMP  x2f -> a                    act(gate_proj) * up_proj (column-parallel)
-    mlp.down   COMP  a -> mo                     down_proj (row-parallel)
+    mlp.up     COMP  x2f -> gate,up              gate_proj, up_proj (column-parallel)
+    mlp.down   COMP  gate,up -> mo               act(gate) * up, down_proj (row-parallel)
     mlp.rs     COMM  mo -> mr[s/t]
     mlp.add    COMP  h2,mr -> h                  residual add
 
@@ -62,8 +62,9 @@ def layer_ops(layer, config, tp: int, tp_group):
         attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb)),
         attn_out=lambda side, o: (F.linear(o, at.o_proj.weight),),
         residual=sequential_residual(layer.post_attention_layernorm, at.o_proj.bias, mlp.down_proj.bias),
-        mlp_up=lambda side, x: (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x),),
-        mlp_down=lambda side, a: (F.linear(a, mlp.down_proj.weight),),
+        mlp_up=lambda side, x: (mlp.gate_proj(x), mlp.up_proj(x)),
+        mlp_down=lambda side, g, u: (F.linear(mlp.act_fn(g) * u, mlp.down_proj.weight),),
+        mlp_hidden=("gate", "up"),
     )
 
 
