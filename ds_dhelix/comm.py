@@ -17,8 +17,8 @@ lets the stream executor interleave the two strands by timing.
 
 On gloo both sequence collectives are all-to-alls: a reduce-scatter is an all-to-all of the shards
 plus a local sum (gloo's own reduce-scatter is a full all-reduce: twice the bytes), an all-gather
-sends the rank's shard to every rank (cheaper per call than gloo's all-gather). Weights replicated over the TP group sum their gradients
-once per step (``ReplicatedGrads``).
+sends the rank's shard to every rank (cheaper per call than gloo's all-gather). Weights replicated
+over the TP group sum their gradients once per step (``ReplicatedGrads``).
 """
 from __future__ import annotations
 

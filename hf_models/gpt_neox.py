@@ -32,8 +32,8 @@ from transformers.models.gpt_neox import modeling_gpt_neox as hf
 
 from ds_dhelix.graph import ModelGraph, comp
 
-from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn, rotary,
-                     mark_replicated, rotary_side_fn, sequential_residual, shard_param, warn_dropout)
+from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
+                     mark_replicated, rotary, rotary_side_fn, sequential_residual, shard_param, warn_dropout)
 
 _DROPOUT_KEYS = ("hidden_dropout", "attention_dropout")
 
