@@ -124,9 +124,14 @@ class SeqReduceScatter(SeqAllGather):
         return all_gather_seq(grad, backward_group(self.group), self.world)
 
 
+def _on_gloo(group) -> bool:
+    """gloo (CPU): the sequence collectives run as all-to-alls (see the module docstring)."""
+    return dist.get_backend(group) == "gloo"
+
+
 def all_gather_seq(x: torch.Tensor, group, world: int) -> Pending:
     out = torch.empty((x.shape[0] * world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    if dist.get_backend(group) == "gloo":
+    if _on_gloo(group):
         # each rank sends its shard to every rank: rank r's chunk of the result is rank r's shard.
         # gloo's own all-gather costs more per call on CPU (2 ranks, 256 KB shards, unshaped
         # loopback: 0.82 ms and 0.59 ms of CPU, against 0.58 ms and 0.47 ms this way)
@@ -139,7 +144,7 @@ def all_gather_seq(x: torch.Tensor, group, world: int) -> Pending:
 def reduce_scatter_seq(x: torch.Tensor, group, world: int) -> Pending:
     if x.shape[0] % world:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor_parallel.size {world}")
-    if dist.get_backend(group) == "gloo":
+    if _on_gloo(group):
         return _reduce_scatter_by_all_to_all(x.contiguous(), group, world)
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = _REDUCE_SCATTER(out, x.contiguous(), group=group, async_op=True)

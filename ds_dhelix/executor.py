@@ -117,7 +117,7 @@ _LINEAR_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "TBa
 @dataclass(frozen=True)
 class _OpWeights:
     params: tuple  # parameters the op's backward accumulates into
-    deferrable: bool  # a linear op with a matrix weight: input gradient now, weight gradient later
+    deferrable: bool  # linear on the way to a matrix weight: input gradient now, weight gradient later
     ids: frozenset = frozenset()  # id() of each of ``params``
 
 

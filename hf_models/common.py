@@ -187,6 +187,19 @@ def sequential_residual(norm: nn.Module, attn_bias, mlp_bias):
     return make
 
 
+def qkv_projections(attn_module):
+    """``attn.qkv`` for separate q/k/v projections: xf [s, b, h] -> q, k, v [b, heads/t, s, d]
+    (projections and views only, so the op stays linear on the way to its weights)."""
+    hd = attn_module.head_dim
+    projs = (attn_module.q_proj, attn_module.k_proj, attn_module.v_proj)
+
+    def fn(side, xf):
+        s, b, _ = xf.shape
+        return tuple(proj(xf).view(s, b, -1, hd).permute(1, 2, 0, 3) for proj in projs)
+
+    return fn
+
+
 def rotary(apply_rotary_pos_emb):
     """``attn_core_op``'s ``rotary`` from an HF family's ``apply_rotary_pos_emb`` and the side
     inputs' cos/sin. Rotary runs in ``attn.core``, not ``attn.qkv``: the projection op stays linear,

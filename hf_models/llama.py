@@ -26,7 +26,8 @@ from transformers.models.llama import modeling_llama as hf
 from ds_dhelix.graph import ModelGraph
 
 from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
-                     mark_replicated, rotary, rotary_side_fn, sequential_residual, shard_param)
+                     mark_replicated, qkv_projections, rotary, rotary_side_fn, sequential_residual,
+                     shard_param)
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
@@ -48,17 +49,10 @@ def shard(model, tp: int, tp_rank: int) -> None:
 
 def layer_ops(layer, config, tp: int, tp_group):
     at, mlp = layer.self_attn, layer.mlp
-    hd = at.head_dim
-
-    def qkv(side, xf):
-        s, b, _ = xf.shape
-        q, k, v = (proj(xf).view(s, b, -1, hd).permute(1, 2, 0, 3) for proj in (at.q_proj, at.k_proj, at.v_proj))
-        return q, k, v
-
     return dense_layer_ops(
         tp, tp_group,
         attn_norm=lambda side, h: (layer.input_layernorm(h),),
-        qkv=qkv,
+        qkv=qkv_projections(at),
         attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb)),
         attn_out=lambda side, o: (F.linear(o, at.o_proj.weight),),
         residual=sequential_residual(layer.post_attention_layernorm, at.o_proj.bias, mlp.down_proj.bias),

@@ -44,7 +44,8 @@ from ds_dhelix.moe.metrics import MoeMetrics
 from ds_dhelix.moe.router import (aux_piece, combine_copies, load_balancing_loss, local_counts,
                                   noise_seed, route_tokens, seeded_rng)
 
-from .common import check_divisible, embed_op, head_ops, make_side_fn, mark_replicated, shard_param
+from .common import (attn_core_op, check_divisible, embed_op, head_ops, make_side_fn, mark_replicated,
+                     qkv_projections, rotary, shard_param)
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
@@ -83,27 +84,12 @@ def shard(model, tp: int, tp_rank: int, ep_groups: ExpertGroups) -> None:
 
 def attention_ops(layer, config, tp: int, tp_group):
     at = layer.self_attn
-    hd = at.head_dim
-    attend = hf.ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation or "sdpa",
-                                                      hf.eager_attention_forward)
-    eager = (config._attn_implementation or "sdpa") == "eager"
-
-    def qkv(side, xf):
-        s, b, _ = xf.shape
-        return tuple(proj(xf).view(s, b, -1, hd).permute(1, 2, 0, 3) for proj in (at.q_proj, at.k_proj, at.v_proj))
-
-    def core(side, q, k, v):  # rotary here: attn.qkv stays linear, so SI defers its weight gradient
-        q, k = hf.apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
-        mask = side.get("causal_mask") if eager else None
-        o, _ = attend(at, q, k, v, mask, dropout=0.0, scaling=at.scaling)
-        return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
-
     xin, ar = ("xf", "ar") if tp > 1 else ("x", "ao")
     ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (layer.input_layernorm(h),))]
     if tp > 1:
         ops.append(comm("attn.ag", SeqAllGather(tp_group, tp), "x", "xf"))
-    ops += [comp("attn.qkv", (xin,), ("q", "k", "v"), qkv),
-            comp("attn.core", ("q", "k", "v"), ("o",), core),
+    ops += [comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_projections(at)),
+            attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb)),
             comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.o_proj.weight),))]
     if tp > 1:
         ops.append(comm("attn.rs", SeqReduceScatter(tp_group, tp), "ao", "ar"))
