@@ -6,6 +6,11 @@ on, write the merged Chrome/Perfetto trace and print its lanes and spans.
 Open the file in ui.perfetto.dev or chrome://tracing: one process per rank, a ``compute`` lane and
 one communication lane per strand (``comm:tp:F``, ``comm:tp:B``); spans are named by op, with the
 strand and micro-batch in their args.
+
+For streamed SI it also replays each traced pair on an idealised machine
+(``ds_dhelix.bench.replay``): the same op durations and the executor's order rule with no rank skew,
+beside the perfect-overlap bound, so the printout says how much of a pair's time the two-strand
+schedule itself costs and how much the run adds.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from ds_dhelix.bench.replay import replay_trace
     from ds_dhelix.bench.tracing import idle_breakdown, record_trace, summarize_trace
     from ds_dhelix.trace import validate_trace
     from .bench import check_model
@@ -64,8 +70,9 @@ def run(args) -> int:
     problems = validate_trace(trace, lanes=("compute",))
     summary = summarize_trace(trace)
     idle = idle_breakdown(trace)
+    replay = {pid: replay_trace(trace, pid) for pid in idle} if opts.schedule == "si" and not opts.planned else {}
     if args.json:
-        report = {**run_info, "summary": summary, "idle": idle, "problems": problems}
+        report = {**run_info, "summary": summary, "idle": idle, "pair_replay": replay, "problems": problems}
         print(json.dumps(report, indent=1), file=args.stdout)
         return 0 if not problems else 1
     link = "unshaped loopback" if opts.link_gbps is None else f"{opts.link_gbps:g} Gbit/s" + (
@@ -93,6 +100,12 @@ def run(args) -> int:
         else:
             where = f"{sum(ph.values()):.0f}"
         print(f"  rank {rank} compute lane idle per step (ms): {where}; waiting on {top}")
+    for rank, r in replay.items():
+        if r is not None:
+            print(f"  rank {rank} pairs (median of {r['pairs']}): measured {r['measured_ms']:.1f} ms, replay without "
+                  f"rank skew {r['replay_ms']:.1f} ms, bound {r['bound_ms']:.1f} ms (compute {r['compute_ms']:.1f}, "
+                  f"wire {r['wire_ms']:.1f}); schedule reaches {r['bound_ms'] / r['replay_ms']:.0%} of the bound, "
+                  f"the run {r['replay_ms'] / r['measured_ms']:.0%} of the replay")
     if problems:
         print(f"  INVALID trace: {len(problems)} problem(s), first: {problems[0]}")
         return 1

@@ -1,0 +1,88 @@
+"""Pair replay (ds_dhelix.bench.replay): the makespan of two strands' chains on one compute unit
+and one shared link, by hand-checkable cases, and chains read back from a synthetic trace."""
+import pytest
+
+from ds_dhelix.bench.replay import Step, pair_chains, replay_pair, replay_trace, wire_times
+
+
+def comp(ms, deferred=0.0):
+    return Step("c", False, ms, deferred)
+
+
+def comm(ms):
+    return Step("m", True, ms)
+
+
+def test_complementary_chains_reach_the_bound():
+    # B computes while F's collective flies, then the other way round: 4 ms, both resources busy
+    r = replay_pair([comp(2), comm(2)], [comm(2), comp(2)])
+    assert r.makespan_ms == pytest.approx(4.0) == r.bound_ms
+
+
+def test_collectives_in_flight_share_the_link():
+    r = replay_pair([comm(2)], [comm(2)])
+    assert r.makespan_ms == pytest.approx(4.0)  # two at once: each at half rate
+    r = replay_pair([comm(2)], [comm(1)])
+    assert r.makespan_ms == pytest.approx(3.0)  # F done at 2 (half rate), B's last 1 ms alone
+
+
+def test_one_strand_is_a_chain():
+    r = replay_pair([comp(1), comm(2), comp(1)], [])
+    assert r.makespan_ms == pytest.approx(4.0)
+    assert r.bound_ms == pytest.approx(2.0)
+
+
+def test_deferred_weight_gradient_fills_the_wait():
+    # B: input gradient 1 ms (weight gradient 3 ms left for later), then a 2 ms collective:
+    # the weight gradient runs while it flies, and the strand ends at 1 + 3
+    r = replay_pair([comp(1, deferred=3), comm(2)], [])
+    assert r.makespan_ms == pytest.approx(4.0)
+    assert r.compute_ms == pytest.approx(4.0)
+
+
+def test_nearest_collective_goes_first():
+    # F is one compute op from its collective, B two: F's op runs first (0-1), its 3 ms collective
+    # flies beside B's two ops (1-3), then both collectives share the link: 1 ms left each -> 5.
+    # B first would launch F's collective only at 3 -> 6.
+    r = replay_pair([comp(1), comp(1), comm(1)], [comp(1), comm(3)])
+    assert r.makespan_ms == pytest.approx(5.0)
+
+
+def _span(pid, tid, name, ts, dur, mb, direction, block=1):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts * 1e3, "dur": dur * 1e3,
+            "args": {"microbatch": mb, "direction": direction, "block": block,
+                     "strand": "F" if direction == "forward" else "B"}}
+
+
+def _lanes(pid):
+    return [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+            for tid, name in ((1, "compute"), (8, "comm:tp:F"), (9, "comm:tp:B"))]
+
+
+def test_chains_from_a_trace():
+    """One step of 2 micro-batches on 2 ranks: F0 alone, then F1 (x) B0. Rank 1 launches F1's
+    collective 1 ms late: its wire time is counted from the later launch."""
+    ev = _lanes(0) + _lanes(1)
+    for pid, late in ((0, 0.0), (1, 1.0)):
+        ev += [_span(pid, 1, "op", 0, 1, 0, "forward"),             # F0 alone
+               _span(pid, 1, "op", 2, 1, 1, "forward"),             # pair: F1 op
+               _span(pid, 8, "ag", 3 + late, 3 - late, 1, "forward"),  # F1's collective, done at 6
+               _span(pid, 1, "op", 3 + late, 2, 0, "backward"),     # B0's input gradient
+               _span(pid, 1, "op.wgrad", 6, 1, 0, "backward"),      # its deferred weight gradient
+               _span(pid, 1, "tail", 7, 1, 1, "forward")]
+    trace = {"traceEvents": ev}
+    assert wire_times(trace) == {("ag", "forward"): pytest.approx(2.0)}
+    (measured, b, f), = pair_chains(trace, pid=0)
+    assert measured == pytest.approx(6.0)  # 2 .. 8
+    assert b == [Step("op", False, 2.0, 1.0)]
+    assert f == [Step("op", False, 1.0), Step("ag", True, 2.0), Step("tail", False, 1.0)]
+    r = replay_trace(trace, pid=0)
+    # replay: both strands one compute op from their next collective (B has none left), backward
+    # wins the tie: B0's op 0-2, F1's op 2-3, its collective 3-5 beside the weight gradient 3-4,
+    # tail 5-6. Perfect overlap (bound) would be 5: the compute sum.
+    assert r["pairs"] == 1 and r["replay_ms"] == pytest.approx(6.0) and r["bound_ms"] == pytest.approx(5.0)
+
+
+def test_no_pairs_no_replay():
+    ev = _lanes(0) + [_span(0, 1, "op", 0, 1, 0, "forward"), _span(0, 1, "op", 1, 1, 0, "backward")]
+    assert replay_trace({"traceEvents": ev}) is None
