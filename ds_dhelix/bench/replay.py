@@ -26,7 +26,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .tracing import _lane_names
+from .tracing import _lane_names, _split_steps
 
 
 @dataclass(frozen=True)
@@ -138,15 +138,10 @@ def pair_chains(trace: dict, pid: int = 0) -> list[tuple[float, list[Step], list
     forward of micro-batch k+1 with the backward of micro-batch k of one step."""
     wire = wire_times(trace)
     spans = sorted((x for x in _spans(trace) if x[0]["pid"] == pid), key=lambda x: x[0]["ts"])
-    steps: list[list] = []  # spans per optimizer step (a step starts at micro-batch 0's first forward)
-    for e, is_comm in spans:
-        a = e["args"]
-        if not steps or (a["microbatch"] == 0 and a["direction"] == "forward" and any(
-                x[0]["args"]["direction"] == "backward" for x in steps[-1])):
-            steps.append([])
-        steps[-1].append((e, is_comm))
+    comm_ids = {id(e) for e, is_comm in spans if is_comm}
     out = []
-    for step in steps:
+    for step_events in _split_steps([e for e, _ in spans]):
+        step = [(e, id(e) in comm_ids) for e in step_events]
         last = max(x[0]["args"]["microbatch"] for x in step)
         for k in range(last):
             f = [x for x in step if x[0]["args"]["microbatch"] == k + 1 and x[0]["args"]["direction"] == "forward"]

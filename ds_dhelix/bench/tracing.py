@@ -135,8 +135,8 @@ def _lane_names(trace: dict) -> dict:
 
 
 def _split_steps(compute: list[dict]) -> list[list[dict]]:
-    """Compute spans of one rank -> one list per optimizer step (a step starts at the forward
-    of micro-batch 0's first block)."""
+    """Spans of one rank, by start time -> one list per optimizer step (a step starts at the
+    forward of micro-batch 0's first block)."""
     steps: list[list[dict]] = []
     for e in compute:
         a = e.get("args", {})
