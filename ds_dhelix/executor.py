@@ -389,7 +389,7 @@ class Executor:
                 self.run_deferred()
                 continue
             if runnable:
-                if self.stream and len(runnable) == 2:  # nearest collective first
+                if self.stream and len(runnable) == 2:  # nearest collective first (bench/replay.py models this rule)
                     runnable.sort(key=lambda s: (_until_comm(queues[s]), s))
                 self.run_comp(queues[runnable[0]].popleft())
                 self._poll(pending)

@@ -2,15 +2,15 @@
 and one shared link, by hand-checkable cases, and chains read back from a synthetic trace."""
 import pytest
 
-from ds_dhelix.bench.replay import Step, pair_chains, replay_pair, replay_trace, wire_times
+from ds_dhelix.bench.replay import ChainOp, pair_chains, replay_pair, replay_trace, wire_times
 
 
 def comp(ms, deferred=0.0):
-    return Step("c", False, ms, deferred)
+    return ChainOp("c", False, ms, deferred)
 
 
 def comm(ms):
-    return Step("m", True, ms)
+    return ChainOp("m", True, ms)
 
 
 def test_complementary_chains_reach_the_bound():
@@ -74,15 +74,33 @@ def test_chains_from_a_trace():
     assert wire_times(trace) == {("ag", "forward"): pytest.approx(2.0)}
     (measured, b, f), = pair_chains(trace, pid=0)
     assert measured == pytest.approx(6.0)  # 2 .. 8
-    assert b == [Step("op", False, 2.0, 1.0)]
-    assert f == [Step("op", False, 1.0), Step("ag", True, 2.0), Step("tail", False, 1.0)]
-    r = replay_trace(trace, pid=0)
+    assert b == [ChainOp("op", False, 2.0, 1.0)]
+    assert f == [ChainOp("op", False, 1.0), ChainOp("ag", True, 2.0), ChainOp("tail", False, 1.0)]
+    r = replay_trace(trace)[0]
     # replay: both strands one compute op from their next collective (B has none left), backward
     # wins the tie: B0's op 0-2, F1's op 2-3, its collective 3-5 beside the weight gradient 3-4,
     # tail 5-6. Perfect overlap (bound) would be 5: the compute sum.
     assert r["pairs"] == 1 and r["replay_ms"] == pytest.approx(6.0) and r["bound_ms"] == pytest.approx(5.0)
 
 
+def test_wire_time_of_a_collective_never_alone():
+    """Two collectives always in flight together: each gets its shortest instance (later launch to
+    last completion)."""
+    ev = _lanes(0) + _lanes(1)
+    for pid in (0, 1):
+        for rep, (dur_a, dur_b) in enumerate(((5, 4), (6, 7))):
+            t = 20 * rep
+            ev += [_span(pid, 8, "ag", t, dur_a, rep, "forward"), _span(pid, 9, "rs", t + 1, dur_b, rep, "backward")]
+    assert wire_times({"traceEvents": ev}) == {("ag", "forward"): pytest.approx(5.0),
+                                               ("rs", "backward"): pytest.approx(4.0)}
+
+
 def test_no_pairs_no_replay():
     ev = _lanes(0) + [_span(0, 1, "op", 0, 1, 0, "forward"), _span(0, 1, "op", 1, 1, 0, "backward")]
-    assert replay_trace({"traceEvents": ev}) is None
+    assert replay_trace({"traceEvents": ev}) == {}
+
+
+def test_deferred_work_left_at_the_end_still_runs():
+    # the executor drains deferred weight gradients before a pair ends; so does the replay
+    r = replay_pair([comm(1), comp(1, deferred=2)], [])
+    assert r.makespan_ms == pytest.approx(4.0) == r.compute_ms + 1.0

@@ -69,6 +69,7 @@ def test_trace_of_si_steps(tmp_path):
         assert sum(entry["waited_on"].values()) == pytest.approx(sum(entry["phases"].values()))
     # pair replay: 2 steps x 2 pairs per rank; perfect overlap never beats a schedule, a schedule
     # never beats doing everything one after another
+    assert set(printed["pair_replay"]) == {"0", "1"}
     for pid, r in printed["pair_replay"].items():
         assert r["pairs"] == 4, (pid, r)
         assert r["bound_ms"] <= r["replay_ms"] + 1e-6 <= r["compute_ms"] + r["wire_ms"] + 1e-3

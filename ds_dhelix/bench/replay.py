@@ -1,15 +1,17 @@
 """Replay of traced SI pairs on an idealised machine: how much of a pair's time the two strands'
 structure costs, and how much the run itself (rank skew, launch overheads) adds.
 
-Each pair F(k+1)(x)B(k) of a traced SI step becomes two chains of steps, in the order the trace ran
+Each pair F(k+1)(x)B(k) of a traced SI step becomes two chains of ops, in the order the trace ran
 them: compute ops with their measured duration (a backward op's deferred weight gradient, its
 ``<op>.wgrad`` span, rides along as free-floating work) and collectives with their *wire time*: for
 each collective op and direction, the median over the trace of completion minus the later of the
-two ranks' launches, over instances no other collective overlapped. The replay then runs both
-chains the way the streamed executor does (``ds_dhelix.executor``): a collective starts the moment
-its strand reaches it; the one compute unit takes the strand with the fewest compute ops before
-its next collective (ties: backward), deferred weight gradients when more than ``max_deferred``
-wait or when neither strand can compute; the link is shared evenly by the collectives in flight.
+two ranks' launches, over instances no other collective overlapped (or the shortest instance, when
+none ran alone). The replay then runs both
+chains the way the streamed executor does (``Executor.run_step``; keep the two in step): a
+collective starts the moment its strand reaches it; the one compute unit takes the strand with the
+fewest compute ops before its next collective (ties: backward), deferred weight gradients when more
+than ``max_deferred`` wait or when neither strand can compute; the link is shared evenly by the
+collectives in flight.
 
     measured   the pair as traced (first span to last)
     replay     the same ops and order rule with no rank skew and no launch cost
@@ -30,8 +32,8 @@ from .tracing import _lane_names, _split_steps
 
 
 @dataclass(frozen=True)
-class Step:
-    """One step of a strand's chain: ``comm`` (a collective of ``ms`` wire time) or compute of
+class ChainOp:
+    """One entry of a strand's chain: ``comm`` (a collective of ``ms`` wire time) or compute of
     ``ms``, plus ``deferred_ms`` of weight-gradient work it leaves for later."""
 
     name: str
@@ -51,7 +53,7 @@ class PairReplay:
         return max(self.compute_ms, self.wire_ms)
 
 
-def replay_pair(backward: list[Step], forward: list[Step], max_deferred: int = 2) -> PairReplay:
+def replay_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2) -> PairReplay:
     """Run two strands' chains (strand 0: ``backward``, wins ties) on one compute unit and one
     evenly shared link; return the makespan. Pure function of its inputs."""
     queues = [list(backward), list(forward)]
@@ -62,7 +64,7 @@ def replay_pair(backward: list[Step], forward: list[Step], max_deferred: int = 2
     def until_comm(s: int) -> int:
         return next((i for i, st in enumerate(queues[s]) if st.comm), len(queues[s]))
 
-    while queues[0] or queues[1] or wire:
+    while queues[0] or queues[1] or wire or deferred:  # deferred passes all run before the pair ends
         for s in (0, 1):
             if s not in wire and queues[s] and queues[s][0].comm:
                 wire[s] = queues[s].pop(0).ms
@@ -71,10 +73,10 @@ def replay_pair(backward: list[Step], forward: list[Step], max_deferred: int = 2
         if len(deferred) > max_deferred or (not runnable and deferred):
             work = deferred.pop(0)
         elif runnable:
-            step = queues[runnable[0]].pop(0)
-            if step.deferred_ms > 0:
-                deferred.append(step.deferred_ms)
-            work = step.ms
+            op = queues[runnable[0]].pop(0)
+            if op.deferred_ms > 0:
+                deferred.append(op.deferred_ms)
+            work = op.ms
         end = None if work is None else t + work
         while True:  # advance to the end of the work, or (none) to the next completed collective
             share = len(wire)
@@ -105,7 +107,8 @@ def _spans(trace: dict):
 
 def wire_times(trace: dict) -> dict[tuple[str, str], float]:
     """(collective op, direction) -> median ms from the later rank's launch to the last rank's
-    completion, over instances that no other collective overlapped on any rank."""
+    completion, over instances that no other collective overlapped on any rank (none such: the
+    shortest instance)."""
     inst: dict = defaultdict(dict)  # (key, occurrence) -> {pid: (start, end)}
     seen: dict = defaultdict(int)
     per_rank: dict = defaultdict(list)
@@ -123,20 +126,22 @@ def wire_times(trace: dict) -> dict[tuple[str, str], float]:
     def alone(lo: float, hi: float) -> bool:
         return all(sum(1 for a, b in per_rank[p] if a < hi and b > lo) <= 1 for p in ranks)
 
-    samples = defaultdict(list)
+    clean, shared = defaultdict(list), defaultdict(list)
     for (name, direction, *_), by_pid in inst.items():
         if set(by_pid) != ranks:
             continue
         lo, hi = max(a for a, _ in by_pid.values()), max(b for _, b in by_pid.values())
-        if alone(min(a for a, _ in by_pid.values()), hi):
-            samples[(name, direction)].append((hi - lo) / 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
+        (clean if alone(min(a for a, _ in by_pid.values()), hi) else shared)[(name, direction)].append((hi - lo) / 1e3)
+    # a collective never seen alone (short traces): its fastest shared instance, the closest to its wire time
+    return {k: statistics.median(clean[k]) if clean[k] else min(shared[k]) for k in set(clean) | set(shared)}
 
 
-def pair_chains(trace: dict, pid: int = 0) -> list[tuple[float, list[Step], list[Step]]]:
+def pair_chains(trace: dict, pid: int = 0,
+                wire: dict | None = None) -> list[tuple[float, list[ChainOp], list[ChainOp]]]:
     """Every traced pair of rank ``pid``: (measured ms, backward chain, forward chain). A pair is the
-    forward of micro-batch k+1 with the backward of micro-batch k of one step."""
-    wire = wire_times(trace)
+    forward of micro-batch k+1 with the backward of micro-batch k of one step. ``wire``: the
+    trace's ``wire_times`` (computed when not given)."""
+    wire = wire_times(trace) if wire is None else wire
     spans = sorted((x for x in _spans(trace) if x[0]["pid"] == pid), key=lambda x: x[0]["ts"])
     comm_ids = {id(e) for e, is_comm in spans if is_comm}
     out = []
@@ -159,37 +164,39 @@ def pair_chains(trace: dict, pid: int = 0) -> list[tuple[float, list[Step], list
     return out
 
 
-def _chain(spans, wire) -> list[Step] | None:
-    chain: list[Step] = []
+def _chain(spans, wire) -> list[ChainOp] | None:
+    chain: list[ChainOp] = []
     last_op: dict = {}  # op name + block -> index in chain, for its .wgrad span
     for e, is_comm in spans:
         a, name = e["args"], e["name"]
         if is_comm:
             ms = wire.get((name, a["direction"]))
             if ms is None:
-                return None  # no clean instance of this collective to take its wire time from
-            chain.append(Step(name, True, ms))
+                return None  # not seen on every rank: no wire time to give it
+            chain.append(ChainOp(name, True, ms))
         elif name.endswith(".wgrad"):
             i = last_op.get((name[: -len(".wgrad")], a.get("block")))
             if i is not None:
                 st = chain[i]
-                chain[i] = Step(st.name, False, st.ms, st.deferred_ms + e["dur"] / 1e3)
+                chain[i] = ChainOp(st.name, False, st.ms, st.deferred_ms + e["dur"] / 1e3)
         else:
             last_op[(name, a.get("block"))] = len(chain)
-            chain.append(Step(name, False, e["dur"] / 1e3))
+            chain.append(ChainOp(name, False, e["dur"] / 1e3))
     return chain
 
 
-def replay_trace(trace: dict, pid: int = 0, max_deferred: int = 2) -> dict | None:
-    """Totals over the traced pairs of rank ``pid`` (ms per pair, medians): measured, replay,
-    bound, compute, wire; None when the trace has no SI pair to replay."""
-    pairs = pair_chains(trace, pid)
-    if not pairs:
-        return None
-    rows = []
-    for measured, b, f in pairs:
-        r = replay_pair(b, f, max_deferred)
-        rows.append((measured, r.makespan_ms, r.bound_ms, r.compute_ms, r.wire_ms))
-    med = [statistics.median(col) for col in zip(*rows)]
-    return {"pairs": len(rows), "measured_ms": med[0], "replay_ms": med[1], "bound_ms": med[2],
-            "compute_ms": med[3], "wire_ms": med[4]}
+def replay_trace(trace: dict, max_deferred: int = 2) -> dict:
+    """Per rank, totals over its traced pairs (ms per pair, medians): ``{pid: {"pairs", "measured_ms",
+    "replay_ms", "bound_ms", "compute_ms", "wire_ms"}}``; ranks without an SI pair are left out."""
+    wire = wire_times(trace)
+    out = {}
+    for pid in sorted({e["pid"] for e, _ in _spans(trace)}):
+        rows = []
+        for measured, b, f in pair_chains(trace, pid, wire):
+            r = replay_pair(b, f, max_deferred)
+            rows.append((measured, r.makespan_ms, r.bound_ms, r.compute_ms, r.wire_ms))
+        if rows:
+            med = [statistics.median(col) for col in zip(*rows)]
+            out[pid] = {"pairs": len(rows), "measured_ms": med[0], "replay_ms": med[1], "bound_ms": med[2],
+                        "compute_ms": med[3], "wire_ms": med[4]}
+    return out

@@ -70,7 +70,7 @@ def run(args) -> int:
     problems = validate_trace(trace, lanes=("compute",))
     summary = summarize_trace(trace)
     idle = idle_breakdown(trace)
-    replay = {pid: replay_trace(trace, pid) for pid in idle} if opts.schedule == "si" and not opts.planned else {}
+    replay = replay_trace(trace) if opts.schedule == "si" and not opts.planned else {}
     if args.json:
         report = {**run_info, "summary": summary, "idle": idle, "pair_replay": replay, "problems": problems}
         print(json.dumps(report, indent=1), file=args.stdout)
@@ -101,11 +101,10 @@ def run(args) -> int:
             where = f"{sum(ph.values()):.0f}"
         print(f"  rank {rank} compute lane idle per step (ms): {where}; waiting on {top}")
     for rank, r in replay.items():
-        if r is not None:
-            print(f"  rank {rank} pairs (median of {r['pairs']}): measured {r['measured_ms']:.1f} ms, replay without "
-                  f"rank skew {r['replay_ms']:.1f} ms, bound {r['bound_ms']:.1f} ms (compute {r['compute_ms']:.1f}, "
-                  f"wire {r['wire_ms']:.1f}); schedule reaches {r['bound_ms'] / r['replay_ms']:.0%} of the bound, "
-                  f"the run {r['replay_ms'] / r['measured_ms']:.0%} of the replay")
+        print(f"  rank {rank} pairs (median of {r['pairs']}): measured {r['measured_ms']:.1f} ms, replay without "
+              f"rank skew {r['replay_ms']:.1f} ms, bound {r['bound_ms']:.1f} ms (compute {r['compute_ms']:.1f}, "
+              f"wire {r['wire_ms']:.1f}); schedule reaches {r['bound_ms'] / r['replay_ms']:.0%} of the bound, "
+              f"the run {r['replay_ms'] / r['measured_ms']:.0%} of the replay")
     if problems:
         print(f"  INVALID trace: {len(problems)} problem(s), first: {problems[0]}")
         return 1
