@@ -2,15 +2,17 @@
 and one shared link, by hand-checkable cases, and chains read back from a synthetic trace."""
 import pytest
 
-from ds_dhelix.bench.replay import ChainOp, pair_chains, replay_pair, replay_trace, wire_times
+import random
+
+from ds_dhelix.bench.replay import ChainOp, pair_chains, replay_pair, replay_trace, search_pair, wire_times
 
 
-def comp(ms, deferred=0.0):
-    return ChainOp("c", False, ms, deferred)
+def comp(ms, deferred=0.0, slot=0):
+    return ChainOp("c", False, ms, deferred, slot)
 
 
-def comm(ms):
-    return ChainOp("m", True, ms)
+def comm(ms, slot=0):
+    return ChainOp("m", True, ms, slot=slot)
 
 
 def test_complementary_chains_reach_the_bound():
@@ -48,6 +50,41 @@ def test_nearest_collective_goes_first():
     assert r.makespan_ms == pytest.approx(5.0)
 
 
+def test_forward_strand_waits_for_the_backward_slot():
+    # F's collective belongs to slot 1 while B works in slot 0: as in the executor it launches only
+    # once B has left slot 0 (B's op 0-1, its collective 1-3, then F's 3-5); in the same slot it
+    # would fly from 0 and share the link with B's (4)
+    assert replay_pair([comp(1), comm(2)], [comm(2, slot=1)]).makespan_ms == pytest.approx(5.0)
+    assert replay_pair([comp(1), comm(2)], [comm(2)]).makespan_ms == pytest.approx(4.0)
+
+
+def test_search_finds_what_the_rule_misses():
+    # both strands are one op from a collective, backward wins the tie: B 0-2, its collective 2-3,
+    # F 2-3, F's 3 ms collective 3-6. Forward first launches the long collective at 1 and B's
+    # shares the link from 3: both done at 5
+    b, f = [comp(2), comm(1)], [comp(1), comm(3)]
+    assert replay_pair(b, f).makespan_ms == pytest.approx(6.0)
+    assert search_pair(b, f).makespan_ms == pytest.approx(5.0)
+
+
+def test_search_is_never_worse_than_the_rule_nor_better_than_the_bound():
+    rng = random.Random(0)
+
+    def chain():
+        out = []
+        for _ in range(rng.randint(1, 4)):
+            out += [comp(rng.choice((0.5, 1, 2, 3)), rng.choice((0, 0, 1))), comm(rng.choice((0.5, 1, 2, 3)))]
+        return out
+
+    gained = 0
+    for _ in range(200):
+        b, f = chain(), chain()
+        rule, best = replay_pair(b, f), search_pair(b, f, width=500)
+        assert best.bound_ms - 1e-9 <= best.makespan_ms <= rule.makespan_ms + 1e-9, (b, f)
+        gained += best.makespan_ms < rule.makespan_ms - 1e-9
+    assert gained  # the search does find better orders
+
+
 def _span(pid, tid, name, ts, dur, mb, direction, block=1):
     return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts * 1e3, "dur": dur * 1e3,
             "args": {"microbatch": mb, "direction": direction, "block": block,
@@ -64,23 +101,29 @@ def test_chains_from_a_trace():
     collective 1 ms late: its wire time is counted from the later launch."""
     ev = _lanes(0) + _lanes(1)
     for pid, late in ((0, 0.0), (1, 1.0)):
-        ev += [_span(pid, 1, "op", 0, 1, 0, "forward"),             # F0 alone
+        # blocks 0..2: the pair's forward block 1 and backward block 1 share layer slot 1
+        ev += [_span(pid, 1, "op", 0, 1, 0, "forward", block=0),    # F0 alone
                _span(pid, 1, "op", 2, 1, 1, "forward"),             # pair: F1 op
                _span(pid, 8, "ag", 3 + late, 3 - late, 1, "forward"),  # F1's collective, done at 6
                _span(pid, 1, "op", 3 + late, 2, 0, "backward"),     # B0's input gradient
                _span(pid, 1, "op.wgrad", 6, 1, 0, "backward"),      # its deferred weight gradient
-               _span(pid, 1, "tail", 7, 1, 1, "forward")]
+               _span(pid, 1, "tail", 7, 1, 1, "forward", block=2)]
     trace = {"traceEvents": ev}
     assert wire_times(trace) == {("ag", "forward"): pytest.approx(2.0)}
     (measured, b, f), = pair_chains(trace, pid=0)
     assert measured == pytest.approx(6.0)  # 2 .. 8
-    assert b == [ChainOp("op", False, 2.0, 1.0)]
-    assert f == [ChainOp("op", False, 1.0), ChainOp("ag", True, 2.0), ChainOp("tail", False, 1.0)]
+    assert b == [ChainOp("op", False, 2.0, 1.0, slot=1)]
+    assert f == [ChainOp("op", False, 1.0, slot=1), ChainOp("ag", True, 2.0, slot=1),
+                 ChainOp("tail", False, 1.0, slot=2)]
     r = replay_trace(trace)[0]
     # replay: both strands one compute op from their next collective (B has none left), backward
     # wins the tie: B0's op 0-2, F1's op 2-3, its collective 3-5 beside the weight gradient 3-4,
     # tail 5-6. Perfect overlap (bound) would be 5: the compute sum.
     assert r["pairs"] == 1 and r["replay_ms"] == pytest.approx(6.0) and r["bound_ms"] == pytest.approx(5.0)
+    # forward first: F1's op 0-1, its collective 1-3 beside B0's op 1-3, the weight gradient 3-4
+    # (the tail, slot 2, waits for it), tail 4-5: the bound
+    assert r["search_ms"] == pytest.approx(5.0)
+
 
 
 def test_wire_time_of_a_collective_never_alone():

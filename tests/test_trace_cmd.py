@@ -73,3 +73,4 @@ def test_trace_of_si_steps(tmp_path):
     for pid, r in printed["pair_replay"].items():
         assert r["pairs"] == 4, (pid, r)
         assert r["bound_ms"] <= r["replay_ms"] + 1e-6 <= r["compute_ms"] + r["wire_ms"] + 1e-3
+        assert r["bound_ms"] - 1e-6 <= r["search_ms"] <= r["replay_ms"] + 1e-6

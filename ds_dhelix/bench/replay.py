@@ -10,17 +10,18 @@ none ran alone). The replay then runs both
 chains the way the streamed executor does (``Executor.run_step``; keep the two in step): a
 collective starts the moment its strand reaches it; the one compute unit takes the strand with the
 fewest compute ops before its next collective (ties: backward), deferred weight gradients when more
-than ``max_deferred`` wait or when neither strand can compute; the link is shared evenly by the
-collectives in flight.
+than ``max_deferred`` wait or when neither strand can compute; the forward strand stays within the
+backward strand's layer slot; the link is shared evenly by the collectives in flight.
 
     measured   the pair as traced (first span to last)
     replay     the same ops and order rule with no rank skew and no launch cost
+    search     the best order a beam search finds for the same chains and constraints
     bound      max(sum of compute, sum of wire time): what perfect overlap would take
 
 measured / replay is the cost of the run (ranks reaching a collective at different times, gloo's
 launch and completion overheads); replay / bound is the cost of the schedule itself: two chains,
 each alternating compute and communication, cannot keep both the compute unit and the link busy
-all the time.
+all the time; search / replay is what a better order of the same ops could gain.
 """
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ from .tracing import _lane_names, _split_steps
 @dataclass(frozen=True)
 class ChainOp:
     """One entry of a strand's chain: ``comm`` (a collective of ``ms`` wire time) or compute of
-    ``ms``, plus ``deferred_ms`` of weight-gradient work it leaves for later."""
+    ``ms``, plus ``deferred_ms`` of weight-gradient work it leaves for later; ``slot``: the layer
+    slot of the pair it belongs to (forward block j and backward block L+1-j share slot j)."""
 
     name: str
     comm: bool
     ms: float
     deferred_ms: float = 0.0
+    slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,47 +56,143 @@ class PairReplay:
         return max(self.compute_ms, self.wire_ms)
 
 
-def replay_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2) -> PairReplay:
-    """Run two strands' chains (strand 0: ``backward``, wins ties) on one compute unit and one
-    evenly shared link; return the makespan. Pure function of its inputs."""
-    queues = [list(backward), list(forward)]
-    wire: dict[int, float] = {}  # strand -> wire ms left of its collective in flight
-    deferred: list[float] = []
-    t = 0.0
+class _Pair:
+    """Two strands' chains on one compute unit and one evenly shared link, advanced decision by
+    decision. A decision is what the compute unit does next: ``("op", s)`` the next compute op of
+    strand s (0: backward), ``("wgrad",)`` the oldest deferred weight gradient, ``("wait",)``
+    nothing until a collective completes. Collectives start when their strand reaches them, at the
+    next decision."""
 
-    def until_comm(s: int) -> int:
-        return next((i for i, st in enumerate(queues[s]) if st.comm), len(queues[s]))
+    def __init__(self, backward, forward, max_deferred: int):
+        self.chains, self.max_deferred = (list(backward), list(forward)), max_deferred
+        self.t, self.pos = 0.0, [0, 0]
+        self.wire: dict[int, list] = {}  # strand -> [wire ms left, slot] of its collective in flight
+        self.deferred: list[tuple[float, int]] = []  # (ms, slot), oldest first
 
-    while queues[0] or queues[1] or wire or deferred:  # deferred passes all run before the pair ends
+    def copy(self) -> "_Pair":
+        c = object.__new__(_Pair)
+        c.chains, c.max_deferred, c.t, c.pos = self.chains, self.max_deferred, self.t, list(self.pos)
+        c.wire, c.deferred = {s: list(v) for s, v in self.wire.items()}, list(self.deferred)
+        return c
+
+    def key(self) -> tuple:
+        return (*self.pos, len(self.deferred), *sorted((s, round(v[0], 3)) for s, v in self.wire.items()))
+
+    @property
+    def done(self) -> bool:
+        return not (self._left(0) or self._left(1) or self.wire or self.deferred)
+
+    def _left(self, s: int) -> bool:
+        return self.pos[s] < len(self.chains[s])
+
+    def _head(self, s: int) -> ChainOp:
+        return self.chains[s][self.pos[s]]
+
+    def may_go(self, s: int) -> bool:
+        """The executor's rule: a strand goes on when its collective has completed; the forward
+        strand not past the backward strand's layer slot, nor while a weight gradient of an earlier
+        slot waits (``Executor.run_step``, gated)."""
+        if s in self.wire or not self._left(s):
+            return False
+        if s == 0:
+            return True
+        f_slot = self._head(1).slot
+        if self.deferred and self.deferred[0][1] < f_slot:
+            return False
+        if not (self._left(0) or 0 in self.wire):
+            return True
+        return f_slot <= (self.wire[0][1] if 0 in self.wire else self._head(0).slot)
+
+    def launch(self) -> None:
         for s in (0, 1):
-            if s not in wire and queues[s] and queues[s][0].comm:
-                wire[s] = queues[s].pop(0).ms
-        runnable = sorted((s for s in (0, 1) if s not in wire and queues[s]), key=lambda s: (until_comm(s), s))
+            if self.may_go(s) and self._head(s).comm:
+                self.wire[s] = [self._head(s).ms, self._head(s).slot]
+                self.pos[s] += 1
+
+    def options(self) -> list[tuple]:
+        self.launch()
+        if len(self.deferred) > self.max_deferred:
+            return [("wgrad",)]
+        out = [("op", s) for s in (0, 1) if self.may_go(s)]
+        if self.deferred:
+            out.append(("wgrad",))
+        if not (out or self.wire):
+            raise ValueError(f"pair replay stuck at {self.pos}: no strand may go and nothing in flight")
+        return out or [("wait",)]
+
+    def until_comm(self, s: int) -> int:
+        chain = self.chains[s]
+        return next((i - self.pos[s] for i in range(self.pos[s], len(chain)) if chain[i].comm),
+                    len(chain) - self.pos[s])
+
+    def apply(self, choice: tuple) -> None:
         work = None
-        if len(deferred) > max_deferred or (not runnable and deferred):
-            work = deferred.pop(0)
-        elif runnable:
-            op = queues[runnable[0]].pop(0)
+        if choice[0] == "op":
+            op = self._head(choice[1])
+            self.pos[choice[1]] += 1
             if op.deferred_ms > 0:
-                deferred.append(op.deferred_ms)
+                self.deferred.append((op.deferred_ms, op.slot))
             work = op.ms
-        end = None if work is None else t + work
+        elif choice[0] == "wgrad":
+            work = self.deferred.pop(0)[0]
+        end = None if work is None else self.t + work
         while True:  # advance to the end of the work, or (none) to the next completed collective
-            share = len(wire)
-            to_next = min(wire.values()) * share if share else None
-            dt = to_next if end is None else (end - t if to_next is None else min(to_next, end - t))
+            share = len(self.wire)
+            to_next = min(v[0] for v in self.wire.values()) * share if share else None
+            dt = to_next if end is None else (end - self.t if to_next is None else min(to_next, end - self.t))
             if dt is None:
                 break
-            for s in wire:
-                wire[s] -= dt / share
-            t += dt
-            done = [s for s, left in wire.items() if left <= 1e-9]
-            for s in done:
-                del wire[s]
-            if (end is not None and t >= end - 1e-9) or (end is None and done):
+            for v in self.wire.values():
+                v[0] -= dt / share
+            self.t += dt
+            finished = [s for s, v in self.wire.items() if v[0] <= 1e-9]
+            for s in finished:
+                del self.wire[s]
+            if (end is not None and self.t >= end - 1e-9) or (end is None and finished):
                 break
-    compute = sum(st.ms + st.deferred_ms for st in backward + forward if not st.comm)
-    return PairReplay(t, compute, sum(st.ms for st in backward + forward if st.comm))
+
+    def result(self) -> PairReplay:
+        chains = self.chains[0] + self.chains[1]
+        return PairReplay(self.t, sum(st.ms + st.deferred_ms for st in chains if not st.comm),
+                          sum(st.ms for st in chains if st.comm))
+
+
+def replay_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2) -> PairReplay:
+    """Run two strands' chains (strand 0: ``backward``, wins ties) under the executor's order rule:
+    deferred weight gradients first when more than ``max_deferred`` wait, else the compute op of
+    the strand with the fewest compute ops before its next collective, else a deferred weight
+    gradient, else wait. Pure function of its inputs."""
+    pair = _Pair(backward, forward, max_deferred)
+    while not pair.done:
+        opts = pair.options()
+        ops = [o for o in opts if o[0] == "op"]
+        pair.apply(min(ops, key=lambda o: (pair.until_comm(o[1]), o[1])) if ops else opts[0])
+    return pair.result()
+
+
+def search_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2,
+                width: int = 1000) -> PairReplay:
+    """The shortest makespan a beam search over the compute unit's decisions finds for the same
+    chains, machine and constraints as ``replay_pair`` (any work-conserving order, not just the
+    executor's rule): how much a better order could gain. Keeps the ``width`` earliest states per
+    number of decisions (one per queue position, deferred count and collectives in flight); the
+    rule's own order stays a candidate, so the result is never worse than ``replay_pair``'s."""
+    frontier, best = [_Pair(backward, forward, max_deferred)], None
+    while frontier:
+        states: dict = {}
+        for pair in frontier:
+            if pair.done:
+                best = pair if best is None or pair.t < best.t else best
+                continue
+            for choice in pair.options():
+                nxt = pair.copy()
+                nxt.apply(choice)
+                k = nxt.key()
+                if k not in states or states[k].t > nxt.t:
+                    states[k] = nxt
+        frontier = sorted(states.values(), key=lambda p: p.t)[:width]
+    rule = replay_pair(backward, forward, max_deferred)
+    return rule if rule.makespan_ms <= best.t else best.result()
 
 
 def _spans(trace: dict):
@@ -144,6 +243,7 @@ def pair_chains(trace: dict, pid: int = 0,
     wire = wire_times(trace) if wire is None else wire
     spans = sorted((x for x in _spans(trace) if x[0]["pid"] == pid), key=lambda x: x[0]["ts"])
     comm_ids = {id(e) for e, is_comm in spans if is_comm}
+    last_block = max((e["args"].get("block") or 0 for e, _ in spans), default=0)
     out = []
     for step_events in _split_steps([e for e, _ in spans]):
         step = [(e, id(e) in comm_ids) for e in step_events]
@@ -156,7 +256,7 @@ def pair_chains(trace: dict, pid: int = 0,
             # the pair runs once the forward of micro-batch k+1 starts (k = 0: F0's forward ran alone)
             t0 = f[0][0]["ts"]
             b = [x for x in b if x[0]["ts"] >= t0]
-            chains = [_chain(b, wire), _chain(f, wire)]
+            chains = [_chain(b, wire, lambda blk: last_block - blk), _chain(f, wire, lambda blk: blk)]
             if None in chains:
                 continue
             t1 = max(x[0]["ts"] + x[0]["dur"] for x in f + b)
@@ -164,7 +264,9 @@ def pair_chains(trace: dict, pid: int = 0,
     return out
 
 
-def _chain(spans, wire) -> list[ChainOp] | None:
+def _chain(spans, wire, slot_of) -> list[ChainOp] | None:
+    """A strand's spans as a chain; ``slot_of(block)``: the layer slot of the pair (the forward
+    strand's block j and the backward strand's block L+1-j run in slot j)."""
     chain: list[ChainOp] = []
     last_op: dict = {}  # op name + block -> index in chain, for its .wgrad span
     for e, is_comm in spans:
@@ -173,30 +275,32 @@ def _chain(spans, wire) -> list[ChainOp] | None:
             ms = wire.get((name, a["direction"]))
             if ms is None:
                 return None  # not seen on every rank: no wire time to give it
-            chain.append(ChainOp(name, True, ms))
+            chain.append(ChainOp(name, True, ms, slot=slot_of(a.get("block") or 0)))
         elif name.endswith(".wgrad"):
             i = last_op.get((name[: -len(".wgrad")], a.get("block")))
             if i is not None:
                 st = chain[i]
-                chain[i] = ChainOp(st.name, False, st.ms, st.deferred_ms + e["dur"] / 1e3)
+                chain[i] = ChainOp(st.name, False, st.ms, st.deferred_ms + e["dur"] / 1e3, st.slot)
         else:
             last_op[(name, a.get("block"))] = len(chain)
-            chain.append(ChainOp(name, False, e["dur"] / 1e3))
+            chain.append(ChainOp(name, False, e["dur"] / 1e3, slot=slot_of(a.get("block") or 0)))
     return chain
 
 
-def replay_trace(trace: dict, max_deferred: int = 2) -> dict:
+def replay_trace(trace: dict, max_deferred: int = 2, search_width: int = 100) -> dict:
     """Per rank, totals over its traced pairs (ms per pair, medians): ``{pid: {"pairs", "measured_ms",
-    "replay_ms", "bound_ms", "compute_ms", "wire_ms"}}``; ranks without an SI pair are left out."""
+    "replay_ms", "search_ms", "bound_ms", "compute_ms", "wire_ms"}}`` (``search_ms``: the best
+    order ``search_pair`` finds, beam ``search_width``); ranks without an SI pair are left out."""
     wire = wire_times(trace)
     out = {}
     for pid in sorted({e["pid"] for e, _ in _spans(trace)}):
         rows = []
         for measured, b, f in pair_chains(trace, pid, wire):
             r = replay_pair(b, f, max_deferred)
-            rows.append((measured, r.makespan_ms, r.bound_ms, r.compute_ms, r.wire_ms))
+            searched = search_pair(b, f, max_deferred, search_width)
+            rows.append((measured, r.makespan_ms, searched.makespan_ms, r.bound_ms, r.compute_ms, r.wire_ms))
         if rows:
             med = [statistics.median(col) for col in zip(*rows)]
-            out[pid] = {"pairs": len(rows), "measured_ms": med[0], "replay_ms": med[1], "bound_ms": med[2],
-                        "compute_ms": med[3], "wire_ms": med[4]}
+            out[pid] = dict(zip(("measured_ms", "replay_ms", "search_ms", "bound_ms", "compute_ms", "wire_ms"), med),
+                            pairs=len(rows))
     return out
