@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ds_dhelix.bench.metrics import comm_comp_ratio, ideal_speedup, summarize_link
+from ds_dhelix.bench.report import markdown_table
 from ds_dhelix.bench.options import DEFAULT_MODES, BenchOptions, quick
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +53,7 @@ def test_rows_from_medians():
     assert rows["deepspeed"]["hidden_fraction"] is None and rows["deepspeed"]["mfu"] is None
     assert rows["si"]["tokens_per_s"] == pytest.approx(opts.tokens_per_step / 0.75)
     assert rows["si"]["cpu_bound_speedup"] is None  # no device / cores in this result
+    assert rows["si"]["cpu_bound_over_ideal"] is None
     assert comm_comp_ratio(list(rows.values()))["value"] == pytest.approx(0.4 / 0.6)
 
 
@@ -64,6 +66,11 @@ def test_cpu_bound_on_cpu_devices():
         "si": {"status": "ok", "steps": steps(0.9, 0.8, 0.6)}}}
     rows = {r["mode"]: r for r in summarize_link(opts, 2.0, result)}
     assert rows["si"]["cpu_bound_speedup"] == pytest.approx(1.2 / 0.8)  # 2 ranks x 0.8 s on 2 cores
+    ideal = (0.6 + 0.4) / 0.6
+    assert rows["si"]["cpu_bound_over_ideal"] == pytest.approx(1.2 / 0.8 / ideal)
+    assert rows["sequential"]["cpu_bound_over_ideal"] is None  # no achieved/ideal for the reference
+    table = markdown_table({"results": list(rows.values())})
+    assert f"si at 2 Gbit/s {1.2 / 0.8 / ideal:.2f}" in table
     assert rows["si"]["other_threads_cpu_s"] == pytest.approx(0.2)
     one_core = dict(result, cpu_cores=1)
     rows = {r["mode"]: r for r in summarize_link(opts, 2.0, one_core)}

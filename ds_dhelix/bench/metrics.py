@@ -17,6 +17,8 @@ Definitions (medians over the timed steps of one mode at one link rate):
                           devices): the speedup this mode would reach if the machine's cores did
                           nothing but this mode's own CPU work, all step long: no schedule of it
                           beats this on this machine
+    cpu_bound_over_ideal  cpu_bound_speedup / ideal_speedup (SI modes): the highest
+                          achieved_over_ideal this machine's cores allow the mode
 
 comp is the time of the COMP ops, comm the time from launch to observed completion of each
 collective, exposed the time spent blocked waiting for one (all as the executor measures them).
@@ -88,7 +90,7 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, core
                                          if s.get("peak_activation_bytes") is not None), default=None),
            "hidden_fraction": None, "hidden_of_comm": None, "ideal_speedup": ideal,
            "speedup_vs_sequential": None, "achieved_over_ideal": None, "step_bound_speedup": None,
-           "cpu_bound_speedup": None, "mfu": None}
+           "cpu_bound_speedup": None, "cpu_bound_over_ideal": None, "mfu": None}
     if med["cpu_s"] is not None and med["main_thread_cpu_s"] is not None:
         row["other_threads_cpu_s"] = max(0.0, med["cpu_s"] - med["main_thread_cpu_s"])
     ref = seq_med or med  # sequential comm / comp: what there was to hide
@@ -107,6 +109,8 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, core
         if cores and med["cpu_s"] and med["main_thread_cpu_s"]:
             floor = max(med["cpu_s"] * opts.world / cores, med["main_thread_cpu_s"])
             row["cpu_bound_speedup"] = seq_med["step_s"] / floor
+            if row["achieved_over_ideal"] is not None:
+                row["cpu_bound_over_ideal"] = row["cpu_bound_speedup"] / ideal
     if peak_flops and flops_per_token:
         row["mfu"] = flops_per_token * row["tokens_per_s"] / (peak_flops * opts.world)
     return row

@@ -12,7 +12,7 @@ from ds_dhelix.plan import write_atomic
 
 CSV_COLUMNS = ("mode", "link_gbps", "link", "shaped", "status", "steps", "step_time_s", "tokens_per_s",
                "speedup_vs_sequential", "ideal_speedup", "achieved_over_ideal", "step_bound_speedup",
-               "cpu_bound_speedup",
+               "cpu_bound_speedup", "cpu_bound_over_ideal",
                "compute_s", "comm_s", "exposed_comm_s", "hidden_fraction", "hidden_of_comm",
                "peak_activation_bytes", "mfu", "cpu_s", "other_threads_cpu_s", "step_time_min_s",
                "step_time_max_s", "build_s",
@@ -54,6 +54,11 @@ def markdown_table(report: dict) -> str:
         lines.append("")
         lines.append(f"comm/comp of the sequential run at {ratio['link']}: {ratio['value']:.2f} "
                      f"(per link: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio["by_link"].items()) + ")")
+    ceilings = [f"{r['mode']} at {r['link']} {r['cpu_bound_over_ideal']:.2f}" for r in report["results"]
+                if r.get("cpu_bound_over_ideal") is not None]
+    if ceilings:
+        lines.append("")
+        lines.append("highest achieved/ideal these CPU cores allow (CPU bound / ideal): " + ", ".join(ceilings))
     return "\n".join(lines) + "\n"
 
 
