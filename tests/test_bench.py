@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from ds_dhelix.bench.metrics import comm_comp_ratio, ideal_speedup, summarize_link
-from ds_dhelix.bench.report import markdown_table
 from ds_dhelix.bench.options import DEFAULT_MODES, BenchOptions, quick
+from ds_dhelix.bench.report import markdown_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
