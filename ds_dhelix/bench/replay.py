@@ -76,6 +76,8 @@ class _Pair:
         return c
 
     def key(self) -> tuple:
+        """What the search tells states apart by. The deferred queue needs only its length: only the
+        backward strand defers, in chain order, so positions and count fix its contents."""
         return (*self.pos, len(self.deferred), *sorted((s, round(v[0], 3)) for s, v in self.wire.items()))
 
     @property
