@@ -34,31 +34,24 @@ def parse_args(argv=None):
 
 def check_inputs(args):
     """Everything that can be checked without a model: one ValueError line per mistake."""
-    from ds_dhelix.config import DhelixConfig, derive_batch, load_ds_config
+    from ds_dhelix.build import check_setup
+    from ds_dhelix.config import load_ds_config
     from hf_models.registry import load_config
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     ds_config = load_ds_config(args.deepspeed)
-    dh = DhelixConfig.from_ds_config(ds_config)
     model_config = load_config(args.model)  # unknown preset / missing dir -> ValueError
     if args.data is not None and not os.path.isfile(args.data):
         raise ValueError(f"--data {args.data!r}: no such file (give a local .txt or .jsonl file)")
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    tp = dh.tensor_parallel.size if dh.enabled else 1
-    layout = derive_batch(ds_config, world, *((None, None, None) if dh.enabled else (1, 1, 1)))
-    if dh.enabled:
-        from hf_models.adapters import check_layout
-        check_layout(model_config, tp, dh.expert_parallel.size, layout.data_parallel_size, world)
-        if dh.pipeline.stages > 1:
-            from ds_dhelix.pipe.engine import check_pipeline
-            check_pipeline(dh, ds_config, world, model_config.num_hidden_layers)
-        if args.seq_len % tp:
-            raise ValueError(f"--seq-len {args.seq_len} is not divisible by tensor_parallel.size {tp}")
+    setup = check_setup(ds_config, model_config, int(os.environ.get("WORLD_SIZE", 1)))
+    tp = setup.dims.tp
+    if args.seq_len % tp:
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by tensor_parallel.size {tp}")
     limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
     if limit and args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")
-    return ds_config, dh, model_config, layout
+    return ds_config, setup.dh, model_config, setup.batch
 
 
 def set_schedule_length(ds_config, steps):
@@ -72,15 +65,15 @@ def set_schedule_length(ds_config, steps):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        ds_config, dh, model_config, batch_layout = check_inputs(args)
+        ds_config, dh, model_config, batch_sizes = check_inputs(args)
     except ValueError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
-    run(args, ds_config, dh, batch_layout)
+    run(args, ds_config, dh, batch_sizes)
     return 0
 
 
-def run(args, ds_config, dh, batch_layout):
+def run(args, ds_config, dh, batch_sizes):
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -94,7 +87,7 @@ def run(args, ds_config, dh, batch_layout):
     rank, world = dist.get_rank(), dist.get_world_size()
     set_schedule_length(ds_config, args.steps)
     if rank == 0:
-        print(batch_layout.table())
+        print(batch_sizes.table())
 
     tokenizer = load_tokenizer_for(args.model)
     text = load_text(args.data) if args.data else build_embedded_corpus()
@@ -103,11 +96,11 @@ def run(args, ds_config, dh, batch_layout):
 
     if dh.enabled:
         import ds_dhelix
-        micro = ds_config.get("train_micro_batch_size_per_gpu", batch_layout.micro_batch_size)
+        micro = ds_config.get("train_micro_batch_size_per_gpu", batch_sizes.micro_batch_size)
         first = ids[: micro * args.seq_len].view(micro, args.seq_len)
         engine, *_ = ds_dhelix.initialize(model=model, config=ds_config,
                                           example_batch={"input_ids": first, "labels": first.clone()})
-        dp_rank, dp_size = engine.layout.dp_rank, engine.layout.dp_size
+        dp_rank, dp_size = engine.groups.dp_rank, engine.groups.dp_size
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         dp_rank, dp_size = rank, world

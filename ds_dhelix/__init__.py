@@ -1,13 +1,15 @@
 """ds_dhelix: DHelix strand interleaving for DeepSpeed.
 
-``ds_dhelix.initialize(...)`` mirrors ``deepspeed.initialize``; importing the package itself stays
-light (the planner, plans and schedules never import deepspeed or torch.distributed).
+``ds_dhelix.initialize(...)`` mirrors ``deepspeed.initialize`` (``build.py``); importing the package
+itself stays light (the planner, plans and schedules never import deepspeed or torch.distributed).
 """
 __version__ = "0.1.0"
 
+_LAZY = {"initialize": "build", "build_engine": "build", "check_setup": "build", "DhelixEngine": "engine"}
+
 
 def __getattr__(name):
-    if name in ("initialize", "DhelixEngine"):
-        from . import engine
-        return getattr(engine, name)
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(name)

@@ -26,6 +26,25 @@ def full_state_dict(model, tp_group=None, tp_size: int = 1) -> dict[str, torch.T
             for name, p in model.named_parameters()}
 
 
+def full_grads(model, groups) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as its full HF tensor, averaged over the data-parallel replicas
+    (DeepSpeed's convention: expert gradients summed over their expert-data-parallel group, then
+    divided by the whole DP size); no gradient counts as zeros. Collective over the TP, DP and EP
+    groups of ``groups`` (a ``ProcessGroups``)."""
+    from .moe.experts import gather_expert_param, is_expert_param
+    dp, out = groups.dp_size, {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        sharded_experts = is_expert_param(p) and p.ep_size > 1
+        reduce_over = groups.edp_group if sharded_experts else groups.dp_group
+        if dp > 1 and dist.get_world_size(reduce_over) > 1:
+            dist.all_reduce(g, group=reduce_over)
+        g /= dp
+        out[name] = gather_expert_param(p, g) if sharded_experts else \
+            gather_param(p, groups.tp_grad_group, groups.tp_size, data=g)
+    return out
+
+
 def export_hf(model, out_dir: str, tokenizer=None, tp_group=None, tp_size: int = 1) -> str | None:
     """Write an HF checkpoint of ``model`` to ``out_dir``; returns the path on rank 0, else None."""
     from transformers import AutoModelForCausalLM

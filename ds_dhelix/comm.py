@@ -7,13 +7,14 @@ slice along dim 0 and all-gather / reduce-scatter need no copies.
     ag      all-gather  [s/t,b,h]->[s,b,h]  reduce-scatter of the gradient
     rs      reduce-scatter [s,b,h]->[s/t,b,h]  all-gather of the gradient
 
-A COMM op's body is an object with ``forward(x, side) -> Pending`` and ``backward(grad, side) ->
-Pending`` (``side``: the micro-batch's side dict, where e.g. MoE split sizes are kept between the
-two directions). Every launch returns a ``Pending`` whose ``wait()`` gives the result; on CUDA
-(NCCL) the collective runs on the communication stream and ``wait()`` makes the compute stream wait
-on it; on CPU (gloo) it runs on gloo's worker threads. Same code path. A body whose ``strand_safe``
-is true launches its backward collectives on the group's twin (``register_backward_group``), which
-lets the stream executor interleave the two strands by timing.
+A COMM op's body is an object with ``forward(x, side, channel) -> Pending`` and ``backward(grad,
+side, channel) -> Pending`` (``side``: the micro-batch's side dict, where e.g. MoE split sizes are
+kept between the two directions; ``channel``: which of the body's ``StrandGroups`` the launch
+uses, chosen by the executor). Every launch returns a ``Pending`` whose ``wait()`` gives the
+result; on CUDA (NCCL) the collective runs on NCCL's own stream and ``wait()`` makes the compute
+stream wait on it; on CPU (gloo) it runs on gloo's worker threads. Same code path. A body whose
+``strand_safe`` is true has separate groups per channel, which lets the reactive executor
+interleave the two strands by timing.
 
 On gloo both sequence collectives are all-to-alls: a reduce-scatter is an all-to-all of the shards
 plus a local sum (gloo's own reduce-scatter is a full all-reduce: twice the bytes), an all-gather
@@ -57,71 +58,61 @@ class Pending:
         return self.out
 
 
-# Forward and backward collectives of the op graph go to two process groups over the same ranks
-# (the "strand groups"): each group then sees only one strand's collectives, in that strand's
-# program order, whatever the interleaving. That lets the stream executor react to completions as
-# they happen (a timing-dependent interleaving) and still issue every group's collectives in the
-# same order on every rank.
-# A pair of two strands of the same direction (``dhelix.pair_ends``: the first two forwards, the
-# last two backwards) swaps the groups for its second strand, so again each group sees one strand.
-_BACKWARD_GROUP: dict = {}
-_SWAPPED = False
+@dataclass(frozen=True)
+class StrandGroups:
+    """Two process groups over the same ranks, one per strand of a pair: ``forward`` carries the
+    collectives of the forward strand (channel 0), ``backward`` those of the backward strand
+    (channel 1). Each group then sees one strand's collectives, in that strand's program order,
+    whatever the interleaving, so the reactive executor may follow completions as they happen
+    and still issue every group's collectives in the same order on every rank. A pair of two
+    strands of one direction (``pair_ends``) sends its second strand to the other channel.
 
+    ``StrandGroups.of(group)`` wraps a single group (both channels on it: not ``separate``)."""
 
-def register_backward_group(group, twin) -> None:
-    """``twin`` (same ranks as ``group``) carries the backward collectives of COMM ops on ``group``."""
-    _BACKWARD_GROUP[group] = twin
+    forward: object
+    backward: object
 
+    @classmethod
+    def of(cls, group) -> "StrandGroups":
+        return group if isinstance(group, StrandGroups) else cls(group, group)
 
-def strand_group(group, backward: bool):
-    """The group a collective of a COMM op built on ``group`` goes to: ``group`` itself forward, its
-    twin backward (itself if it has none); the other way round while ``swap_strand_groups(True)``."""
-    return _BACKWARD_GROUP.get(group, group) if backward != _SWAPPED else group
+    @property
+    def separate(self) -> bool:
+        """True when the two channels are distinct groups (timing may then reorder the strands)."""
+        return self.backward is not self.forward
 
-
-def backward_group(group):
-    """The group for backward collectives of COMM ops built on ``group``."""
-    return strand_group(group, True)
-
-
-def swap_strand_groups(on: bool) -> bool:
-    """Launch the following collectives on the other strand group (the executor sets it around the
-    launches of a same-direction pair's second strand); returns the previous setting."""
-    global _SWAPPED
-    previous, _SWAPPED = _SWAPPED, on
-    return previous
-
-
-def has_strand_groups(group) -> bool:
-    return group in _BACKWARD_GROUP
+    def channel(self, index: int):
+        """The process group of channel ``index`` (0: forward strand, 1: backward strand)."""
+        return self.backward if index else self.forward
 
 
 class SeqAllGather:
-    """COMM op body: all-gather along the sequence forward, reduce-scatter backward."""
+    """COMM op body: all-gather along the sequence forward, reduce-scatter backward. ``channel``
+    (given by the executor at each launch) picks the strand group."""
 
-    def __init__(self, group, world: int):
-        self.group, self.world = group, world
+    def __init__(self, groups, world: int):
+        self.groups, self.world = StrandGroups.of(groups), world
 
     @property
     def strand_safe(self) -> bool:
-        """Forward and backward collectives on separate groups (see ``register_backward_group``)."""
-        return has_strand_groups(self.group)
+        """Forward and backward collectives on separate groups (see ``StrandGroups``)."""
+        return self.groups.separate
 
-    def forward(self, x, side) -> Pending:
-        return all_gather_seq(x, strand_group(self.group, False), self.world)
+    def forward(self, x, side, channel: int = 0) -> Pending:
+        return all_gather_seq(x, self.groups.channel(channel), self.world)
 
-    def backward(self, grad, side) -> Pending:
-        return reduce_scatter_seq(grad, backward_group(self.group), self.world)
+    def backward(self, grad, side, channel: int = 1) -> Pending:
+        return reduce_scatter_seq(grad, self.groups.channel(channel), self.world)
 
 
 class SeqReduceScatter(SeqAllGather):
     """COMM op body: reduce-scatter along the sequence forward, all-gather backward."""
 
-    def forward(self, x, side) -> Pending:
-        return reduce_scatter_seq(x, strand_group(self.group, False), self.world)
+    def forward(self, x, side, channel: int = 0) -> Pending:
+        return reduce_scatter_seq(x, self.groups.channel(channel), self.world)
 
-    def backward(self, grad, side) -> Pending:
-        return all_gather_seq(grad, backward_group(self.group), self.world)
+    def backward(self, grad, side, channel: int = 1) -> Pending:
+        return all_gather_seq(grad, self.groups.channel(channel), self.world)
 
 
 def _on_gloo(group) -> bool:
@@ -132,9 +123,8 @@ def _on_gloo(group) -> bool:
 def all_gather_seq(x: torch.Tensor, group, world: int) -> Pending:
     out = torch.empty((x.shape[0] * world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     if _on_gloo(group):
-        # each rank sends its shard to every rank: rank r's chunk of the result is rank r's shard.
-        # gloo's own all-gather costs more per call on CPU (2 ranks, 256 KB shards, unshaped
-        # loopback: 0.82 ms and 0.59 ms of CPU, against 0.58 ms and 0.47 ms this way)
+        # each rank sends its shard to every rank: rank r's chunk of the result is rank r's shard
+        # (gloo's own all-gather costs more per call on CPU; benchmarks/results/README.md)
         work = dist.all_to_all_single(out, torch.cat([x] * world), group=group, async_op=True)
         return Pending(work, out)
     work = _ALL_GATHER(out, x.contiguous(), group=group, async_op=True)
@@ -154,10 +144,10 @@ def reduce_scatter_seq(x: torch.Tensor, group, world: int) -> Pending:
 def _reduce_scatter_by_all_to_all(x: torch.Tensor, group, world: int) -> Pending:
     """Reduce-scatter as an all-to-all of the shards plus a local sum, in rank order.
 
-    gloo implements reduce-scatter with a full all-reduce (measured at 2 Gbit/s on 2 ranks, 512 KB:
-    4.1 ms, the same as an all-reduce, against 2.1 ms for an all-gather of the result). The
-    all-to-all moves only the (t-1)/t of the tensor that other ranks own, like a ring
-    reduce-scatter, and costs what the all-gather costs. The sum runs when the result is waited for.
+    gloo implements reduce-scatter with a full all-reduce, so it moves twice the bytes of an
+    all-gather of the result. The all-to-all moves only the (t-1)/t of the tensor that other ranks
+    own, like a ring reduce-scatter, and costs what the all-gather costs. The sum runs when the
+    result is waited for.
     """
     recv = torch.empty_like(x)
     work = dist.all_to_all_single(recv, x, group=group, async_op=True)
@@ -178,9 +168,8 @@ class ReplicatedGrads:
 
     Their gradients accumulate locally over the micro-batches of a step and are summed over the TP
     group once, by ``all_reduce()`` after the last backward: one coalesced all-reduce per step on its
-    own group (``tp_grad_group``), instead of a blocking one per parameter per micro-batch (at
-    2 Gbit/s those took ~15% of a tiny-llama step). Sum order is fixed, so SI and sequential stay
-    bitwise equal.
+    own group (``tp_grad_group``), instead of a blocking one per parameter per micro-batch. Sum
+    order is fixed, so SI and sequential stay bitwise equal.
     """
 
     def __init__(self, params, group):

@@ -29,17 +29,29 @@ import json
 import os
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from .dims import ParallelDims
 
 SCHEDULES = ("sequential", "si", "w", "dualpipev")
 """Valid values of ``dhelix.schedule``."""
 
-SI_EXECUTIONS = ("stream", "plan")
-"""Valid values of ``dhelix.si_execution``."""
+ONE_STAGE_SCHEDULES = ("sequential", "si")
+"""Schedules without a pipeline (``pipeline.stages`` 1)."""
+
+PIPELINE_SCHEDULES = ("sequential", "w", "dualpipev")
+"""Schedules of a folded pipeline (``pipeline.stages`` > 1); "sequential" is the fold without SI."""
 
 FOLDED_SCHEDULES = ("w", "dualpipev")
 """Schedules that fold the layer list into 2 x stages chunks (rank r holds chunks r and 2p-1-r)."""
+
+SI_EXECUTIONS = ("reactive", "plan")
+"""Valid values of ``dhelix.si_execution``."""
+
+DEPRECATED_SI_EXECUTIONS = {"stream": "reactive"}
+"""Old ``dhelix.si_execution`` values still accepted for one release, with a warning naming the new one."""
 
 SECTION = "dhelix"
 
@@ -245,7 +257,7 @@ class PlannerConfig(_Section):
     profile: str = "off"
     """"off" (no profiling, fallback plan), "auto" (profile once, cache in cache_dir) or a table JSON path."""
     cache_dir: str = "~/.cache/ds_dhelix"
-    """Directory for cached overlap tables and the embedded tokenizer."""
+    """Directory for cached overlap tables."""
     warmup: int = 2
     """Untimed runs per segment / pair before measuring."""
     repeats: int = 5
@@ -313,18 +325,19 @@ class DhelixConfig(_Section):
     """Turn DHelix on; off = plain DeepSpeed behaviour."""
     schedule: str = "si"
     """"sequential" (reference, no overlap), "si" (strand interleaving), "w" (folded W pipeline with SI),
-    "dualpipev" (folded pipeline, pairs run one after the other: DeepSpeed's DualPipeV)."""
-    si_execution: str = "stream"
-    """How an SI pair runs: "stream" (both strands walk the whole model barrier-free, nearest
-    collective first, deferred weight gradients) or "plan" (layer pairs follow the SI plan's steps
-    with a barrier after each: the planner's searched plan when planner.profile is set, else the
-    default plan)."""
+    "dualpipev" (folded pipeline in DualPipeV's order, each forward/backward pair co-executed by SI;
+    DeepSpeed's own DualPipeV runs the pairs one after the other)."""
+    si_execution: str = "reactive"
+    """How an SI pair runs: "reactive" (both strands walk the whole model barrier-free, nearest
+    collective first, reacting to completed collectives, deferred weight gradients) or "plan"
+    (layer pairs follow the SI plan's rounds with a barrier after each: the planner's searched plan
+    when planner.profile is set, else the default plan). "stream" is the old name of "reactive"."""
     defer_weight_grads: bool = True
-    """"stream" only: linear ops (attn.out, mlp.down, expert projections) compute their input
-    gradient first and their weight gradient later, filling the time both strands wait on
-    collectives."""
+    """"reactive" only: ops the adapter marks linear on the way to their weights (attn.qkv,
+    attn.out, mlp.up, mlp.down, head.logits, moe.experts.up / .down) compute their input gradient
+    first and their weight gradient later, filling the time both strands wait on collectives."""
     pair_ends: bool = False
-    """"si" + "stream" only: co-execute the step's first two forwards and its last two backwards
+    """"si" + "reactive" only: co-execute the step's first two forwards and its last two backwards
     too (F0xF1 | F2xB0 | ... | B(m-2)xB(m-1)), so no strand runs alone and their collectives are
     hidden as well. Costs one more micro-batch of activation memory (a whole micro-batch waits
     between its forward and its backward); results stay bitwise those of "sequential"."""
@@ -351,21 +364,29 @@ class DhelixConfig(_Section):
             close = difflib.get_close_matches(self.schedule, SCHEDULES, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise self._fail("schedule", f"choose one of {', '.join(SCHEDULES)}{hint}")
+        if self.si_execution in DEPRECATED_SI_EXECUTIONS:
+            new = DEPRECATED_SI_EXECUTIONS[self.si_execution]
+            warnings.warn(f"dhelix.si_execution = {self.si_execution!r} is deprecated and will be refused in the "
+                          f"next release; use {new!r} (same behaviour)", FutureWarning, stacklevel=2)
+            object.__setattr__(self, "si_execution", new)
         if self.si_execution not in SI_EXECUTIONS:
-            close = difflib.get_close_matches(self.si_execution, SI_EXECUTIONS, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            names = SI_EXECUTIONS + tuple(DEPRECATED_SI_EXECUTIONS)
+            close = difflib.get_close_matches(self.si_execution, names, n=1, cutoff=0.5)
+            new = DEPRECATED_SI_EXECUTIONS.get(close[0], close[0]) if close else None
+            hint = f"; did you mean '{new}'?" + (f" (formerly '{close[0]}')" if new != close[0] else "") \
+                if close else ""
             raise self._fail("si_execution", f"choose one of {', '.join(SI_EXECUTIONS)}{hint}")
         if self.planner.profile != "off" and self.si_execution != "plan":
             raise ValueError(
                 f"dhelix.planner.profile = {self.planner.profile!r} needs dhelix.si_execution = 'plan' "
                 f"(got {self.si_execution!r}): the planner's plan is only run in plan mode; set "
                 f"\"si_execution\": \"plan\" or \"planner\": {{\"profile\": \"off\"}}")
-        if self.pair_ends and (self.schedule != "si" or self.si_execution != "stream"):
+        if self.pair_ends and (self.schedule != "si" or self.si_execution != "reactive"):
             raise ValueError(
-                f"dhelix.pair_ends = true needs schedule 'si' with si_execution 'stream' (got schedule "
+                f"dhelix.pair_ends = true needs schedule 'si' with si_execution 'reactive' (got schedule "
                 f"{self.schedule!r}, si_execution {self.si_execution!r}): it pairs the first two forwards "
                 f"and the last two backwards of a non-pipelined SI step; set \"pair_ends\": false or use "
-                f"\"schedule\": \"si\", \"si_execution\": \"stream\"")
+                f"\"schedule\": \"si\", \"si_execution\": \"reactive\"")
         self._positive("watchdog_s")
         self._at_least("log_interval", 1)
         split = self.pipeline.split
@@ -394,7 +415,7 @@ _TB, _MB, _GA = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_
 
 
 @dataclass(frozen=True)
-class BatchLayout:
+class BatchSizes:
     """How a global batch is cut: train_batch_size = micro x accumulation x data-parallel size.
 
     Data-parallel size counts replicas of the dense parameters: world / (tp x pp). Expert parallelism
@@ -402,35 +423,31 @@ class BatchLayout:
     replicated over expert_data_parallel_size = world / (tp x pp x ep) ranks (DeepSpeed's definition).
     """
 
-    world_size: int
-    tensor_parallel_size: int
-    pipeline_stages: int
-    expert_parallel_size: int
-    data_parallel_size: int
-    expert_data_parallel_size: int
+    dims: ParallelDims
     micro_batch_size: int
     gradient_accumulation_steps: int
     train_batch_size: int
 
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dims.dp
+
     def table(self) -> str:
         """Printable table of the derived sizes."""
+        d = self.dims
         rows = [
-            ("world size", self.world_size, ""),
-            ("tensor parallel (tp)", self.tensor_parallel_size, ""),
-            ("pipeline stages (pp)", self.pipeline_stages, ""),
-            ("expert parallel (ep)", self.expert_parallel_size, "shards experts inside DP"),
-            ("data parallel (dp)", self.data_parallel_size, "world / (tp x pp)"),
-            ("expert data parallel", self.expert_data_parallel_size, "dp / ep"),
+            ("world size", d.world, ""),
+            ("tensor parallel (tp)", d.tp, ""),
+            ("pipeline stages (pp)", d.pp, ""),
+            ("expert parallel (ep)", d.ep, "shards experts inside DP"),
+            ("data parallel (dp)", d.dp, "world / (tp x pp)"),
+            ("expert data parallel", d.edp, "dp / ep"),
             ("micro batch per GPU", self.micro_batch_size, _MB),
             ("accumulation steps", self.gradient_accumulation_steps, _GA),
             ("train batch size", self.train_batch_size, f"{_TB} = micro x accum x dp"),
         ]
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{width}}  {value:>6}  {note}".rstrip() for name, value, note in rows)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -440,34 +457,24 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def derive_batch(
-    ds_config: dict, world_size: int, tp: int | None = None, pp: int | None = None, ep: int | None = None
-) -> BatchLayout:
+    ds_config: dict, world_size: int | ParallelDims, tp: int | None = None, pp: int | None = None,
+    ep: int | None = None
+) -> BatchSizes:
     """Fill in the missing batch values like DeepSpeed does and check that they add up.
 
-    tp / pp / ep default to the sizes in ``ds_config["dhelix"]``. Raises ValueError naming the numbers
-    and which value to change.
+    ``world_size`` is a ``ParallelDims`` or a rank count; with a count, tp / pp / ep default to the
+    sizes in ``ds_config["dhelix"]``. Raises ValueError naming the numbers and which value to change.
     """
-    if tp is None or pp is None or ep is None:
-        cfg = DhelixConfig.from_ds_config(ds_config)
-        tp = cfg.tensor_parallel.size if tp is None else tp
-        pp = cfg.pipeline.stages if pp is None else pp
-        ep = cfg.expert_parallel.size if ep is None else ep
-    world_size = _positive_int("world size", world_size)
-    tp, pp, ep = _positive_int("tp", tp), _positive_int("pp", pp), _positive_int("ep", ep)
-    if world_size % (tp * pp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by tp {tp} x pp {pp} = {tp * pp}; "
-            f"tp x pp must be one of {_divisors(world_size)}"
-        )
-    dp = world_size // (tp * pp)
-    if dp % ep:
-        raise ValueError(
-            f"expert parallel size {ep} does not divide the data-parallel size {dp} "
-            f"(world {world_size} / tp {tp} / pp {pp}); valid ep sizes: {_divisors(dp)}"
-        )
-    ep_note = f"; ep {ep} does not change it" if ep > 1 else ""
-    tb, mb, ga = _batch_triple(ds_config, dp, f"(world {world_size} / tp {tp} / pp {pp}{ep_note})")
-    return BatchLayout(world_size, tp, pp, ep, dp, dp // ep, mb, ga, tb)
+    if isinstance(world_size, ParallelDims):
+        dims = world_size
+    else:
+        cfg = DhelixConfig.from_ds_config(ds_config) if None in (tp, pp, ep) else None
+        dims = ParallelDims(world_size, tp=cfg.tensor_parallel.size if tp is None else tp,
+                            pp=cfg.pipeline.stages if pp is None else pp,
+                            ep=cfg.expert_parallel.size if ep is None else ep)
+    ep_note = f"; ep {dims.ep} does not change it" if dims.ep > 1 else ""
+    tb, mb, ga = _batch_triple(ds_config, dims.dp, f"(world {dims.world} / tp {dims.tp} / pp {dims.pp}{ep_note})")
+    return BatchSizes(dims, mb, ga, tb)
 
 
 def _batch_triple(ds_config: dict, dp: int, how: str) -> tuple[int, int, int]:

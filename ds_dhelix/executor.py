@@ -1,5 +1,6 @@
 """The SI executor: runs micro-batches through a ``ModelGraph``, one op at a time, either
-sequentially or as two interleaved strands. The only module that knows async handles.
+sequentially or as two interleaved strands. It launches and waits for the COMM ops' collectives
+(``comm.py`` builds them).
 
 Schedules for a step of m micro-batches (F = forward, B = backward, k = micro-batch)::
 
@@ -7,42 +8,45 @@ Schedules for a step of m micro-batches (F = forward, B = backward, k = micro-ba
     si:          F0 | F1(x)B0 | F2(x)B1 | ... | B(m-1)   (x = co-executed pair)
     si, pair_ends:  F0(x)F1 | F2(x)B0 | ... | F(m-1)(x)B(m-3) | B(m-2)(x)B(m-1)
 
-``pair_ends`` leaves no strand alone (stream mode): the first two forwards and the last two
+``pair_ends`` leaves no strand alone (reactive execution): the first two forwards and the last two
 backwards are pairs too (the second of two backwards trails the first op by op, so weight
 gradients still accumulate in micro-batch order; the second strand of a same-direction pair
-launches its collectives on the other strand group). It holds one more micro-batch of activations:
-from the first pair on, a whole micro-batch waits between its forward and its backward.
+launches its collectives on the other channel of the strand groups). It holds one more
+micro-batch of activations: from the first pair on, a whole micro-batch waits between its
+forward and its backward.
 
 A pair F(k+1)(x)B(k) runs in one of two ways:
 
-- **stream** (no plan, the default): both strands walk the whole model as one step, no barrier.
-  COMM ops are launched asynchronously the moment their strand reaches them; the next COMP op comes
-  from the strand with the fewest compute ops left before its next collective (ties: backward), so
-  the link is fed as early as possible; a strand whose collective has completed may go on at once
-  (forward and backward collectives use separate process groups, see ``comm.register_backward_group``,
-  so this timing-dependent interleaving still issues every group's collectives in the same order on
-  every rank); the executor waits only when neither strand can compute. The backward strand's
-  ops that are linear on the way to their weights (matmuls, views, row selection: ``attn.qkv``,
-  ``attn.out``, ``mlp.up``, ``mlp.down``, ``head.logits``, ``moe.experts.up`` / ``.down``) compute
-  their input gradient first and leave their weight gradient for later, so the strand reaches its next
-  collective sooner; the deferred weight gradients (at most ``MAX_DEFERRED`` waiting) fill the time
-  when both strands wait, and all are done before the pair ends. The forward strand enters layer
-  slot j only after the backward strand has finished slot j-1 (and its deferred weight gradients),
-  so it never saves activations ahead of those the backward strand frees::
+- **reactive** (no plan, the default): both strands walk the whole model as one round, no
+  barrier. COMM ops are launched asynchronously the moment their strand reaches them; the next
+  COMP op comes from the strand with the fewest compute ops left before its next collective
+  (ties: backward), so the link is fed as early as possible; a strand whose collective has
+  completed may go on at once (forward and backward collectives go to separate channels of
+  ``comm.StrandGroups``, so this timing-dependent interleaving still issues every group's
+  collectives in the same order on every rank); the executor waits only when neither strand can
+  compute. The backward strand's ops that the adapter marks ``linear`` (linear on the way to
+  their weights: ``attn.qkv``, ``attn.out``, ``mlp.up``, ``mlp.down``, ``head.logits``,
+  ``moe.experts.up`` / ``.down``) compute their input gradient first and leave their weight
+  gradient for later, so the strand reaches its next collective sooner; the deferred weight
+  gradients (at most ``MAX_DEFERRED`` waiting) fill the time when both strands wait, and all are
+  done before the pair ends. The forward strand enters block depth j only after the backward
+  strand has finished depth j-1 (and its deferred weight gradients), so it never saves
+  activations ahead of those the backward strand frees::
 
       comm lane:     [F: attn.ag ........]   [B: mlp.ag(grad) ...]     [F: attn.rs ..]
       compute lane:  [B: mlp.down dX][B: mlp.up]  [F: qkv][F: core][F: out] [B: mlp.down dW]
 
-- **plan**: a layer slot (forward layer i with backward layer L-1-i) runs the SI plan's steps of
-  (forward segment, backward segment) with a barrier after each, backward compute first; other
-  slots run as one step each. This is what the planner's overlap tables measure and predict.
+- **plan**: a layer pair (forward layer i with backward layer L-1-i) runs the SI plan's rounds
+  of (forward segment, backward segment) with a barrier after each, backward compute first; the
+  other blocks run as one round each. This is what the planner's overlap tables measure and
+  predict.
 
-In plan mode (and in stream mode without separate groups) launch order is a pure function of the
-op lists and plan: a decision depends only on which ops are queued and which collectives were
-already waited for, never on timing, so every rank issues its collectives in the same order.
-Per-strand data dependencies and the per-op math are untouched: results are bitwise those of
-``sequential`` (a weight gradient is the same matmul whether or not it is deferred; a deferred one
-always runs before any later op adds to the same weight).
+In plan mode (and in reactive mode without separate strand groups) launch order is a pure
+function of the op lists and plan: a decision depends only on which ops are queued and which
+collectives were already waited for, never on timing, so every rank issues its collectives in the
+same order. Per-strand data dependencies and the per-op math are untouched: results are bitwise
+those of ``sequential`` (a weight gradient is the same matmul whether or not it is deferred; a
+deferred one always runs before any later op adds to the same weight).
 """
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm import Pending, swap_strand_groups
+from .comm import Pending
 from .graph import ModelGraph, Op
 from .plan import SIPlan
 
@@ -72,17 +76,24 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class Task:
+    """One op of one micro-batch in one direction, as a strand's queue holds it."""
+
     mb: MicroBatch
     block: int
     op_index: int
     op: Op
     backward: bool
-    slot: int = 0  # position of the block in its strand's block list (stream mode's memory gate)
-    alt: bool = False  # second strand of a same-direction pair: collectives on the other strand group
+    depth: int = 0  # position of the block in its strand's block list (the forward strand's gate)
+    swapped: bool = False  # second strand of a same-direction pair: collectives on the other channel
 
     @property
     def strand(self) -> str:
         return "B" if self.backward else "F"
+
+    @property
+    def channel(self) -> int:
+        """The strand-group channel its collectives use: 0 forward, 1 backward (flipped if swapped)."""
+        return int(self.backward) ^ int(self.swapped)
 
 
 @dataclass
@@ -94,65 +105,45 @@ class StepStats:
     comm_s: float = 0.0
     exposed_s: float = 0.0
     num_comms: int = 0
+    num_deferred: int = 0  # weight-gradient passes run after their op's input gradient
     peak_activation_bytes: int = 0
     step_s: float = 0.0
     tokens_per_s: float = 0.0
 
     @property
     def hidden_fraction(self) -> float:
+        """Share of this step's own communication time that did not block compute."""
         return 0.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_s / self.comm_s)
-
-
-# Autograd nodes of a "linear" op: recomputing them for a separate weight-gradient pass costs nothing
-# but the weight matmul itself, so only ops whose paths to their weights are made of these have
-# their weight gradient deferred.
-_LINEAR_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "TBackward0", "ViewBackward0",
-                           "UnsafeViewBackward0", "ReshapeAliasBackward0", "TransposeBackward0",
-                           "PermuteBackward0", "CloneBackward0", "AccumulateGrad",
-                           # row selection and regrouping around per-expert projections
-                           "IndexSelectBackward0", "SliceBackward0", "SelectBackward0", "CatBackward0",
-                           "SplitBackward0", "SplitWithSizesBackward0"})  # (a fused q/k/v split)
 
 
 @dataclass(frozen=True)
 class _OpWeights:
     params: tuple  # parameters the op's backward accumulates into
-    deferrable: bool  # linear on the way to a matrix weight: input gradient now, weight gradient later
+    deferrable: bool  # marked linear by its adapter and has a matrix weight
     ids: frozenset = frozenset()  # id() of each of ``params``
 
 
 _NO_WEIGHTS = _OpWeights((), False)  # COMM ops
 
 
-def _op_weights(tensors, leaves) -> _OpWeights:
-    """Walk an op's autograd graph from its outputs to its leaves: its parameters, and whether its
-    weight gradients can be left for later at no extra cost: every node on a path from the outputs
-    to a parameter is linear (a later ``backward(inputs=params)`` runs only those nodes, so it costs
-    the weight matmuls and nothing else; nodes that lead only to the op's inputs, such as an
-    activation before a projection, are not run again)."""
+def _op_weights(op: Op, tensors, leaves) -> _OpWeights:
+    """The parameters an op's backward adds to: the leaf variables its autograd graph reaches from
+    its outputs, other than its own inputs. Deferrable when its adapter marks it ``linear`` (a
+    later ``backward(inputs=params)`` then runs only the weight matmuls)."""
     leaf_ids = {id(x) for x in leaves}
-    roots = [x.grad_fn for x in tensors if x.grad_fn is not None]
-    params, reaches, order, seen, stack = [], {}, [], set(), [(fn, False) for fn in roots]
-    while stack:  # post-order: a node after everything below it
-        fn, expanded = stack.pop()
-        if expanded:
-            order.append(fn)
-            continue
+    params, seen, stack = [], set(), [x.grad_fn for x in tensors if x.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
         if fn in seen:
             continue
         seen.add(fn)
-        var = getattr(fn, "variable", None)
+        var = getattr(fn, "variable", None)  # a leaf's gradient accumulator
         if var is not None:
-            reaches[fn] = id(var) not in leaf_ids
-            if reaches[fn]:
+            if id(var) not in leaf_ids:
                 params.append(var)
             continue
-        stack.append((fn, True))
-        stack.extend((f, False) for f, _ in fn.next_functions if f is not None and f not in seen)
-    for fn in order:  # does the node lead to a parameter?
-        reaches[fn] = any(reaches.get(f, False) for f, _ in fn.next_functions if f is not None)
-    linear = all(type(fn).__name__ in _LINEAR_NODES for fn, leads in reaches.items() if leads)
-    return _OpWeights(tuple(params), linear and any(p.dim() >= 2 for p in params),
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return _OpWeights(tuple(params), op.linear and any(p.dim() >= 2 for p in params),
                       frozenset(id(p) for p in params))
 
 
@@ -168,38 +159,177 @@ def _accumulate(grads: dict, key: str, g: torch.Tensor) -> None:
     grads[key] = g if key not in grads else grads[key] + g
 
 
-class Executor:
-    """Runs forward/backward of ``graph`` ops for micro-batches, with optional activation meter,
-    trace recorder (``span(lane, name, args)``) and watchdog (``beat(**where)``).
+class _Round:
+    """Two strands' task lists run together up to a barrier (either may be empty). Strand 0 is
+    the backward strand of a mixed pair and wins ties; each strand has at most one collective in
+    flight. Each turn of ``run``:
 
-    ``stream`` (default: when there is no plan): SI pairs stream (see the module docstring), with
-    weight gradients of linear ops deferred when ``defer_weight_grads``; otherwise pairs run the
-    plan's steps with barriers (no plan: one step per block slot), backward compute first."""
+        react      (reactive, separate strand groups) finish every collective already completed
+        launch     every COMM op at the head of a strand that may go is launched
+        compute    one COMP op from a strand that may go (reactive: nearest collective first)
+        fill       else one deferred weight-gradient pass
+        wait       else wait for the oldest collective in flight
+
+    Who may go: a strand with nothing in flight and tasks left, subject to ``gated`` (the forward
+    strand stays within the backward strand's block depth, see ``_gate_open``) and ``trail`` (two
+    backward strands: the second follows the first op by op, see ``_trail_open``)."""
+
+    def __init__(self, ex: "Executor", b_tasks: list[Task], f_tasks: list[Task], gated: bool, trail: bool):
+        self.ex, self.gated, self.trail = ex, gated, trail
+        self.queues = [deque(b_tasks), deque(f_tasks)]
+        self.lengths = (len(b_tasks), len(f_tasks))
+        self.pending: list[tuple[Task, Pending] | None] = [None, None]
+        self.order: list[int] = []  # strands with a collective in flight, in launch order
+        self.last_use: dict = {}  # trail: param id -> last position of strand 0 that adds to it
+        if trail:
+            for pos, t in enumerate(b_tasks):
+                for pid in ex.weights_of(t).ids:
+                    self.last_use[pid] = pos
+
+    def run(self) -> None:
+        ex = self.ex
+        while self.queues[0] or self.queues[1] or self.order:
+            if ex.reacts_to_completions:
+                self.finish_completed()
+            self.launch_ready()
+            if ex.deferred_over_limit():
+                ex.run_deferred()
+                continue
+            s = self.next_compute()
+            if s is not None:
+                ex.run_comp(self.queues[s].popleft())
+                self.note_completions()
+            elif ex.run_deferred():  # both strands wait: fill with a weight gradient
+                self.note_completions()
+            elif self.order:  # nothing to compute: wait for the oldest collective
+                self.finish(self.order[0])
+
+    # ---- who may go
+    def may_go(self, s: int) -> bool:
+        if self.pending[s] is not None or not self.queues[s]:
+            return False
+        if self.trail and s == 1 and self.queues[0]:
+            return self._trail_open()
+        if s == 0 or not self.gated:
+            return True
+        return self._gate_open()
+
+    def _trail_open(self) -> bool:
+        """The trailing strand runs position i only after the leading one has run its own, and an
+        op of a weight several ops share (tied embeddings) only after the leader's last use of it."""
+        done0 = self.lengths[0] - len(self.queues[0])  # tasks strand 0 has run or launched
+        if self.lengths[1] - len(self.queues[1]) >= done0:
+            return False
+        head = self.queues[1][0]
+        return all(self.last_use.get(pid, -1) < done0 for pid in self.ex.weights_of(head).ids)
+
+    def _gate_open(self) -> bool:
+        """The forward strand may not start a block deeper than the backward strand's current one,
+        nor while a weight gradient of a shallower block is deferred (it still holds its
+        activations), so it does not save activations ahead of those the backward strand frees."""
+        f_depth = self.queues[1][0].depth
+        if self.ex.oldest_deferred_depth() < f_depth:
+            return False
+        if not (self.queues[0] or self.pending[0]):
+            return True
+        b_head = self.pending[0][0] if self.pending[0] is not None else self.queues[0][0]
+        return f_depth <= b_head.depth
+
+    # ---- turns
+    def finish_completed(self) -> None:
+        for s in list(self.order):
+            work = self.pending[s][1].work
+            if work is not None and work.is_completed():
+                self.finish(s)
+
+    def launch_ready(self) -> None:
+        for s in (0, 1):
+            while self.may_go(s) and self.queues[s][0].op.is_comm:
+                task = self.queues[s].popleft()
+                launched = self.ex.launch_comm(task)
+                if launched.work is None:  # nothing to wait for (e.g. a pass-through backward)
+                    self.ex.finish_comm(task, launched)
+                    continue
+                self.pending[s] = (task, launched)
+                self.order.append(s)
+
+    def next_compute(self) -> int | None:
+        runnable = [s for s in (0, 1) if self.may_go(s)]
+        if self.ex.reactive and len(runnable) == 2:  # nearest collective first
+            runnable.sort(key=lambda s: (_until_comm(self.queues[s]), s))
+        return runnable[0] if runnable else None
+
+    def finish(self, s: int) -> None:
+        task, p = self.pending[s]
+        self.pending[s] = None
+        self.order.remove(s)
+        self.ex.finish_comm(task, p)
+
+    def note_completions(self) -> None:
+        """Stamp the time a collective is first seen complete (its comm time ends there)."""
+        now = time.perf_counter()
+        for item in self.pending:
+            if item is not None and item[1].done_at is None and item[1].work is not None \
+                    and item[1].work.is_completed():
+                item[1].done_at = now
+
+
+class Executor:
+    """Runs forward/backward of ``graph`` ops for micro-batches.
+
+    ``plan`` None (default): SI pairs run reactively (see the module docstring), with weight
+    gradients of linear ops deferred when ``defer_weight_grads``; with a plan (or
+    ``reactive=False``) pairs run the plan's rounds with barriers (no plan: one round per block),
+    backward compute first. Collaborators, all optional: ``meter`` (``ActivationMeter``),
+    ``recorder`` (``TraceRecorder``: spans and profiler labels), ``watchdog`` (``beat(**where)``).
+    ``start_step()`` begins a step's ``StepStats``."""
 
     MAX_DEFERRED = 2  # weight-gradient passes waiting at once (each keeps its op's saved tensors)
 
-    def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, meter=None, recorder=None,
-                 watchdog=None, defer_weight_grads: bool = True, stream: bool | None = None,
+    def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, *, meter=None, recorder=None,
+                 watchdog=None, defer_weight_grads: bool = True, reactive: bool | None = None,
                  pair_ends: bool = False):
         self.graph, self.plan, self.meter = graph, plan, meter
-        self.stream = plan is None if stream is None else stream
-        if self.stream and plan is not None:
-            raise ValueError("Executor: a plan runs with barriers; pass stream=False (or no plan)")
+        self.reactive = plan is None if reactive is None else reactive
+        if self.reactive and plan is not None:
+            raise ValueError("Executor: a plan runs with barriers; pass reactive=False (or no plan)")
+        if pair_ends and not self.reactive:
+            raise ValueError("Executor: pair_ends needs reactive execution (a plan pairs a forward with a backward)")
         self.recorder, self.watchdog = recorder, watchdog
         self.stats = StepStats()
-        self.grad_enabled = True
-        self.defer_weight_grads = defer_weight_grads and self.stream
-        if pair_ends and not self.stream:
-            raise ValueError("Executor: pair_ends needs stream mode (a plan pairs a forward with a backward)")
+        self.defer_weight_grads = defer_weight_grads and self.reactive
         self.pair_ends = pair_ends
-        self._deferring = False  # on inside SI pairs and the last lone backward (stream mode)
+        self._grad = True  # False inside ``inference()``
+        self._deferring = False  # on inside SI pairs and the last lone backward (reactive)
         self._deferred: deque = deque()  # (task, outputs, grads, op weights), oldest first
         self._deferred_params: dict[int, int] = {}  # id(param) -> deferred passes touching it
         self._op_weights: dict = {}  # (block, op index) -> _OpWeights, from the op's first forward
-        # stream mode reacts to completed collectives at once when every COMM op keeps forward and
-        # backward collectives on separate groups (timing may then reorder the two strands' launches)
-        self.react = self.stream and all(getattr(op.comm, "strand_safe", False)
-                                          for block in graph.blocks for op in block if op.is_comm)
+        # react to completed collectives at once when every COMM op keeps forward and backward
+        # collectives on separate groups (timing may then reorder the two strands' launches)
+        self.reacts_to_completions = self.reactive and all(
+            getattr(op.comm, "strand_safe", False) for block in graph.blocks for op in block if op.is_comm)
+
+    def start_step(self) -> StepStats:
+        """Begin a step: fresh ``StepStats`` (returned; ``self.stats`` until the next step)."""
+        self.stats = StepStats()
+        return self.stats
+
+    @contextlib.contextmanager
+    def inference(self):
+        """Forwards inside run without autograd (evaluation); no gradients are reduced."""
+        self._grad = False
+        try:
+            yield
+        finally:
+            self._grad = True
+
+    def record_wait(self, seconds: float) -> None:
+        """Time the step spent blocked outside the executor's own collectives (pipeline receives)."""
+        self.stats.exposed_s += seconds
+
+    def weights_of(self, t: Task) -> _OpWeights:
+        """The parameters ``t``'s op adds to (known after its first forward)."""
+        return self._op_weights.get((t.block, t.op_index), _NO_WEIGHTS)
 
     # ------------------------------------------------------------------ single ops
     def run_comp(self, t: Task) -> None:
@@ -219,21 +349,21 @@ class Executor:
 
     def _comp_forward(self, t: Task) -> None:
         op, mb = t.op, t.mb
-        if not self.grad_enabled:
+        if not self._grad:
             with torch.no_grad():
                 outs = op.fn(mb.side, *(mb.env[k] for k in op.inputs))
             mb.env.update(zip(op.outputs, outs))
             return
         leaves = [mb.env[k].detach().requires_grad_(mb.env[k].is_floating_point()) for k in op.inputs]
-        hooks = self.meter.hooks() if self.meter is not None else _NULL
+        hooks = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
         with torch.enable_grad(), hooks:
             outs = op.fn(mb.side, *leaves)
         key = (t.block, t.op_index)
         if key not in self._op_weights:  # once per op: the weights its backward will add to
-            self._op_weights[key] = _op_weights([o for o in outs if o.requires_grad], leaves)
+            self._op_weights[key] = _op_weights(op, [o for o in outs if o.requires_grad], leaves)
         mb.saved[key] = (leaves, outs)
-        for key, out in zip(op.outputs, outs):
-            mb.env[key] = out.detach()
+        for name, out in zip(op.outputs, outs):
+            mb.env[name] = out.detach()
 
     def _comp_backward(self, t: Task) -> None:
         op, mb = t.op, t.mb
@@ -246,7 +376,7 @@ class Executor:
                 grads.append(g)
         if tensors:
             # (run_comp has already run any deferred pass that adds to this op's weights)
-            weights = self._op_weights[(t.block, t.op_index)]
+            weights = self.weights_of(t)
             need = [leaf for leaf in leaves if leaf.requires_grad]
             if self._deferring and weights.deferrable and need:
                 torch.autograd.backward(tensors, grads, inputs=need, retain_graph=True)
@@ -262,13 +392,20 @@ class Executor:
         """Before a backward op adds to a weight that a deferred pass will also add to (a tied
         weight, or the same op of an earlier micro-batch in a backward-backward pair), run the
         deferred passes first: each weight keeps its accumulation order."""
-        if any(pid in self._deferred_params for pid in self._op_weights[(t.block, t.op_index)].ids):
+        if any(pid in self._deferred_params for pid in self.weights_of(t).ids):
             self.drain_deferred()
 
     def _defer(self, t: Task, tensors, grads, weights: _OpWeights) -> None:
         self._deferred.append((t, tensors, grads, weights))
         for p in weights.params:
             self._deferred_params[id(p)] = self._deferred_params.get(id(p), 0) + 1
+
+    def deferred_over_limit(self) -> bool:
+        return len(self._deferred) > self.MAX_DEFERRED
+
+    def oldest_deferred_depth(self) -> float:
+        """Block depth of the oldest deferred weight gradient (infinity when none waits)."""
+        return self._deferred[0][0].depth if self._deferred else float("inf")
 
     def run_deferred(self) -> bool:
         """Run the oldest deferred weight-gradient pass; False when none is waiting."""
@@ -284,6 +421,7 @@ class Executor:
             if left:
                 self._deferred_params[id(p)] = left
         self.stats.compute_s += t1 - t0
+        self.stats.num_deferred += 1
         if self.recorder is not None:
             self.recorder.add_span("compute", f"{t.op.name}.wgrad", t0, t1, self._args(t))
         return True
@@ -295,15 +433,11 @@ class Executor:
     def launch_comm(self, t: Task) -> Pending:
         self._beat(t)
         op, mb = t.op, t.mb
-        previous = swap_strand_groups(t.alt)
-        try:
-            with self._label(op.name):
-                if t.backward:
-                    pending = op.comm.backward(mb.grads.pop(op.outputs[0]), mb.side)
-                else:
-                    pending = op.comm.forward(mb.env[op.inputs[0]], mb.side)
-        finally:
-            swap_strand_groups(previous)
+        with self._label(op.name):
+            if t.backward:
+                pending = op.comm.backward(mb.grads.pop(op.outputs[0]), mb.side, t.channel)
+            else:
+                pending = op.comm.forward(mb.env[op.inputs[0]], mb.side, t.channel)
         self.stats.num_comms += 1
         return pending
 
@@ -315,7 +449,7 @@ class Executor:
             else pending.done_at - pending.launched_at
         if self.recorder is not None:
             end = pending.done_at or done
-            group = "B" if t.backward != t.alt else "F"  # lane of the strand group: one comm in flight each
+            group = "B" if t.channel else "F"  # lane of the strand group: one comm in flight each
             lane = f"{getattr(t.op.comm, 'lane', 'comm:tp')}:{group}"
             self.recorder.add_span(lane, t.op.name, pending.launched_at, end, self._args(t))
         if t.backward:
@@ -323,115 +457,35 @@ class Executor:
         else:
             t.mb.env[t.op.outputs[0]] = out
 
-    # ------------------------------------------------------------------ one plan step
-    def run_step(self, b_tasks: list[Task], f_tasks: list[Task], gated: bool = False,
-                 trail: bool = False) -> None:
+    # ------------------------------------------------------------------ one round
+    def run_round(self, b_tasks: list[Task], f_tasks: list[Task], gated: bool = False,
+                  trail: bool = False) -> None:
         """Run two strands' task lists together (either may be empty); barrier at the end.
-        Strand 0 (``b_tasks``: the backward strand of a mixed pair) wins ties.
-
-        ``gated``: the forward strand may not start a task of a slot past the backward strand's
-        current slot, nor while a weight gradient of an earlier slot is still deferred, so it does
-        not save activations ahead of those the backward strand frees. (Letting it run one slot
-        ahead measured the same speed and a 7% higher activation peak.)
-
-        ``trail`` (two backward strands over the same ops): strand 1 runs the task at position i
-        only after strand 0 has run its own, and an op of a weight used by several ops (tied
-        embeddings) only after strand 0's last use of it, so every weight gradient still accumulates
-        in micro-batch order."""
-        queues = [deque(b_tasks), deque(f_tasks)]  # backward strand first
-        lengths = (len(b_tasks), len(f_tasks))
-        last_use: dict = {}  # trail: param id -> last position of strand 0 that accumulates into it
-        if trail:
-            for pos, t in enumerate(b_tasks):
-                for pid in self._op_weights.get((t.block, t.op_index), _NO_WEIGHTS).ids:
-                    last_use[pid] = pos
-        pending: list[tuple[Task, Pending] | None] = [None, None]
-        order: list[int] = []  # strands with a pending comm, in launch order
-
-        def may_go(s: int) -> bool:
-            if pending[s] is not None or not queues[s]:
-                return False
-            if trail and s == 1 and queues[0]:
-                done0 = lengths[0] - len(queues[0])  # tasks strand 0 has run or launched
-                head = queues[1][0]
-                return lengths[1] - len(queues[1]) < done0 and all(
-                    last_use.get(pid, -1) < done0
-                    for pid in self._op_weights.get((head.block, head.op_index), _NO_WEIGHTS).ids)
-            if s == 0 or not gated:
-                return True
-            f_slot = queues[1][0].slot
-            if self._deferred and self._deferred[0][0].slot < f_slot:
-                return False  # a finished slot's weight gradient still holds its activations
-            if not (queues[0] or pending[0]):
-                return True
-            b_slot = pending[0][0].slot if pending[0] is not None else queues[0][0].slot
-            return f_slot <= b_slot
-
-        while queues[0] or queues[1] or order:
-            if self.react:  # a strand whose collective has completed may go on
-                for s in list(order):
-                    task, p = pending[s]
-                    if p.work is not None and p.work.is_completed():
-                        pending[s] = None
-                        order.remove(s)
-                        self.finish_comm(task, p)
-            for s in (0, 1):  # launch every comm that has reached the head of its strand
-                while may_go(s) and queues[s][0].op.is_comm:
-                    task = queues[s].popleft()
-                    launched = self.launch_comm(task)
-                    if launched.work is None:  # nothing to wait for (e.g. a pass-through backward)
-                        self.finish_comm(task, launched)
-                        continue
-                    pending[s] = (task, launched)
-                    order.append(s)
-            runnable = [s for s in (0, 1) if may_go(s)]
-            if len(self._deferred) > self.MAX_DEFERRED:
-                self.run_deferred()
-                continue
-            if runnable:
-                if self.stream and len(runnable) == 2:  # nearest collective first (bench/replay.py models this rule)
-                    runnable.sort(key=lambda s: (_until_comm(queues[s]), s))
-                self.run_comp(queues[runnable[0]].popleft())
-                self._poll(pending)
-                continue
-            if self.run_deferred():  # both strands wait: fill with a weight gradient
-                self._poll(pending)
-                continue
-            if not order:  # everything finished in the reaction above
-                continue
-            s = order.pop(0)  # nothing to compute: wait for the oldest comm
-            task, p = pending[s]
-            pending[s] = None
-            self.finish_comm(task, p)
-
-    @staticmethod
-    def _poll(pending) -> None:
-        now = time.perf_counter()
-        for item in pending:
-            if item is not None and item[1].done_at is None and item[1].work is not None \
-                    and item[1].work.is_completed():
-                item[1].done_at = now
+        ``gated``: the forward strand stays within the backward strand's block depth; ``trail``:
+        two backward strands, the second trailing the first (see ``_Round``)."""
+        _Round(self, b_tasks, f_tasks, gated, trail).run()
 
     # ------------------------------------------------------------------ blocks and schedules
     def tasks(self, mb: MicroBatch, block: int, backward: bool, lo: int = 0, hi: int | None = None,
-              slot: int = 0, alt: bool = False):
+              depth: int = 0, swapped: bool = False):
         ops = self.graph.blocks[block]
         hi = len(ops) if hi is None else hi
         if not backward:
-            return [Task(mb, block, i, ops[i], False, slot, alt) for i in range(lo, hi)]
+            return [Task(mb, block, i, ops[i], False, depth, swapped) for i in range(lo, hi)]
         # backward positions index the reversed op list
         n = len(ops)
-        return [Task(mb, block, n - 1 - j, ops[n - 1 - j], True, slot, alt) for j in range(lo, hi)]
+        return [Task(mb, block, n - 1 - j, ops[n - 1 - j], True, depth, swapped) for j in range(lo, hi)]
 
-    def _strand(self, mb: MicroBatch, backward: bool, alt: bool = False) -> list[Task]:
+    def _strand(self, mb: MicroBatch, backward: bool, swapped: bool = False) -> list[Task]:
         """Every task of one micro-batch's forward (or backward, last block first)."""
         blocks = range(len(self.graph.blocks))
-        return [t for b in (reversed(blocks) if backward else blocks) for t in self.tasks(mb, b, backward, alt=alt)]
+        order = reversed(blocks) if backward else blocks
+        return [t for b in order for t in self.tasks(mb, b, backward, swapped=swapped)]
 
     def forward(self, mb: MicroBatch, blocks=None) -> None:
         """Forward of ``blocks`` (default: all) for one micro-batch, alone."""
         for block in (range(len(self.graph.blocks)) if blocks is None else blocks):
-            self.run_step([], self.tasks(mb, block, False))
+            self.run_round([], self.tasks(mb, block, False))
         mb.loss = mb.env.get("loss")
 
     def backward(self, mb: MicroBatch, seed: float | None, blocks=None) -> None:
@@ -440,7 +494,7 @@ class Executor:
         if seed is not None:
             self.start_backward(mb, seed)
         for block in (reversed(range(len(self.graph.blocks))) if blocks is None else blocks):
-            self.run_step(self.tasks(mb, block, True), [])
+            self.run_round(self.tasks(mb, block, True), [])
         self.drain_deferred()
 
     def start_backward(self, mb: MicroBatch, seed: float) -> None:
@@ -456,7 +510,7 @@ class Executor:
 
     def pair_forwards(self, first: MicroBatch, second: MicroBatch) -> None:
         """The forwards of two micro-batches co-executed (``pair_ends``: the step's first two)."""
-        self.run_step(self._strand(first, False), self._strand(second, False, alt=True))
+        self.run_round(self._strand(first, False), self._strand(second, False, swapped=True))
         first.loss, second.loss = first.env.get("loss"), second.env.get("loss")
 
     def pair_backwards(self, first: MicroBatch, second: MicroBatch, seed: float) -> None:
@@ -464,20 +518,20 @@ class Executor:
         ``second`` trails ``first`` op by op, so gradients accumulate in micro-batch order."""
         self.start_backward(first, seed)
         self.start_backward(second, seed)
-        self.run_step(self._strand(first, True), self._strand(second, True, alt=True), trail=True)
+        self.run_round(self._strand(first, True), self._strand(second, True, swapped=True), trail=True)
         self.drain_deferred()
 
     def co_execute(self, f_mb: MicroBatch, f_blocks: list[int], b_mb: MicroBatch, b_blocks: list[int]) -> None:
         """Forward ``f_blocks`` (in order) of ``f_mb`` together with backward ``b_blocks`` (in the
-        order given, i.e. last layer first) of ``b_mb``. Stream (no plan): both as one step. With a
-        plan: the j-th forward block runs beside the j-th backward block; two decoder layers run by
-        the SI plan, anything else as one step (backward ops first); the longer list's surplus runs
-        alone."""
+        order given, i.e. last layer first) of ``b_mb``. Reactive (no plan): both as one round. With
+        a plan: the j-th forward block runs beside the j-th backward block; two decoder layers run
+        by the SI plan's rounds, anything else as one round (backward ops first); the longer list's
+        surplus runs alone."""
         nb = len(self.graph.blocks)
-        if self.stream:
-            self.run_step([t for j, bb in enumerate(b_blocks) for t in self.tasks(b_mb, bb, True, slot=j)],
-                          [t for j, fb in enumerate(f_blocks) for t in self.tasks(f_mb, fb, False, slot=j)],
-                          gated=True)
+        if self.reactive:
+            self.run_round([t for j, bb in enumerate(b_blocks) for t in self.tasks(b_mb, bb, True, depth=j)],
+                           [t for j, fb in enumerate(f_blocks) for t in self.tasks(f_mb, fb, False, depth=j)],
+                           gated=True)
             self.drain_deferred()
             return
         for j in range(max(len(f_blocks), len(b_blocks))):
@@ -485,11 +539,11 @@ class Executor:
             bb = b_blocks[j] if j < len(b_blocks) else None
             both_layers = fb is not None and bb is not None and 0 < fb < nb - 1 and 0 < bb < nb - 1
             if both_layers and self.plan is not None:
-                for st in self.plan.steps:
-                    self.run_step(self.tasks(b_mb, bb, True, *st.bwd), self.tasks(f_mb, fb, False, *st.fwd))
+                for r in self.plan.rounds:
+                    self.run_round(self.tasks(b_mb, bb, True, *r.bwd), self.tasks(f_mb, fb, False, *r.fwd))
             else:
-                self.run_step(self.tasks(b_mb, bb, True) if bb is not None else [],
-                              self.tasks(f_mb, fb, False) if fb is not None else [])
+                self.run_round(self.tasks(b_mb, bb, True) if bb is not None else [],
+                               self.tasks(f_mb, fb, False) if fb is not None else [])
 
     def run_microbatches(self, batches: list[dict], schedule: str, seed: float) -> list[MicroBatch]:
         """Forward and backward of every micro-batch under ``schedule`` ("sequential" or "si")."""
@@ -529,7 +583,7 @@ class Executor:
         """Sum the step's gradients of TP-replicated weights over the TP group (one blocking
         all-reduce, counted as exposed communication; traced as part of the backward strand of the
         step's last micro-batch)."""
-        if self.graph.replicated is None or not self.grad_enabled:
+        if self.graph.replicated is None or not self._grad:
             return
         t0 = time.perf_counter()
         nbytes = self.graph.replicated.all_reduce()
@@ -555,14 +609,3 @@ class Executor:
     def _args(t: Task) -> dict:
         return {"strand": t.strand, "microbatch": t.mb.index, "block": t.block, "op": t.op.name,
                 "direction": "backward" if t.backward else "forward"}
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()

@@ -25,7 +25,8 @@ class Op:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     fn: Callable | None = None  # COMP only
-    comm: object | None = None  # COMM only: body with forward(x, side) / backward(grad, side) -> Pending
+    comm: object | None = None  # COMM only: body with forward / backward(x, side, channel) -> Pending
+    linear: bool = False  # COMP: linear on the way to its weights (matmuls, views, row selection)
 
     @property
     def is_comm(self) -> bool:
@@ -36,8 +37,12 @@ class Op:
         return OpSpec(self.name, self.kind)
 
 
-def comp(name, inputs, outputs, fn) -> Op:
-    return Op(name, OpKind.COMP, tuple(inputs), tuple(outputs), fn=fn)
+def comp(name, inputs, outputs, fn, linear: bool = False) -> Op:
+    """A COMP op ``outputs = fn(side, *inputs)``. ``linear``: every autograd step between its
+    outputs and its weights is linear (a projection and views or row selection, no activation or
+    norm on that path), so the executor may compute its weight gradient as a later, separate pass
+    that costs only the weight matmuls (see ``Executor``)."""
+    return Op(name, OpKind.COMP, tuple(inputs), tuple(outputs), fn=fn, linear=linear)
 
 
 def comm(name, body, src, dst) -> Op:

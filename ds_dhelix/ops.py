@@ -39,20 +39,20 @@ def backward_order(ops: tuple[OpSpec, ...]) -> tuple[OpSpec, ...]:
     return tuple(reversed(ops))
 
 
-def comm_groups(ops: tuple[OpSpec, ...]) -> list[tuple[int, int]]:
-    """Split an op list into groups delimited by communication ops.
+def comm_runs(ops: tuple[OpSpec, ...]) -> list[tuple[int, int]]:
+    """Split an op list into runs delimited by communication ops (the paper's operator groups).
 
-    Every COMM op is a group of its own; each maximal run of COMP ops between them is one group.
+    Every COMM op is a run of its own; each maximal stretch of COMP ops between them is one run.
     Returns half-open index ranges ``(start, stop)`` in order, covering the whole list.
     """
-    groups: list[tuple[int, int]] = []
+    runs: list[tuple[int, int]] = []
     start = 0
     for i, op in enumerate(ops):
         if op.is_comm:
             if start < i:
-                groups.append((start, i))
-            groups.append((i, i + 1))
+                runs.append((start, i))
+            runs.append((i, i + 1))
             start = i + 1
     if start < len(ops):
-        groups.append((start, len(ops)))
-    return groups
+        runs.append((start, len(ops)))
+    return runs

@@ -1,15 +1,15 @@
 """SIPlan: how one forward op list and one backward op list are co-executed.
 
-A plan is a list of steps. Each step pairs a contiguous forward segment ``[f0, f1)`` with a
-contiguous backward segment ``[b0, b1)`` (either may be empty). Steps run one after another with a
-barrier between them; inside a step, communication ops are launched asynchronously and the other
-strand's compute runs meanwhile. The segments of all steps cover both op lists in order::
+A plan is a list of rounds. Each round runs a contiguous forward segment ``[f0, f1)`` together
+with a contiguous backward segment ``[b0, b1)`` (either may be empty). Rounds run one after another
+with a barrier between them; inside a round, communication ops are launched asynchronously and the
+other strand's compute runs meanwhile. The segments of all rounds cover both op lists in order::
 
-    step   compute lane             communication lane
+    round  compute lane             communication lane
        0   F attn.norm              .                      <- forward compute alone
        1   B mlp.add                F attn.ag              <- F's all-gather hides under B's compute
        2   F attn.qkv..attn.out     B mlp.rs
-       ── barrier between steps; within a strand, ops run in list order ──
+       ── barrier between rounds; within a strand, ops run in list order ──
 
 Plans are data: JSON round trip (``to_json``/``from_json``, ``save``/``load``), a ``fingerprint``
 that all ranks compare before running, and a text timeline (``render_text``). ``sequential_plan``
@@ -21,19 +21,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .ops import OpKind, OpSpec, comm_groups
+from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
+from .ops import OpKind, OpSpec, comm_runs
 
 PLAN_FORMAT = "dhelix.si_plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""2: ``rounds`` (version 1 called them ``steps``; still read)."""
 
 
 @dataclass(frozen=True)
-class PlanStep:
+class Round:
+    """A forward segment and a backward segment run together, up to a barrier."""
+
     fwd: tuple[int, int]  # half-open index range into the forward op list
     bwd: tuple[int, int]  # half-open index range into the backward op list
 
@@ -45,11 +47,11 @@ def segment_has_comm(ops: Sequence[OpSpec], seg: tuple[int, int]) -> bool:
 
 @dataclass(frozen=True)
 class SIPlan:
-    """Steps over ``fwd_ops`` (forward order) and ``bwd_ops`` (backward order)."""
+    """Rounds over ``fwd_ops`` (forward order) and ``bwd_ops`` (backward order)."""
 
     fwd_ops: tuple[OpSpec, ...]
     bwd_ops: tuple[OpSpec, ...]
-    steps: tuple[PlanStep, ...]
+    rounds: tuple[Round, ...]
     predicted_ms: float | None = None
     source: str = "default"  # "default", "dp", "sequential", "random", "exhaustive"
     meta: dict = field(default_factory=dict, compare=False, hash=False)
@@ -58,36 +60,36 @@ class SIPlan:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError unless the steps cover both op lists contiguously and in order."""
+        """Raise ValueError unless the rounds cover both op lists contiguously and in order."""
         f = b = 0
-        for k, st in enumerate(self.steps):
-            if st.fwd[0] != f or st.bwd[0] != b or st.fwd[1] < st.fwd[0] or st.bwd[1] < st.bwd[0]:
-                raise ValueError(f"plan step {k} {st} does not continue at fwd={f}, bwd={b}")
-            if st.fwd[0] == st.fwd[1] and st.bwd[0] == st.bwd[1]:
-                raise ValueError(f"plan step {k} is empty")
-            f, b = st.fwd[1], st.bwd[1]
+        for k, r in enumerate(self.rounds):
+            if r.fwd[0] != f or r.bwd[0] != b or r.fwd[1] < r.fwd[0] or r.bwd[1] < r.bwd[0]:
+                raise ValueError(f"plan round {k} {r} does not continue at fwd={f}, bwd={b}")
+            if r.fwd[0] == r.fwd[1] and r.bwd[0] == r.bwd[1]:
+                raise ValueError(f"plan round {k} is empty")
+            f, b = r.fwd[1], r.bwd[1]
         if f != len(self.fwd_ops) or b != len(self.bwd_ops):
             raise ValueError(
                 f"plan covers {f}/{len(self.fwd_ops)} forward and {b}/{len(self.bwd_ops)} backward ops")
 
     def comm_conflicts(self) -> list[int]:
-        """Indices of the steps that communicate on both strands at once (planners avoid these)."""
-        return [k for k, st in enumerate(self.steps)
-                if segment_has_comm(self.fwd_ops, st.fwd) and segment_has_comm(self.bwd_ops, st.bwd)]
+        """Indices of the rounds that communicate on both strands at once (planners avoid these)."""
+        return [k for k, r in enumerate(self.rounds)
+                if segment_has_comm(self.fwd_ops, r.fwd) and segment_has_comm(self.bwd_ops, r.bwd)]
 
     # ---- JSON -----------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict: op names and kinds, steps (ranges plus their op names), annotations."""
+        """A JSON-ready dict: op names and kinds, rounds (ranges plus their op names), annotations."""
         return {
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
-            "fwd_ops": _ops_to_json(self.fwd_ops),
-            "bwd_ops": _ops_to_json(self.bwd_ops),
-            "steps": [{"fwd": list(st.fwd), "bwd": list(st.bwd),
-                       "fwd_ops": [op.name for op in self.fwd_ops[st.fwd[0]:st.fwd[1]]],
-                       "bwd_ops": [op.name for op in self.bwd_ops[st.bwd[0]:st.bwd[1]]]}
-                      for st in self.steps],
+            "fwd_ops": ops_to_json(self.fwd_ops),
+            "bwd_ops": ops_to_json(self.bwd_ops),
+            "rounds": [{"fwd": list(r.fwd), "bwd": list(r.bwd),
+                        "fwd_ops": [op.name for op in self.fwd_ops[r.fwd[0]:r.fwd[1]]],
+                        "bwd_ops": [op.name for op in self.bwd_ops[r.bwd[0]:r.bwd[1]]]}
+                       for r in self.rounds],
             "predicted_ms": self.predicted_ms,
             "source": self.source,
             "meta": self.meta,
@@ -95,20 +97,20 @@ class SIPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "SIPlan":
-        """Inverse of ``to_dict``; ValueError on a wrong format or step op names that disagree."""
-        _check_format(data, PLAN_FORMAT, PLAN_VERSION, "plan")
-        fwd_ops, bwd_ops = _ops_from_json(data["fwd_ops"]), _ops_from_json(data["bwd_ops"])
-        steps = []
-        for k, st in enumerate(data["steps"]):
-            step = PlanStep(fwd=_range(st["fwd"]), bwd=_range(st["bwd"]))
-            for side, ops, seg in (("fwd_ops", fwd_ops, step.fwd), ("bwd_ops", bwd_ops, step.bwd)):
+        """Inverse of ``to_dict``; ValueError on a wrong format or round op names that disagree."""
+        version = check_format(data, PLAN_FORMAT, (1, PLAN_VERSION), "plan")
+        fwd_ops, bwd_ops = ops_from_json(data["fwd_ops"]), ops_from_json(data["bwd_ops"])
+        rounds = []
+        for k, item in enumerate(data["rounds" if version >= 2 else "steps"]):
+            r = Round(fwd=parse_range(item["fwd"]), bwd=parse_range(item["bwd"]))
+            for key, ops, seg in (("fwd_ops", fwd_ops, r.fwd), ("bwd_ops", bwd_ops, r.bwd)):
                 names = [op.name for op in ops[seg[0]:seg[1]]]
-                if side in st and list(st[side]) != names:
-                    raise ValueError(f"plan step {k}: {side} {st[side]} disagree with range {list(seg)}"
+                if key in item and list(item[key]) != names:
+                    raise ValueError(f"plan round {k}: {key} {item[key]} disagree with range {list(seg)}"
                                      f" which holds {names}")
-            steps.append(step)
+            rounds.append(r)
         predicted = data.get("predicted_ms")
-        return cls(fwd_ops, bwd_ops, tuple(steps),
+        return cls(fwd_ops, bwd_ops, tuple(rounds),
                    predicted_ms=None if predicted is None else float(predicted),
                    source=data.get("source", "default"), meta=dict(data.get("meta") or {}))
 
@@ -129,151 +131,110 @@ class SIPlan:
             return cls.from_json(fh.read())
 
     def fingerprint(self) -> str:
-        """sha256 (hex) over what runs: op names, kinds and the steps' ranges.
+        """sha256 (hex) over what runs: op names, kinds and the rounds' ranges.
 
         ``predicted_ms``, ``source`` and ``meta`` are annotations and do not change it, so two ranks
         that must issue the same collectives in the same order compare exactly what matters.
         """
-        content = {"fwd_ops": _ops_to_json(self.fwd_ops), "bwd_ops": _ops_to_json(self.bwd_ops),
-                   "steps": [[*st.fwd, *st.bwd] for st in self.steps]}
+        content = {"fwd_ops": ops_to_json(self.fwd_ops), "bwd_ops": ops_to_json(self.bwd_ops),
+                   "rounds": [[*r.fwd, *r.bwd] for r in self.rounds]}
         blob = json.dumps(content, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
     # ---- text timeline --------------------------------------------------------------------
 
-    def render_text(self, step_ms: Sequence[float] | None = None) -> str:
-        """One row per step with a compute lane and a communication lane.
+    def render_text(self, round_ms: Sequence[float] | None = None) -> str:
+        """One row per round with a compute lane and a communication lane.
 
         Forward-strand ops are tagged ``F``, backward-strand ops ``B``; ``.`` marks an idle lane.
-        ``step_ms`` (one number per step, e.g. from ``planner.step_costs``) adds a time column.
+        ``round_ms`` (one number per round, e.g. from ``planner.round_costs``) adds a time column.
         """
-        if step_ms is not None and len(step_ms) != len(self.steps):
-            raise ValueError(f"step_ms has {len(step_ms)} values for {len(self.steps)} steps")
+        if round_ms is not None and len(round_ms) != len(self.rounds):
+            raise ValueError(f"round_ms has {len(round_ms)} values for {len(self.rounds)} rounds")
         rows = []
-        for st in self.steps:
+        for r in self.rounds:
             lanes = {OpKind.COMP: [], OpKind.COMM: []}
-            for tag, ops, seg in (("F", self.fwd_ops, st.fwd), ("B", self.bwd_ops, st.bwd)):
+            for tag, ops, seg in (("F", self.fwd_ops, r.fwd), ("B", self.bwd_ops, r.bwd)):
                 for kind in lanes:
                     names = [op.name for op in ops[seg[0]:seg[1]] if op.kind is kind]
                     if names:
                         lanes[kind].append(f"{tag} " + " ".join(names))
             rows.append((" | ".join(lanes[OpKind.COMP]) or ".", " | ".join(lanes[OpKind.COMM]) or "."))
         width = max([len("compute lane")] + [len(r[0]) for r in rows])
-        ms_head = "        ms" if step_ms is not None else ""
-        head = (f"SIPlan source={self.source} steps={len(self.steps)} "
+        ms_head = "        ms" if round_ms is not None else ""
+        head = (f"SIPlan source={self.source} rounds={len(self.rounds)} "
                 f"predicted_ms={_fmt_ms(self.predicted_ms)} fingerprint={self.fingerprint()[:12]}")
-        lines = [head, f"step{ms_head}  {'compute lane':<{width}}  communication lane"]
+        lines = [head, f"round{ms_head}  {'compute lane':<{width}}  communication lane"]
         for k, (comp, comm) in enumerate(rows):
-            ms = f"  {step_ms[k]:8.3f}" if step_ms is not None else ""
-            lines.append(f"{k:4d}{ms}  {comp:<{width}}  {comm}")
+            ms = f"  {round_ms[k]:8.3f}" if round_ms is not None else ""
+            lines.append(f"{k:5d}{ms}  {comp:<{width}}  {comm}")
         return "\n".join(lines)
 
 
 def sequential_plan(fwd_ops: Sequence[OpSpec], bwd_ops: Sequence[OpSpec]) -> SIPlan:
-    """No co-execution: one step with the whole forward list, then one with the whole backward list."""
+    """No co-execution: one round with the whole forward list, then one with the whole backward list."""
     fwd_ops, bwd_ops = tuple(fwd_ops), tuple(bwd_ops)
     nf, nb = len(fwd_ops), len(bwd_ops)
-    steps = []
+    rounds = []
     if nf:
-        steps.append(PlanStep(fwd=(0, nf), bwd=(0, 0)))
+        rounds.append(Round(fwd=(0, nf), bwd=(0, 0)))
     if nb:
-        steps.append(PlanStep(fwd=(nf, nf), bwd=(0, nb)))
-    return SIPlan(fwd_ops, bwd_ops, tuple(steps), source="sequential")
+        rounds.append(Round(fwd=(nf, nf), bwd=(0, nb)))
+    return SIPlan(fwd_ops, bwd_ops, tuple(rounds), source="sequential")
 
 
 def default_plan(fwd_ops: Sequence[OpSpec], bwd_ops: Sequence[OpSpec]) -> SIPlan:
     """The fixed plan used before any profiling: hide each COMM op under the other strand's compute.
 
-    Both lists are cut into the groups of ``comm_groups`` (each COMM op alone, each run of COMP ops
-    between them one group) and walked head by head. Pairing rule, at each step:
+    Both lists are cut into the runs of ``comm_runs`` (each COMM op alone, each stretch of COMP ops
+    between them one run) and walked head by head. Pairing rule, at each round:
 
-    * heads of different kinds (one COMM, one COMP group): pair them -- the communication of one
-      strand runs under a whole compute group of the other (e.g. forward ``attn.ag`` with the
-      backward ``mlp.add`` group, backward ``mlp.rs`` with the forward ``attn.qkv..attn.out`` group);
+    * heads of different kinds (one COMM, one COMP run): pair them -- the communication of one
+      strand runs under a whole compute run of the other (e.g. forward ``attn.ag`` with the
+      backward ``mlp.add`` run, backward ``mlp.rs`` with the forward ``attn.qkv..attn.out`` run);
     * heads of the same kind (both compute, or both COMM): run the forward head alone. This shifts the
       strands by half a phase, so the next heads differ in kind and pair again. A layer's backward
       list is its forward list reversed, so after one such shift every COMM op finds compute;
     * one list exhausted: the rest of the other list runs alone.
 
-    Consecutive alone steps of the same strand merge into one step. No step communicates on both
-    strands; every op is covered once, in order.
+    Consecutive alone rounds of the same strand merge into one round. No round communicates on
+    both strands; every op is covered once, in order.
     """
     fwd_ops, bwd_ops = tuple(fwd_ops), tuple(bwd_ops)
-    fg, bg = comm_groups(fwd_ops), comm_groups(bwd_ops)
+    fg, bg = comm_runs(fwd_ops), comm_runs(bwd_ops)
     p = q = 0
-    steps: list[PlanStep] = []
+    rounds: list[Round] = []
     while p < len(fg) or q < len(bg):
         f = fg[p] if p < len(fg) else None
         b = bg[q] if q < len(bg) else None
         if f and b and segment_has_comm(fwd_ops, f) != segment_has_comm(bwd_ops, b):
-            steps.append(PlanStep(fwd=f, bwd=b))
+            rounds.append(Round(fwd=f, bwd=b))
             p, q = p + 1, q + 1
         elif f:
             at = b[0] if b else len(bwd_ops)
-            _append_alone(steps, PlanStep(fwd=f, bwd=(at, at)))
+            _append_alone(rounds, Round(fwd=f, bwd=(at, at)))
             p += 1
         else:
             at = len(fwd_ops)
-            _append_alone(steps, PlanStep(fwd=(at, at), bwd=b))
+            _append_alone(rounds, Round(fwd=(at, at), bwd=b))
             q += 1
-    return SIPlan(fwd_ops, bwd_ops, tuple(steps), source="default")
+    return SIPlan(fwd_ops, bwd_ops, tuple(rounds), source="default")
 
 
-def _append_alone(steps: list[PlanStep], step: PlanStep) -> None:
-    """Append an alone step, merging it into the previous step if that ran the same strand alone."""
-    if steps:
-        last = steps[-1]
-        fwd_alone = last.bwd[0] == last.bwd[1] and step.bwd[0] == step.bwd[1]
-        bwd_alone = last.fwd[0] == last.fwd[1] and step.fwd[0] == step.fwd[1]
-        if fwd_alone and last.fwd[1] == step.fwd[0] and last.bwd == step.bwd:
-            steps[-1] = PlanStep(fwd=(last.fwd[0], step.fwd[1]), bwd=last.bwd)
+def _append_alone(rounds: list[Round], new: Round) -> None:
+    """Append an alone round, merging it into the previous round if that ran the same strand alone."""
+    if rounds:
+        last = rounds[-1]
+        fwd_alone = last.bwd[0] == last.bwd[1] and new.bwd[0] == new.bwd[1]
+        bwd_alone = last.fwd[0] == last.fwd[1] and new.fwd[0] == new.fwd[1]
+        if fwd_alone and last.fwd[1] == new.fwd[0] and last.bwd == new.bwd:
+            rounds[-1] = Round(fwd=(last.fwd[0], new.fwd[1]), bwd=last.bwd)
             return
-        if bwd_alone and last.bwd[1] == step.bwd[0] and last.fwd == step.fwd:
-            steps[-1] = PlanStep(fwd=last.fwd, bwd=(last.bwd[0], step.bwd[1]))
+        if bwd_alone and last.bwd[1] == new.bwd[0] and last.fwd == new.fwd:
+            rounds[-1] = Round(fwd=last.fwd, bwd=(last.bwd[0], new.bwd[1]))
             return
-    steps.append(step)
-
-
-# ---- JSON helpers shared with planner.OverlapTable -----------------------------------------
-
-def _ops_to_json(ops: Sequence[OpSpec]) -> list[dict]:
-    return [{"name": op.name, "kind": op.kind.value} for op in ops]
-
-
-def _ops_from_json(items) -> tuple[OpSpec, ...]:
-    try:
-        return tuple(OpSpec(str(it["name"]), OpKind(it["kind"])) for it in items)
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"bad op list entry ({err}); expected {{'name': str, 'kind': 'comp'|'comm'}}")
-
-
-def _range(value) -> tuple[int, int]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(isinstance(v, int) for v in value):
-        raise ValueError(f"expected a range [start, stop] of two ints, got {value!r}")
-    return int(value[0]), int(value[1])
-
-
-def _check_format(data: dict, fmt: str, version: int, what: str) -> None:
-    if not isinstance(data, dict) or data.get("format") != fmt:
-        got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"not a {what} file: format is {got!r}, expected {fmt!r}")
-    if data.get("version") != version:
-        raise ValueError(f"{what} version {data.get('version')!r} is not supported (expected {version})")
+    rounds.append(new)
 
 
 def _fmt_ms(ms: float | None) -> str:
     return "n/a" if ms is None else f"{ms:.3f}"
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

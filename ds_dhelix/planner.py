@@ -2,8 +2,8 @@
 
 An ``OverlapTable`` holds, for one layer type on one machine/shape/parallel layout, the time of each
 candidate forward segment alone, each candidate backward segment alone, and each (forward, backward)
-segment pair co-executed. Candidate segments are contiguous runs of ops inside one group of
-``ops.comm_groups`` (a COMM op is a segment on its own), as in the paper.
+segment pair co-executed. Candidate segments are contiguous stretches of ops inside one run of
+``ops.comm_runs`` (a COMM op is a segment on its own), as in the paper.
 
 The planner walks the grid of states ``(i, j)`` = (forward ops done, backward ops done)::
 
@@ -26,9 +26,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .ops import OpSpec, comm_groups, op_specs
-from .plan import (PlanStep, SIPlan, _check_format, _ops_from_json, _ops_to_json, _range,
-                   segment_has_comm, write_atomic)
+from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
+from .ops import OpSpec, comm_runs, op_specs
+from .plan import Round, SIPlan, segment_has_comm
 
 Segment = tuple[int, int]  # half-open range of op indices
 
@@ -38,17 +38,17 @@ REPROFILE_HINT = "re-profile (dhelix profile ...) or use planner.profile=off"
 
 
 def candidate_segments(ops: Sequence[OpSpec]) -> list[Segment]:
-    """Every contiguous run of ops inside one group of ``comm_groups(ops)``, in order."""
+    """Every contiguous stretch of ops inside one run of ``comm_runs(ops)``, in order."""
     return [(start, stop)
-            for g0, g1 in comm_groups(tuple(ops))
+            for g0, g1 in comm_runs(tuple(ops))
             for start in range(g0, g1)
             for stop in range(start + 1, g1 + 1)]
 
 
-def split_at_groups(ops: Sequence[OpSpec], seg: Segment) -> list[Segment]:
-    """Cut ``seg`` at group boundaries; each piece is a candidate segment."""
+def split_at_runs(ops: Sequence[OpSpec], seg: Segment) -> list[Segment]:
+    """Cut ``seg`` at run boundaries; each piece is a candidate segment."""
     return [(max(seg[0], g0), min(seg[1], g1))
-            for g0, g1 in comm_groups(tuple(ops)) if g0 < seg[1] and seg[0] < g1]
+            for g0, g1 in comm_runs(tuple(ops)) if g0 < seg[1] and seg[0] < g1]
 
 
 def op_names(ops: Sequence[OpSpec], seg: Segment) -> list[str]:
@@ -123,18 +123,18 @@ class OverlapTable:
                 entry["ratio"] = ms / (a + b) if a + b > 0 else None
             pairs.append(entry)
         return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "meta": self.meta,
-                "fwd_ops": _ops_to_json(self.fwd_ops), "bwd_ops": _ops_to_json(self.bwd_ops),
+                "fwd_ops": ops_to_json(self.fwd_ops), "bwd_ops": ops_to_json(self.bwd_ops),
                 "fwd_alone": alone(self.fwd_ops, self.fwd_alone_ms),
                 "bwd_alone": alone(self.bwd_ops, self.bwd_alone_ms), "pairs": pairs}
 
     @classmethod
     def from_dict(cls, data: dict) -> "OverlapTable":
         """Inverse of ``to_dict``; ValueError when op names disagree with the ranges."""
-        _check_format(data, TABLE_FORMAT, TABLE_VERSION, "overlap table")
-        fwd_ops, bwd_ops = _ops_from_json(data["fwd_ops"]), _ops_from_json(data["bwd_ops"])
+        check_format(data, TABLE_FORMAT, (TABLE_VERSION,), "overlap table")
+        fwd_ops, bwd_ops = ops_from_json(data["fwd_ops"]), ops_from_json(data["bwd_ops"])
 
         def seg_of(entry, key, names_key, ops):
-            seg = _range(entry[key])
+            seg = parse_range(entry[key])
             names = [op.name for op in ops[seg[0]:seg[1]]]
             if names_key in entry and list(entry[names_key]) != names:
                 raise ValueError(f"table entry {key}={list(seg)} names {entry[names_key]} but the op "
@@ -160,8 +160,8 @@ _MISSING = object()
 
 def _check_segment(seg, cands: set, what: str) -> None:
     if seg not in cands:
-        raise ValueError(f"{what} segment {seg} is not a candidate segment (a contiguous run inside "
-                         "one comm group); see planner.candidate_segments")
+        raise ValueError(f"{what} segment {seg} is not a candidate segment (a contiguous stretch inside "
+                         "one comm run); see planner.candidate_segments")
 
 
 def _check_ms(ms, what: str) -> None:
@@ -171,11 +171,11 @@ def _check_ms(ms, what: str) -> None:
 
 # ---- cost model --------------------------------------------------------------------------
 
-def step_ms(table: OverlapTable, fwd: Segment, bwd: Segment) -> float:
-    """Cost of one step under the table: the pair time, or the alone time of the non-empty side.
+def round_ms(table: OverlapTable, fwd: Segment, bwd: Segment) -> float:
+    """Cost of one round under the table: the pair time, or the alone time of the non-empty side.
 
-    An alone segment that spans several groups (as in ``sequential_plan``) costs the sum of its
-    pieces cut at group boundaries: running ops alone back to back gains nothing from a barrier.
+    An alone segment that spans several runs (as in ``sequential_plan``) costs the sum of its
+    pieces cut at run boundaries: running ops alone back to back gains nothing from a barrier.
     """
     f_empty, b_empty = fwd[0] == fwd[1], bwd[0] == bwd[1]
     if not f_empty and not b_empty:
@@ -189,7 +189,7 @@ def step_ms(table: OverlapTable, fwd: Segment, bwd: Segment) -> float:
     ops, entries, seg, what = ((table.fwd_ops, table.fwd_alone_ms, fwd, "forward") if b_empty
                                else (table.bwd_ops, table.bwd_alone_ms, bwd, "backward"))
     total = 0.0
-    for piece in split_at_groups(ops, seg):
+    for piece in split_at_runs(ops, seg):
         ms = entries.get(piece)
         if ms is None:
             raise ValueError(f"{what} segment {op_names(ops, piece)} alone is not in the overlap table")
@@ -197,18 +197,18 @@ def step_ms(table: OverlapTable, fwd: Segment, bwd: Segment) -> float:
     return total
 
 
-def step_costs(table: OverlapTable, plan: SIPlan) -> list[float]:
-    """The cost of each step of ``plan``; ValueError when the plan's op lists differ from the table's."""
+def round_costs(table: OverlapTable, plan: SIPlan) -> list[float]:
+    """The cost of each round of ``plan``; ValueError when the plan's op lists differ from the table's."""
     if plan.fwd_ops != table.fwd_ops or plan.bwd_ops != table.bwd_ops:
         raise ValueError("plan and overlap table are for different op lists: plan "
                          f"{[o.name for o in plan.fwd_ops]}, table {[o.name for o in table.fwd_ops]}")
-    return [step_ms(table, st.fwd, st.bwd) for st in plan.steps]
+    return [round_ms(table, r.fwd, r.bwd) for r in plan.rounds]
 
 
 def predict_ms(table: OverlapTable, plan: SIPlan) -> float:
-    """Predicted makespan of ``plan``: the sum of its step costs (steps are barrier-separated)."""
+    """Predicted makespan of ``plan``: the sum of its round costs (rounds are barrier-separated)."""
     total = 0.0
-    for ms in step_costs(table, plan):
+    for ms in round_costs(table, plan):
         total += ms
     return total
 
@@ -243,8 +243,8 @@ def _moves(table: OverlapTable) -> dict[tuple[int, int], list[Move]]:
 
 def _plan_from_states(table: OverlapTable, states: list[tuple[int, int]], predicted: float,
                       source: str) -> SIPlan:
-    steps = tuple(PlanStep(fwd=(i, i2), bwd=(j, j2)) for (i, j), (i2, j2) in zip(states, states[1:]))
-    return SIPlan(table.fwd_ops, table.bwd_ops, steps, predicted_ms=predicted, source=source,
+    rounds = tuple(Round(fwd=(i, i2), bwd=(j, j2)) for (i, j), (i2, j2) in zip(states, states[1:]))
+    return SIPlan(table.fwd_ops, table.bwd_ops, rounds, predicted_ms=predicted, source=source,
                   meta={"table_meta": dict(table.meta)})
 
 
@@ -301,7 +301,7 @@ def plan_exhaustive(table: OverlapTable, max_plans: int = EXHAUSTIVE_MAX_PLANS) 
     """The reference: enumerate every valid plan one by one (no memoization) and keep the cheapest.
 
     Written independently of ``plan_dp``: at each state it tries every candidate segment of each
-    list and every pair of them, and prices each step with ``step_ms``. Refuses (ValueError) op
+    list and every pair of them, and prices each round with ``round_ms``. Refuses (ValueError) op
     lists longer than ``EXHAUSTIVE_MAX_OPS`` or tables with more than ``max_plans`` plans. Ties keep
     the first plan found.
     """
@@ -330,7 +330,7 @@ def plan_exhaustive(table: OverlapTable, max_plans: int = EXHAUSTIVE_MAX_PLANS) 
             return
         for f, b in steps_from(i, j):
             path.append((f[1], b[1]))
-            visit(f[1], b[1], cost + step_ms(table, f, b))
+            visit(f[1], b[1], cost + round_ms(table, f, b))
             path.pop()
 
     visit(0, 0, 0.0)
@@ -360,16 +360,17 @@ def random_plan(table: OverlapTable, rng: random.Random) -> SIPlan:
 
 # ---- synthetic tables (tests and the CLI demo; not measurements) ------------------------
 
-# One Llama decoder layer with TP=8 and sequence parallelism (Megatron-style): every TP collective
-# is an explicit op. attn.norm is the input RMSNorm; mlp.norm also adds the attention residual.
+# The op list of one Llama decoder layer under TP + sequence parallelism, as the Llama adapter
+# (hf_models/llama.py) emits it: every TP collective is an explicit op. attn.norm is the input
+# RMSNorm; mlp.norm also adds the attention residual.
 LLAMA_LAYER_OPS = op_specs([
-    ("attn.norm", "comp"), ("attn.ag", "comm"), ("attn.qkv", "comp"), ("attn.rope", "comp"),
-    ("attn.core", "comp"), ("attn.out", "comp"), ("attn.rs", "comm"), ("mlp.norm", "comp"),
-    ("mlp.ag", "comm"), ("mlp.gate_up", "comp"), ("mlp.act", "comp"), ("mlp.down", "comp"),
-    ("mlp.rs", "comm"), ("mlp.add", "comp")])
+    ("attn.norm", "comp"), ("attn.ag", "comm"), ("attn.qkv", "comp"), ("attn.core", "comp"),
+    ("attn.out", "comp"), ("attn.rs", "comm"), ("mlp.norm", "comp"), ("mlp.ag", "comm"),
+    ("mlp.up", "comp"), ("mlp.down", "comp"), ("mlp.rs", "comm"), ("mlp.add", "comp")])
 
-# The same layer with finer compute ops (separate projections, rope per tensor, residual split).
-LLAMA_LAYER_OPS_FINE = op_specs([
+# A hypothetical finer split of the same layer (no adapter emits it): separate projections, rope
+# per tensor, residual split. It shows how the planner scales with longer op lists.
+FINE_LAYER_OPS = op_specs([
     ("attn.norm", "comp"), ("attn.ag", "comm"), ("attn.q", "comp"), ("attn.k", "comp"),
     ("attn.v", "comp"), ("attn.rope_q", "comp"), ("attn.rope_k", "comp"), ("attn.core", "comp"),
     ("attn.out", "comp"), ("attn.rs", "comm"), ("attn.add", "comp"), ("mlp.norm", "comp"),
@@ -382,11 +383,13 @@ TINY_LAYER_OPS = op_specs([("mlp.norm", "comp"), ("mlp.ag", "comm"), ("mlp.up", 
 # Illustrative forward times (ms) for Llama-70B (h=8192, ffn=28672, 64 heads / 8 kv heads),
 # seq 4096, micro-batch 1, bf16, TP=8 + SP on an NVLink node. Rough estimates, not measurements.
 LLAMA70B_FWD_MS = {
-    "attn.norm": 0.03, "attn.ag": 0.45, "attn.qkv": 0.16, "attn.rope": 0.04, "attn.core": 0.22,
-    "attn.out": 0.12, "attn.rs": 0.45, "mlp.norm": 0.04, "mlp.ag": 0.45, "mlp.gate_up": 0.85,
-    "mlp.act": 0.05, "mlp.down": 0.43, "mlp.rs": 0.45, "mlp.add": 0.02,
+    "attn.norm": 0.03, "attn.ag": 0.45, "attn.qkv": 0.16, "attn.core": 0.26, "attn.out": 0.12,
+    "attn.rs": 0.45, "mlp.norm": 0.04, "mlp.ag": 0.45, "mlp.up": 0.85, "mlp.down": 0.48,
+    "mlp.rs": 0.45, "mlp.add": 0.02,
+    # the finer split's own ops
     "attn.q": 0.11, "attn.k": 0.025, "attn.v": 0.025, "attn.rope_q": 0.03, "attn.rope_k": 0.01,
-    "attn.add": 0.02, "mlp.gate": 0.43, "mlp.up": 0.43, "mlp.mul": 0.03}
+    "attn.add": 0.02, "mlp.gate": 0.43, "mlp.act": 0.05, "mlp.mul": 0.03}
+FINE_UP_MS = 0.43  # mlp.up of the finer split (the gate projection is its own op there)
 
 LLAMA70B_META = {"device": "synthetic", "model": "llama-70b", "hidden_size": 8192,
                  "intermediate_size": 28672, "num_heads": 64, "num_kv_heads": 8, "seq_len": 4096,
@@ -424,7 +427,9 @@ def synthetic_table(fwd_ops: Sequence[OpSpec], bwd_ops: Sequence[OpSpec], rng: r
 
 
 def llama70b_table(rng: random.Random, fine: bool = False) -> OverlapTable:
-    """A synthetic table shaped like one Llama-70B decoder layer under TP=8 + SP."""
-    ops = LLAMA_LAYER_OPS_FINE if fine else LLAMA_LAYER_OPS
-    meta = dict(LLAMA70B_META, ops="fine" if fine else "coarse")
-    return synthetic_table(ops, tuple(reversed(ops)), rng, op_ms=LLAMA70B_FWD_MS, meta=meta)
+    """A synthetic table shaped like one Llama-70B decoder layer under TP=8 + SP (``fine``: the
+    hypothetical finer op split)."""
+    ops = FINE_LAYER_OPS if fine else LLAMA_LAYER_OPS
+    op_ms = dict(LLAMA70B_FWD_MS, **({"mlp.up": FINE_UP_MS, "mlp.down": 0.43} if fine else {}))
+    meta = dict(LLAMA70B_META, ops="fine" if fine else "adapter")
+    return synthetic_table(ops, tuple(reversed(ops)), rng, op_ms=op_ms, meta=meta)

@@ -57,6 +57,11 @@ class TraceRecorder:
         else:
             self._record_function = None
 
+    def stop(self) -> None:
+        """Record nothing more (spans already recorded stay, for ``events`` / ``dump``)."""
+        self.enabled = False
+        self._record_function = None
+
     def _tid(self, lane: str) -> int:
         tid = self._lanes.get(lane)
         if tid is None:

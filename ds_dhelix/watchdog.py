@@ -3,17 +3,17 @@
     wd = Watchdog(timeout_s=300, rank=rank)
     with wd:                                   # starts the watcher thread; stop() on exit
         for step ...:
-            wd.beat(step=step, microbatch=m, strand="alpha", op="attn.rs")
+            wd.beat(step=step, microbatch=m, strand="F", op="attn.rs")
             ...
 
 With no beat for ``timeout_s`` seconds the watcher prints to stderr::
 
-    [dhelix watchdog] rank 1 stuck for 300.2s at step 7, micro-batch 3, strand beta, op moe.dispatch
+    [dhelix watchdog] rank 1 stuck for 300.2s at step 7, micro-batch 3, strand B, op moe.dispatch
 
 followed by ``describe_fn()`` (if given) and the stack of the thread that called ``start`` (the
 training loop, normally the main thread), then ends the process with
 ``os._exit(3)`` so a launcher sees the failure instead of waiting forever. A beat costs one
-``time.monotonic()`` and a few attribute stores (~0.2 us). The watcher is a Python thread: it runs
+``time.monotonic()`` and a few attribute stores. The watcher is a Python thread: it runs
 while the training thread waits in a collective (those release the GIL), not while C code holds it.
 """
 from __future__ import annotations

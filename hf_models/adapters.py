@@ -1,7 +1,11 @@
 """Adapter lookup: HF ``model_type`` -> the module that shards it and builds its op graph.
 
 Each adapter module provides ``check_tp(config, tp, world=None)`` (ValueError before any model is
-built) and ``build_graph(model, tp, tp_rank, tp_group, tp_grad_group) -> ModelGraph``.
+built) and ``build_graph(model, tp, tp_rank, tp_group, tp_grad_group) -> ModelGraph`` (``tp_group``:
+a ``ds_dhelix.comm.StrandGroups`` or one process group); MoE adapters also ``check_ep(config, ep,
+dp_size)`` and take ``ep_groups``, ``capacity_factor``, ``aux_loss_coef`` in ``build_graph``.
+``ds_dhelix.dims.ParallelDims.check_model`` runs the checks, ``ds_dhelix.build.shard_model`` the
+build.
 """
 from __future__ import annotations
 
@@ -19,16 +23,3 @@ def adapter_for(config):
         return importlib.import_module(ADAPTERS[model_type])
     except ModuleNotFoundError as err:
         raise ValueError(f"the {model_type} adapter is not available in this build") from err
-
-
-def check_layout(config, tp: int, ep: int = 1, dp: int | None = None, world: int | None = None):
-    """Every size check of a model's parallel layout, before it is built: TP must divide the
-    attention heads / KV heads / MLP width (and the world), EP the experts (and the DP size).
-    ``ValueError`` naming the values and the valid sizes; returns the adapter."""
-    adapter = adapter_for(config)
-    adapter.check_tp(config, tp, world)
-    if ep > 1:
-        if not hasattr(adapter, "check_ep"):
-            raise ValueError(f"expert-parallel size {ep}: model_type {config.model_type!r} has no experts; use 1")
-        adapter.check_ep(config, ep, dp)
-    return adapter

@@ -2,8 +2,8 @@
 inputs of a micro-batch, the embedding/head blocks and gathering shards back into HF tensors.
 
 Sharded parameters carry ``tp_partition_dim`` (the dim split over the TP group) and DeepSpeed's
-``tensor_model_parallel`` flag; replicated parameters applied to a sequence shard get a gradient
-hook that sums their gradient over the TP group.
+``tensor_model_parallel`` flag; replicated parameters applied to a sequence shard have their
+gradients summed over the TP group once per step (``mark_replicated``).
 """
 from __future__ import annotations
 
@@ -107,18 +107,20 @@ def head_ops(norm: nn.Module, lm_head: nn.Module):
 
     return [
         comp("head.norm", ("h",), ("y",), lambda side, h: (norm(h),)),
-        comp("head.logits", ("y",), ("logits",), lambda side, y: (lm_head(y),)),
+        comp("head.logits", ("y",), ("logits",), lambda side, y: (lm_head(y),), linear=True),
         comp("head.loss", ("logits",), ("loss",), loss_fn),
     ]
 
 
-def gather_param(p: torch.Tensor, group, tp: int) -> torch.Tensor:
-    """The full HF tensor of a (possibly sharded) parameter: all-gather along its partition dim."""
+def gather_param(p: torch.Tensor, group, tp: int, data: torch.Tensor | None = None) -> torch.Tensor:
+    """The full HF tensor of a (possibly sharded) parameter: all-gather along its partition dim.
+    ``data``: gather this tensor of ``p``'s shape (e.g. its gradient) instead of ``p`` itself."""
+    data = p.data if data is None else data
     if tp == 1 or not getattr(p, "tensor_model_parallel", False):
-        return p.detach().clone()
+        return data.detach().clone()
     dim = p.tp_partition_dim
-    parts = [torch.empty_like(p.data) for _ in range(tp)]
-    dist.all_gather(parts, p.data.contiguous(), group=group)
+    parts = [torch.empty_like(data) for _ in range(tp)]
+    dist.all_gather(parts, data.contiguous(), group=group)
     full = torch.cat(parts, dim=dim)
     index = getattr(p, "tp_row_index", None)
     if index is not None:  # rows were picked by index: put every rank's rows back in place
@@ -139,8 +141,9 @@ def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, r
     ``attn_norm(h) -> x``, ``qkv(xf) -> q, k, v``, ``attn_out(o) -> ao`` (row-parallel partial
     sums, no bias), ``mlp_up(x2f) -> *hidden`` (the projections only, named ``mlp_hidden``),
     ``mlp_down(*hidden) -> mo`` (activation, then the row-parallel projection: the activation sits
-    in ``mlp.down`` so that both MLP ops are linear on the way to their weights and streamed SI can
-    defer both weight gradients). ``residual(ar, mr)`` returns the
+    in ``mlp.down`` so that both MLP ops are linear on the way to their weights and reactive SI
+    can defer both weight gradients; the projections and ``attn.qkv`` / ``attn.out`` are marked
+    ``linear``). ``residual(ar, mr)`` returns the
     ``mlp.norm`` and ``mlp.add`` ops, which read the attention and MLP outputs under the keys given
     (the reduce-scattered ones when sharded) and add the row-parallel biases.
     """
@@ -156,14 +159,14 @@ def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, r
     return [
         comp("attn.norm", ("h",), ("x",), attn_norm),
         *when_sharded(comm("attn.ag", gather, "x", "xf")),
-        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv),
+        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv, linear=True),
         attn_core,
-        comp("attn.out", ("o",), ("ao",), attn_out),
+        comp("attn.out", ("o",), ("ao",), attn_out, linear=True),
         *when_sharded(comm("attn.rs", scatter, "ao", "ar")),
         mlp_norm,
         *when_sharded(comm("mlp.ag", gather, "x2", "x2f")),
-        comp("mlp.up", (x2in,), mlp_hidden, mlp_up),
-        comp("mlp.down", mlp_hidden, ("mo",), mlp_down),
+        comp("mlp.up", (x2in,), mlp_hidden, mlp_up, linear=True),
+        comp("mlp.down", mlp_hidden, ("mo",), mlp_down, linear=True),
         *when_sharded(comm("mlp.rs", scatter, "mo", "mr")),
         mlp_add,
     ]

@@ -88,9 +88,9 @@ def attention_ops(layer, config, tp: int, tp_group):
     ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (layer.input_layernorm(h),))]
     if tp > 1:
         ops.append(comm("attn.ag", SeqAllGather(tp_group, tp), "x", "xf"))
-    ops += [comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_projections(at)),
+    ops += [comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_projections(at), linear=True),
             attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb)),
-            comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.o_proj.weight),))]
+            comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.o_proj.weight),), linear=True)]
     if tp > 1:
         ops.append(comm("attn.rs", SeqReduceScatter(tp_group, tp), "ao", "ar"))
 
@@ -138,10 +138,10 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
                         "xs" if cf is not None else "xc", "xr"))
     experts = block.experts
     ops += [comp("moe.experts.up", (xr,), ("xg",),
-                 lambda side, x: (run_expert_up(x, side["moe"][index], experts, ep, grouped),)),
+                 lambda side, x: (run_expert_up(x, side["moe"][index], experts, ep, grouped),), linear=True),
             comp("moe.experts.act", ("xg",), ("xa",), lambda side, g: (expert_act(g, experts.act_fn),)),
             comp("moe.experts.down", ("xa",), (yr,),
-                 lambda side, a: (run_expert_down(a, side["moe"][index], experts, ep, grouped),))]
+                 lambda side, a: (run_expert_down(a, side["moe"][index], experts, ep, grouped),), linear=True)]
     if ep > 1:
         ops.append(comm("moe.combine", ExpertAllToAll(index, ep_groups, False, metrics), "yr", "ys"))
     ops.append(comp("moe.add", ("h2", "ys", "w"), ("h",), add))

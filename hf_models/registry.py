@@ -81,21 +81,39 @@ def _not_found_message(name: str) -> str:
     )
 
 
+def with_num_layers(config, num_layers: int):
+    """A copy of ``config`` with only its first ``num_layers`` decoder layers (per-layer lists such as
+    ``layer_types`` cut to match): a smaller preset for fast tests and benchmarks."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types)[:num_layers]
+    return config
+
+
 def build_model(
     name_or_path: str | os.PathLike,
     seed: int,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
+    num_layers: int | None = None,
 ):
     """A causal-LM model and its `ModelInfo`.
 
     A preset is initialised randomly from ``seed`` (the global RNG state is left untouched); a checkpoint
-    directory is loaded with ``from_pretrained`` from local files only.
+    directory is loaded with ``from_pretrained`` from local files only. ``num_layers`` keeps only the
+    first layers of a preset (random init: a smaller model of the same shape).
     """
     from transformers import AutoModelForCausalLM
 
     config = load_config(name_or_path)
     name = os.fspath(name_or_path)
+    if num_layers is not None:
+        if not is_preset(name):
+            raise ValueError(f"num_layers shrinks a preset; {name!r} is a checkpoint directory")
+        config = with_num_layers(config, num_layers)
     if is_preset(name):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -8,7 +8,7 @@ directly, on one device, so there are no collectives. Each check prints one JSON
 go to ``<out>/gpu_checks.json``.
 
 1. ``env``: torch, device name.
-2. ``parity``: tiny-llama (TP=1) through the executor, sequential vs streamed SI (deferred weight
+2. ``parity``: tiny-llama (TP=1) through the executor, sequential vs reactive SI (deferred weight
    gradients) vs SI with ``pair_ends``: losses and every gradient bitwise equal or not, max abs
    difference (on CUDA, kernels must be deterministic for bitwise: cuBLAS is; this reports).
 3. ``step_time``: median step of the executor's sequential and SI schedules against plain HF
@@ -52,7 +52,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _batches(vocab: int, num: int, size: int, seq: int, device) -> list[dict]:
+def make_batches(vocab: int, num: int, size: int, seq: int, device) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     out = []
     for _ in range(num):
@@ -119,12 +119,13 @@ def check_profiler(ref, batches, device, out_dir: str | None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     model = copy.deepcopy(ref)
-    executor = Executor(adapter_for(model.config).build_graph(model), None,
-                        recorder=TraceRecorder(0, record_function=True))
-    executor.run_microbatches(list(batches), "si", 1 / len(batches))  # warm-up
+    graph = adapter_for(model.config).build_graph(model)
+    Executor(graph, None, recorder=TraceRecorder(0, record_function=True)).run_microbatches(
+        list(batches), "si", 1 / len(batches))  # warm-up
     for p in model.parameters():
         p.grad = None
-    executor.recorder = rec = TraceRecorder(0, record_function=True)
+    rec = TraceRecorder(0, record_function=True)
+    executor = Executor(graph, None, recorder=rec)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     # backward on this thread, so backward kernels fall under the executor's ranges too
     with profile(activities=activities) as prof, torch.autograd.set_multithreading_enabled(False):
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
     report("env", lambda: {"torch": torch.__version__, "device": args.device,
                            "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
     ref = build_model(args.model, seed=1234)[0].to(device)
-    batches = _batches(ref.config.vocab_size, args.micro_batches, args.micro_batch_size, args.seq_len, device)
+    batches = make_batches(ref.config.vocab_size, args.micro_batches, args.micro_batch_size, args.seq_len, device)
     report("parity", lambda: check_parity(ref, batches))
     report("step_time", lambda: check_step_time(ref, batches, args.steps, device))
     report("profiler", lambda: check_profiler(ref, batches, device, args.out))

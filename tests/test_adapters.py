@@ -30,51 +30,11 @@ from ds_dhelix.plan import default_plan
 from hf_models.adapters import adapter_for
 from hf_models.common import gather_param
 from hf_models.registry import load_config
-from tests.distributed import run_ranks
+from tests.conftest import (gathered_grad, hf_reference, make_batches, make_config, make_model, process_groups,
+                            run_ranks)
 
 PRESETS = ("tiny-llama", "tiny-gpt2", "tiny-gpt-neox")
 TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
-SEED, BATCH, SEQ = 0, 2, 16
-
-
-def make_config(preset: str, attn: str = "sdpa", **overrides):
-    config = load_config(preset)
-    config.num_hidden_layers = 2  # keep the tests fast; the op list of a layer does not change
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    config._attn_implementation = attn
-    return config
-
-
-def make_model(config):
-    from transformers import AutoModelForCausalLM
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
-                                                 attn_implementation=config._attn_implementation)
-    return model.train()
-
-
-def make_batches(vocab: int, num: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(1)
-    batches = []
-    for k in range(num):
-        ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)
-        labels = ids.clone()
-        if k == 0:
-            labels[0, :5] = -100  # ignored targets (prompt masking)
-        batches.append({"input_ids": ids, "labels": labels})
-    return batches
-
-
-def hf_reference(model, batches):
-    """HF losses of each micro-batch; gradients of their mean accumulated in ``model``."""
-    losses = []
-    for b in batches:
-        loss = model(**b).loss
-        (loss / len(batches)).backward()
-        losses.append(loss.detach())
-    return losses
 
 
 def run_graph(model, tp, tp_rank=0, tp_group=None, tp_grad_group=None, batches=(), schedule="sequential"):
@@ -134,21 +94,11 @@ def test_tp1_config_variants(preset, attn, overrides):
 
 
 # --------------------------------------------------------------------------------- TP=2 ranks
-def gathered_grad(p, group, tp):
-    """The full HF-shaped gradient of a (possibly sharded) parameter."""
-    g = p.grad.detach().clone()
-    for attr in ("tensor_model_parallel", "tp_partition_dim", "tp_row_index"):
-        if hasattr(p, attr):
-            setattr(g, attr, getattr(p, attr))
-    return gather_param(g, group, tp)
-
-
 def _tp2_rank(rank, world, preset, overrides, num_mb):
     """One rank of the TP=2 checks; returns plain numbers and flags (asserted in pytest)."""
     from ds_dhelix.checkpoint import export_hf
-    from ds_dhelix.parallel import ParallelLayout
     torch.manual_seed(123)  # anything not seeded explicitly must not matter
-    layout = ParallelLayout.create(world)
+    layout = process_groups(tp=world)
     config = make_config(preset, **overrides)
     ref = make_model(config)
     keys = list(ref.state_dict().keys())
@@ -156,14 +106,14 @@ def _tp2_rank(rank, world, preset, overrides, num_mb):
     models, losses = {}, {}
     for schedule in ("sequential", "si"):
         models[schedule] = copy.deepcopy(ref)
-        losses[schedule] = run_graph(models[schedule], world, layout.tp_rank, layout.tp_group,
+        losses[schedule] = run_graph(models[schedule], world, layout.tp_rank, layout.tp,
                                      layout.tp_grad_group, batches, schedule)
     want = hf_reference(ref, batches)
     out = {"keys_equal": list(models["sequential"].state_dict().keys()) == keys,
            "num_sharded": sum(getattr(p, "tensor_model_parallel", False) for p in models["si"].parameters())}
     total = [loss.clone() for loss in losses["sequential"]]
     for t in total:
-        dist.all_reduce(t, group=layout.tp_group)
+        dist.all_reduce(t, group=layout.tp_grad_group)
     out["loss_diff"] = max(max_abs(t, w) for t, w in zip(total, want))
     out["loss_close"] = all(torch.allclose(t, w, **TOL) for t, w in zip(total, want))
     out["si_losses_equal"] = all(torch.equal(a, b) for a, b in zip(losses["si"], losses["sequential"]))
@@ -174,11 +124,11 @@ def _tp2_rank(rank, world, preset, overrides, num_mb):
         q = seq_params[name]
         if not torch.equal(p.grad, q.grad):
             out["si_grads_differ"].append(name)
-        full_grad = gathered_grad(q, layout.tp_group, world)
+        full_grad = gathered_grad(q, layout.tp_grad_group, world)
         out["grad_diff"] = max(out["grad_diff"], max_abs(full_grad, ref_params[name].grad))
         if not torch.allclose(full_grad, ref_params[name].grad, **TOL):
             out["grad_far"].append(name)
-        if not torch.equal(gather_param(q, layout.tp_group, world), ref_params[name].detach()):
+        if not torch.equal(gather_param(q, layout.tp_grad_group, world), ref_params[name].detach()):
             out["params_inexact"].append(name)
     out["export_logits_equal"] = _export_round_trip(export_hf, models["sequential"], ref, batches[0],
                                                     layout, world)
@@ -189,7 +139,7 @@ def _export_round_trip(export_hf, model, ref, batch, layout, world) -> bool | No
     """export_hf of the sharded model -> from_pretrained -> the HF model's logits, bitwise (rank 0)."""
     from transformers import AutoModelForCausalLM
     with tempfile.TemporaryDirectory() as tmp:
-        path = export_hf(model, f"{tmp}/hf", tp_group=layout.tp_group, tp_size=world)
+        path = export_hf(model, f"{tmp}/hf", tp_group=layout.tp_grad_group, tp_size=world)
         if path is None:
             return None
         back = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,

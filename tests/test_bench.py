@@ -48,9 +48,9 @@ def test_rows_from_medians():
     assert rows["deepspeed"]["speedup_vs_sequential"] == pytest.approx(seq_med / 0.5)
     assert rows["si"]["ideal_speedup"] == pytest.approx((0.6 + 0.4) / 0.6)  # sequential comp/comm
     assert rows["si"]["achieved_over_ideal"] == pytest.approx(seq_med / 0.75 / (1.0 / 0.6))
-    assert rows["si"]["hidden_fraction"] == pytest.approx((0.4 - 0.1) / 0.4)  # hidden / hideable
-    assert rows["sequential"]["hidden_fraction"] == pytest.approx(0.0)
-    assert rows["deepspeed"]["hidden_fraction"] is None and rows["deepspeed"]["mfu"] is None
+    assert rows["si"]["hidden_of_hideable"] == pytest.approx((0.4 - 0.1) / 0.4)  # hidden / hideable
+    assert rows["sequential"]["hidden_of_hideable"] == pytest.approx(0.0)
+    assert rows["deepspeed"]["hidden_of_hideable"] is None and rows["deepspeed"]["mfu"] is None
     assert rows["si"]["tokens_per_s"] == pytest.approx(opts.tokens_per_step / 0.75)
     assert rows["si"]["cpu_bound_speedup"] is None  # no device / cores in this result
     assert rows["si"]["cpu_bound_over_ideal"] is None
@@ -157,7 +157,7 @@ def test_bench_quick_json_every_mode(tmp_path):
     for mode in ("sequential", "si"):
         r = rows[mode]
         assert r["compute_s"] > 0 and r["comm_s"] > 0 and 0 <= r["exposed_comm_s"]
-        assert 0.0 <= r["hidden_fraction"] <= 1.0
+        assert 0.0 <= r["hidden_of_hideable"] <= 1.0
     assert rows["si"]["achieved_over_ideal"] == pytest.approx(
         rows["si"]["speedup_vs_sequential"] / rows["si"]["ideal_speedup"])
     assert report["comm_comp_ratio"]["value"] == pytest.approx(seq["comm_s"] / seq["compute_s"])

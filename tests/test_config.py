@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ds_dhelix.config import (
-    BatchLayout,
+    BatchSizes,
     DhelixConfig,
     PipelineConfig,
     TensorParallelConfig,
@@ -163,7 +163,8 @@ def test_section_must_be_object():
     [
         ({"schedule": "dualpipe"}, "dhelix.schedule", "sequential, si, w, dualpipev; did you mean 'dualpipev'"),
         ({"schedule": "1f1b"}, "dhelix.schedule", "sequential, si, w, dualpipev"),
-        ({"si_execution": "streaming"}, "dhelix.si_execution", "stream, plan; did you mean 'stream'"),
+        ({"si_execution": "streaming"}, "dhelix.si_execution", "reactive, plan; did you mean 'reactive'? (formerly 'stream')"),
+        ({"si_execution": "reactiv"}, "dhelix.si_execution", "did you mean 'reactive'?"),
         ({"planner": {"profile": "auto"}}, "dhelix.planner.profile", "needs dhelix.si_execution = 'plan'"),
         ({"pair_ends": True, "si_execution": "plan"}, "dhelix.pair_ends", "si_execution 'plan'"),
         ({"pair_ends": True, "schedule": "w"}, "dhelix.pair_ends", "schedule 'w'"),
@@ -233,15 +234,15 @@ def test_batch_mismatch_message_has_the_numbers():
 )
 def test_batch_filled_like_deepspeed(ds, world, tp, pp, ep, expect):
     layout = derive_batch(ds, world, tp, pp, ep)
-    assert isinstance(layout, BatchLayout)
+    assert isinstance(layout, BatchSizes)
     assert (layout.train_batch_size, layout.micro_batch_size, layout.gradient_accumulation_steps) == expect
     assert layout.data_parallel_size == world // (tp * pp)
-    assert layout.expert_data_parallel_size == world // (tp * pp * ep)
+    assert layout.dims.edp == world // (tp * pp * ep)
 
 
 def test_expert_parallel_does_not_change_dp_size():
     layout = derive_batch({"train_micro_batch_size_per_gpu": 1}, world_size=8, tp=1, pp=1, ep=4)
-    assert layout.data_parallel_size == 8 and layout.expert_data_parallel_size == 2
+    assert layout.data_parallel_size == 8 and layout.dims.edp == 2
     assert layout.train_batch_size == 8
     table = layout.table()
     assert "data parallel (dp)" in table and "world / (tp x pp)" in table and "expert data parallel" in table
@@ -253,12 +254,12 @@ def test_sizes_default_to_the_dhelix_section():
 
 
 def test_world_not_divisible_lists_choices():
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp 4 x pp 1 = 4.*\[1, 2, 3, 6\]"):
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tensor_parallel.size 4 x pipeline.stages 1 = 4.*\[1, 2, 3, 6\]"):
         derive_batch({"train_batch_size": 6}, 6, 4, 1, 1)
 
 
 def test_ep_must_divide_dp():
-    with pytest.raises(ValueError, match=r"expert parallel size 3 .* data-parallel size 4 .*valid ep sizes: \[1, 2, 4\]"):
+    with pytest.raises(ValueError, match=r"expert_parallel.size 3 .* data-parallel size 4 .*valid ep sizes: \[1, 2, 4\]"):
         derive_batch({"train_batch_size": 8}, 4, 1, 1, 3)
 
 
@@ -305,3 +306,10 @@ def test_load_ds_config(tmp_path):
     arr.write_text("[1]")
     with pytest.raises(ValueError, match="must hold a JSON object"):
         load_ds_config(arr)
+
+
+def test_old_si_execution_name_still_works_with_a_warning():
+    with pytest.warns(FutureWarning, match="'stream' is deprecated.*use 'reactive'"):
+        cfg = DhelixConfig.from_ds_config({"dhelix": {"enabled": True, "si_execution": "stream"}})
+    assert cfg.si_execution == "reactive"
+    assert DhelixConfig.from_dict(cfg.to_dict()) == cfg  # round trip writes the new name

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_ranks
+from tests.conftest import run_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
 SEED, BATCH, SEQ, MICRO = 3, 2, 16, 2
@@ -129,8 +129,8 @@ def grad_diff(model, ref_grads) -> float:
 # ------------------------------------------------------------------------------ 2-rank world
 def _rank_main(rank, world):
     from ds_dhelix.checkpoint import full_state_dict
-    from ds_dhelix.parallel import ParallelLayout
-    lay = ParallelLayout.create(1, 2)
+    from tests.conftest import process_groups
+    lay = process_groups(tp=1, ep=2)
     res = {}
     config = make_config()
     batches = make_batches(world, config.vocab_size)
@@ -264,15 +264,15 @@ def test_si_bitwise_through_engine_dp2_ep2():
 
 def _tp2_ep2_main(rank, world):
     """TP=2 attention x EP=2 experts on 4 ranks (DP=2): losses and gathered gradients vs HF."""
-    from ds_dhelix.parallel import ParallelLayout
+    from tests.conftest import process_groups
     from hf_models import phimoe
     from hf_models.common import gather_param
-    lay = ParallelLayout.create(2, 2)
+    lay = process_groups(tp=2, ep=2)
     config = make_config()
     batches = make_batches(lay.dp_size, config.vocab_size)
     hf_losses, hf_grads = hf_reference(config, batches)
     model = make_model(config)
-    graph = phimoe.build_graph(model, 2, lay.tp_rank, lay.tp_group, lay.tp_grad_group,
+    graph = phimoe.build_graph(model, 2, lay.tp_rank, lay.tp, lay.tp_grad_group,
                                ep_groups=lay.expert_groups(), seed=11)
     losses = torch.tensor(run(graph, batches[lay.dp_rank], "si"))
     dist.all_reduce(losses, group=lay.tp_grad_group)  # TP shares -> micro-batch loss
@@ -281,7 +281,7 @@ def _tp2_ep2_main(rank, world):
         g = p.grad.clone()
         if getattr(p, "tensor_model_parallel", False):
             g.tensor_model_parallel, g.tp_partition_dim = True, p.tp_partition_dim
-            g = gather_param(g, lay.tp_group, 2)
+            g = gather_param(g, lay.tp_grad_group, 2)
         ref = hf_grads[name]
         if getattr(p, "expert_ids", None) is not None:
             ref = ref[list(p.expert_ids)]
@@ -339,13 +339,12 @@ def test_bad_ep_and_top_k():
 
 
 def test_expert_parallel_on_dense_model_is_refused():
-    from ds_dhelix.config import DhelixConfig
-    from ds_dhelix.engine import _check_moe
-    from hf_models import llama
+    from ds_dhelix.build import check_setup
     from hf_models.registry import load_config
-    dh = DhelixConfig.from_ds_config({"dhelix": {"enabled": True, "expert_parallel": {"size": 2}}})
-    with pytest.raises(ValueError, match="has no experts"):
-        _check_moe(llama, load_config("tiny-llama"), dh, 2)
+    for section in ({"size": 2}, {"capacity_factor": 1.5}):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "dhelix": {"enabled": True, "expert_parallel": section}}
+        with pytest.raises(ValueError, match="has no experts"):
+            check_setup(cfg, load_config("tiny-llama"), 2)
 
 
 # ------------------------------------------------------------------------------ DeepSpeed checkpoints

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from ds_dhelix.config import DhelixConfig
 from ds_dhelix.parity import ParityOptions, build, make_batches, train_pipeline, train_schedule
-from ds_dhelix.pipe.engine import check_pipeline, live_keys
+from ds_dhelix.build import check_setup
+from ds_dhelix.pipe.engine import live_keys
 from ds_dhelix.pipe.folding import fold_layers
 from ds_dhelix.pipe.module import decoder_layers, prune_to_stage
 from ds_dhelix.spawn import run_ranks
@@ -99,15 +99,16 @@ def test_pp2_dp2_trains_on_four_ranks():
 
 # ---- bad input --------------------------------------------------------------------------------------
 def _check(world=2, layers=4, zero=1, **dh):
+    from hf_models.registry import load_config, with_num_layers
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": dh.pop("m", 4),
            "zero_optimization": {"stage": zero},
            "dhelix": {"enabled": True, "schedule": dh.pop("schedule", "w"), "pipeline": {"stages": 2}, **dh}}
-    return check_pipeline(DhelixConfig.from_ds_config(cfg), cfg, world, layers)
+    return check_setup(cfg, with_num_layers(load_config("tiny-llama"), layers), world)
 
 
 def test_valid_pipeline_passes():
-    fold, m = _check()
-    assert fold.chunk_sizes == (1, 1, 1, 1) and m == 4
+    setup = _check()
+    assert setup.fold.chunk_sizes == (1, 1, 1, 1) and setup.batch.gradient_accumulation_steps == 4
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -116,8 +117,8 @@ def test_valid_pipeline_passes():
     (dict(layers=3), ["num_layers=3", "2*2=4"]),
     (dict(zero=2), ["zero_optimization.stage = 2", "ZeRO-2/3"]),
     (dict(zero=3), ["zero_optimization.stage = 3"]),
-    (dict(world=3), ["world size 3", "tp 1 x pp 2"]),
-    (dict(world=4, tensor_parallel={"size": 4}), ["world size 4", "tp 4 x pp 2"]),
+    (dict(world=3), ["world size 3", "tensor_parallel.size 1 x pipeline.stages 2"]),
+    (dict(world=4, tensor_parallel={"size": 4}), ["world size 4", "tensor_parallel.size 4 x pipeline.stages 2"]),
     (dict(schedule="si"), ["'si'", "pipeline.stages = 2"]),
 ])
 def test_bad_input_is_a_value_error_naming_the_values(kw, words):
@@ -146,9 +147,9 @@ def _rank_moe(rank, world):
 
     import torch.distributed as dist
 
-    import ds_dhelix
+    from ds_dhelix.build import build_engine
     opts = ParityOptions(model="tiny-phimoe", tp=1, pp=2, seq_len=32, micro_batches=3, steps=1)
-    engine, *_ = ds_dhelix.initialize(model=build(opts), config=opts.ds_config("w"))
+    engine = build_engine(build(opts), opts.ds_config("w"))
     pieces, grads = {}, {}
 
     def watch(fn, layer):  # record each router's aux piece and the gradient that comes back to it

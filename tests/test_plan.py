@@ -5,20 +5,20 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ds_dhelix.ops import backward_order, op_specs
-from ds_dhelix.plan import PlanStep, SIPlan, default_plan, segment_has_comm, sequential_plan
-from ds_dhelix.planner import LLAMA_LAYER_OPS, LLAMA_LAYER_OPS_FINE, TINY_LAYER_OPS
+from ds_dhelix.plan import Round, SIPlan, default_plan, segment_has_comm, sequential_plan
+from ds_dhelix.planner import LLAMA_LAYER_OPS, FINE_LAYER_OPS, TINY_LAYER_OPS
 
-LAYERS = [LLAMA_LAYER_OPS, LLAMA_LAYER_OPS_FINE, TINY_LAYER_OPS]
+LAYERS = [LLAMA_LAYER_OPS, FINE_LAYER_OPS, TINY_LAYER_OPS]
 
 op_lists = st.lists(st.sampled_from(["comp", "comm"]), max_size=10).map(
     lambda kinds: op_specs((f"op{i}", k) for i, k in enumerate(kinds)))
 
 
-def _plan(ops, steps, **kw) -> SIPlan:
-    return SIPlan(ops, backward_order(ops), tuple(PlanStep(f, b) for f, b in steps), **kw)
+def _plan(ops, rounds, **kw) -> SIPlan:
+    return SIPlan(ops, backward_order(ops), tuple(Round(f, b) for f, b in rounds), **kw)
 
 
-def test_validate_rejects_gaps_empty_steps_and_partial_cover():
+def test_validate_rejects_gaps_empty_rounds_and_partial_cover():
     ops = TINY_LAYER_OPS  # 6 ops
     with pytest.raises(ValueError, match="does not continue"):
         _plan(ops, [((0, 2), (0, 0)), ((3, 6), (0, 6))])
@@ -28,7 +28,7 @@ def test_validate_rejects_gaps_empty_steps_and_partial_cover():
         _plan(ops, [((0, 6), (0, 5))])
 
 
-def test_comm_conflicts_finds_steps_communicating_on_both_strands():
+def test_comm_conflicts_finds_rounds_communicating_on_both_strands():
     ops = TINY_LAYER_OPS  # norm ag up down rs add; backward: add rs down up ag norm
     plan = _plan(ops, [((0, 1), (0, 1)), ((1, 2), (1, 2)), ((2, 6), (2, 6))])
     assert plan.comm_conflicts() == [1, 2]
@@ -38,7 +38,7 @@ def test_comm_conflicts_finds_steps_communicating_on_both_strands():
 @pytest.mark.parametrize("ops", LAYERS, ids=["llama", "llama_fine", "tiny"])
 def test_json_round_trip_is_exact(ops, tmp_path):
     plan = default_plan(ops, backward_order(ops))
-    plan = SIPlan(plan.fwd_ops, plan.bwd_ops, plan.steps, predicted_ms=0.1 + 0.2, source="dp",
+    plan = SIPlan(plan.fwd_ops, plan.bwd_ops, plan.rounds, predicted_ms=0.1 + 0.2, source="dp",
                   meta={"table_meta": {"tp": 8, "device": "x"}, "note": [1, 2.5, None]})
     again = SIPlan.from_json(plan.to_json())
     assert again == plan
@@ -52,9 +52,18 @@ def test_json_round_trip_is_exact(ops, tmp_path):
 def test_from_json_rejects_wrong_format_and_names_that_disagree():
     plan = sequential_plan(TINY_LAYER_OPS, backward_order(TINY_LAYER_OPS))
     data = plan.to_dict()
-    data["steps"][0]["fwd_ops"][0] = "attn.qkv"
+    data["rounds"][0]["fwd_ops"][0] = "attn.qkv"
     with pytest.raises(ValueError, match="disagree with range"):
         SIPlan.from_dict(data)
+    with pytest.raises(ValueError, match="version 7 is not supported"):
+        SIPlan.from_dict({**plan.to_dict(), "version": 7})
+
+
+def test_version_1_plans_with_steps_still_load():
+    plan = default_plan(TINY_LAYER_OPS, backward_order(TINY_LAYER_OPS))
+    data = plan.to_dict()
+    data["version"], data["steps"] = 1, data.pop("rounds")
+    assert SIPlan.from_dict(data) == plan
     with pytest.raises(ValueError, match="not a plan file"):
         SIPlan.from_dict({"format": "something else"})
 
@@ -62,7 +71,7 @@ def test_from_json_rejects_wrong_format_and_names_that_disagree():
 def test_fingerprint_covers_schedule_not_annotations():
     ops = LLAMA_LAYER_OPS
     plan = default_plan(ops, backward_order(ops))
-    same = SIPlan(plan.fwd_ops, plan.bwd_ops, plan.steps, predicted_ms=3.0, source="dp", meta={"a": 1})
+    same = SIPlan(plan.fwd_ops, plan.bwd_ops, plan.rounds, predicted_ms=3.0, source="dp", meta={"a": 1})
     assert plan.fingerprint() == same.fingerprint() == SIPlan.from_json(plan.to_json()).fingerprint()
     assert len(plan.fingerprint()) == 64
     assert plan.fingerprint() != sequential_plan(ops, backward_order(ops)).fingerprint()
@@ -73,17 +82,17 @@ def test_fingerprint_covers_schedule_not_annotations():
 def test_render_text_draws_two_lanes_with_strand_tags():
     ops = LLAMA_LAYER_OPS
     plan = default_plan(ops, backward_order(ops))
-    text = plan.render_text(step_ms=[1.0] * len(plan.steps))
+    text = plan.render_text(round_ms=[1.0] * len(plan.rounds))
     lines = text.splitlines()
     assert "compute lane" in lines[1] and "communication lane" in lines[1]
-    assert len(lines) == 2 + len(plan.steps)
+    assert len(lines) == 2 + len(plan.rounds)
     step1 = lines[3]  # F attn.ag under the backward mlp.add
     comp, comm = step1.split("B mlp.add")
     assert "F attn.ag" in comm
     for op in ops:
         assert op.name in text
-    with pytest.raises(ValueError, match="step_ms has 1 values"):
-        plan.render_text(step_ms=[1.0])
+    with pytest.raises(ValueError, match="round_ms has 1 values"):
+        plan.render_text(round_ms=[1.0])
     print(text)
 
 
@@ -91,7 +100,7 @@ def test_render_text_draws_two_lanes_with_strand_tags():
 def test_default_plan_hides_every_comm_of_a_layer(ops):
     plan = default_plan(ops, backward_order(ops))
     assert plan.source == "default" and plan.comm_conflicts() == []
-    for st_ in plan.steps:
+    for st_ in plan.rounds:
         f_comm, b_comm = segment_has_comm(ops, st_.fwd), segment_has_comm(plan.bwd_ops, st_.bwd)
         if f_comm:  # forward comm runs under backward compute, alone in its segment
             assert st_.fwd[1] - st_.fwd[0] == 1 and st_.bwd[1] > st_.bwd[0]
@@ -103,9 +112,9 @@ def test_default_plan_pairs_llama_ag_and_rs_with_neighbouring_compute():
     ops = LLAMA_LAYER_OPS
     plan = default_plan(ops, backward_order(ops))
     pairs = {(tuple(o.name for o in ops[s.fwd[0]:s.fwd[1]]),
-              tuple(o.name for o in plan.bwd_ops[s.bwd[0]:s.bwd[1]])) for s in plan.steps}
+              tuple(o.name for o in plan.bwd_ops[s.bwd[0]:s.bwd[1]])) for s in plan.rounds}
     assert (("attn.ag",), ("mlp.add",)) in pairs
-    assert (("attn.qkv", "attn.rope", "attn.core", "attn.out"), ("mlp.rs",)) in pairs
+    assert (("attn.qkv", "attn.core", "attn.out"), ("mlp.rs",)) in pairs
 
 
 @settings(max_examples=300, deadline=None)
@@ -118,5 +127,5 @@ def test_fixed_plans_are_valid_and_never_pair_comm_with_comm(fwd, bwd, reverse):
         assert plan.comm_conflicts() == []
         assert SIPlan.from_json(plan.to_json()) == plan
     seq = sequential_plan(fwd, bwd)
-    assert all(s.fwd[0] == s.fwd[1] or s.bwd[0] == s.bwd[1] for s in seq.steps)
-    assert len(seq.steps) == bool(fwd) + bool(bwd)
+    assert all(s.fwd[0] == s.fwd[1] or s.bwd[0] == s.bwd[1] for s in seq.rounds)
+    assert len(seq.rounds) == bool(fwd) + bool(bwd)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings, strategies as st
 
 from ds_dhelix import cli, planner
-from ds_dhelix.ops import backward_order, comm_groups, op_specs
+from ds_dhelix.ops import backward_order, comm_runs, op_specs
 from ds_dhelix.plan import SIPlan, default_plan, sequential_plan
 from ds_dhelix.planner import (OverlapTable, candidate_segments, count_plans, plan_dp, plan_exhaustive,
                                predict_ms, random_plan, synthetic_table)
@@ -25,7 +25,7 @@ def _ops(kinds: str, prefix: str = "op"):
 
 # ---- candidate segments -----------------------------------------------------------------
 
-def test_candidate_segments_are_runs_inside_comm_groups():
+def test_candidate_segments_are_runs_inside_comm_runs():
     ops = _ops("ccmcm")
     assert candidate_segments(ops) == [(0, 1), (0, 2), (1, 2), (2, 3), (3, 4), (4, 5)]
     assert candidate_segments(()) == []
@@ -34,7 +34,7 @@ def test_candidate_segments_are_runs_inside_comm_groups():
 @given(st.text(alphabet="cm", max_size=12))
 def test_candidate_segments_match_definition(kinds):
     ops = _ops(kinds)
-    groups = comm_groups(ops)
+    groups = comm_runs(ops)
     expected = {(a, b) for a in range(len(ops)) for b in range(a + 1, len(ops) + 1)
                 if any(g0 <= a and b <= g1 for g0, g1 in groups)}
     assert set(candidate_segments(ops)) == expected
@@ -83,7 +83,7 @@ def test_dp_matches_exhaustive_optimum(table):
         plan.validate()
         assert plan.comm_conflicts() == []
         assert predict_ms(table, plan) == plan.predicted_ms  # same sums in the same order
-        for s in plan.steps:  # every step is a table entry: nothing missing was used
+        for s in plan.rounds:  # every step is a table entry: nothing missing was used
             if s.fwd[0] < s.fwd[1] and s.bwd[0] < s.bwd[1]:
                 assert (s.fwd, s.bwd) in table.pair_ms
             elif s.fwd[0] < s.fwd[1]:
@@ -114,7 +114,7 @@ def test_random_plan_is_uniform_over_all_plans():
     assert min(seen.values()) > 30 and max(seen.values()) < 95  # expected 60 each
 
 
-def test_plan_dp_on_llama70b_shape_is_fast(capsys):
+def test_plan_dp_on_llama70b_shape(capsys):
     shapes = {"llama70b": planner.llama70b_table(random.Random(0)),
               "llama70b-fine": planner.llama70b_table(random.Random(0), fine=True),
               "stress-40ops-groups-of-8": synthetic_table(*(2 * [_ops("c" * 8 + "m") * 4 + _ops("cccc")]),
@@ -128,8 +128,8 @@ def test_plan_dp_on_llama70b_shape_is_fast(capsys):
                   f"{seconds * 1e3:.1f} ms, predicted {plan.predicted_ms:.3f} ms "
                   f"(default {predict_ms(table, default_plan(table.fwd_ops, table.bwd_ops)):.3f}, "
                   f"sequential {predict_ms(table, sequential_plan(table.fwd_ops, table.bwd_ops)):.3f})")
-        assert seconds < 30  # sanity only; speed is measured in benchmarks
         assert plan.comm_conflicts() == []
+        assert plan.predicted_ms <= predict_ms(table, default_plan(table.fwd_ops, table.bwd_ops))
 
 
 def test_no_plan_and_oversized_exhaustive_raise():
@@ -139,7 +139,9 @@ def test_no_plan_and_oversized_exhaustive_raise():
         plan_dp(table)
     with pytest.raises(ValueError, match="admits no complete plan"):
         plan_exhaustive(table)
-    with pytest.raises(ValueError, match="refuses op lists of 14"):
+    with pytest.raises(ValueError, match="refuses op lists of 20"):
+        plan_exhaustive(planner.llama70b_table(random.Random(0), fine=True))
+    with pytest.raises(ValueError, match="refuses 1232107232 plans"):
         plan_exhaustive(planner.llama70b_table(random.Random(0)))
     with pytest.raises(ValueError, match="refuses 26 plans"):
         plan_exhaustive(synthetic_table(fwd, fwd, random.Random(0)), max_plans=10)
@@ -149,7 +151,7 @@ def test_predict_ms_names_missing_and_comm_comm_pairs():
     ops = _ops("cm")
     table = synthetic_table(ops, ops, random.Random(0))
     del table.pair_ms[((0, 1), (0, 1))]
-    plan = SIPlan(ops, ops, (planner.PlanStep((0, 1), (0, 1)), planner.PlanStep((1, 2), (1, 2))))
+    plan = SIPlan(ops, ops, (planner.Round((0, 1), (0, 1)), planner.Round((1, 2), (1, 2))))
     with pytest.raises(ValueError, match=r"\['op0'\] x backward \['op0'\] is not in the overlap table"):
         predict_ms(table, plan)
     table.pair_ms[((0, 1), (0, 1))] = 1.0
@@ -219,12 +221,12 @@ def test_cli_plan_text_from_table_file(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "compute lane" in text and "predicted_ms:" in text and "F attn.ag" in text
     assert cli.main(["plan", "--synthetic", "llama70b", "--exhaustive"]) == 2  # refused, clear error
-    assert "refuses op lists" in capsys.readouterr().err
+    assert "exhaustive search refuses" in capsys.readouterr().err
 
 
 def test_empty_op_lists_give_an_empty_plan():
     table = synthetic_table((), (), random.Random(0))
     for plan in (plan_dp(table), plan_exhaustive(table), random_plan(table, random.Random(0))):
-        assert plan.steps == () and plan.predicted_ms == 0.0
+        assert plan.rounds == () and plan.predicted_ms == 0.0
     one = synthetic_table(_ops("cm"), (), random.Random(0))
     assert plan_dp(one).predicted_ms == plan_exhaustive(one).predicted_ms

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from ds_dhelix.planner import OverlapTable, plan_dp
-from ds_dhelix.profile import profile_world, spearman, validate_world
+from ds_dhelix.profile_runs import profile_world, spearman, validate_world
 
 OPTS = {"model": "tiny-llama", "tp": 2, "micro_batch_size": 1, "seq_len": 16, "warmup": 0,
         "repeats": 1, "link_gbps": None}
@@ -39,12 +39,27 @@ def test_table_round_trip_and_refusal(table, tmp_path):
 
 
 def test_validate_reports_prediction_quality(table):
+    from ds_dhelix.plan import default_plan, sequential_plan
+    from ds_dhelix.planner import predict_ms
     res = validate_world({"model": "tiny-llama", "tp": 2, "table": table.to_dict(), "alternatives": 2,
                           "warmup": 0, "repeats": 1, "seed": 0}, timeout=240)
-    names = {r["plan"] for r in res["rows"]}
-    assert {"dp", "default", "sequential", "random0", "random1"} <= names
-    assert -1.0 <= res["spearman"] <= 1.0 and res["mean_abs_error_pct"] >= 0
-    assert 1 <= res["dp_rank"] <= res["num_plans"]
+    rows = {r["plan"]: r for r in res["rows"]}
+    assert set(rows) == {"dp", "default", "sequential", "random0", "random1"}
+    # each row's prediction is the table's for that plan; measured times are real and positive
+    fixed = {"dp": plan_dp(table), "default": default_plan(table.fwd_ops, table.bwd_ops),
+             "sequential": sequential_plan(table.fwd_ops, table.bwd_ops)}
+    for name, plan in fixed.items():
+        assert rows[name]["predicted_ms"] == pytest.approx(predict_ms(table, plan))
+        assert rows[name]["rounds"] == len(plan.rounds)
+    for r in rows.values():
+        assert r["measured_ms"] > 0
+        assert r["error_pct"] == pytest.approx(100 * (r["predicted_ms"] / r["measured_ms"] - 1))
+    ranked = sorted(rows.values(), key=lambda r: r["measured_ms"])
+    assert res["best_measured_plan"] == ranked[0]["plan"] and res["best_measured_ms"] == ranked[0]["measured_ms"]
+    assert res["dp_rank"] == 1 + [r["plan"] for r in ranked].index("dp")
+    assert res["dp_measured_ms"] == rows["dp"]["measured_ms"]
+    assert res["spearman"] == pytest.approx(spearman([r["predicted_ms"] for r in res["rows"]],
+                                                     [r["measured_ms"] for r in res["rows"]]))
     json.dumps(res)
 
 
@@ -56,7 +71,7 @@ def test_spearman():
 def _engine_with_table(rank, world, path, meta_override):
     import torch
     import ds_dhelix
-    from ds_dhelix.profile import example_batch
+    from ds_dhelix.profile_runs import example_batch
     from hf_models.registry import build_model
     model, _ = build_model("tiny-llama", seed=0)
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,

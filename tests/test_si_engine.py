@@ -2,7 +2,9 @@
 unsharded HF model, no extra activation memory. CPU, fp32, gloo."""
 import pytest
 
-from ds_dhelix.parity import HF_LOSS_TOLERANCE, ParityOptions, run_parity
+import torch
+
+from ds_dhelix.parity import HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, ParityOptions, compare, run_parity
 
 
 def parity(**kw):
@@ -13,9 +15,9 @@ def parity(**kw):
 def assert_parity(r):
     assert r["bitwise_equal"], r["max_abs_diff_vs_sequential"]
     assert r["losses"]["si"] == r["losses"]["sequential"]
-    # tolerances and their reason: ds_dhelix.parity (HF_LOSS_TOLERANCE, HF_PARAM_TOLERANCE_LR)
+    # tolerances and their reason: ds_dhelix.parity (HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE)
     assert r["max_loss_diff_vs_hf"] <= HF_LOSS_TOLERANCE, r["losses"]
-    assert r["max_abs_diff_vs_hf"] <= r["hf_param_tolerance"], r["max_abs_diff_vs_hf"]
+    assert r["max_abs_diff_vs_hf"] <= r["hf_grad_tolerance"], r["max_abs_diff_vs_hf"]
     assert r["hf_close"] and r["ok"]
 
 
@@ -60,3 +62,18 @@ def test_few_microbatches_hint():
     assert "3 micro-batches" in hint and "1/3" in hint and "pair_ends" in hint
     assert few_microbatches_hint(2, True) is None
     assert few_microbatches_hint(4, False) is None and few_microbatches_hint(16, False) is None
+
+
+def test_hf_comparison_fails_on_a_gradient_or_loss_off_by_more_than_rounding():
+    """compare() judges the first-step gradients and the losses against HF, each on its own."""
+    grads = {"w": torch.tensor([0.5, -2.0])}
+    run = {"losses": [7.0, 6.9], "params": {"w": torch.zeros(2)}, "peak_activation_bytes": 1, "grads": grads}
+    hf = {"losses": [7.0, 6.9], "grads": {"w": torch.tensor([0.5, -2.0])}}
+    opts = ParityOptions()
+    assert compare(opts, run, run, hf)["ok"]
+    off = {**hf, "grads": {"w": torch.tensor([0.5, -2.0 + 10 * HF_GRAD_TOLERANCE * 2.0])}}
+    r = compare(opts, run, run, off)
+    assert not r["hf_close"] and not r["ok"] and r["hf_grad_tolerance"] == pytest.approx(HF_GRAD_TOLERANCE * 2.0, rel=1e-3)
+    assert not compare(opts, run, run, {**hf, "losses": [7.0, 6.9 + 1e-3]})["ok"]
+    other = {**run, "params": {"w": torch.tensor([0.0, 1e-9])}}
+    assert not compare(opts, run, other, hf)["bitwise_equal"]

@@ -90,7 +90,7 @@ def test_executor_ops_are_profiler_ranges():
     torch = pytest.importorskip("torch")
     from ds_dhelix.executor import Executor
     from hf_models.adapters import adapter_for
-    from tests.test_adapters import make_batches, make_config, make_model
+    from tests.conftest import make_batches, make_config, make_model
 
     config = make_config("tiny-llama")
     model = make_model(config)

@@ -4,8 +4,11 @@ model, world and tokens per step, at several emulated link rates, in one run.
     options.py  BenchOptions, modes and their ds_configs
     modes.py    one runner per mode (build on every rank, ``step(batches)``)
     world.py    per-rank measurement (alternating modes) and one world per link rate
-    metrics.py  records -> rows: medians, speedups, the ideal bound, hidden fraction
+    metrics.py  records -> rows: medians, speedups, the ideal and CPU bounds, hidden shares
     report.py   JSON / CSV / markdown / PNG
+    tracing.py  ``dhelix trace``: a traced run on a CPU gloo world, the trace summarized
+
+DeepSpeed's own pipelines (the ``ds-*`` modes of ``--pp``) come from ``benchmarks/ds_pipelines.py``.
 
     report = run_bench(BenchOptions(link_gbps=(2.0,)))
 """

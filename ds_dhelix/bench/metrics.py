@@ -7,7 +7,7 @@ Definitions (medians over the timed steps of one mode at one link rate):
     achieved_over_ideal   = speedup_vs_sequential / ideal_speedup          (SI modes)
     step_bound_speedup    = step(seq) / (step(seq) - min(comp, comm))      the same bound, but
                             with the step's non-overlappable time (optimizer, ...) kept in
-    hidden_fraction       = (comm_seq - exposed) / min(comm_seq, comp_seq)   hidden / hideable
+    hidden_of_hideable    = (comm_seq - exposed) / min(comm_seq, comp_seq)   hidden / hideable
     hidden_of_comm        = (comm_seq - exposed) / comm_seq
 
     cpu_s                 CPU seconds of one rank's process per step (mean over ranks);
@@ -88,7 +88,7 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, core
            "cpu_s": med["cpu_s"], "other_threads_cpu_s": None,
            "peak_activation_bytes": max((s["peak_activation_bytes"] for s in steps
                                          if s.get("peak_activation_bytes") is not None), default=None),
-           "hidden_fraction": None, "hidden_of_comm": None, "ideal_speedup": ideal,
+           "hidden_of_hideable": None, "hidden_of_comm": None, "ideal_speedup": ideal,
            "speedup_vs_sequential": None, "achieved_over_ideal": None, "step_bound_speedup": None,
            "cpu_bound_speedup": None, "cpu_bound_over_ideal": None, "mfu": None}
     if med["cpu_s"] is not None and med["main_thread_cpu_s"] is not None:
@@ -98,7 +98,7 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, core
     if comm and exposed is not None and comp and opts.pp == 1:
         hidden = min(comm, max(0.0, comm - exposed))
         row["hidden_of_comm"] = hidden / comm
-        row["hidden_fraction"] = min(1.0, hidden / min(comm, comp))
+        row["hidden_of_hideable"] = min(1.0, hidden / min(comm, comp))
     if seq_med:
         row["speedup_vs_sequential"] = seq_med["step_s"] / step_s
         if ideal:

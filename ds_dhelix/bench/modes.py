@@ -7,9 +7,6 @@ trains on the same tokens per step.
 """
 from __future__ import annotations
 
-import copy
-
-import torch
 import torch.distributed as dist
 
 from .options import DHELIX_MODES, BenchOptions
@@ -21,29 +18,19 @@ class SkipMode(Exception):
 
 def build_model(opts: BenchOptions):
     """A fresh copy of the benchmark model (same seed in every mode)."""
-    from hf_models.registry import build_model as build, load_config
-    if opts.num_layers is None:
-        return build(opts.model, seed=opts.seed)[0]
-    from transformers import AutoModelForCausalLM
-    config = copy.deepcopy(load_config(opts.model))
-    config.num_hidden_layers = opts.num_layers
-    if hasattr(config, "layer_types") and config.layer_types is not None:
-        config.layer_types = config.layer_types[:opts.num_layers]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(opts.seed)
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    from hf_models.registry import build_model as build
+    return build(opts.model, seed=opts.seed, num_layers=opts.num_layers)[0]
 
 
 class DhelixRunner:
     """``sequential``, ``si``, ``si-planned``: the ds_dhelix engine with its executor stats."""
 
     def __init__(self, opts: BenchOptions, mode: str, example_batch: dict, link_gbps: float | None):
-        import ds_dhelix
+        from ds_dhelix.build import build_engine
         from ds_dhelix.ops import backward_order
         from ds_dhelix.plan import default_plan
         self.mode = mode
-        self.engine, *_ = ds_dhelix.initialize(model=build_model(opts), config=opts.dhelix_ds_config(mode, link_gbps),
-                                               example_batch=example_batch)
+        self.engine = build_engine(build_model(opts), opts.dhelix_ds_config(mode, link_gbps), example_batch=example_batch)
         plan = self.engine.plan
         self.info = {}
         if plan is not None:
@@ -51,11 +38,11 @@ class DhelixRunner:
             default = default_plan(specs, backward_order(specs))
             self.info = {"plan_source": plan.source, "plan_fingerprint": plan.fingerprint()[:12],
                          "plan_is_default": plan.fingerprint() == default.fingerprint(),
-                         "plan_steps": len(plan.steps)}
+                         "plan_rounds": len(plan.rounds)}
 
     def step(self, batches: list[dict]) -> dict:
-        share = len(batches) // self.engine.layout.dp_size  # this data-parallel group's micro-batches
-        dp_rank = self.engine.layout.dp_rank
+        share = len(batches) // self.engine.groups.dp_size  # this data-parallel group's micro-batches
+        dp_rank = self.engine.groups.dp_rank
         self.engine.train_batch(iter(batches[dp_rank * share:(dp_rank + 1) * share]))
         s = self.engine.last_stats
         return {"compute_s": s.compute_s, "comm_s": s.comm_s, "exposed_s": s.exposed_s,
@@ -116,13 +103,12 @@ class PipeRunner:
     def __init__(self, opts: BenchOptions, mode: str, link_gbps: float | None):
         self.mode, self.info = mode, {}
         if mode.startswith("ds-"):
-            from ds_dhelix.pipe.baseline import build_deepspeed_pipe
+            from benchmarks.ds_pipelines import build_deepspeed_pipe
             self.engine = build_deepspeed_pipe(build_model(opts), opts.pp, mode.removeprefix("ds-"),
                                                opts.base_ds_config(opts.micro_batches))
         else:
-            import ds_dhelix
-            self.engine, *_ = ds_dhelix.initialize(model=build_model(opts),
-                                                   config=opts.dhelix_ds_config(mode, link_gbps))
+            from ds_dhelix.build import build_engine
+            self.engine = build_engine(build_model(opts), opts.dhelix_ds_config(mode, link_gbps))
 
     def step(self, batches: list[dict]) -> dict:
         if self.mode.startswith("ds-"):

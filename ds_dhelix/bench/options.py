@@ -6,10 +6,10 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
     deepspeed   plain DeepSpeed engine, data parallel over the whole world (no TP, no overlap)
     autotp      DeepSpeed AutoTP ("tensor_parallel": {"autotp_size": tp}), collectives inside modules
     sequential  ds_dhelix TP/SP, micro-batches one after another, every comm waited at once
-    si          ds_dhelix TP/SP with strand interleaving, streamed pairs (the default "si_execution")
-    si-plan     SI run by the fixed default plan, a barrier after each plan step ("si_execution": "plan")
+    si          ds_dhelix TP/SP with strand interleaving, reactive pairs (the default "si_execution")
+    si-plan     SI run by the fixed default plan, a barrier after each plan round ("si_execution": "plan")
     si-planned  SI run by the plan the planner makes from a profile ("planner.profile": "auto")
-    si-ends     streamed SI with "pair_ends": the first two forwards and the last two backwards paired
+    si-ends     reactive SI with "pair_ends": the first two forwards and the last two backwards paired
                 too (no strand alone; one more micro-batch of activations)
 
 With ``pp > 1`` (folded pipeline over ``pp`` ranks, ``tp = 1``) the modes are ``PP_MODES``::
@@ -51,11 +51,10 @@ class BenchOptions:
     """One benchmark run: every mode at every link rate.
 
     Defaults are the representative regime: tiny-llama, TP=2, 16 micro-batches of 4 x 256 tokens,
-    where at 2 Gbit/s the sequential run spends about as long communicating as computing
-    (comm/comp ~0.9-1.0 on the 2-core CPU machine this was chosen on, and on a 16-core one). SI
-    leaves the first forward and the last backward of a step unpaired; 16 rather than 8
-    micro-batches halve that share (measured at 2 Gbit/s: 1.35x -> 1.47x over sequential with 16
-    cores, 1.19x -> 1.23x with 2) at the same activation peak.
+    where at 2 Gbit/s the sequential run spends about as long communicating as computing (on the
+    CPU machine this was chosen on; the bench reports the ratio it measured). SI leaves the first
+    forward and the last backward of a step unpaired; 16 rather than 8 micro-batches halve that
+    share at the same activation peak (benchmarks/results/README.md has the measurements).
     """
 
     model: str = "tiny-llama"
@@ -76,7 +75,8 @@ class BenchOptions:
     """Token-bucket burst of the emulated link in KB. Kept just above the loopback MTU (64 KiB):
     a larger bucket banks credit while the link idles, so a schedule that leaves the link idle
     during compute (sequential) gets its next messages faster than the nominal rate; a real link
-    never exceeds its rate. (linkemu's default, 512 KB, made sequential comm ~25-40% faster.)"""
+    never exceeds its rate (linkemu's default, 512 KB, lets sequential communication beat the
+    nominal rate)."""
     micro_batches: int = 16
     """Micro-batches per optimizer step (gradient accumulation) of each data-parallel group: with
     ``ep > 1`` a step has ``micro_batches x ep`` micro-batches in all."""

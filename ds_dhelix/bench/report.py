@@ -13,7 +13,7 @@ from ds_dhelix.plan import write_atomic
 CSV_COLUMNS = ("mode", "link_gbps", "link", "shaped", "status", "steps", "step_time_s", "tokens_per_s",
                "speedup_vs_sequential", "ideal_speedup", "achieved_over_ideal", "step_bound_speedup",
                "cpu_bound_speedup", "cpu_bound_over_ideal",
-               "compute_s", "comm_s", "exposed_comm_s", "hidden_fraction", "hidden_of_comm",
+               "compute_s", "comm_s", "exposed_comm_s", "hidden_of_hideable", "hidden_of_comm",
                "peak_activation_bytes", "mfu", "cpu_s", "other_threads_cpu_s", "step_time_min_s",
                "step_time_max_s", "build_s",
                "plan_source", "plan_is_default", "plan_fingerprint", "reason")
@@ -46,7 +46,7 @@ def markdown_table(report: dict) -> str:
             f"{_times(r['speedup_vs_sequential'])} | {_times(r['ideal_speedup'])} | "
             f"{_fmt(r['achieved_over_ideal'], '.2f')} | {_times(r.get('cpu_bound_speedup'))} | "
             f"{ms(r['compute_s'])} | {ms(r['comm_s'])} | "
-            f"{ms(r['exposed_comm_s'])} | {_fmt(r['hidden_fraction'], '.0%')} | "
+            f"{ms(r['exposed_comm_s'])} | {_fmt(r['hidden_of_hideable'], '.0%')} | "
             f"{ms(r.get('other_threads_cpu_s'))} | "
             f"{_fmt(None if r['peak_activation_bytes'] is None else r['peak_activation_bytes'] / 2**20, '.1f')} |")
     ratio = report.get("comm_comp_ratio") or {}

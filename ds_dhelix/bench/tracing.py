@@ -7,14 +7,12 @@ on a CPU gloo world, optionally behind an emulated link, merged into one Chrome/
     rank 1  ...
 
 ``summarize_trace`` turns a loaded trace into per-rank, per-lane span counts and busy time;
-``idle_breakdown`` says where the compute lane waited: in which phase of the step (forward alone,
-co-executed pairs, backward alone) and on which collective.
+``lane_names`` and ``split_steps`` read a trace back for further analysis
+(``benchmarks/trace_analysis.py``: where the compute lane waited, each pair replayed).
 """
 from __future__ import annotations
 
-import bisect
 import os
-from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from .options import BenchOptions
@@ -61,7 +59,7 @@ class TraceOptions:
 
 
 def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
-    import ds_dhelix
+    from ds_dhelix.build import build_engine
     from hf_models.registry import load_config
 
     from .modes import build_model
@@ -75,10 +73,10 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
     batches = make_batches(bench, load_config(opts.model).vocab_size)
     mode = "si-planned" if opts.planned else opts.schedule
     config = bench.dhelix_ds_config(mode, opts.link_gbps)
-    engine, *_ = ds_dhelix.initialize(model=build_model(bench), config=config, example_batch=batches[0])
+    engine = build_engine(build_model(bench), config, example_batch=batches[0])
     steps = []
-    share = len(batches) // engine.layout.dp_size  # this data-parallel group's micro-batches
-    mine = batches[engine.layout.dp_rank * share:(engine.layout.dp_rank + 1) * share]
+    share = len(batches) // engine.groups.dp_size  # this data-parallel group's micro-batches
+    mine = batches[engine.groups.dp_rank * share:(engine.groups.dp_rank + 1) * share]
     for _ in range(opts.steps):
         engine.train_batch(iter(mine))
         s = engine.last_stats
@@ -107,15 +105,12 @@ def record_trace(opts: TraceOptions) -> dict:
 def summarize_trace(trace: dict) -> dict:
     """``{rank: {lane: {"spans": n, "busy_ms": ..., "ops": sorted op names}}}`` plus the trace span
     ``wall_ms`` (first start to last end over all ranks)."""
-    lane_names, ranks = {}, {}
+    lanes, ranks = lane_names(trace), {}
     starts, ends = [], []
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            lane_names[(e["pid"], e.get("tid"))] = e["args"]["name"]
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X":
             continue
-        lane = lane_names.get((e["pid"], e.get("tid")), f"tid {e.get('tid')}")
+        lane = lanes.get((e["pid"], e.get("tid")), f"tid {e.get('tid')}")
         entry = ranks.setdefault(e["pid"], {}).setdefault(lane, {"spans": 0, "busy_ms": 0.0, "ops": set()})
         entry["spans"] += 1
         entry["busy_ms"] += e["dur"] / 1e3
@@ -129,12 +124,13 @@ def summarize_trace(trace: dict) -> dict:
     return {"ranks": {pid: ranks[pid] for pid in sorted(ranks)}, "wall_ms": wall}
 
 
-def _lane_names(trace: dict) -> dict:
+def lane_names(trace: dict) -> dict:
+    """``{(pid, tid): lane name}`` of a loaded trace."""
     return {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace.get("traceEvents", [])
             if e.get("ph") == "M" and e.get("name") == "thread_name"}
 
 
-def _split_steps(compute: list[dict]) -> list[list[dict]]:
+def split_steps(compute: list[dict]) -> list[list[dict]]:
     """Spans of one rank, by start time -> one list per optimizer step (a step starts at the
     forward of micro-batch 0's first block)."""
     steps: list[list[dict]] = []
@@ -145,45 +141,3 @@ def _split_steps(compute: list[dict]) -> list[list[dict]]:
             steps.append([])
         steps[-1].append(e)
     return steps
-
-
-def idle_breakdown(trace: dict, min_gap_us: float = 50.0) -> dict:
-    """Per rank, ms of compute-lane idle time per step: ``{"phases": {"forward_alone",
-    "co_executed", "backward_alone"}, "waited_on": {"<op> <strand>": ms}}``, averaged over steps.
-    The phases are: before the step's first backward op, while forwards and backwards interleave,
-    after its last forward op (with ``pair_ends`` the first and last are the F0xF1 and
-    B(m-2)xB(m-1) pairs).
-
-    A gap ends when the collective the executor waited for completes; it is charged to the
-    collective(s) whose span ends inside the gap (``"none"``: no collective, e.g. bookkeeping).
-    """
-    lanes = _lane_names(trace)
-    spans = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    out = {}
-    for pid in sorted({e["pid"] for e in spans}):
-        mine = [e for e in spans if e["pid"] == pid]
-        compute = sorted((e for e in mine if lanes.get((pid, e.get("tid"))) == "compute"), key=lambda e: e["ts"])
-        comm_ends = sorted((e["ts"] + e["dur"], f"{e['name']} {e['args'].get('strand')}") for e in mine
-                           if str(lanes.get((pid, e.get("tid")), "")).startswith("comm"))
-        ends = [t for t, _ in comm_ends]
-        phases, waited = defaultdict(float), defaultdict(float)
-        steps = _split_steps(compute)
-        for step in steps:
-            f_end = max((e["ts"] + e["dur"] for e in step if e["args"].get("strand") == "F"), default=0)
-            b_start = min((e["ts"] for e in step if e["args"].get("strand") == "B"), default=float("inf"))
-            for a, b in zip(step, step[1:]):
-                gap = b["ts"] - (a["ts"] + a["dur"])
-                if gap < min_gap_us:
-                    continue
-                phase = ("forward_alone" if b["ts"] <= b_start else
-                         "backward_alone" if a["ts"] >= f_end else "co_executed")
-                phases[phase] += gap / 1e3
-                lo, hi = bisect.bisect_left(ends, a["ts"] + a["dur"]), bisect.bisect_right(ends, b["ts"] + 20)
-                names = sorted({name for _, name in comm_ends[lo:hi]}) or ["none"]
-                for name in names:
-                    waited[name] += gap / 1e3 / len(names)
-        n = max(len(steps), 1)
-        out[pid] = {"steps": len(steps),
-                    "phases": {k: phases[k] / n for k in ("forward_alone", "co_executed", "backward_alone")},
-                    "waited_on": {k: v / n for k, v in sorted(waited.items(), key=lambda kv: -kv[1])}}
-    return out

@@ -11,23 +11,11 @@ says so). Modes alternate step by step; rows report medians.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 
 from ds_dhelix.bench.options import DEFAULT_MODES, MODES, BenchOptions, quick
 
-
-def _link_rate(text: str) -> float | None:
-    if text.lower() in ("unshaped", "none", "loopback"):
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected Gbit/s like 2 or 'unshaped'") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a link rate must be > 0 Gbit/s")
-    return value
+from .common import check_model, link_rate, stdout_to_stderr
 
 
 def register(sub) -> None:
@@ -43,7 +31,7 @@ def register(sub) -> None:
                    help=f"expert-parallel size for MoE models (default {d.ep}); e.g. --model tiny-phimoe --tp 1 --ep 2")
     p.add_argument("--modes", nargs="+", default=None, choices=MODES, metavar="MODE",
                    help=f"modes to measure, of {' '.join(MODES)} (default: {' '.join(DEFAULT_MODES)})")
-    p.add_argument("--link-gbps", nargs="+", type=_link_rate, default=None, metavar="GBPS",
+    p.add_argument("--link-gbps", nargs="+", type=link_rate, default=None, metavar="GBPS",
                    help="emulated link rates in Gbit/s, 'unshaped' for plain loopback "
                         "(default: 1 2 5 10 unshaped; --quick: 2)")
     p.add_argument("--link-burst-kb", type=int, default=None, metavar="KB",
@@ -81,41 +69,13 @@ def options_from_args(args) -> BenchOptions:
     return BenchOptions(**given)
 
 
-def check_model(opts: BenchOptions) -> None:
-    """Bad model / TP / EP / sequence length: a ValueError before any process starts."""
-    from hf_models.adapters import check_layout
-    from hf_models.registry import load_config
-    config = load_config(opts.model)
-    check_layout(config, opts.tp, opts.ep, opts.dp, opts.world // opts.pp)
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit and opts.seq_len > limit:
-        raise ValueError(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions")
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr(enabled: bool):
-    """Send everything written to stdout (libraries' log lines included) to stderr meanwhile."""
-    if not enabled:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def run(args) -> int:
     from ds_dhelix.bench import run_bench
     from ds_dhelix.bench.report import dumps, markdown_table, write_outputs
     opts = options_from_args(args)
     check_model(opts)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
-    with _stdout_to_stderr(args.json):  # --json: stdout carries the JSON and nothing else
+    with stdout_to_stderr(args.json):  # --json: stdout carries the JSON and nothing else
         report = run_bench(opts, progress=log)
     if args.out:
         paths = write_outputs(report, args.out)

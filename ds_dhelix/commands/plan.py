@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dict(result, plan=plan.to_dict()), indent=1), file=args.stdout)
         return 0
-    print(plan.render_text(planner.step_costs(table, plan)))
+    print(plan.render_text(planner.round_costs(table, plan)))
     for key, value in result.items():
         print(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}")
     return 0

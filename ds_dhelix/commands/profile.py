@@ -22,9 +22,9 @@ def register(sub) -> None:
 def options(args) -> dict:
     if args.tp < 1 or args.micro_batch_size < 1 or args.seq_len < 1 or args.repeats < 1:
         raise ValueError("--tp, --micro-batch-size, --seq-len and --repeats must be >= 1")
-    from hf_models.adapters import check_layout
+    from ds_dhelix.dims import ParallelDims
     from hf_models.registry import load_config
-    check_layout(load_config(args.model), args.tp, args.ep, dp=args.ep)  # profiling world: tp x ep ranks
+    ParallelDims(args.tp * args.ep, tp=args.tp, ep=args.ep).check_model(load_config(args.model))  # tp x ep ranks
     if args.seq_len % args.tp:
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}")
     return {"model": args.model, "tp": args.tp, "micro_batch_size": args.micro_batch_size,
@@ -35,7 +35,7 @@ def options(args) -> dict:
 def run(args) -> int:
     from ds_dhelix.linkemu import run_in_link
     from ds_dhelix.planner import OverlapTable
-    from ds_dhelix.profile import profile_world
+    from ds_dhelix.profile_runs import profile_world
     o = options(args)
     if args.link_gbps:
         table, seconds = run_in_link(profile_world, args.link_gbps, args=(o, args.timeout))

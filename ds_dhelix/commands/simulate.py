@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ds_dhelix.pipe.schedule import SCHEDULES, build_schedule
+from ds_dhelix.pipe.schedule import SCHEDULE_BUILDERS, build_schedule
 from ds_dhelix.pipe.simulate import (
     replay, resolve_pair_cost, sequential_bubble_closed_form, w_bubble_closed_form)
 
@@ -20,7 +20,7 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "simulate", help="replay a folded pipeline schedule (W, DualPipeV+SI, sequential)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="w",
+    parser.add_argument("--schedule", choices=sorted(SCHEDULE_BUILDERS), default="w",
                         help="w: DHelix W schedule; dualpipev: DualPipeV order with SI pairs; "
                              "sequential: one micro-batch at a time (default: w)")
     parser.add_argument("--stages", type=int, required=True, help="pipeline ranks p")

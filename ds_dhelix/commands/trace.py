@@ -5,13 +5,8 @@ on, write the merged Chrome/Perfetto trace and print its lanes and spans.
 
 Open the file in ui.perfetto.dev or chrome://tracing: one process per rank, a ``compute`` lane and
 one communication lane per strand (``comm:tp:F``, ``comm:tp:B``); spans are named by op, with the
-strand and micro-batch in their args.
-
-For streamed SI it also replays each traced pair on an idealised machine
-(``ds_dhelix.bench.replay``): the same op durations and the executor's order rule with no rank skew,
-beside the best order a search finds and the perfect-overlap bound, so the printout says how much
-of a pair's time the two-strand schedule itself costs, how much a better order could win back,
-and how much the run adds.
+strand and micro-batch in their args. ``python -m benchmarks.trace_analysis trace.json`` (research)
+says where the compute lane waited and replays each pair on an idealised machine.
 """
 from __future__ import annotations
 
@@ -20,7 +15,7 @@ import json
 
 from ds_dhelix.bench.tracing import TraceOptions
 
-from .bench import _link_rate, _stdout_to_stderr
+from .common import check_model, link_rate, stdout_to_stderr
 
 
 def register(sub) -> None:
@@ -30,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (world = tp x ep)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size for MoE models (e.g. tiny-phimoe --tp 1 --ep 2)")
     p.add_argument("--schedule", default="si", choices=["si", "si-ends", "si-plan", "sequential"],
-                   help="si: streamed pairs (default); si-ends: streamed, first two forwards and last two "
+                   help="si: reactive pairs (default); si-ends: reactive, first two forwards and last two "
                         "backwards paired too (pair_ends); si-plan: the default SI plan with barriers; "
                         "sequential: no overlap")
     p.add_argument("--planned", action="store_true",
@@ -43,7 +38,7 @@ def register(sub) -> None:
     p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--num-layers", type=int, default=None, help="shrink the preset")
-    p.add_argument("--link-gbps", type=_link_rate, default=None, metavar="GBPS",
+    p.add_argument("--link-gbps", type=link_rate, default=None, metavar="GBPS",
                    help="emulated link rate in Gbit/s (default: unshaped loopback)")
     p.add_argument("--link-burst-kb", type=int, default=d.link_burst_kb, metavar="KB",
                    help="token-bucket burst of the emulated link (see dhelix bench --help)")
@@ -54,28 +49,32 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ds_dhelix.bench.replay import replay_trace
-    from ds_dhelix.bench.tracing import idle_breakdown, record_trace, summarize_trace
+    from ds_dhelix.bench.tracing import record_trace, summarize_trace
     from ds_dhelix.trace import validate_trace
-    from .bench import check_model
     opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, ep=args.ep, schedule=args.schedule,
                         planned=args.planned, planner_cache=args.planner_cache, steps=args.steps,
                         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                         seq_len=args.seq_len, num_layers=args.num_layers, link_gbps=args.link_gbps,
                         link_burst_kb=args.link_burst_kb, timeout=args.timeout)
     check_model(opts.bench_options())
-    with _stdout_to_stderr(args.json):
+    with stdout_to_stderr(args.json):
         run_info = record_trace(opts)
     with open(run_info["path"]) as f:
         trace = json.load(f)
     problems = validate_trace(trace, lanes=("compute",))
     summary = summarize_trace(trace)
-    idle = idle_breakdown(trace)
-    replay = replay_trace(trace) if opts.schedule == "si" and not opts.planned else {}
     if args.json:
-        report = {**run_info, "summary": summary, "idle": idle, "pair_replay": replay, "problems": problems}
-        print(json.dumps(report, indent=1), file=args.stdout)
+        print(json.dumps({**run_info, "summary": summary, "problems": problems}, indent=1), file=args.stdout)
         return 0 if not problems else 1
+    _print_summary(opts, run_info, summary)
+    if problems:
+        print(f"  INVALID trace: {len(problems)} problem(s), first: {problems[0]}")
+        return 1
+    print("  valid Chrome trace (lanes named, spans ordered and non-overlapping); open in ui.perfetto.dev")
+    return 0
+
+
+def _print_summary(opts: TraceOptions, run_info: dict, summary: dict) -> None:
     link = "unshaped loopback" if opts.link_gbps is None else f"{opts.link_gbps:g} Gbit/s" + (
         "" if run_info["shaped"] else " (emulation unavailable: ran UNSHAPED)")
     what = f"{opts.schedule}{' (planned)' if opts.planned else ''}"
@@ -89,26 +88,3 @@ def run(args) -> int:
         s = r["steps"][-1]
         print(f"  rank {r['rank']} last step: {s['step_s'] * 1e3:.0f} ms, compute {s['compute_s'] * 1e3:.0f} ms, "
               f"comm {s['comm_s'] * 1e3:.0f} ms ({s['exposed_s'] * 1e3:.0f} ms exposed), {s['num_comms']} collectives")
-    for rank, entry in idle.items():
-        ph = entry["phases"]
-        top = ", ".join(f"{k} {v:.0f}" for k, v in list(entry["waited_on"].items())[:4])
-        if opts.schedule == "si-ends":  # the ends are pairs too: F0xF1 before any backward, B(m-2)xB(m-1) last
-            where = (f"F0xF1 {ph['forward_alone']:.0f}, mixed pairs {ph['co_executed']:.0f}, "
-                     f"last two backwards {ph['backward_alone']:.0f}")
-        elif opts.schedule != "sequential":
-            where = (f"F alone {ph['forward_alone']:.0f}, pairs {ph['co_executed']:.0f}, "
-                     f"B alone {ph['backward_alone']:.0f}")
-        else:
-            where = f"{sum(ph.values()):.0f}"
-        print(f"  rank {rank} compute lane idle per step (ms): {where}; waiting on {top}")
-    for rank, r in replay.items():
-        print(f"  rank {rank} pairs (median of {r['pairs']}): measured {r['measured_ms']:.1f} ms, replay without "
-              f"rank skew {r['replay_ms']:.1f} ms, best order searched {r['search_ms']:.1f} ms, bound "
-              f"{r['bound_ms']:.1f} ms (compute {r['compute_ms']:.1f}, wire {r['wire_ms']:.1f}); schedule reaches "
-              f"{r['bound_ms'] / r['replay_ms']:.0%} of the bound (searched order {r['bound_ms'] / r['search_ms']:.0%}), "
-              f"the run {r['replay_ms'] / r['measured_ms']:.0%} of the replay")
-    if problems:
-        print(f"  INVALID trace: {len(problems)} problem(s), first: {problems[0]}")
-        return 1
-    print("  valid Chrome trace (lanes named, spans ordered and non-overlapping); open in ui.perfetto.dev")
-    return 0

@@ -23,7 +23,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from ds_dhelix.linkemu import run_in_link
     from ds_dhelix.planner import OverlapTable
-    from ds_dhelix.profile import validate_world
+    from ds_dhelix.profile_runs import validate_world
     table = OverlapTable.load(args.table)
     if table.meta.get("link_gbps") != args.link_gbps:
         raise ValueError(f"the table was profiled at link_gbps={table.meta.get('link_gbps')}, "
@@ -38,9 +38,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(res, indent=1), file=args.stdout)
         return 0
-    print(f"{'plan':<12}{'steps':>6}{'predicted ms':>14}{'measured ms':>13}{'error %':>9}")
+    print(f"{'plan':<12}{'rounds':>7}{'predicted ms':>14}{'measured ms':>13}{'error %':>9}")
     for r in sorted(res["rows"], key=lambda r: r["measured_ms"]):
-        print(f"{r['plan']:<12}{r['steps']:>6}{r['predicted_ms']:>14.3f}{r['measured_ms']:>13.3f}{r['error_pct']:>9.1f}")
+        print(f"{r['plan']:<12}{r['rounds']:>7}{r['predicted_ms']:>14.3f}{r['measured_ms']:>13.3f}{r['error_pct']:>9.1f}")
     print(f"spearman(predicted, measured) = {res['spearman']:.3f}; mean |error| = {res['mean_abs_error_pct']:.1f}%")
     print(f"DP plan: measured {res['dp_measured_ms']:.3f} ms, rank {res['dp_rank']}/{res['num_plans']}, "
           f"{res['dp_vs_best_pct']:+.1f}% vs best measured ({res['best_measured_plan']})")

@@ -22,19 +22,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import Pending, backward_group, has_strand_groups, strand_group
+from ..comm import Pending, StrandGroups
 from .router import Route
 
 
 @dataclass
 class ExpertGroups:
-    """This rank's expert-parallel groups (``ParallelLayout.expert_groups()`` builds it)."""
+    """This rank's expert-parallel groups (``ProcessGroups.expert_groups()`` builds it); a plain
+    process group given for ``group`` / ``count_group`` serves both channels."""
 
     size: int = 1
     rank: int = 0
-    group: object = None        # dispatch / combine all-to-all
-    count_group: object = None  # token-count exchange (moe.counts; small, forward only)
+    group: object = None        # dispatch / combine all-to-all (StrandGroups)
+    count_group: object = None  # token-count exchange (moe.counts; small, forward only; StrandGroups)
     name: str = "ep_size_1"     # DeepSpeed's expert group name (param.group_name)
+
+    def __post_init__(self):
+        self.group, self.count_group = StrandGroups.of(self.group), StrandGroups.of(self.count_group)
 
 
 @dataclass
@@ -62,17 +66,16 @@ class CountExchange:
 
     @property
     def strand_safe(self) -> bool:
-        """Its backward launches nothing; two forward strands (``pair_ends``) need the twin group."""
-        return has_strand_groups(self.groups.count_group)
+        """Its backward launches nothing; two forward strands (``pair_ends``) need both channels."""
+        return self.groups.count_group.separate
 
-    def forward(self, x, side) -> Pending:
+    def forward(self, x, side, channel: int = 0) -> Pending:
         route = side["moe"][self.layer]
         if route.padded:  # capacity mode: fixed splits
             return Pending(None, x)
         send = route.counts.view(self.groups.size, -1).contiguous()
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=strand_group(self.groups.count_group, False),
-                                      async_op=True)
+        work = dist.all_to_all_single(recv, send, group=self.groups.count_group.channel(channel), async_op=True)
 
         def finish(_):  # [ep, E/ep] copies sent to / received from each EP rank, per expert
             route.recv_counts = recv
@@ -85,7 +88,7 @@ class CountExchange:
             pending.sink = self.metrics.record_comm
         return pending
 
-    def backward(self, grad, side) -> Pending:
+    def backward(self, grad, side, channel: int = 1) -> Pending:
         return Pending(None, grad)
 
 
@@ -106,7 +109,7 @@ class ExpertAllToAll:
 
     @property
     def strand_safe(self) -> bool:
-        return has_strand_groups(self.groups.group)
+        return self.groups.group.separate
 
     def _send(self, x, route: Route, toward_experts: bool, group) -> Pending:
         if route.padded:
@@ -115,16 +118,16 @@ class ExpertAllToAll:
             return _all_to_all(x, route.recv_splits, route.send_splits, group)
         return _all_to_all(x, route.send_splits, route.recv_splits, group)
 
-    def forward(self, x, side) -> Pending:
+    def forward(self, x, side, channel: int = 0) -> Pending:
         route = side["moe"][self.layer]
         if not route.padded and route.recv_splits is None:
             raise RuntimeError(f"moe.dispatch of layer {self.layer}: no split sizes; a dropless graph "
                                f"needs its moe.counts op before the dispatch")
-        return self._record(self._send(x, route, self.to_experts, strand_group(self.groups.group, False)))
+        return self._record(self._send(x, route, self.to_experts, self.groups.group.channel(channel)))
 
-    def backward(self, grad, side) -> Pending:
+    def backward(self, grad, side, channel: int = 1) -> Pending:
         return self._record(self._send(grad, side["moe"][self.layer], not self.to_experts,
-                                       backward_group(self.groups.group)))
+                                       self.groups.group.channel(channel)))
 
     def _record(self, pending: TimedPending) -> TimedPending:
         if self.metrics is not None:

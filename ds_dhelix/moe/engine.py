@@ -47,7 +47,7 @@ class DhelixMoeEngine(DhelixEngine):
         already sum every partition over the DP group: exact.)"""
         if not self.has_moe_layers:
             return super().clip_fp32_gradients()
-        lay = self.layout
+        lay = self.groups
         params = [p for p in self.module.parameters() if p.grad is not None]
         counted = [p for p in params if lay.tp_rank == 0 or getattr(p, "tensor_model_parallel", False)]
         sq = torch.zeros(2, dtype=torch.float32, device=params[0].grad.device)
@@ -56,7 +56,7 @@ class DhelixMoeEngine(DhelixEngine):
         if lay.tp_size > 1:
             dist.all_reduce(sq, group=lay.tp_grad_group)
         expert = sq[1:].clone()
-        dist.all_reduce(expert, group=lay.ep_group)
+        dist.all_reduce(expert, group=lay.ep.forward)
         total = (sq[0] + expert[0]).sqrt()
         coef = torch.clamp(self.gradient_clipping() / (total + 1e-6), max=1.0)
         for p in params:
@@ -71,7 +71,7 @@ class DhelixMoeEngine(DhelixEngine):
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         out = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         if self.has_moe_layers:
-            lay = self.layout
+            lay = self.groups
             if lay.tp_rank == 0 and lay.dp_rank < lay.ep_size:  # one writer per EP rank
                 shards = {n: {"expert_ids": list(p.expert_ids), "tensor": p.detach().cpu().clone()}
                           for n, p in self.module.named_parameters() if is_moe_param(p)}
@@ -98,7 +98,7 @@ class DhelixMoeEngine(DhelixEngine):
         return os.path.join(save_dir, tag, f"dhelix_experts_ep_rank_{ep_rank:02d}.pt")
 
     def _load_expert_shards(self, load_dir, tag) -> None:
-        lay = self.layout
+        lay = self.groups
         path = self._expert_shard_path(load_dir, tag, lay.ep_rank)
         if not os.path.isfile(path):
             raise ValueError(f"checkpoint {os.path.join(load_dir, tag)} has no expert shard file for EP rank "
@@ -137,17 +137,17 @@ class DhelixMoeEngine(DhelixEngine):
         packed = torch.cat([load.flatten().to(dev, torch.float64),
                             torch.tensor([float(sum(m.dropped)), 0.0 if aux is None else float(aux)],
                                          dtype=torch.float64, device=dev)])
-        if self.layout.dp_size > 1:
-            dist.all_reduce(packed, group=self.layout.dp_group)
+        if self.groups.dp_size > 1:
+            dist.all_reduce(packed, group=self.groups.dp_group)
         n = m.num_layers * m.num_experts
         self.moe_expert_load = packed[:n].view(m.num_layers, m.num_experts).cpu()
         self.moe_dropped_tokens = int(packed[n])
-        self.moe_aux_loss = None if aux is None else float(packed[n + 1]) / self.layout.dp_size
+        self.moe_aux_loss = None if aux is None else float(packed[n + 1]) / self.groups.dp_size
         self.moe_a2a_ms, self.moe_a2a_exposed_ms = m.a2a_busy_s * 1e3, m.a2a_exposed_s * 1e3
 
-    def _log_step(self, batches) -> None:
+    def log_step(self, batches) -> None:
         self._reduce_moe_metrics()  # every rank (a DP all-reduce), at the end of each step
-        super()._log_step(batches)
+        super().log_step(batches)
         if not (self.monitor.enabled and self.global_rank == 0) or self.global_steps % self.dhelix.log_interval:
             return
         step = self.global_steps

@@ -52,7 +52,7 @@ def shard_experts(experts: nn.Module, groups: ExpertGroups) -> None:
             p.allreduce = False
             p.group_name = groups.name
         p.expert_ids = tuple(range(lo, lo + local))
-        p.ep_size, p.ep_group = groups.size, groups.group
+        p.ep_size, p.ep_group = groups.size, groups.group.forward
     experts.local_expert_ids = tuple(range(lo, lo + local))
 
 
@@ -60,14 +60,16 @@ def is_expert_param(p) -> bool:
     return getattr(p, "expert_ids", None) is not None
 
 
-def gather_expert_param(p: torch.Tensor) -> torch.Tensor:
+def gather_expert_param(p: torch.Tensor, data: torch.Tensor | None = None) -> torch.Tensor:
     """The full HF tensor ``[E, ...]`` of an expert shard: all-gather over its EP group, placing
-    every shard at its global expert ids (a shard claiming other ids is refused)."""
+    every shard at its global expert ids (a shard claiming other ids is refused). ``data``: gather
+    this tensor of ``p``'s shape (e.g. its gradient) instead of ``p`` itself."""
+    data = p.data if data is None else data
     if getattr(p, "ep_size", 1) == 1:
-        return p.detach().clone()
+        return data.detach().clone()
     group, ep = p.ep_group, p.ep_size
-    parts = [torch.empty_like(p.data) for _ in range(ep)]
-    dist.all_gather(parts, p.data.contiguous(), group=group)
+    parts = [torch.empty_like(data) for _ in range(ep)]
+    dist.all_gather(parts, data.contiguous(), group=group)
     ids = torch.tensor(p.expert_ids, dtype=torch.long, device=p.device)
     all_ids = [torch.empty_like(ids) for _ in range(ep)]
     dist.all_gather(all_ids, ids, group=group)

@@ -17,12 +17,12 @@ all-reduce for ZeRO-0), its clipping over the pipe x model group and its optimiz
     ReduceGrads / OptimizerStep   DeepSpeed's
 
 One W steady-state instruction on stage 0 (p = 2, 4 layers; blocks: embed, layer 0 | layer 3,
-head) and the slots the executor walks, each slot one SI step (layer pairs by the SI plan)::
+head) and the blocks the executor pairs, each pair one round (layer pairs by the SI plan's rounds)::
 
     F2B0'  = F(mb 2, phase 0) x B(mb 0, phase 1)
-             slot 0:  F embed      x  B head + loss   (seeded 1/m)
-             slot 1:  F layer 0    x  B layer 3
-             then     SendActivation(2, phase 0) and SendGrad(0, phase 1) to stage 1
+             depth 0:  F embed      x  B head + loss   (seeded 1/m)
+             depth 1:  F layer 0    x  B layer 3
+             then      SendActivation(2, phase 0) and SendGrad(0, phase 1) to stage 1
 
 What crosses a stage boundary is every env tensor the later blocks read that the earlier blocks
 wrote (liveness over the op graph): ``h`` for dense models, ``h`` plus the routers' ``aux.<i>``
@@ -39,94 +39,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-from deepspeed.utils import logger
 
-from ..executor import Executor, MicroBatch, StepStats
-from ..memory import ActivationMeter
-from ..watchdog import Watchdog
+from ..executor import MicroBatch
+from ..stepping import DhelixStepMixin
 from . import schedule as S
-from .folding import FoldLayout, chunk_index, fold_layers
+from .folding import LayerFold, chunk_index
 
 ACT, GRAD = 0, 1
 _KIND = {S.ACTIVATION: ACT, S.GRAD: GRAD}
 MAX_CARRIED = 256  # tensors per boundary message (tag space)
-
-
-# ---------------------------------------------------------------------------------------- layout
-@dataclass
-class PipeLayout:
-    """Ranks of a pipe x data x tensor-parallel run, DeepSpeed's topology order (tensor innermost,
-    pipe outermost: rank = (stage * dp + dp_rank) * tp + tp_rank). TP groups are ours (the op
-    graph's collectives); data/pipe groups come from DeepSpeed's grid; ``p2p_group`` carries only
-    pipeline sends and receives."""
-
-    world_size: int
-    rank: int
-    pp_size: int
-    dp_size: int
-    tp_size: int
-    topology: object = None
-    tp_group: object = None
-    tp_grad_group: object = None
-    p2p_group: object = None
-
-    @classmethod
-    def create(cls, pp: int, tp: int) -> "PipeLayout":
-        """Collective on every rank of the default group."""
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world % (pp * tp):
-            raise ValueError(f"world size {world} is not divisible by pipeline.stages {pp} x "
-                             f"tensor_parallel.size {tp}")
-        lay = cls(world, rank, pp, world // (pp * tp), tp, PipeModelDataParallelTopology(pp, tp, world // (pp * tp)))
-        if tp > 1:
-            for ranks in lay.topology.get_axis_comm_lists("model"):  # same order on every rank
-                g, gg = dist.new_group(ranks), dist.new_group(ranks)
-                if rank in ranks:
-                    lay.tp_group, lay.tp_grad_group = g, gg
-        lay.p2p_group = dist.new_group(list(range(world)))
-        return lay
-
-    @property
-    def coord(self):
-        return self.topology.get_coord(self.rank)
-
-    @property
-    def stage(self) -> int:
-        return self.coord.pipe
-
-    @property
-    def dp_rank(self) -> int:
-        return self.coord.data
-
-    @property
-    def tp_rank(self) -> int:
-        return self.coord.model
-
-
-# ------------------------------------------------------------------------------------ validation
-def check_pipeline(dh, ds_config: dict, world_size: int, num_layers: int) -> tuple[FoldLayout, int]:
-    """Every pipeline mistake as a ValueError before any model is built or sharded; returns the
-    fold layout and the number of micro-batches per step."""
-    from ..config import derive_batch
-    p, tp = dh.pipeline.stages, dh.tensor_parallel.size
-    if dh.schedule not in S.SCHEDULES:
-        raise ValueError(f"dhelix.schedule = {dh.schedule!r} with pipeline.stages = {p}: a pipeline runs "
-                         f"one of {sorted(S.SCHEDULES)} ('si' is the one-stage schedule)")
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    if stage >= 2:
-        raise ValueError(f"zero_optimization.stage = {stage} with pipeline.stages = {p}: ZeRO-2/3 partition "
-                         f"gradients, which DeepSpeed's pipeline engines cannot combine with; use stage 0 or 1")
-    if dh.expert_parallel.size > 1:
-        raise ValueError(f"expert_parallel.size = {dh.expert_parallel.size} with pipeline.stages = {p} is not "
-                         f"supported yet; use expert_parallel.size 1 (experts replicated inside each stage)")
-    if dh.planner.profile != "off":
-        raise ValueError(f"dhelix.planner.profile = {dh.planner.profile!r} with a pipeline is not supported yet: "
-                         f"the pipeline uses the default SI plan; set planner.profile to 'off' (or pass plan=...)")
-    batch = derive_batch(ds_config, world_size, tp=tp, pp=p, ep=1)  # world % (p x tp) -> ValueError
-    fold = fold_layers(num_layers, p, list(dh.pipeline.split) if dh.pipeline.split else None)
-    S.check_args(dh.schedule, p, batch.gradient_accumulation_steps)
-    return fold, batch.gradient_accumulation_steps
 
 
 # ----------------------------------------------------------------------- what crosses a boundary
@@ -142,7 +63,7 @@ def live_keys(graph, after_block: int) -> tuple[str, ...]:
     return tuple(live)
 
 
-def boundary_keys(graph, fold: FoldLayout) -> list[tuple[str, ...]]:
+def boundary_keys(graph, fold: LayerFold) -> list[tuple[str, ...]]:
     """Per chunk boundary b (between chunk b and b+1): the carried env keys; ValueError for a key
     whose shape the receiver cannot know (only ``h`` and MoE ``aux.<i>`` are supported)."""
     out = []
@@ -165,36 +86,22 @@ class _StepState:
 
 
 # ---------------------------------------------------------------------------------------- engine
-class FoldedPipelineEngine(PipelineEngine):
+class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
     """DeepSpeed pipeline engine for a :class:`FoldedPipelineModule`. Build it with
-    :func:`initialize_pipeline` (or ``ds_dhelix.initialize`` with ``pipeline.stages > 1``)."""
+    ``ds_dhelix.initialize`` (``pipeline.stages > 1``)."""
 
-    def __init__(self, *, dhelix, layout: PipeLayout, plan, **kwargs):
+    def __init__(self, *, dhelix, groups, plan, **kwargs):
         super().__init__(**kwargs)
-        self.dhelix, self.layout, self.plan = dhelix, layout, plan
-        self.graph, self.fold = self.module.graph, self.module.fold
+        self.setup_strands(dhelix, groups, self.module.graph, plan)
+        self.fold = self.module.fold
         self.schedule_name = dhelix.schedule
         self.blocks = [self.module.chunk_blocks(0), self.module.chunk_blocks(1)]
         self.carried = boundary_keys(self.graph, self.fold)
-        self.meter = ActivationMeter(self.module.parameters())
-        self.executor = Executor(self.graph, plan, meter=self.meter)
-        self.watchdog = Watchdog(dhelix.watchdog_s, self.global_rank).start()
-        self.watchdog.pause()
-        self.executor.watchdog = self.watchdog
-        self.recorder = None
-        if dhelix.trace.enabled:
-            from ..trace import TraceRecorder
-            self.recorder = self.executor.recorder = TraceRecorder(self.global_rank)
         cfg = self.module.hf_model.config
         self._hidden, self._experts = cfg.hidden_size, getattr(cfg, "num_local_experts", 0)
         self._dtype = next(self.module.parameters()).dtype
         self._schedules: dict[tuple[str, int], list] = {}
         self._state: _StepState | None = None
-        self.last_stats, self.last_loss = StepStats(), None
-
-    def destroy(self):
-        self.watchdog.stop()
-        super().destroy()
 
     def set_dataiterator(self, iterator):
         """Every stage reads the micro-batches (side inputs are built on each rank)."""
@@ -203,7 +110,7 @@ class FoldedPipelineEngine(PipelineEngine):
     def export_hf(self, out_dir: str, tokenizer=None) -> str | None:
         """The whole model as an HF checkpoint written by global rank 0 (collective)."""
         from .module import export_hf_pipeline
-        return export_hf_pipeline(self.module, out_dir, tokenizer, self.layout.tp_group, self.layout.tp_size)
+        return export_hf_pipeline(self.module, out_dir, tokenizer, self.groups.tp_grad_group, self.groups.tp_size)
 
     # ------------------------------------------------------------------ steps
     def _rank_schedule(self, name: str, m: int) -> list:
@@ -214,48 +121,40 @@ class FoldedPipelineEngine(PipelineEngine):
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the mean
         loss (over micro-batches and data-parallel replicas) on every rank."""
-        from ..engine import DhelixEngine
-        batches = DhelixEngine._pull_batches(self, data_iter or self.data_iterator)
+        batches = self.pull_batches(data_iter or self.data_iterator)
         self.module.train()
-        self.executor.stats = StepStats()
-        self.meter.reset_peak()
-        t0 = time.perf_counter()
-        mbs = self._run(batches, self._rank_schedule(self.schedule_name, len(batches)))
-        stats = self.executor.stats
-        stats.peak_activation_bytes = self.meter.peak
-        stats.step_s = time.perf_counter() - t0
-        self.last_stats = stats
-        self.last_loss = self._pipeline_loss(mbs)
-        DhelixEngine._log_step(self, batches)
-        DhelixEngine._maybe_dump_trace(self)
+        stats = self.begin_step()
+        try:
+            mbs = self._run(batches, self._rank_schedule(self.schedule_name, len(batches)))
+        finally:
+            self.watchdog.pause()
+        self.end_step(stats, self._pipeline_loss(mbs), batches)
         return self.last_loss
 
     @torch.no_grad()
     def eval_batch(self, data_iter, **_ignored) -> torch.Tensor:
         """Mean loss of one step's micro-batches, forward only (the sequential fold's forwards)."""
-        from ..engine import DhelixEngine
-        batches = DhelixEngine._pull_batches(self, data_iter)
+        batches = self.pull_batches(data_iter)
         keep = (S.Forward, S.SendActivation, S.RecvActivation, S.LoadMicroBatch, S.WaitSends)
         order = [i for i in S.build_schedule("sequential", self.num_stages, len(batches))[self.stage_id]
                  if isinstance(i, keep) or (isinstance(i, S.WaitRecv) and i.kind == S.ACTIVATION)]
         self.module.eval()
-        self.executor.grad_enabled = False
+        self.watchdog.resume(step=self.global_steps)
         try:
-            mbs = self._run(batches, order)
+            with self.executor.inference():
+                mbs = self._run(batches, order)
         finally:
-            self.executor.grad_enabled = True
+            self.watchdog.pause()
             self.module.train()
         return self._pipeline_loss(mbs)
 
     def _run(self, batches: list[dict], instructions: list) -> list[MicroBatch]:
         mbs = [MicroBatch(k, self.graph.make_side(b)) for k, b in enumerate(batches)]
         self._state = _StepState(mbs, 1.0 / len(mbs))
-        self.watchdog.resume(step=self.global_steps)
         try:
             for ins in instructions:
                 self._INSTRUCTION_MAP[type(ins)](self, ins)
         finally:
-            self.watchdog.pause()
             self._state = None
         for mb in mbs:
             assert not mb.saved, f"micro-batch {mb.index}: op contexts left after the step"
@@ -267,11 +166,11 @@ class FoldedPipelineEngine(PipelineEngine):
         """Stage 0's mean loss (TP shares summed, DP averaged), broadcast over the pipeline."""
         if self.stage_id == 0:
             loss = torch.stack([mb.loss.detach().float() for mb in mbs]).mean()
-            if self.layout.tp_size > 1:
-                dist.all_reduce(loss, group=self.layout.tp_grad_group)
-            if self.layout.dp_size > 1:
+            if self.groups.tp_size > 1:
+                dist.all_reduce(loss, group=self.groups.tp_grad_group)
+            if self.groups.dp_size > 1:
                 dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
-                loss /= self.layout.dp_size
+                loss /= self.groups.dp_size
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(loss, src=self.grid.stage_to_global(0), group=self.grid.get_pipe_parallel_group())
@@ -311,7 +210,7 @@ class FoldedPipelineEngine(PipelineEngine):
     # ------------------------------------------------------------------ p2p instructions
     def _spec(self, key: str, side: dict):
         if key == "h":
-            return (side["seq_len"] // self.layout.tp_size, side["batch"], self._hidden), self._dtype
+            return (side["seq_len"] // self.groups.tp_size, side["batch"], self._hidden), self._dtype
         return (2, self._experts), torch.float32  # MoE aux piece (see hf_models/phimoe.py)
 
     def _tag(self, mb: int, boundary: int, kind: int, j: int) -> int:
@@ -324,7 +223,7 @@ class FoldedPipelineEngine(PipelineEngine):
         for j, key in enumerate(self.carried[boundary]):
             shape, dtype = self._spec(key, mb.side)
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            work = dist.irecv(buf, src=src, group=self.layout.p2p_group, tag=self._tag(ins.mb, boundary, kind, j))
+            work = dist.irecv(buf, src=src, group=self.groups.p2p_group, tag=self._tag(ins.mb, boundary, kind, j))
             posted.append((key, buf, work))
         self._state.recvs[kind, ins.mb, ins.phase] = posted
 
@@ -337,7 +236,7 @@ class FoldedPipelineEngine(PipelineEngine):
                 raise RuntimeError(f"pipeline send of {key!r}: got {tuple(t.shape)} {t.dtype}, the receiver "
                                    f"expects {shape} {dtype}")
             t = t.detach().contiguous()
-            work = dist.isend(t, dst=dst, group=self.layout.p2p_group, tag=self._tag(ins.mb, boundary, kind, j))
+            work = dist.isend(t, dst=dst, group=self.groups.p2p_group, tag=self._tag(ins.mb, boundary, kind, j))
             self._state.sends.append((work, t))
 
     def _exec_recv_activation(self, ins: S.RecvActivation) -> None:
@@ -372,7 +271,7 @@ class FoldedPipelineEngine(PipelineEngine):
         for key, buf, work in self._state.recvs.pop((kind, ins.mb, ins.phase)):
             work.wait()
             target[key] = buf
-        self.executor.stats.exposed_s += time.perf_counter() - t0
+        self.executor.record_wait(time.perf_counter() - t0)
 
     def _exec_wait_sends(self, ins: S.WaitSends) -> None:
         self.watchdog.beat(op="wait sends")
@@ -402,45 +301,3 @@ class FoldedPipelineEngine(PipelineEngine):
         S.ReduceGrads: _exec_reduce,
         S.OptimizerStep: _exec_step,
     }
-
-
-# ------------------------------------------------------------------------------------ initialize
-def initialize_pipeline(args=None, model=None, config: dict | None = None, dh=None, model_parameters=None,
-                        optimizer=None, lr_scheduler=None, plan=None):
-    """``ds_dhelix.initialize`` for ``pipeline.stages > 1``: check everything, then fold and prune
-    ``model`` for this rank, build the engine; returns ``(engine, optimizer, None, lr_scheduler)``."""
-    import copy
-
-    import deepspeed
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from hf_models.adapters import adapter_for
-
-    from ..ops import backward_order
-    from ..plan import default_plan
-    from .module import FoldedPipelineModule
-    deepspeed.init_distributed(dist_init_required=not dist.is_initialized())
-    world, tp = dist.get_world_size(), dh.tensor_parallel.size
-    fold, _ = check_pipeline(dh, config, world, model.config.num_hidden_layers)
-    adapter = adapter_for(model.config)
-    adapter.check_tp(model.config, tp)
-    layout = PipeLayout.create(dh.pipeline.stages, tp)
-    if layout.rank == 0:
-        logger.info(f"ds_dhelix: folded pipeline, schedule {dh.schedule!r}, pp={layout.pp_size} "
-                    f"dp={layout.dp_size} tp={tp}; layer -> (rank, phase):\n{fold.table()}")
-    from ..engine import _check_moe  # MoE adapters: capacity factor and aux-loss weight (EP is 1 here)
-    moe = _check_moe(adapter, model.config, dh, layout.dp_size)
-    graph = adapter.build_graph(model, tp, layout.tp_rank, layout.tp_group, layout.tp_grad_group, **(moe or {}))
-    if plan is None:
-        specs = graph.layer_specs()
-        plan = default_plan(specs, backward_order(specs))
-    module = FoldedPipelineModule(model, graph, fold, layout.topology)
-    ds_config = copy.deepcopy(config)
-    ds_config.pop("dhelix", None)
-    mpu = module.mpu()
-    kept = {id(p) for p in module.parameters()}  # the caller's list may name pruned parameters
-    params = [p for p in (model_parameters or module.parameters()) if id(p) in kept]
-    engine = FoldedPipelineEngine(dhelix=dh, layout=layout, plan=plan, args=args, model=module,
-                                  optimizer=optimizer, model_parameters=params,
-                                  lr_scheduler=lr_scheduler, mpu=mpu, config=ds_config,
-                                  config_class=DeepSpeedConfig(ds_config, mpu))
-    return engine, engine.optimizer, None, engine.lr_scheduler

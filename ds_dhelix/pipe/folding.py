@@ -72,7 +72,7 @@ def balanced_split(num_layers: int, num_stages: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class FoldLayout:
+class LayerFold:
     """Which layers each (rank, phase) holds. Build it with :func:`fold_layers`."""
 
     num_layers: int
@@ -125,7 +125,7 @@ class FoldLayout:
                          for row in [header, *rows])
 
 
-def fold_layers(num_layers: int, num_stages: int, split=None) -> FoldLayout:
+def fold_layers(num_layers: int, num_stages: int, split=None) -> LayerFold:
     """Cut ``num_layers`` layers into ``2 * num_stages`` chunks and fold them over the ranks.
 
     ``split`` (optional): the 2p chunk sizes in data-flow order (chunk c runs on rank c for c < p,
@@ -152,4 +152,4 @@ def fold_layers(num_layers: int, num_stages: int, split=None) -> FoldLayout:
         if sum(sizes) != num_layers:
             raise ValueError(f"split={list(sizes)} sums to {sum(sizes)} but "
                              f"num_layers={num_layers}; the sizes must add up to the layer count")
-    return FoldLayout(num_layers, num_stages, sizes)
+    return LayerFold(num_layers, num_stages, sizes)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
 from torch import nn
 
-from .folding import FoldLayout, chunk_index
+from .folding import LayerFold, chunk_index
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -40,14 +40,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
                      f"the pipeline needs an HF causal LM with a layer list")
 
 
-def stage_owns(fold: FoldLayout, stage: int):
+def stage_owns(fold: LayerFold, stage: int):
     """Predicate on a layer index (None = a parameter outside the layer list): does ``stage`` keep it?"""
     layers = set(fold.rank_layers(stage))
     outer = fold.holds_embedding(stage) or fold.holds_head(stage)
     return lambda layer: outer if layer is None else layer in layers
 
 
-def prune_to_stage(model: nn.Module, fold: FoldLayout, stage: int) -> int:
+def prune_to_stage(model: nn.Module, fold: LayerFold, stage: int) -> int:
     """Drop, in place, every parameter ``stage`` does not hold; return the number of kept elements.
     A dropped parameter leaves an empty non-persistent buffer of its dtype in its slot (code that
     only reads a weight's dtype/device, such as rotary embeddings, keeps working)."""
@@ -71,7 +71,7 @@ class FoldedPipelineModule(PipelineModule):
     engine runs the graph blocks through the SI executor.
     """
 
-    def __init__(self, model: nn.Module, graph, fold: FoldLayout, topology):
+    def __init__(self, model: nn.Module, graph, fold: LayerFold, topology):
         # PipelineModule.__init__ calls _partition_layers and _build, which need these
         object.__setattr__(self, "_pending", (model, graph, fold))
         super().__init__(layers=list(range(fold.num_layers)), topology=topology, partition_method="uniform")

@@ -375,12 +375,12 @@ def sequential_fold_schedule(num_stages: int, num_microbatches: int) -> Schedule
     return _build("sequential", _sequential_compute, num_stages, num_microbatches)
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+SCHEDULE_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {
     "w": w_schedule, "dualpipev": dualpipev_si_schedule, "sequential": sequential_fold_schedule}
 
 
 def build_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     """Schedule by name: ``"w"``, ``"dualpipev"`` or ``"sequential"``."""
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule={name!r}: choose one of {sorted(SCHEDULES)}")
-    return SCHEDULES[name](num_stages, num_microbatches)
+    if name not in SCHEDULE_BUILDERS:
+        raise ValueError(f"schedule={name!r}: choose one of {sorted(SCHEDULE_BUILDERS)}")
+    return SCHEDULE_BUILDERS[name](num_stages, num_microbatches)

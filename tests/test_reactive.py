@@ -1,11 +1,11 @@
-"""Streamed SI pairs and the communication changes that came with them (gloo ranks, CPU).
+"""Reactive SI pairs and the communication changes that came with them (gloo ranks, CPU).
 
     (a) reduce-scatter as all-to-all + local sum == gloo's reduce_scatter (2 ranks: bitwise; 4: close);
         all-gather as all-to-all == gloo's all_gather_into_tensor (bitwise: copies only)
-    (b) stream / plan / sequential through the executor on TP=2: losses and every gradient bitwise
-        equal; stream mode defers the weight gradients of ops whose paths to their weights are linear
-        (attn.qkv, attn.out, mlp.up, mlp.down, head.logits), none without ``defer_weight_grads``;
-        a tied embedding keeps its order
+    (b) reactive / plan / sequential through the executor on TP=2: losses and every gradient bitwise
+        equal; reactive execution defers the weight gradients of exactly the ops the adapters mark
+        linear (attn.qkv, attn.out, mlp.up, mlp.down, head.logits), none without
+        ``defer_weight_grads``; a tied embedding keeps its order
     (c) TP-replicated gradients are reduced once per step: one all-reduce, sums match HF
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from ds_dhelix.ops import backward_order
 from ds_dhelix.plan import default_plan
 from ds_dhelix.trace import TraceRecorder, validate_trace
 from hf_models.adapters import adapter_for
-from tests.distributed import run_ranks
-from tests.test_adapters import hf_reference, make_batches, make_config, make_model
+from tests.conftest import run_ranks
+from tests.conftest import hf_reference, make_batches, make_config, make_model
 
 
 # ------------------------------------------------------------------------ (a) reduce-scatter
@@ -77,32 +77,35 @@ def test_reduce_scatter_by_all_to_all_matches_gloo_four_ranks():
             assert diff <= 1e-6, f"{shape}: max abs diff {diff}"  # 4-term sums in another order
 
 
-# ------------------------------------------------------------------------ (b) stream vs plan vs sequential
+# ------------------------------------------------------------------------ (b) reactive vs plan vs sequential
 def _modes_rank(rank, world, preset, overrides):
-    from ds_dhelix.parallel import ParallelLayout
-    layout = ParallelLayout.create(world)
+    from tests.conftest import process_groups
+    layout = process_groups(tp=world)
     config = make_config(preset, **overrides)
     ref = make_model(config)
     batches = make_batches(config.vocab_size, 4)
     runs = {}
     for name, schedule, kind, defer in [("sequential", "sequential", None, True), ("plan", "si", "plan", True),
-                                        ("stream", "si", "stream", True), ("stream-nodefer", "si", "stream", False),
-                                        ("stream-ends", "si", "stream", True)]:
+                                        ("reactive", "si", "reactive", True),
+                                        ("reactive-nodefer", "si", "reactive", False),
+                                        ("reactive-ends", "si", "reactive", True)]:
         model = copy.deepcopy(ref)
-        graph = adapter_for(config).build_graph(model, world, layout.tp_rank, layout.tp_group, layout.tp_grad_group)
+        graph = adapter_for(config).build_graph(model, world, layout.tp_rank, layout.tp, layout.tp_grad_group)
         specs = graph.layer_specs()
         plan = default_plan(specs, backward_order(specs)) if kind == "plan" else None
         rec = TraceRecorder(rank)
-        ex = Executor(graph, plan, recorder=rec, defer_weight_grads=defer, pair_ends=name == "stream-ends")
+        ex = Executor(graph, plan, recorder=rec, defer_weight_grads=defer, pair_ends=name == "reactive-ends")
         mbs = ex.run_microbatches(list(batches), schedule, 1.0 / len(batches))
         wgrad = sorted({e["name"] for e in rec.events() if e.get("name", "").endswith(".wgrad")})
         runs[name] = {"losses": [mb.loss.detach().clone() for mb in mbs],
                       "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                      "wgrad": wgrad, "comms": ex.stats.num_comms, "react": ex.react,
+                      "wgrad": wgrad, "comms": ex.stats.num_comms, "react": ex.reacts_to_completions,
+                      "num_deferred": ex.stats.num_deferred,
                       "replicated_spans": sum(e.get("name") == "replicated.allreduce" for e in rec.events())}
     want = hf_reference(ref, batches)
     seq = runs["sequential"]
     out = {"wgrad": {k: r["wgrad"] for k, r in runs.items()}, "react": {k: r["react"] for k, r in runs.items()},
+           "num_deferred": {k: r["num_deferred"] for k, r in runs.items()},
            "replicated_spans": {k: r["replicated_spans"] for k, r in runs.items()},
            "comms": {k: r["comms"] for k, r in runs.items()}, "differ": {}}
     for name, r in runs.items():
@@ -112,7 +115,7 @@ def _modes_rank(rank, world, preset, overrides):
         out["differ"][name] = bad
     # replicated weights (not TP-sharded) hold the full gradient after the step: compare with HF
     ref_grads = dict(ref.named_parameters())
-    model_params = {n: p for n, p in runs["stream"]["grads"].items()}
+    model_params = {n: p for n, p in runs["reactive"]["grads"].items()}
     out["replicated_vs_hf"] = max(
         (model_params[n] - ref_grads[n].grad).abs().max().item()
         for n, p in ref.named_parameters() if model_params[n].shape == p.shape)
@@ -123,22 +126,19 @@ def _modes_rank(rank, world, preset, overrides):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("preset, overrides", [("tiny-llama", ()), ("tiny-gpt2", (("tie_word_embeddings", True),))],
                          ids=["llama", "gpt2-tied"])
-def test_stream_plan_sequential_bitwise(preset, overrides):
+def test_reactive_plan_sequential_bitwise(preset, overrides):
     for r in run_ranks(_modes_rank, 2, args=(preset, dict(overrides)), timeout=180):
-        assert r["differ"] == {"sequential": [], "plan": [], "stream": [], "stream-nodefer": [], "stream-ends": []}, \
-            r["differ"]
-        assert r["wgrad"]["sequential"] == [] and r["wgrad"]["plan"] == [] and r["wgrad"]["stream-nodefer"] == []
-        # ops whose paths to their weights are linear only: elementwise math there would run twice
-        deferred = {w.removesuffix(".wgrad") for w in r["wgrad"]["stream"]}
-        assert {"attn.out", "mlp.down"} <= deferred, deferred
-        # the activation sits in mlp.down, off its weight's path: both MLP projections are linear
-        assert "mlp.up" in deferred, deferred
-        if preset == "tiny-llama":  # rotary runs in attn.core, so the q/k/v projections are linear
-            assert "attn.qkv" in deferred, deferred
-        assert not {"attn.norm", "mlp.norm", "attn.core"} & deferred, deferred
-        # ParallelLayout gave every TP group a backward twin: stream mode reacts to completions
-        assert r["react"] == {"sequential": True, "plan": False, "stream": True, "stream-nodefer": True,
-                              "stream-ends": True}
+        assert r["differ"] == {"sequential": [], "plan": [], "reactive": [], "reactive-nodefer": [],
+                               "reactive-ends": []}, r["differ"]
+        assert r["wgrad"]["sequential"] == [] and r["wgrad"]["plan"] == [] and r["wgrad"]["reactive-nodefer"] == []
+        # exactly the ops the adapters mark linear (the activation sits in mlp.down, rotary in
+        # attn.core, off their weights' paths): fails if deferral silently stops for any of them
+        deferred = {w.removesuffix(".wgrad") for w in r["wgrad"]["reactive"]}
+        assert deferred == {"attn.qkv", "attn.out", "mlp.up", "mlp.down", "head.logits"}, deferred
+        assert r["num_deferred"]["reactive"] > 0 and r["num_deferred"]["reactive-nodefer"] == 0
+        # ProcessGroups gave every TP group two strand groups: reactive execution reacts to completions
+        assert r["react"] == {"sequential": True, "plan": False, "reactive": True, "reactive-nodefer": True,
+                              "reactive-ends": True}
         # once per step, the same number of collectives in every mode
         assert set(r["replicated_spans"].values()) == {1}
         assert len(set(r["comms"].values())) == 1
@@ -196,11 +196,11 @@ def test_pair_ends_keeps_accumulation_order(monkeypatch, preset, tied):
     assert validate_trace({"traceEvents": rec.events()}) == []
 
 
-def test_pair_ends_needs_stream_mode():
+def test_pair_ends_needs_reactive_execution():
     config = make_config("tiny-llama")
     graph = adapter_for(config).build_graph(make_model(config))
     specs = graph.layer_specs()
-    with pytest.raises(ValueError, match="pair_ends needs stream mode"):
+    with pytest.raises(ValueError, match="pair_ends needs reactive execution"):
         Executor(graph, default_plan(specs, backward_order(specs)), pair_ends=True)
 
 
@@ -218,14 +218,14 @@ class _DoneWork:
 class _InstantComm:
     strand_safe = True
 
-    def forward(self, x, side):
+    def forward(self, x, side, channel=0):
         from ds_dhelix.comm import Pending
         return Pending(_DoneWork(), x + 1)
 
     backward = forward
 
 
-def test_stream_reacts_to_completed_collectives_until_both_strands_end():
+def test_reactive_execution_follows_completed_collectives_until_both_strands_end():
     """Both strands end in a collective that completes at once: the reaction finishes both and the
     step ends (it once tried to wait on an empty list), values as computed one by one."""
     from ds_dhelix.executor import MicroBatch
@@ -233,13 +233,13 @@ def test_stream_reacts_to_completed_collectives_until_both_strands_end():
     work = [comp("double", ("x",), ("y",), lambda side, x: (x * 2,)), comm("send", _InstantComm(), "y", "z")]
     only_comm = [comm("send", _InstantComm(), "x", "z")]
     graph = ModelGraph([work, work, only_comm], make_side=lambda batch: {})
-    ex = Executor(graph, stream=True, defer_weight_grads=False)
-    assert ex.react
-    ex.grad_enabled = False
-    for block, want in ((1, [1.0, 3.0]), (2, [1.0, 2.0])):  # (2): both strands launch at once
-        mbs = [MicroBatch(k, {}, env={"x": torch.tensor([float(k)])}) for k in range(2)]
-        ex.run_step(ex.tasks(mbs[0], block, False), ex.tasks(mbs[1], block, False))
-        assert [mb.env["z"].item() for mb in mbs] == want
+    ex = Executor(graph, reactive=True, defer_weight_grads=False)
+    assert ex.reacts_to_completions
+    with ex.inference():
+        for block, want in ((1, [1.0, 3.0]), (2, [1.0, 2.0])):  # (2): both strands launch at once
+            mbs = [MicroBatch(k, {}, env={"x": torch.tensor([float(k)])}) for k in range(2)]
+            ex.run_round(ex.tasks(mbs[0], block, False), ex.tasks(mbs[1], block, False))
+            assert [mb.env["z"].item() for mb in mbs] == want
     assert ex.stats.num_comms == 4
 
 

@@ -1,4 +1,4 @@
-"""Replay of traced SI pairs on an idealised machine: how much of a pair's time the two strands'
+"""Re-timing of traced SI pairs on an idealised machine: how much of a pair's time the two strands'
 structure costs, and how much the run itself (rank skew, launch overheads) adds.
 
 Each pair F(k+1)(x)B(k) of a traced SI step becomes two chains of ops, in the order the trace ran
@@ -6,22 +6,22 @@ them: compute ops with their measured duration (a backward op's deferred weight 
 ``<op>.wgrad`` span, rides along as free-floating work) and collectives with their *wire time*: for
 each collective op and direction, the median over the trace of completion minus the later of the
 two ranks' launches, over instances no other collective overlapped (or the shortest instance, when
-none ran alone). The replay then runs both
-chains the way the streamed executor does (``Executor.run_step``; keep the two in step): a
+none ran alone). The re-timing then runs both
+chains the way the reactive executor does (``executor._Round``; keep the two in step): a
 collective starts the moment its strand reaches it; the one compute unit takes the strand with the
 fewest compute ops before its next collective (ties: backward), deferred weight gradients when more
 than ``max_deferred`` wait or when neither strand can compute; the forward strand stays within the
-backward strand's layer slot; the link is shared evenly by the collectives in flight.
+backward strand's block depth; the link is shared evenly by the collectives in flight.
 
     measured   the pair as traced (first span to last)
-    replay     the same ops and order rule with no rank skew and no launch cost
+    retime     the same ops and order rule with no rank skew and no launch cost
     search     the best order a beam search finds for the same chains and constraints
     bound      max(sum of compute, sum of wire time): what perfect overlap would take
 
-measured / replay is the cost of the run (ranks reaching a collective at different times, gloo's
-launch and completion overheads); replay / bound is the cost of the schedule itself: two chains,
+measured / retime is the cost of the run (ranks reaching a collective at different times, gloo's
+launch and completion overheads); retime / bound is the cost of the schedule itself: two chains,
 each alternating compute and communication, cannot keep both the compute unit and the link busy
-all the time; search / replay is what a better order of the same ops could gain.
+all the time; search / retime is what a better order of the same ops could gain.
 """
 from __future__ import annotations
 
@@ -29,24 +29,24 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .tracing import _lane_names, _split_steps
+from ds_dhelix.bench.tracing import lane_names, split_steps
 
 
 @dataclass(frozen=True)
 class ChainOp:
     """One entry of a strand's chain: ``comm`` (a collective of ``ms`` wire time) or compute of
-    ``ms``, plus ``deferred_ms`` of weight-gradient work it leaves for later; ``slot``: the layer
-    slot of the pair it belongs to (forward block j and backward block L+1-j share slot j)."""
+    ``ms``, plus ``deferred_ms`` of weight-gradient work it leaves for later; ``depth``: the block
+    depth of the pair it belongs to (forward block j and backward block L+1-j share depth j)."""
 
     name: str
     comm: bool
     ms: float
     deferred_ms: float = 0.0
-    slot: int = 0
+    depth: int = 0
 
 
 @dataclass(frozen=True)
-class PairReplay:
+class PairRetime:
     makespan_ms: float
     compute_ms: float  # sum of compute (incl. deferred weight gradients)
     wire_ms: float  # sum of the collectives' wire time
@@ -66,8 +66,8 @@ class _Pair:
     def __init__(self, backward, forward, max_deferred: int):
         self.chains, self.max_deferred = (list(backward), list(forward)), max_deferred
         self.t, self.pos = 0.0, [0, 0]
-        self.wire: dict[int, list] = {}  # strand -> [wire ms left, slot] of its collective in flight
-        self.deferred: list[tuple[float, int]] = []  # (ms, slot), oldest first
+        self.wire: dict[int, list] = {}  # strand -> [wire ms left, depth] of its collective in flight
+        self.deferred: list[tuple[float, int]] = []  # (ms, depth), oldest first
 
     def copy(self) -> "_Pair":
         c = object.__new__(_Pair)
@@ -92,23 +92,23 @@ class _Pair:
 
     def may_go(self, s: int) -> bool:
         """The executor's rule: a strand goes on when its collective has completed; the forward
-        strand not past the backward strand's layer slot, nor while a weight gradient of an earlier
-        slot waits (``Executor.run_step``, gated)."""
+        strand not past the backward strand's block depth, nor while a weight gradient of an earlier
+        depth waits (``executor._Round``, gated)."""
         if s in self.wire or not self._left(s):
             return False
         if s == 0:
             return True
-        f_slot = self._head(1).slot
-        if self.deferred and self.deferred[0][1] < f_slot:
+        f_depth = self._head(1).depth
+        if self.deferred and self.deferred[0][1] < f_depth:
             return False
         if not (self._left(0) or 0 in self.wire):
             return True
-        return f_slot <= (self.wire[0][1] if 0 in self.wire else self._head(0).slot)
+        return f_depth <= (self.wire[0][1] if 0 in self.wire else self._head(0).depth)
 
     def launch(self) -> None:
         for s in (0, 1):
             if self.may_go(s) and self._head(s).comm:
-                self.wire[s] = [self._head(s).ms, self._head(s).slot]
+                self.wire[s] = [self._head(s).ms, self._head(s).depth]
                 self.pos[s] += 1
 
     def options(self) -> list[tuple]:
@@ -119,7 +119,7 @@ class _Pair:
         if self.deferred:
             out.append(("wgrad",))
         if not (out or self.wire):
-            raise ValueError(f"pair replay stuck at {self.pos}: no strand may go and nothing in flight")
+            raise ValueError(f"pair re-timing stuck at {self.pos}: no strand may go and nothing in flight")
         return out or [("wait",)]
 
     def until_comm(self, s: int) -> int:
@@ -133,7 +133,7 @@ class _Pair:
             op = self._head(choice[1])
             self.pos[choice[1]] += 1
             if op.deferred_ms > 0:
-                self.deferred.append((op.deferred_ms, op.slot))
+                self.deferred.append((op.deferred_ms, op.depth))
             work = op.ms
         elif choice[0] == "wgrad":
             work = self.deferred.pop(0)[0]
@@ -153,13 +153,13 @@ class _Pair:
             if (end is not None and self.t >= end - 1e-9) or (end is None and finished):
                 break
 
-    def result(self) -> PairReplay:
+    def result(self) -> PairRetime:
         chains = self.chains[0] + self.chains[1]
-        return PairReplay(self.t, sum(st.ms + st.deferred_ms for st in chains if not st.comm),
+        return PairRetime(self.t, sum(st.ms + st.deferred_ms for st in chains if not st.comm),
                           sum(st.ms for st in chains if st.comm))
 
 
-def replay_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2) -> PairReplay:
+def retime_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2) -> PairRetime:
     """Run two strands' chains (strand 0: ``backward``, wins ties) under the executor's order rule:
     deferred weight gradients first when more than ``max_deferred`` wait, else the compute op of
     the strand with the fewest compute ops before its next collective, else a deferred weight
@@ -173,12 +173,12 @@ def replay_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: i
 
 
 def search_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2,
-                width: int = 1000) -> PairReplay:
+                width: int = 1000) -> PairRetime:
     """The shortest makespan a beam search over the compute unit's decisions finds for the same
-    chains, machine and constraints as ``replay_pair`` (any work-conserving order, not just the
+    chains, machine and constraints as ``retime_pair`` (any work-conserving order, not just the
     executor's rule): how much a better order could gain. Keeps the ``width`` earliest states per
     number of decisions (one per queue position, deferred count and collectives in flight); the
-    rule's own order stays a candidate, so the result is never worse than ``replay_pair``'s."""
+    rule's own order stays a candidate, so the result is never worse than ``retime_pair``'s."""
     frontier, best = [_Pair(backward, forward, max_deferred)], None
     while frontier:
         states: dict = {}
@@ -193,12 +193,12 @@ def search_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: i
                 if k not in states or states[k].t > nxt.t:
                     states[k] = nxt
         frontier = sorted(states.values(), key=lambda p: p.t)[:width]
-    rule = replay_pair(backward, forward, max_deferred)
+    rule = retime_pair(backward, forward, max_deferred)
     return rule if rule.makespan_ms <= best.t else best.result()
 
 
 def _spans(trace: dict):
-    lanes = _lane_names(trace)
+    lanes = lane_names(trace)
     for e in trace.get("traceEvents", []):
         if e.get("ph") == "X" and "microbatch" in e.get("args", {}):
             lane = lanes.get((e["pid"], e.get("tid")), "")
@@ -247,7 +247,7 @@ def pair_chains(trace: dict, pid: int = 0,
     comm_ids = {id(e) for e, is_comm in spans if is_comm}
     last_block = max((e["args"].get("block") or 0 for e, _ in spans), default=0)
     out = []
-    for step_events in _split_steps([e for e, _ in spans]):
+    for step_events in split_steps([e for e, _ in spans]):
         step = [(e, id(e) in comm_ids) for e in step_events]
         last = max(x[0]["args"]["microbatch"] for x in step)
         for k in range(last):
@@ -266,9 +266,9 @@ def pair_chains(trace: dict, pid: int = 0,
     return out
 
 
-def _chain(spans, wire, slot_of) -> list[ChainOp] | None:
-    """A strand's spans as a chain; ``slot_of(block)``: the layer slot of the pair (the forward
-    strand's block j and the backward strand's block L+1-j run in slot j)."""
+def _chain(spans, wire, depth_of) -> list[ChainOp] | None:
+    """A strand's spans as a chain; ``depth_of(block)``: the block depth of the pair (the forward
+    strand's block j and the backward strand's block L+1-j run in depth j)."""
     chain: list[ChainOp] = []
     last_op: dict = {}  # op name + block -> index in chain, for its .wgrad span
     for e, is_comm in spans:
@@ -277,32 +277,32 @@ def _chain(spans, wire, slot_of) -> list[ChainOp] | None:
             ms = wire.get((name, a["direction"]))
             if ms is None:
                 return None  # not seen on every rank: no wire time to give it
-            chain.append(ChainOp(name, True, ms, slot=slot_of(a.get("block") or 0)))
+            chain.append(ChainOp(name, True, ms, depth=depth_of(a.get("block") or 0)))
         elif name.endswith(".wgrad"):
             i = last_op.get((name[: -len(".wgrad")], a.get("block")))
             if i is not None:
                 st = chain[i]
-                chain[i] = ChainOp(st.name, False, st.ms, st.deferred_ms + e["dur"] / 1e3, st.slot)
+                chain[i] = ChainOp(st.name, False, st.ms, st.deferred_ms + e["dur"] / 1e3, st.depth)
         else:
             last_op[(name, a.get("block"))] = len(chain)
-            chain.append(ChainOp(name, False, e["dur"] / 1e3, slot=slot_of(a.get("block") or 0)))
+            chain.append(ChainOp(name, False, e["dur"] / 1e3, depth=depth_of(a.get("block") or 0)))
     return chain
 
 
-def replay_trace(trace: dict, max_deferred: int = 2, search_width: int = 100) -> dict:
+def retime_trace(trace: dict, max_deferred: int = 2, search_width: int = 100) -> dict:
     """Per rank, totals over its traced pairs (ms per pair, medians): ``{pid: {"pairs", "measured_ms",
-    "replay_ms", "search_ms", "bound_ms", "compute_ms", "wire_ms"}}`` (``search_ms``: the best
+    "retime_ms", "search_ms", "bound_ms", "compute_ms", "wire_ms"}}`` (``search_ms``: the best
     order ``search_pair`` finds, beam ``search_width``); ranks without an SI pair are left out."""
     wire = wire_times(trace)
     out = {}
     for pid in sorted({e["pid"] for e, _ in _spans(trace)}):
         rows = []
         for measured, b, f in pair_chains(trace, pid, wire):
-            r = replay_pair(b, f, max_deferred)
+            r = retime_pair(b, f, max_deferred)
             searched = search_pair(b, f, max_deferred, search_width)
             rows.append((measured, r.makespan_ms, searched.makespan_ms, r.bound_ms, r.compute_ms, r.wire_ms))
         if rows:
             med = [statistics.median(col) for col in zip(*rows)]
-            out[pid] = dict(zip(("measured_ms", "replay_ms", "search_ms", "bound_ms", "compute_ms", "wire_ms"), med),
+            out[pid] = dict(zip(("measured_ms", "retime_ms", "search_ms", "bound_ms", "compute_ms", "wire_ms"), med),
                             pairs=len(rows))
     return out

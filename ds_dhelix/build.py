@@ -1,0 +1,176 @@
+"""The one build path: an HF causal LM and a ds_config with a "dhelix" section become an engine.
+
+    check_setup(ds_config, model_config, world)   every check that needs no model -> Setup
+    shard_model(model, dh, dims, groups)          this rank's shards and the op graph
+    build_engine(model, ds_config, ...)           DhelixEngine | DhelixMoeEngine | FoldedPipelineEngine
+    initialize(...)                               ``deepspeed.initialize``'s signature and return value
+
+``train.py``, ``ds_dhelix.initialize``, the ``dhelix`` commands (parity, profile, validate-plan,
+bench, trace) and the pipeline all come through here::
+
+    ds_config ─► DhelixConfig ─► ParallelDims ─► checks (model shape, batch, schedule, pipeline)
+    model ─► ProcessGroups ─► adapter.build_graph (TP/EP shards) ─► SI plan ─► engine class
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from deepspeed.utils import logger
+
+from .config import (ONE_STAGE_SCHEDULES, PIPELINE_SCHEDULES, BatchSizes, DhelixConfig, derive_batch,
+                     load_ds_config)
+from .dims import ParallelDims
+from .groups import ProcessGroups
+from .ops import backward_order
+from .pipe.folding import LayerFold, fold_layers
+from .pipe.schedule import check_args as check_pipeline_microbatches
+from .plan import SIPlan, default_plan
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the checks before any model is built establish."""
+
+    dh: DhelixConfig
+    dims: ParallelDims
+    batch: BatchSizes
+    fold: LayerFold | None  # the layer fold of a pipeline (pp > 1)
+
+
+def check_setup(ds_config: dict, model_config, world: int) -> Setup:
+    """Every mistake that can be found without a model, as one ``ValueError`` naming the values and
+    the fix: the dhelix section, parallel sizes against the world and the model's shape, the batch
+    arithmetic, the schedule, the pipeline's fold and micro-batch count."""
+    dh = DhelixConfig.from_ds_config(ds_config)
+    dims = ParallelDims.from_config(dh, world)
+    batch = derive_batch(ds_config, dims)
+    if not dh.enabled:
+        return Setup(dh, dims, batch, None)
+    adapter = dims.check_model(model_config)
+    ep = dh.expert_parallel
+    if not hasattr(adapter, "check_ep") and (ep.capacity_factor is not None or ep.aux_loss_coef is not None):
+        raise ValueError(f"dhelix.expert_parallel is set but model_type {model_config.model_type!r} has no "
+                         f"experts; remove the section or use an MoE model (e.g. tiny-phimoe)")
+    fold = None
+    if dims.pp == 1 and dh.schedule not in ONE_STAGE_SCHEDULES:
+        raise ValueError(f"dhelix.schedule = {dh.schedule!r} folds the model over pipeline ranks: set "
+                         f"dhelix.pipeline.stages >= 2, or use one of {list(ONE_STAGE_SCHEDULES)} with one stage")
+    if dims.pp > 1:
+        fold = _check_pipeline(dh, ds_config, dims, batch, model_config.num_hidden_layers)
+    return Setup(dh, dims, batch, fold)
+
+
+def _check_pipeline(dh, ds_config: dict, dims: ParallelDims, batch: BatchSizes, num_layers: int) -> LayerFold:
+    p = dims.pp
+    if dh.schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"dhelix.schedule = {dh.schedule!r} with pipeline.stages = {p}: a pipeline runs "
+                         f"one of {list(PIPELINE_SCHEDULES)} ('si' is the one-stage schedule)")
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage >= 2:
+        raise ValueError(f"zero_optimization.stage = {stage} with pipeline.stages = {p}: ZeRO-2/3 partition "
+                         f"gradients, which DeepSpeed's pipeline engines cannot combine with; use stage 0 or 1")
+    if dims.ep > 1:
+        raise ValueError(f"expert_parallel.size = {dims.ep} with pipeline.stages = {p} is not supported yet; "
+                         f"use expert_parallel.size 1 (experts replicated inside each stage)")
+    if dh.planner.profile != "off":
+        raise ValueError(f"dhelix.planner.profile = {dh.planner.profile!r} with a pipeline is not supported yet: "
+                         f"the pipeline uses the default SI plan; set planner.profile to 'off' (or pass plan=...)")
+    fold = fold_layers(num_layers, p, list(dh.pipeline.split) if dh.pipeline.split else None)
+    check_pipeline_microbatches(dh.schedule, p, batch.gradient_accumulation_steps)
+    return fold
+
+
+def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGroups):
+    """Shard ``model`` in place for this rank (TP slices, this EP rank's experts) and return its op
+    graph (``ModelGraph``)."""
+    adapter = dims.check_model(model.config)
+    moe = {}
+    if hasattr(adapter, "check_ep"):
+        ep = dh.expert_parallel
+        moe = {"ep_groups": groups.expert_groups(), "capacity_factor": ep.capacity_factor,
+               "aux_loss_coef": ep.aux_loss_coef}
+    return adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, **moe)
+
+
+def build_engine(model, config, *, args=None, model_parameters=None, optimizer=None, lr_scheduler=None,
+                 plan: SIPlan | None = None, example_batch: dict | None = None):
+    """The engine for ``model`` (an HF causal LM, sharded in place) under ``config`` (a ds_config
+    dict or path with an enabled "dhelix" section). ``plan`` runs SI pairs by that plan, as
+    ``si_execution="plan"`` would; ``example_batch`` (one micro-batch) gives the shapes to profile
+    for ``planner.profile="auto"``."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+    if not isinstance(config, dict):
+        config = load_ds_config(config)
+    if not DhelixConfig.from_ds_config(config).enabled:
+        raise ValueError('ds_dhelix.initialize needs "dhelix": {"enabled": true}; use deepspeed.initialize otherwise')
+    # wraps an existing torch.distributed world, or starts one from the launcher's environment
+    deepspeed.init_distributed(dist_init_required=not dist.is_initialized())
+    setup = check_setup(config, model.config, dist.get_world_size())
+    groups = ProcessGroups.create(setup.dims)
+    graph = shard_model(model, setup.dh, setup.dims, groups)
+    ds_config = copy.deepcopy(config)
+    ds_config.pop("dhelix", None)
+    extra = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "config": ds_config}
+    if setup.dims.pp > 1:
+        return _pipeline_engine(model, setup, groups, graph, plan, model_parameters, extra)
+    dh = setup.dh
+    if plan is None and dh.schedule == "si" and dh.si_execution == "plan":
+        plan = _configured_plan(dh, graph, model, groups, config, example_batch)
+    from .engine import DhelixEngine as engine_class
+    if "expert_groups" in graph.meta:  # knows expert parameters, logs aux loss and expert load
+        from .moe.engine import DhelixMoeEngine as engine_class
+    return engine_class(dhelix=dh, groups=groups, graph=graph, plan=plan, model=model,
+                        model_parameters=model_parameters or model.parameters(), mpu=groups,
+                        config_class=DeepSpeedConfig(ds_config, groups), **extra)
+
+
+def initialize(args=None, model=None, config=None, model_parameters=None, optimizer=None,
+               lr_scheduler=None, plan: SIPlan | None = None, example_batch: dict | None = None):
+    """Like ``deepspeed.initialize`` for an HF causal LM: returns ``(engine, optimizer, None,
+    lr_scheduler)`` (see :func:`build_engine`)."""
+    engine = build_engine(model, config, args=args, model_parameters=model_parameters, optimizer=optimizer,
+                          lr_scheduler=lr_scheduler, plan=plan, example_batch=example_batch)
+    return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _pipeline_engine(model, setup: Setup, groups: ProcessGroups, graph, plan, model_parameters, extra: dict):
+    """Fold and prune ``model`` for this rank's stage; the folded pipeline engine."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from .pipe.engine import FoldedPipelineEngine
+    from .pipe.module import FoldedPipelineModule
+    if groups.rank == 0:
+        logger.info(f"ds_dhelix: folded pipeline, schedule {setup.dh.schedule!r}, {setup.dims.describe()}; "
+                    f"layer -> (rank, phase):\n{setup.fold.table()}")
+    if plan is None:
+        specs = graph.layer_specs()
+        plan = default_plan(specs, backward_order(specs))
+    module = FoldedPipelineModule(model, graph, setup.fold, groups.topology)
+    mpu = module.mpu()
+    kept = {id(p) for p in module.parameters()}  # the caller's list may name pruned parameters
+    params = [p for p in (model_parameters or module.parameters()) if id(p) in kept]
+    return FoldedPipelineEngine(dhelix=setup.dh, groups=groups, plan=plan, model=module, model_parameters=params,
+                                mpu=mpu, config_class=DeepSpeedConfig(extra["config"], mpu), **extra)
+
+
+def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, example_batch) -> SIPlan:
+    """The searched plan when ``planner.profile`` asks for one, else the default plan."""
+    from .planner import predict_ms
+    from .profile import resolve_plan, run_meta
+    specs = graph.layer_specs()
+    fallback = default_plan(specs, backward_order(specs))
+    if dh.planner.profile == "off":
+        return fallback
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    shape = tuple(example_batch["input_ids"].shape) if example_batch is not None else (micro, None)
+    dtype = next(model.parameters()).dtype
+    meta = run_meta(model.config, groups.tp_size, groups.world_size, shape, dtype, dh.benchmark.link_gbps,
+                    ep=groups.ep_size)
+    log = (lambda msg: logger.info(msg)) if groups.rank == 0 else (lambda msg: None)
+    plan, table = resolve_plan(dh.planner, graph, meta, example_batch, list(model.parameters()), log)
+    log(f"ds_dhelix: SI plan '{plan.source}' (predicted {predict_ms(table, plan):.2f} ms per layer pair; "
+        f"default plan {predict_ms(table, fallback):.2f} ms)\n{plan.render_text()}")
+    return plan

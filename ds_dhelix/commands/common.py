@@ -1,0 +1,48 @@
+"""Argument types and helpers the ``dhelix`` subcommands share."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+
+def link_rate(text: str) -> float | None:
+    """argparse type of a link rate: Gbit/s (> 0), or None for "unshaped" / "none" / "loopback"."""
+    if text.lower() in ("unshaped", "none", "loopback"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected Gbit/s like 2 or 'unshaped'") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a link rate must be > 0 Gbit/s")
+    return value
+
+
+def check_model(opts) -> None:
+    """Bad model / TP / EP / sequence length: a ValueError before any process starts."""
+    from ds_dhelix.dims import ParallelDims
+    from hf_models.registry import load_config
+    config = load_config(opts.model)
+    ParallelDims(opts.world, tp=opts.tp, pp=opts.pp, ep=opts.ep).check_model(config)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit and opts.seq_len > limit:
+        raise ValueError(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions")
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(enabled: bool):
+    """Send everything written to stdout (libraries' log lines included) to stderr meanwhile."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

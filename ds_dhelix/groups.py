@@ -1,0 +1,165 @@
+"""``ProcessGroups``: this rank's process groups for a ``ParallelDims`` layout.
+
+Ranks are laid out TP-innermost (``dims.py``): with TP=2 and 4 ranks, TP groups are {0,1} and
+{2,3}, DP groups {0,2} and {1,3}. Expert parallelism (EP) shards experts inside each DP group,
+DeepSpeed's way: EP groups are runs of ``ep`` consecutive DP peers, expert-data-parallel (EDP)
+groups the strided rest (TP=1, 4 ranks, EP=2: EP {0,1} {2,3}, EDP {0,2} {1,3}); they are
+registered in ``deepspeed.utils.groups`` under ``ep_size_<ep>`` so ZeRO reduces expert gradients
+over EDP. With a pipeline, stage s holds ranks ``[s*dp*tp, (s+1)*dp*tp)`` and DeepSpeed's own
+grid (built from ``topology``) provides the data and pipe groups its engine uses.
+
+The op graph's collectives get ``StrandGroups`` (two groups over the same ranks, one per strand
+of a pair: ``tp``, ``ep``, ``ep_counts``); the small blocking reductions get plain groups of their
+own (``tp_grad_group``, ``dp_group``, ``edp_group``). For one stage ``ProcessGroups`` also answers
+DeepSpeed's ``mpu`` protocol, so DeepSpeed reduces gradients over the DP group only and computes the
+global grad norm over the TP group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .comm import StrandGroups
+from .dims import ParallelDims
+
+
+def _strand_groups(ranks: list[int]) -> StrandGroups:
+    return StrandGroups(dist.new_group(ranks), dist.new_group(ranks))
+
+
+@dataclass
+class ProcessGroups:
+    dims: ParallelDims
+    rank: int
+    tp: StrandGroups | None = None   # TP/SP collectives of the op graph (COMM ops)
+    tp_grad_group: object = None     # gradient all-reduce of TP-replicated weights (small, blocking)
+    dp_group: object = None
+    ep: StrandGroups | None = None   # MoE dispatch / combine all-to-alls (COMM ops)
+    ep_counts: StrandGroups | None = None  # MoE token-count exchange (moe.counts, asynchronous)
+    edp_group: object = None         # expert-data-parallel: reduces expert gradients
+    p2p_group: object = None         # pipeline sends and receives (pp > 1)
+    topology: object = None          # DeepSpeed's pipe x data x model topology (pp > 1)
+
+    @classmethod
+    def create(cls, dims: ParallelDims) -> "ProcessGroups":
+        """Build the groups on an initialized default process group (collective on all ranks:
+        every rank creates every group, in the same order)."""
+        if dist.get_world_size() != dims.world:
+            raise ValueError(f"the parallel layout is for {dims.world} ranks but torch.distributed has "
+                             f"{dist.get_world_size()}")
+        out = cls(dims, dist.get_rank())
+        me = dims.coords(out.rank)
+        for stage in range(dims.pp):
+            for d in range(dims.dp):
+                ranks = [dims.rank_of(stage, d, 0, t) for t in range(dims.tp)]
+                tp, grad = _strand_groups(ranks), dist.new_group(ranks)
+                if (stage, d) == (me.stage, me.dp_rank):
+                    out.tp, out.tp_grad_group = tp, grad
+            for t in range(dims.tp):
+                ranks = [dims.rank_of(stage, d, 0, t) for d in range(dims.dp)]
+                g = dist.new_group(ranks)
+                if (stage, t) == (me.stage, me.tp_rank):
+                    out.dp_group = g
+                if dims.ep > 1:
+                    out._create_expert_groups(ranks, stage, t)
+        if dims.pp > 1:
+            from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+            out.p2p_group = dist.new_group(list(range(dims.world)))
+            out.topology = PipeModelDataParallelTopology(dims.pp, dims.tp, dims.dp)
+        return out
+
+    def _create_expert_groups(self, peers: list[int], stage: int, tp_rank: int) -> None:
+        """EP and EDP groups inside one DP group ``peers``."""
+        from deepspeed.utils import groups as ds_groups
+        ep, mine = self.dims.ep, self.rank in peers
+        name = f"ep_size_{ep}"
+        for start in range(0, len(peers), ep):
+            ranks = peers[start:start + ep]
+            group, counts = _strand_groups(ranks), _strand_groups(ranks)
+            if self.rank in ranks:
+                self.ep, self.ep_counts = group, counts
+                ds_groups._EXPERT_PARALLEL_GROUP[name] = group.forward
+                ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ranks
+        for pos in range(ep):
+            ranks = peers[pos::ep]
+            g = dist.new_group(ranks)
+            if mine and self.rank in ranks:
+                self.edp_group = g
+                ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = g
+                ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = ranks
+
+    # --- coordinates ------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dims.world
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
+
+    @property
+    def tp_rank(self) -> int:
+        return self.dims.coords(self.rank).tp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.coords(self.rank).dp_rank
+
+    @property
+    def stage(self) -> int:
+        return self.dims.coords(self.rank).stage
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.dims.ep
+
+    def expert_groups(self):
+        """This rank's EP groups for the MoE op graph (``ds_dhelix.moe.ExpertGroups``)."""
+        from .moe.dispatch import ExpertGroups
+        ep = self.dims.ep
+        return ExpertGroups(ep, self.ep_rank, self.ep, self.ep_counts, f"ep_size_{ep}")
+
+    # --- DeepSpeed mpu protocol (one stage) ----------------------------------------------------
+    def get_model_parallel_rank(self):
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.tp_size
+
+    def get_model_parallel_group(self):
+        return self.tp_grad_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.rank - self.tp_rank
+
+    def get_data_parallel_rank(self):
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.dp_size
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_group_ranks(self):
+        me = self.dims.coords(self.rank)
+        return [self.dims.rank_of(me.stage, d, me.cp_rank, me.tp_rank) for d in range(self.dp_size)]
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.dims.pp
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.stage

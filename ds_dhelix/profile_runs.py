@@ -1,0 +1,131 @@
+"""``dhelix profile`` and ``dhelix validate-plan`` on a CPU gloo world: build the sharded model
+through the one build path, then profile one decoder layer (``profile.profile_layer``) or run the
+DP plan and alternatives for real against their predictions.
+
+    table, seconds = profile_world({"model": "tiny-llama", "tp": 2, ...})
+    report = validate_world({"model": "tiny-llama", "tp": 2, "table": table.to_dict(), ...})
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .build import shard_model
+from .config import DhelixConfig
+from .dims import ParallelDims
+from .groups import ProcessGroups
+from .ops import backward_order
+from .plan import default_plan, sequential_plan
+from .planner import OverlapTable, plan_dp, predict_ms, random_plan
+from .profile import LayerProbe, profile_layer, run_meta, world_max
+from .spawn import run_ranks
+
+
+def build_sharded(model_name: str, tp: int, seed: int = 1234, ep: int = 1):
+    """On a running world of tp x ep ranks: the preset/checkpoint model, sharded for this rank
+    (TP slices; experts over the EP group for MoE models), and its graph."""
+    from hf_models.registry import build_model
+    model, _ = build_model(model_name, seed=seed)
+    dh = DhelixConfig.from_dict({"enabled": True, "tensor_parallel": {"size": tp},
+                                 "expert_parallel": {"size": ep}})
+    dims = ParallelDims(dist.get_world_size(), tp=tp, ep=ep)
+    groups = ProcessGroups.create(dims)
+    return model, shard_model(model, dh, dims, groups), groups
+
+
+def example_batch(vocab: int, micro: int, seq_len: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (micro, seq_len), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _profile_rank(rank, world, o: dict):
+    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1))
+    batch = example_batch(model.config.vocab_size, o["micro_batch_size"], o["seq_len"], seed=rank // o["tp"])
+    meta = run_meta(model.config, o["tp"], world, tuple(batch["input_ids"].shape),
+                    next(model.parameters()).dtype, o.get("link_gbps"), ep=o.get("ep", 1))
+    t0 = time.perf_counter()
+    table = profile_layer(graph, batch, meta, list(model.parameters()), o["warmup"], o["repeats"])
+    seconds = time.perf_counter() - t0
+    return (table.to_dict(), seconds) if rank == 0 else None
+
+
+def profile_world(o: dict, timeout: float = 900.0):
+    """Spawn a CPU gloo world of ``o["tp"] x o["ep"]`` ranks and profile; returns (table, seconds)."""
+    table, seconds = run_ranks(_profile_rank, o["tp"] * o.get("ep", 1), args=(o,), timeout=timeout)[0]
+    return OverlapTable.from_dict(table), seconds
+
+
+def _validate_rank(rank, world, o: dict):
+    table = OverlapTable.from_dict(o["table"])
+    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1))
+    specs = graph.layer_specs()
+    table.check_matches({}, specs, backward_order(specs))
+    batch = example_batch(model.config.vocab_size, *table.meta["batch_shape"], seed=rank // o["tp"])
+    rng = random.Random(o["seed"])
+    plans = {"dp": plan_dp(table), "default": default_plan(table.fwd_ops, table.bwd_ops),
+             "sequential": sequential_plan(table.fwd_ops, table.bwd_ops)}
+    for k in range(o["alternatives"]):
+        plans[f"random{k}"] = random_plan(table, rng)
+    probe = LayerProbe(graph, batch)
+    names = list(plans)
+    samples = {n: [] for n in names}
+    for _ in range(o["warmup"]):
+        for n in names:
+            probe.time_plan(plans[n])
+    for _ in range(o["repeats"]):  # alternate plans within each repetition
+        for n in names:
+            samples[n].append(probe.time_plan(plans[n]) * 1e3)
+    measured = world_max([statistics.median(samples[n]) for n in names])
+    if rank != 0:
+        return None
+    return [{"plan": n, "rounds": len(plans[n].rounds), "predicted_ms": predict_ms(table, plans[n]),
+             "measured_ms": m} for n, m in zip(names, measured)]
+
+
+def validate_world(o: dict, timeout: float = 900.0) -> dict:
+    """Run the DP plan and alternatives for real; compare predicted and measured makespans."""
+    rows = run_ranks(_validate_rank, o["tp"] * o.get("ep", 1), args=(o,), timeout=timeout)[0]
+    pred = [r["predicted_ms"] for r in rows]
+    meas = [r["measured_ms"] for r in rows]
+    for r in rows:
+        r["error_pct"] = 100.0 * (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+    ranked = sorted(rows, key=lambda r: r["measured_ms"])
+    dp = next(r for r in rows if r["plan"] == "dp")
+    return {
+        "rows": rows,
+        "spearman": spearman(pred, meas),
+        "mean_abs_error_pct": statistics.mean(abs(r["error_pct"]) for r in rows),
+        "dp_predicted_ms": dp["predicted_ms"],
+        "dp_measured_ms": dp["measured_ms"],
+        "best_measured_ms": ranked[0]["measured_ms"],
+        "best_measured_plan": ranked[0]["plan"],
+        "dp_rank": 1 + ranked.index(dp),
+        "dp_vs_best_pct": 100.0 * (dp["measured_ms"] / ranked[0]["measured_ms"] - 1.0),
+        "num_plans": len(rows),
+    }
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else 0.0

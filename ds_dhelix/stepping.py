@@ -1,0 +1,106 @@
+"""What both ds_dhelix engines do around an optimizer step, whatever runs inside it: the single-stage
+``DhelixEngine`` (``engine.py``) and the folded ``FoldedPipelineEngine`` (``pipe/engine.py``) mix
+this in before their DeepSpeed base class.
+
+    setup_strands   executor, activation meter, watchdog, trace recorder
+    pull_batches    a step's micro-batches from the data iterator, shapes checked
+    begin_step      fresh StepStats, meter peak reset, watchdog armed
+    end_step        stats filled, TensorBoard scalars, trace written
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch.distributed as dist
+from deepspeed.utils import logger
+
+from .executor import Executor, StepStats
+from .memory import ActivationMeter
+from .trace import TraceRecorder, merge_traces
+from .watchdog import Watchdog
+
+
+class DhelixStepMixin:
+    """Step logic shared by the ds_dhelix engines (mixed in before a ``DeepSpeedEngine`` class)."""
+
+    def setup_strands(self, dhelix, groups, graph, plan, **executor_options) -> None:
+        """Everything a step needs; call after the DeepSpeed engine's own ``__init__``."""
+        self.dhelix, self.groups, self.graph, self.plan = dhelix, groups, graph, plan
+        self.meter = ActivationMeter(self.module.parameters())
+        self.watchdog = Watchdog(dhelix.watchdog_s, self.global_rank).start()
+        self.watchdog.pause()  # armed only inside a step
+        self.recorder = TraceRecorder(self.global_rank) if dhelix.trace.enabled else None
+        self.executor = Executor(graph, plan, meter=self.meter, recorder=self.recorder,
+                                 watchdog=self.watchdog, **executor_options)
+        self.last_stats, self.last_loss = StepStats(), None
+        self._step_t0 = 0.0
+
+    def destroy(self):
+        self.watchdog.stop()
+        super().destroy()
+
+    def pull_batches(self, data_iter) -> list[dict]:
+        """The step's ``gradient_accumulation_steps`` micro-batches; every one must have the same shape."""
+        gas = self.gradient_accumulation_steps()
+        batches = [next(data_iter) for _ in range(gas)]
+        shape = tuple(batches[0]["input_ids"].shape)
+        for k, b in enumerate(batches):
+            got = tuple(b["input_ids"].shape)
+            if got != shape:
+                raise ValueError(f"micro-batch {k} has shape {got}, expected {shape}: every micro-batch "
+                                 f"of a step must have the same [batch, sequence] shape")
+        return batches
+
+    def begin_step(self) -> StepStats:
+        stats = self.executor.start_step()
+        self.meter.reset_peak()
+        self._step_t0 = time.perf_counter()
+        self.watchdog.resume(step=self.global_steps)
+        return stats
+
+    def end_step(self, stats: StepStats, loss, batches: list[dict]) -> None:
+        """After the optimizer step (watchdog paused): record the step's numbers, log them, write
+        the trace when due."""
+        stats.peak_activation_bytes = self.meter.peak
+        stats.step_s = time.perf_counter() - self._step_t0
+        self.last_stats, self.last_loss = stats, loss
+        self.log_step(batches)
+        self.maybe_dump_trace()
+
+    def log_step(self, batches) -> None:
+        s = self.last_stats
+        tokens = sum(b["input_ids"].numel() for b in batches) * self.groups.dp_size
+        s.tokens_per_s = tokens / max(s.step_s, 1e-9)
+        if not (self.monitor.enabled and self.global_rank == 0) or self.global_steps % self.dhelix.log_interval:
+            return
+        step = self.global_steps
+        norm = self.get_global_grad_norm()
+        events = [("Train/loss", float(self.last_loss), step),
+                  ("Train/lr", self.get_lr()[0], step),
+                  ("Train/tokens_per_s", s.tokens_per_s, step),
+                  ("Train/step_time_s", s.step_s, step),
+                  ("Train/comm_ms", s.comm_s * 1e3, step),
+                  ("Train/exposed_comm_ms", s.exposed_s * 1e3, step),
+                  ("Train/hidden_comm_fraction", s.hidden_fraction, step),
+                  ("Train/peak_activation_bytes", float(s.peak_activation_bytes), step)]
+        if norm is not None:
+            events.append(("Train/grad_norm", float(norm), step))
+        self.monitor.write_events(events)
+
+    def maybe_dump_trace(self) -> None:
+        """After ``trace.steps`` steps: every rank writes its spans, rank 0 merges them; the
+        recorder stops recording."""
+        if self.recorder is None or not self.recorder.enabled or self.global_steps < self.dhelix.trace.steps:
+            return
+        path = self.dhelix.trace.path
+        self.recorder.dump(f"{path}.rank{self.global_rank}")
+        self.recorder.stop()
+        dist.barrier()
+        if self.global_rank == 0:
+            parts = [f"{path}.rank{r}" for r in range(dist.get_world_size())]
+            merge_traces(parts, path)
+            for p in parts:
+                os.remove(p)
+            logger.info(f"ds_dhelix: trace of {self.global_steps} steps written to {path}")
+        dist.barrier()

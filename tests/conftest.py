@@ -1,0 +1,84 @@
+"""Shared test helpers: multi-process worlds (``run_ranks``), the small dense HF models and
+micro-batches the adapter and executor tests compare against, and the ``gpu`` marker's skip.
+
+Tests import helpers with ``from tests.conftest import ...``.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ds_dhelix.spawn import free_port, run_ranks  # noqa: F401  (re-exported for the tests)
+from hf_models.common import gather_param
+from hf_models.registry import load_config
+
+SEED, BATCH, SEQ = 0, 2, 16
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests need a CUDA device: skipped without one, never failed."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_config(preset: str, attn: str = "sdpa", **overrides):
+    """A preset's config with 2 layers (the op list of a layer does not change) and ``overrides``."""
+    config = load_config(preset)
+    config.num_hidden_layers = 2
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config._attn_implementation = attn
+    return config
+
+
+def make_model(config):
+    """The HF model of ``config``, seeded, in train mode."""
+    from transformers import AutoModelForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
+                                                 attn_implementation=config._attn_implementation)
+    return model.train()
+
+
+def make_batches(vocab: int, num: int) -> list[dict]:
+    """``num`` micro-batches of [BATCH, SEQ] random ids; the first masks its first targets."""
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for k in range(num):
+        ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)
+        labels = ids.clone()
+        if k == 0:
+            labels[0, :5] = -100  # ignored targets (prompt masking)
+        batches.append({"input_ids": ids, "labels": labels})
+    return batches
+
+
+def hf_reference(model, batches):
+    """HF losses of each micro-batch; gradients of their mean accumulated in ``model``."""
+    losses = []
+    for b in batches:
+        loss = model(**b).loss
+        (loss / len(batches)).backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def gathered_grad(p, group, tp):
+    """The full HF-shaped gradient of a (possibly TP-sharded) parameter."""
+    return gather_param(p, group, tp, data=p.grad.detach())
+
+
+def process_groups(tp: int = 1, ep: int = 1):
+    """``ProcessGroups`` of the running world with TP ``tp`` and EP ``ep`` (inside a rank)."""
+    import torch.distributed as dist
+
+    from ds_dhelix.dims import ParallelDims
+    from ds_dhelix.groups import ProcessGroups
+    return ProcessGroups.create(ParallelDims(dist.get_world_size(), tp=tp, ep=ep))
