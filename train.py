@@ -3,7 +3,8 @@
     deepspeed --num_gpus 2 train.py --deepspeed ds_configs/tiny_llama_cpu.json
 
 On a machine without GPUs DeepSpeed's CPU accelerator runs the ranks over gloo. Everything the run
-needs is checked before any model is built; bad input gets one line of error.
+needs is checked before any model is built; bad input gets one line of error and exit code 2.
+``--steps`` is the run's total: a resumed run continues from the checkpoint's step to it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 
 def parse_args(argv=None):
@@ -21,37 +23,148 @@ def parse_args(argv=None):
     p.add_argument("--model", default="tiny-llama",
                    help="preset (tiny-llama, tiny-gpt2, tiny-gpt-neox, tiny-phimoe) or a local HF checkpoint dir")
     p.add_argument("--data", default=None, help="local .txt or .jsonl (field 'text'); default: embedded corpus")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=100, help="total optimizer steps of the run (a resume continues to it)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--output-dir", default="outputs/run", help="where the HF checkpoint goes")
+    p.add_argument("--overwrite-output-dir", action="store_true",
+                   help="replace a regular file or a foreign non-empty directory at --output-dir / --ds-checkpoint")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--ds-checkpoint", default=None, help="also save a DeepSpeed checkpoint here at the end")
-    p.add_argument("--resume", default=None, help="load a DeepSpeed checkpoint before training")
+    p.add_argument("--ds-checkpoint", default=None, metavar="DIR",
+                   help="DeepSpeed checkpoints go here (at the end, every --save-interval steps, on a stop)")
+    p.add_argument("--save-interval", type=int, default=0, metavar="K", help="save a checkpoint every K steps (0: off)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="N", help="complete checkpoints kept (newest)")
+    p.add_argument("--resume", default=None, metavar="DIR|auto",
+                   help="continue from a checkpoint (a --ds-checkpoint dir or one of its tags); auto: the newest "
+                        "complete one under --ds-checkpoint, if any")
+    p.add_argument("--allow-resume-change", action="store_true",
+                   help="resume although total steps, LR schedule, batch/parallel layout, model or data differ")
+    p.add_argument("--stop-after", type=int, default=0, metavar="N",
+                   help="leave after N steps of this process with a checkpoint (a job slot's time limit); the "
+                        "run's schedule stays --steps long, --resume auto continues it (0: off)")
+    p.add_argument("--save-on-signal", action="store_true",
+                   help="on SIGTERM/SIGINT (or a vanished launcher) finish the step and save a checkpoint first")
+    p.add_argument("--watchdog-s", type=float, default=None,
+                   help="seconds without progress before a rank reports where it hangs and exits (default: the "
+                        "config's dhelix.watchdog_s, 600)")
     p.add_argument("--json-summary", default=None, help="write the run summary (losses, timings) as JSON")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return p.parse_args(argv)
 
 
-def check_inputs(args):
+@dataclass
+class Prepared:
+    """What the checks before any model is built established."""
+
+    ds_config: dict
+    setup: object  # ds_dhelix.build.Setup
+    tokenizer: object
+    ids: object  # the training tokens (1-D LongTensor)
+    run_state: dict  # what a checkpoint of this run records
+    resume: tuple[str, str] | None  # (checkpoint root, tag)
+
+
+def check_inputs(args) -> Prepared:
     """Everything that can be checked without a model: one ValueError line per mistake."""
     from ds_dhelix.build import check_setup
     from ds_dhelix.config import load_ds_config
-    from hf_models.registry import load_config
-
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    from hf_models.registry import check_weight_files, is_preset, load_config
+    _check_flags(args)
     ds_config = load_ds_config(args.deepspeed)
+    if args.watchdog_s is not None:
+        if not (ds_config.get("dhelix") or {}).get("enabled"):
+            raise ValueError("--watchdog-s sets the ds_dhelix engine's watchdog; this ds_config does not enable "
+                             "dhelix (plain DeepSpeed has none)")
+        ds_config["dhelix"]["watchdog_s"] = args.watchdog_s
     model_config = load_config(args.model)  # unknown preset / missing dir -> ValueError
-    if args.data is not None and not os.path.isfile(args.data):
-        raise ValueError(f"--data {args.data!r}: no such file (give a local .txt or .jsonl file)")
+    if not is_preset(args.model):
+        check_weight_files(os.path.expanduser(args.model))
     setup = check_setup(ds_config, model_config, int(os.environ.get("WORLD_SIZE", 1)))
+    if "optimizer" not in ds_config:
+        raise ValueError('the ds_config has no "optimizer" section: train.py trains, so it needs one '
+                         '(e.g. "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}})')
+    _check_lengths(args, setup, model_config)
+    _check_outputs(args)
+    set_schedule_length(ds_config, args.steps)
+    tokenizer, ids = _tokens(args, setup)
+    state = run_state(args, ds_config, setup, len(ids))
+    return Prepared(ds_config, setup, tokenizer, ids, state, _check_resume(args, state))
+
+
+def _check_flags(args) -> None:
+    for name in ("steps", "seq_len", "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("save_interval", "stop_after"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(args, name)}")
+    if args.watchdog_s is not None and not args.watchdog_s > 0:
+        raise ValueError(f"--watchdog-s must be > 0, got {args.watchdog_s}")
+    for flag, on in (("--save-interval", args.save_interval > 0), ("--save-on-signal", args.save_on_signal),
+                     ("--stop-after", args.stop_after > 0), ("--resume auto", args.resume == "auto")):
+        if on and not args.ds_checkpoint:
+            raise ValueError(f"{flag} needs --ds-checkpoint DIR (where the checkpoints go)")
+    if args.data is not None:
+        from ds_dhelix.data import load_text
+        load_text(args.data)  # missing, unreadable, malformed jsonl, empty: one line naming file and line
+
+
+def _check_lengths(args, setup, model_config) -> None:
     tp = setup.dims.tp
     if args.seq_len % tp:
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by tensor_parallel.size {tp}")
     limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
     if limit and args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")
-    return ds_config, setup.dh, model_config, setup.batch
+
+
+def _check_outputs(args) -> None:
+    from ds_dhelix.checkpoint import check_output_dir, is_export
+    from ds_dhelix.resume import complete_tags
+    check_output_dir(args.output_dir, "--output-dir", args.overwrite_output_dir, ours=is_export)
+    if args.ds_checkpoint:
+        ours = lambda p: bool(complete_tags(p)) or os.path.isfile(os.path.join(p, "latest"))  # noqa: E731
+        check_output_dir(args.ds_checkpoint, "--ds-checkpoint", args.overwrite_output_dir, ours=ours)
+
+
+def _tokens(args, setup):
+    """The tokenizer and the training tokens; enough of them for one step on every replica."""
+    from ds_dhelix.data import build_embedded_corpus, encode_text, load_text
+    from hf_models.registry import load_tokenizer_for
+    tokenizer = load_tokenizer_for(args.model)
+    ids = encode_text(tokenizer, load_text(args.data) if args.data else build_embedded_corpus())
+    blocks, need = len(ids) // args.seq_len, setup.batch.micro_batch_size * setup.dims.dp
+    if blocks < need:
+        raise ValueError(f"{args.data or 'the corpus'} has {len(ids)} tokens: {blocks} blocks of --seq-len "
+                         f"{args.seq_len}, fewer than one micro-batch ({setup.batch.micro_batch_size}) on each of "
+                         f"{setup.dims.dp} data-parallel replicas; use more text or a shorter --seq-len")
+    return tokenizer, ids
+
+
+def run_state(args, ds_config, setup, num_tokens: int) -> dict:
+    """What a checkpoint of this run records, and a resume must match (``ds_dhelix.resume``)."""
+    d, b = setup.dims, setup.batch
+    data = os.path.abspath(os.path.expanduser(args.data)) if args.data else "embedded corpus"
+    model = args.model if not os.path.isdir(os.path.expanduser(args.model)) else os.path.abspath(args.model)
+    return {"step": 0, "total_steps": args.steps, "lr_schedule": ds_config.get("scheduler"),
+            "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep,
+                       "micro_batch_size": b.micro_batch_size, "gradient_accumulation_steps": b.gradient_accumulation_steps},
+            "model": model, "data": {"source": data, "tokens": num_tokens, "seed": args.seed},
+            "seq_len": args.seq_len, "plan_fingerprint": None}
+
+
+def _check_resume(args, state: dict) -> tuple[str, str] | None:
+    """The checkpoint to continue from, checked against this run before any model is built."""
+    from ds_dhelix.resume import check_resume, complete_tags, locate, read_run_state
+    if not args.resume:
+        return None
+    if args.resume == "auto":
+        root = os.path.abspath(args.ds_checkpoint)
+        if not complete_tags(root):
+            return None  # nothing saved yet: a fresh start
+    root, tag = locate(args.ds_checkpoint if args.resume == "auto" else args.resume)
+    saved = read_run_state(root, tag)
+    check_resume({**saved, "plan_fingerprint": None}, state, args.allow_resume_change)
+    return root, tag
 
 
 def set_schedule_length(ds_config, steps):
@@ -65,76 +178,178 @@ def set_schedule_length(ds_config, steps):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        ds_config, dh, model_config, batch_sizes = check_inputs(args)
+        prep = check_inputs(args)
     except ValueError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
-    run(args, ds_config, dh, batch_sizes)
-    return 0
+    return run(args, prep)
 
 
-def run(args, ds_config, dh, batch_sizes):
+def run(args, prep: Prepared) -> int:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from tqdm import tqdm
 
-    from ds_dhelix.data import batch_iterator, encode_text, build_embedded_corpus, load_text
-    from hf_models.registry import build_model, load_tokenizer_for
-
+    from ds_dhelix.comm import CollectiveError
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    set_schedule_length(ds_config, args.steps)
-    if rank == 0:
-        print(batch_sizes.table())
+    if dist.get_rank() == 0:
+        print(prep.setup.batch.table())
+    if args.ds_checkpoint and dist.get_rank() == 0:
+        from ds_dhelix.resume import remove_leftovers
+        remove_leftovers(os.path.abspath(args.ds_checkpoint))
+    engine = build(args, prep)
+    try:
+        return train(args, prep, engine)
+    except (CollectiveError, dist.DistError, RuntimeError) as err:
+        if not _is_comm_failure(err):
+            raise
+        where = f" (step {engine.global_steps + 1})" if isinstance(err, CollectiveError) else _position(engine)
+        print(f"train.py: error: rank {dist.get_rank()}: {err}{where}", file=sys.stderr, flush=True)
+        os._exit(1)  # a peer is gone: no clean teardown of the process group is possible
 
-    tokenizer = load_tokenizer_for(args.model)
-    text = load_text(args.data) if args.data else build_embedded_corpus()
-    ids = encode_text(tokenizer, text)
-    model, info = build_model(args.model, seed=args.seed)
 
+def _is_comm_failure(err: BaseException) -> bool:
+    import torch.distributed as dist
+
+    from ds_dhelix.comm import CollectiveError
+    if isinstance(err, (CollectiveError, dist.DistError)):
+        return True
+    text = str(err)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Gloo", "gloo"))
+
+
+def _position(engine) -> str:
+    """Where a failure outside the executor's own collectives happened (the watchdog's last beat)."""
+    wd = getattr(engine, "watchdog", None)
+    if wd is None:
+        return f" (step {engine.global_steps + 1})"
+    return f" (step {wd.step + 1 if isinstance(wd.step, int) else wd.step}, during {wd.op})"
+
+
+def build(args, prep: Prepared):
+    """The model, the engine (ds_dhelix or plain DeepSpeed) and the checkpoint it resumes from."""
+    import deepspeed
+
+    from hf_models.registry import build_model
+    model, _ = build_model(args.model, seed=args.seed)
+    dh = prep.setup.dh
     if dh.enabled:
         import ds_dhelix
-        micro = ds_config.get("train_micro_batch_size_per_gpu", batch_sizes.micro_batch_size)
-        first = ids[: micro * args.seq_len].view(micro, args.seq_len)
-        engine, *_ = ds_dhelix.initialize(model=model, config=ds_config,
+        micro = prep.setup.batch.micro_batch_size
+        first = prep.ids[: micro * args.seq_len].view(micro, args.seq_len)
+        engine, *_ = ds_dhelix.initialize(model=model, config=prep.ds_config,
                                           example_batch={"input_ids": first, "labels": first.clone()})
-        dp_rank, dp_size = engine.groups.dp_rank, engine.groups.dp_size
+        fingerprint = engine.plan.fingerprint() if getattr(engine, "plan", None) is not None else None
     else:
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-        dp_rank, dp_size = rank, world
-    if args.resume:
-        engine.load_checkpoint(args.resume)
-    micro = engine.train_micro_batch_size_per_gpu()
-    data = batch_iterator(ids, micro, args.seq_len, seed=args.seed, rank=dp_rank, num_replicas=dp_size)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=prep.ds_config)
+        fingerprint = None
+    prep.run_state["plan_fingerprint"] = fingerprint
+    if prep.resume is not None:
+        from ds_dhelix.resume import check_resume, load
+        saved = load(engine, *prep.resume)
+        check_resume(saved, prep.run_state, args.allow_resume_change)  # the plan, now that it is known
+    return engine
 
-    losses, times, hidden = [], [], []
-    bar = tqdm(total=args.steps, desc="train", disable=rank != 0, dynamic_ncols=True)
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        if dh.enabled:
-            loss = engine.train_batch(data)
-            hidden.append(engine.last_stats)
-        else:
-            loss = plain_step(engine, data)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-        tokens = micro * engine.gradient_accumulation_steps() * args.seq_len * dp_size
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / times[-1]:.0f}")
-        bar.update(1)
+
+def train(args, prep: Prepared, engine) -> int:
+    """The training loop: steps to ``--steps``, periodic checkpoints, stops; then the HF export."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from ds_dhelix.data import batch_iterator
+    from ds_dhelix.stopping import StopRequest
+    rank, dp_rank, dp_size = dist.get_rank(), *_data_parallel(engine, prep)
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    start = engine.global_steps
+    data = batch_iterator(prep.ids, micro, args.seq_len, seed=args.seed, rank=dp_rank, num_replicas=dp_size,
+                          start=start * gas)
+    stop = StopRequest.install()
+    log = {"losses": [], "times": [], "stats": [], "lrs": []}
+    bar = tqdm(total=args.steps, initial=start, desc="train", disable=rank != 0, dynamic_ncols=True)
+    for _ in range(start, args.steps):
+        _one_step(engine, prep.setup.dh, data, log, micro * gas * args.seq_len * dp_size, bar)
+        reason = stop.agreed()
+        if reason:
+            return _stopped(args, prep, engine, stop, reason, bar)
+        if engine.global_steps < args.steps and args.stop_after and engine.global_steps - start >= args.stop_after:
+            bar.close()
+            path = save(args, prep, engine)
+            if rank == 0:
+                print(f"train.py: leaving after step {engine.global_steps} of {args.steps} (--stop-after "
+                      f"{args.stop_after}); checkpoint {path}; continue with --resume auto")
+                summarize(args, log, start, None, micro, engine, dp_size, prep.setup.dh, {})
+            return 0
+        if args.save_interval and engine.global_steps % args.save_interval == 0 and engine.global_steps < args.steps:
+            save(args, prep, engine)
     bar.close()
+    stop.close()
+    finish(args, prep, engine, log, start, micro, dp_size)
+    return 0
 
-    probe = probe_loss(engine, dh, ids, micro, args.seq_len)
-    if args.ds_checkpoint:
-        engine.save_checkpoint(args.ds_checkpoint)
+
+def _data_parallel(engine, prep: Prepared) -> tuple[int, int]:
+    import torch.distributed as dist
+    if prep.setup.dh.enabled:
+        return engine.groups.dp_rank, engine.groups.dp_size
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _one_step(engine, dh, data, log: dict, tokens: int, bar) -> None:
+    t0 = time.perf_counter()
     if dh.enabled:
-        path = engine.export_hf(args.output_dir, tokenizer)  # TP / EP / pipeline shards gathered
+        loss = engine.train_batch(data)
+        log["stats"].append(engine.last_stats)
     else:
-        from ds_dhelix.checkpoint import export_hf
-        path = export_hf(engine.module, args.output_dir, tokenizer)
-    summarize(args, rank, losses, times, hidden, path, micro, engine, dp_size, dh, probe)
-    if engine.monitor.enabled and rank == 0:
+        loss = plain_step(engine, data)
+    log["times"].append(time.perf_counter() - t0)
+    log["losses"].append(float(loss))
+    log["lrs"].append(float(engine.get_lr()[0]))
+    bar.set_postfix(loss=f"{log['losses'][-1]:.3f}", tok_s=f"{tokens / log['times'][-1]:.0f}")
+    bar.update(1)
+
+
+def save(args, prep: Prepared, engine) -> str:
+    """A checkpoint of the current step under --ds-checkpoint (the newest --keep-checkpoints kept)."""
+    import contextlib
+
+    from ds_dhelix import resume
+    state = dict(prep.run_state, step=engine.global_steps)
+    watched = engine.watched("checkpoint save") if hasattr(engine, "watched") else contextlib.nullcontext()
+    with watched:
+        return resume.save(engine, os.path.abspath(args.ds_checkpoint), state, args.keep_checkpoints)
+
+
+def _stopped(args, prep: Prepared, engine, stop, reason: str, bar) -> int:
+    import torch.distributed as dist
+    bar.close()
+    saved = save(args, prep, engine) if args.save_on_signal else None
+    if dist.get_rank() == 0:
+        what = f"; checkpoint saved to {saved}" if saved else " (no checkpoint: --save-on-signal was not given)"
+        print(f"train.py: stopped by {reason} after step {engine.global_steps}{what}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(stop.exit_code())  # every rank leaves at the same step boundary
+
+
+def finish(args, prep: Prepared, engine, log: dict, start: int, micro: int, dp_size: int) -> None:
+    """The final checkpoint, the HF export, the summary line and JSON."""
+    import contextlib
+
+    import torch.distributed as dist
+    dh = prep.setup.dh
+    probe = probe_loss(engine, dh, prep.ids, micro, args.seq_len)
+    if args.ds_checkpoint:
+        save(args, prep, engine)
+    watched = engine.watched("HF export") if hasattr(engine, "watched") else contextlib.nullcontext()
+    with watched:
+        if dh.enabled:
+            path = engine.export_hf(args.output_dir, prep.tokenizer)  # TP / EP / pipeline shards gathered
+        else:
+            from ds_dhelix.checkpoint import export_hf
+            path = export_hf(engine.module, args.output_dir, prep.tokenizer)
+    if dist.get_rank() == 0:
+        summarize(args, log, start, path, micro, engine, dp_size, dh, probe)
+    if engine.monitor.enabled and dist.get_rank() == 0:
         for writer in _tb_writers(engine):
             writer.flush()
 
@@ -182,17 +397,17 @@ def _tb_writers(engine):
             yield w
 
 
-def summarize(args, rank, losses, times, stats, path, micro, engine, dp_size, dh, probe):
+def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, probe):
     import statistics
-    if rank != 0:
-        return
+    losses, times, stats = log["losses"], log["times"], log["stats"]
     k = max(1, len(losses) // 10)
     first, last = statistics.mean(losses[:k]), statistics.mean(losses[-k:])
     med = statistics.median(times[1:] or times)
     tokens = micro * engine.gradient_accumulation_steps() * args.seq_len * dp_size
-    summary = {"model": args.model, "steps": len(losses), "loss_first": first, "loss_last": last,
-               "losses": losses, "median_step_s": med, "tokens_per_s": tokens / med, "hf_checkpoint": path}
-    line = (f"done: {len(losses)} steps, loss {first:.3f} -> {last:.3f}, "
+    summary = {"model": args.model, "start_step": start, "steps": len(losses), "total_steps": args.steps,
+               "loss_first": first, "loss_last": last, "losses": losses, "lrs": log["lrs"],
+               "median_step_s": med, "tokens_per_s": tokens / med, "hf_checkpoint": path}
+    line = (f"done: steps {start + 1}-{start + len(losses)}, loss {first:.3f} -> {last:.3f}, "
             f"median step {med * 1e3:.0f} ms, {tokens / med:.0f} tokens/s")
     if stats:
         comm = sum(s.comm_s for s in stats[1:] or stats)
@@ -208,7 +423,8 @@ def summarize(args, rank, losses, times, stats, path, micro, engine, dp_size, dh
         else:  # pipeline transfers only: no collective to hide inside a stage
             line += f"; schedule {dh.schedule}: {exposed / n * 1e3:.0f} ms/step waiting on transfers"
     print(line)
-    print(f"HF checkpoint: {path}")
+    if path:
+        print(f"HF checkpoint: {path}")
     summary.update(probe)
     if args.json_summary:
         with open(args.json_summary, "w") as f:

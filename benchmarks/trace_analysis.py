@@ -3,7 +3,7 @@ waited, and every reactive SI pair re-timed on an idealised machine (``pair_reti
 
     python -m benchmarks.trace_analysis runs/trace.json [--json]
 
-The phases of ``idle_breakdown``: before the step's first backward op (forward alone), while
+The periods of ``idle_breakdown``: before the step's first backward op (forward alone), while
 forwards and backwards interleave (co-executed), after its last forward op (backward alone).
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ from .pair_retime import retime_trace
 
 
 def idle_breakdown(trace: dict, min_gap_us: float = 50.0) -> dict:
-    """Per rank, ms of compute-lane idle time per step: ``{"phases": {"forward_alone",
+    """Per rank, ms of compute-lane idle time per step: ``{"periods": {"forward_alone",
     "co_executed", "backward_alone"}, "waited_on": {"<op> <strand>": ms}}``, averaged over steps.
-    The phases are: before the step's first backward op, while forwards and backwards interleave,
+    The periods are: before the step's first backward op, while forwards and backwards interleave,
     after its last forward op (with ``pair_ends`` the first and last are the F0xF1 and
     B(m-2)xB(m-1) pairs).
 
@@ -38,7 +38,7 @@ def idle_breakdown(trace: dict, min_gap_us: float = 50.0) -> dict:
         comm_ends = sorted((e["ts"] + e["dur"], f"{e['name']} {e['args'].get('strand')}") for e in mine
                            if str(lanes.get((pid, e.get("tid")), "")).startswith("comm"))
         ends = [t for t, _ in comm_ends]
-        phases, waited = defaultdict(float), defaultdict(float)
+        periods, waited = defaultdict(float), defaultdict(float)
         steps = split_steps(compute)
         for step in steps:
             f_end = max((e["ts"] + e["dur"] for e in step if e["args"].get("strand") == "F"), default=0)
@@ -47,16 +47,16 @@ def idle_breakdown(trace: dict, min_gap_us: float = 50.0) -> dict:
                 gap = b["ts"] - (a["ts"] + a["dur"])
                 if gap < min_gap_us:
                     continue
-                phase = ("forward_alone" if b["ts"] <= b_start else
+                period = ("forward_alone" if b["ts"] <= b_start else
                          "backward_alone" if a["ts"] >= f_end else "co_executed")
-                phases[phase] += gap / 1e3
+                periods[period] += gap / 1e3
                 lo, hi = bisect.bisect_left(ends, a["ts"] + a["dur"]), bisect.bisect_right(ends, b["ts"] + 20)
                 names = sorted({name for _, name in comm_ends[lo:hi]}) or ["none"]
                 for name in names:
                     waited[name] += gap / 1e3 / len(names)
         n = max(len(steps), 1)
         out[pid] = {"steps": len(steps),
-                    "phases": {k: phases[k] / n for k in ("forward_alone", "co_executed", "backward_alone")},
+                    "periods": {k: periods[k] / n for k in ("forward_alone", "co_executed", "backward_alone")},
                     "waited_on": {k: v / n for k, v in sorted(waited.items(), key=lambda kv: -kv[1])}}
     return out
 
@@ -64,7 +64,7 @@ def idle_breakdown(trace: dict, min_gap_us: float = 50.0) -> dict:
 def print_report(trace: dict) -> None:
     """The idle breakdown and (reactive SI traces) the pair re-timing, per rank, as text."""
     for rank, entry in idle_breakdown(trace).items():
-        ph = entry["phases"]
+        ph = entry["periods"]
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(entry["waited_on"].items())[:4])
         print(f"rank {rank} compute lane idle per step (ms): F alone {ph['forward_alone']:.0f}, "
               f"co-executed {ph['co_executed']:.0f}, B alone {ph['backward_alone']:.0f}; waiting on {top}")

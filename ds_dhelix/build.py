@@ -22,6 +22,7 @@ from deepspeed.utils import logger
 from .config import (ONE_STAGE_SCHEDULES, PIPELINE_SCHEDULES, BatchSizes, DhelixConfig, derive_batch,
                      load_ds_config)
 from .dims import ParallelDims
+from .ds_keys import check_deepspeed_keys
 from .groups import ProcessGroups
 from .ops import backward_order
 from .pipe.folding import LayerFold, fold_layers
@@ -39,13 +40,16 @@ class Setup:
     fold: LayerFold | None  # the layer fold of a pipeline (pp > 1)
 
 
-def check_setup(ds_config: dict, model_config, world: int) -> Setup:
+def check_setup(ds_config: dict, model_config, world: int, client_optimizer: bool = False) -> Setup:
     """Every mistake that can be found without a model, as one ``ValueError`` naming the values and
-    the fix: the dhelix section, parallel sizes against the world and the model's shape, the batch
-    arithmetic, the schedule, the pipeline's fold and micro-batch count."""
+    the fix: top-level keys DeepSpeed does not read, the dhelix section, parallel sizes against the
+    world and the model's shape, the batch arithmetic, ZeRO, the schedule, the pipeline's fold and
+    micro-batch count. ``client_optimizer``: the caller passes its own optimizer."""
     dh = DhelixConfig.from_ds_config(ds_config)
+    check_deepspeed_keys(ds_config, dh.allow_unknown_deepspeed_keys)
     dims = ParallelDims.from_config(dh, world)
     batch = derive_batch(ds_config, dims)
+    _check_zero(ds_config, dh, client_optimizer)
     if not dh.enabled:
         return Setup(dh, dims, batch, None)
     adapter = dims.check_model(model_config)
@@ -53,6 +57,7 @@ def check_setup(ds_config: dict, model_config, world: int) -> Setup:
     if not hasattr(adapter, "check_ep") and (ep.capacity_factor is not None or ep.aux_loss_coef is not None):
         raise ValueError(f"dhelix.expert_parallel is set but model_type {model_config.model_type!r} has no "
                          f"experts; remove the section or use an MoE model (e.g. tiny-phimoe)")
+    _check_not_yet(ds_config)
     fold = None
     if dims.pp == 1 and dh.schedule not in ONE_STAGE_SCHEDULES:
         raise ValueError(f"dhelix.schedule = {dh.schedule!r} folds the model over pipeline ranks: set "
@@ -60,6 +65,42 @@ def check_setup(ds_config: dict, model_config, world: int) -> Setup:
     if dims.pp > 1:
         fold = _check_pipeline(dh, ds_config, dims, batch, model_config.num_hidden_layers)
     return Setup(dh, dims, batch, fold)
+
+
+def _check_not_yet(ds_config: dict) -> None:
+    """DeepSpeed features the ds_dhelix executor does not apply yet: refused, never ignored."""
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        raise ValueError('"fp16": {"enabled": true} with dhelix: the executor runs backward itself and does not '
+                         'apply DeepSpeed\'s loss scale yet, so fp16 gradients would be wrong; use "bf16": '
+                         '{"enabled": true} (parameters and activations bf16, no loss scaling needed)')
+    if ds_config.get("activation_checkpointing"):
+        raise ValueError('"activation_checkpointing" with dhelix: the op graph does not recompute activations '
+                         'yet, so the section would be ignored; remove it (the activation peak stays as '
+                         '`dhelix parity` reports)')
+
+
+def check_model_settings(model) -> None:
+    """Settings on the model object itself that the op graph would otherwise ignore."""
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError("the model has gradient checkpointing enabled (gradient_checkpointing_enable()), which "
+                         "the ds_dhelix op graph does not apply; call model.gradient_checkpointing_disable()")
+
+
+ZERO_STAGES_WITH_DHELIX = (0, 1, 2)
+
+
+def _check_zero(ds_config: dict, dh, client_optimizer: bool) -> None:
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if dh.enabled and stage not in ZERO_STAGES_WITH_DHELIX:
+        raise ValueError(f"zero_optimization.stage = {stage!r} with dhelix: supported stages are "
+                         f"{list(ZERO_STAGES_WITH_DHELIX)}. ZeRO-3 gathers each parameter in module hooks "
+                         f"that the op graph never calls, so the ops would see empty partitions; use stage "
+                         f"2 (gradients and optimizer state partitioned) or 1")
+    if isinstance(stage, int) and stage >= 1 and "optimizer" not in ds_config and not client_optimizer:
+        raise ValueError(f"zero_optimization.stage = {stage} partitions the optimizer state but the ds_config "
+                         f"has no \"optimizer\" section; add one (e.g. {{\"type\": \"AdamW\", \"params\": "
+                         f"{{\"lr\": 1e-4}}}}) or pass optimizer= to ds_dhelix.initialize")
 
 
 def _check_pipeline(dh, ds_config: dict, dims: ParallelDims, batch: BatchSizes, num_layers: int) -> LayerFold:
@@ -108,7 +149,9 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
         raise ValueError('ds_dhelix.initialize needs "dhelix": {"enabled": true}; use deepspeed.initialize otherwise')
     # wraps an existing torch.distributed world, or starts one from the launcher's environment
     deepspeed.init_distributed(dist_init_required=not dist.is_initialized())
-    setup = check_setup(config, model.config, dist.get_world_size())
+    setup = check_setup(config, model.config, dist.get_world_size(), client_optimizer=optimizer is not None)
+    check_model_settings(model)
+    _warn_ignored_by_pipeline(config, setup)
     groups = ProcessGroups.create(setup.dims)
     graph = shard_model(model, setup.dh, setup.dims, groups)
     ds_config = copy.deepcopy(config)
@@ -134,6 +177,15 @@ def initialize(args=None, model=None, config=None, model_parameters=None, optimi
     engine = build_engine(model, config, args=args, model_parameters=model_parameters, optimizer=optimizer,
                           lr_scheduler=lr_scheduler, plan=plan, example_batch=example_batch)
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _warn_ignored_by_pipeline(ds_config: dict, setup: Setup) -> None:
+    """The pipeline runs every pair by its plan (the default plan): keys of reactive execution are
+    harmless there but do nothing; say so once."""
+    given = [k for k in ("si_execution", "defer_weight_grads") if k in (ds_config.get("dhelix") or {})]
+    if setup.dims.pp > 1 and given and dist.get_rank() == 0:
+        logger.warning(f"ds_dhelix: dhelix.{' and dhelix.'.join(given)} have no effect with a pipeline: every "
+                       f"forward/backward pair runs by the SI plan's rounds (the default plan)")
 
 
 def _pipeline_engine(model, setup: Setup, groups: ProcessGroups, graph, plan, model_parameters, extra: dict):

@@ -23,6 +23,7 @@ over the TP group sum their gradients once per step (``ReplicatedGrads``).
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -34,6 +35,29 @@ import torch.distributed as dist
 # torch >= 2.13 renames the single-tensor collectives; older releases only have the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (typically: a peer process died). ``where`` names the op, micro-batch and
+    strand; ``peer`` the remote address the backend reported, when it did."""
+
+    def __init__(self, where: str, cause: BaseException, group=None):
+        self.where, self.cause = where, cause
+        text = str(cause).strip()
+        found = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
+        self.peer = _peer_ranks(group) or (f"{found.group(1)}:{found.group(2)}" if found else None)
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[-1] if text else type(cause).__name__)
+        reason = reason.split(". This is typically")[0]  # gloo's boilerplate advice
+        super().__init__(f"collective {where} failed" + (f" (peer {self.peer})" if self.peer else "") + f": {reason}")
+
+
+def _peer_ranks(group) -> str | None:
+    """The other global ranks of ``group``, as text ("rank 1", "ranks [1, 2, 3]")."""
+    try:
+        others = [r for r in dist.get_process_group_ranks(group) if r != dist.get_rank()]
+    except Exception:  # noqa: BLE001 -- no group, or no process group at all: say nothing
+        return None
+    return f"rank {others[0]}" if len(others) == 1 else (f"ranks {others}" if others else None)
 
 
 @dataclass

@@ -194,11 +194,15 @@ class TensorParallelConfig(_Section):
     size: int = 1
     """Ranks per tensor-parallel group; heads, kv heads and the MLP width must divide by it."""
     sequence_parallel: bool = True
-    """Shard activations along the sequence between TP regions (all-gather / reduce-scatter ops)."""
+    """Shard activations along the sequence between TP regions (all-gather / reduce-scatter ops).
+    Must be true: the op graphs are built with sequence parallelism only."""
 
     def __post_init__(self):
         self._check_types()
         self._at_least("size", 1)
+        if not self.sequence_parallel:
+            raise self._fail("sequence_parallel", "ds_dhelix's tensor parallelism always shards activations "
+                                                  "along the sequence between TP regions; remove the key or set true")
 
 
 @dataclass(frozen=True)
@@ -357,6 +361,9 @@ class DhelixConfig(_Section):
     """Hang watchdog: after this many seconds without progress every rank prints its last op and exits."""
     log_interval: int = 1
     """Log (stdout / TensorBoard) every this many optimizer steps."""
+    allow_unknown_deepspeed_keys: bool = False
+    """Warn instead of refusing a top-level ds_config key DeepSpeed does not read (keys of a newer
+    DeepSpeed); DeepSpeed itself ignores such keys silently."""
 
     def __post_init__(self):
         self._check_types()

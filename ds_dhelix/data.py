@@ -270,12 +270,17 @@ def batch_iterator(
     seed: int,
     rank: int = 0,
     num_replicas: int = 1,
+    start: int = 0,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Endless micro-batches {"input_ids", "labels"}: LongTensor [micro_batch_size, seq_len].
 
     Each epoch shuffles the blocks with ``seed + epoch``; replica ``rank`` takes every
     ``num_replicas``-th block, so replicas see disjoint blocks and the same number of batches.
+    ``start``: skip the first ``start`` micro-batches of this replica (a resumed run continues where
+    the checkpoint's run stopped: epoch ``start // batches_per_epoch``, batch ``start % ...``).
     """
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be an int >= 0, got {start!r}")
     _check_positive("micro_batch_size", micro_batch_size)
     _check_positive("num_replicas", num_replicas)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
@@ -289,18 +294,18 @@ def batch_iterator(
             f"on each of {num_replicas} replicas (need {micro_batch_size * num_replicas} blocks); "
             f"use more text, a shorter seq_len or a smaller micro-batch"
         )
-    return _batches(dataset, micro_batch_size, seed, rank, num_replicas, num_batches)
+    return _batches(dataset, micro_batch_size, seed, rank, num_replicas, num_batches, start)
 
 
-def _batches(dataset, micro_batch_size, seed, rank, num_replicas, num_batches):
-    epoch = 0
+def _batches(dataset, micro_batch_size, seed, rank, num_replicas, num_batches, start=0):
+    epoch, first = divmod(start, num_batches)
     while True:
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch))
         mine = order[: num_batches * micro_batch_size * num_replicas][rank::num_replicas]
-        for b in range(num_batches):
+        for b in range(first, num_batches):
             block = dataset.blocks[mine[b * micro_batch_size : (b + 1) * micro_batch_size]]
             yield {"input_ids": block, "labels": block.clone()}
-        epoch += 1
+        epoch, first = epoch + 1, 0
 
 
 def check_batch_shape(batch: dict[str, torch.Tensor], expected: tuple[int, int]) -> None:

@@ -78,7 +78,9 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         stats = self.begin_step()  # the watchdog covers the micro-batches and the optimizer step
         try:
             with self._reduction_context():
-                mbs = self.executor.run_microbatches(batches, self.dhelix.schedule, 1.0 / len(batches))
+                mbs = self.executor.run_microbatches(batches, self.dhelix.schedule, 1.0 / len(batches),
+                                                     first_serial=self.global_steps * len(batches))
+            self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
             self._is_gradient_accumulation_boundary = True
             if self.zero_optimization_stage() == 0:
                 self.allreduce_gradients()

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm import Pending
+from .comm import CollectiveError, Pending
 from .graph import ModelGraph, Op
 from .plan import SIPlan
 
@@ -433,7 +433,7 @@ class Executor:
     def launch_comm(self, t: Task) -> Pending:
         self._beat(t)
         op, mb = t.op, t.mb
-        with self._label(op.name):
+        with self._label(op.name), self._collective(t):
             if t.backward:
                 pending = op.comm.backward(mb.grads.pop(op.outputs[0]), mb.side, t.channel)
             else:
@@ -441,8 +441,22 @@ class Executor:
         self.stats.num_comms += 1
         return pending
 
+    @contextlib.contextmanager
+    def _collective(self, t: Task):
+        """A failing collective (a dead peer) as a ``CollectiveError`` naming the op and its strand."""
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except RuntimeError as err:
+            groups = getattr(t.op.comm, "groups", None)
+            group = groups.channel(t.channel) if hasattr(groups, "channel") else None
+            raise CollectiveError(f"{t.op.name} ({t.strand} strand, micro-batch {t.mb.index}, block {t.block})",
+                                  err, group) from err
+
     def finish_comm(self, t: Task, pending: Pending) -> None:
-        out = pending.wait()
+        with self._collective(t):
+            out = pending.wait()
         done = time.perf_counter()
         self.stats.exposed_s += pending.waited_s
         self.stats.comm_s += done - pending.launched_at if pending.done_at is None \
@@ -545,9 +559,11 @@ class Executor:
                 self.run_round(self.tasks(b_mb, bb, True) if bb is not None else [],
                                self.tasks(f_mb, fb, False) if fb is not None else [])
 
-    def run_microbatches(self, batches: list[dict], schedule: str, seed: float) -> list[MicroBatch]:
-        """Forward and backward of every micro-batch under ``schedule`` ("sequential" or "si")."""
-        mbs = [MicroBatch(k, self.graph.make_side(b)) for k, b in enumerate(batches)]
+    def run_microbatches(self, batches: list[dict], schedule: str, seed: float,
+                         first_serial: int = 0) -> list[MicroBatch]:
+        """Forward and backward of every micro-batch under ``schedule`` ("sequential" or "si");
+        micro-batch k is number ``first_serial + k`` of the run (what seeds its random draws)."""
+        mbs = [MicroBatch(k, self.graph.make_side(b, first_serial + k)) for k, b in enumerate(batches)]
         if schedule == "sequential" or len(mbs) == 1:
             for mb in mbs:
                 self.forward(mb)

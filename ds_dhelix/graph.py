@@ -55,7 +55,8 @@ def comm(name, body, src, dst) -> Op:
 class ModelGraph:
     """A model as ``blocks`` of ops plus what the executor needs around them.
 
-    ``make_side(batch) -> dict`` builds a micro-batch's side inputs from ``{"input_ids", "labels"}``;
+    ``make_side(batch, serial) -> dict`` builds a micro-batch's side inputs from ``{"input_ids",
+    "labels"}`` and its number in the run (``serial``: what seeds its random draws);
     the last op of the last block writes ``"loss"``: this rank's share of the micro-batch loss
     (shares sum over the TP group to the full loss). ``replicated`` (a ``comm.ReplicatedGrads``,
     None without TP): weights whose gradients the executor sums over the TP group after a step's
@@ -63,7 +64,7 @@ class ModelGraph:
     """
 
     blocks: list[list[Op]]
-    make_side: Callable[[dict], dict]
+    make_side: Callable[..., dict]
     family: str = ""
     meta: dict = field(default_factory=dict)
     replicated: object | None = None

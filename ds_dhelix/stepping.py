@@ -3,12 +3,14 @@
 this in before their DeepSpeed base class.
 
     setup_strands   executor, activation meter, watchdog, trace recorder
+    watched         the watchdog armed around work between steps (checkpoint saves, the HF export)
     pull_batches    a step's micro-batches from the data iterator, shapes checked
     begin_step      fresh StepStats, meter peak reset, watchdog armed
     end_step        stats filled, TensorBoard scalars, trace written
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -40,6 +42,16 @@ class DhelixStepMixin:
         self.watchdog.stop()
         super().destroy()
 
+    @contextlib.contextmanager
+    def watched(self, what: str):
+        """Arm the watchdog around work outside a step (a checkpoint save, the HF export): a hang
+        there is reported as ``what`` and ends the rank too."""
+        self.watchdog.resume(step=self.global_steps, microbatch="-", strand="-", op=what)
+        try:
+            yield
+        finally:
+            self.watchdog.pause()
+
     def pull_batches(self, data_iter) -> list[dict]:
         """The step's ``gradient_accumulation_steps`` micro-batches; every one must have the same shape."""
         gas = self.gradient_accumulation_steps()
@@ -50,6 +62,11 @@ class DhelixStepMixin:
             if got != shape:
                 raise ValueError(f"micro-batch {k} has shape {got}, expected {shape}: every micro-batch "
                                  f"of a step must have the same [batch, sequence] shape")
+            mask = b.get("attention_mask")
+            if mask is not None and not bool((mask != 0).all()):
+                raise ValueError(f"micro-batch {k} has an attention_mask with padding: the op graph runs causal "
+                                 f"attention over the whole sequence and does not read attention_mask; pack the "
+                                 f"data without padding, or mark padded targets with labels = -100 and drop the mask")
         return batches
 
     def begin_step(self) -> StepStats:

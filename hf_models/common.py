@@ -56,13 +56,15 @@ def mark_replicated(params, group) -> ReplicatedGrads:
 
 
 def make_side_fn(tp: int, tp_rank: int, extra=None):
-    """Side inputs of a micro-batch: this rank's sequence shard of ids and shifted targets.
+    """Side inputs of a micro-batch: this rank's sequence shard of ids and shifted targets, and
+    ``serial``, the micro-batch's number in the run (random draws are seeded by it, so they do not
+    depend on the schedule, and a resumed run draws what an uninterrupted one would).
 
     Targets follow HF's causal-LM loss: position t predicts labels[t+1]; the last position and
     labels of -100 are ignored; the loss is the sum over valid targets / their count.
     """
 
-    def make_side(batch: dict) -> dict:
+    def make_side(batch: dict, serial: int = 0) -> dict:
         ids, labels = batch["input_ids"], batch.get("labels", batch["input_ids"])
         b, s = ids.shape
         if s % tp:
@@ -77,6 +79,7 @@ def make_side_fn(tp: int, tp_rank: int, extra=None):
             "positions": torch.arange(tp_rank * n, (tp_rank + 1) * n, device=ids.device).unsqueeze(0).expand(b, n),
             "seq_len": s,
             "batch": b,
+            "serial": serial,
         }
         if extra is not None:
             side.update(extra(batch, side))

@@ -27,7 +27,7 @@ from ds_dhelix.graph import ModelGraph
 
 from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
                      mark_replicated, qkv_projections, rotary, rotary_side_fn, sequential_residual,
-                     shard_param)
+                     shard_param, warn_dropout)
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
@@ -66,6 +66,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     """Shard ``model`` in place for this TP rank and return its op graph."""
     config = model.config
     check_tp(config, tp)
+    warn_dropout(config, ("attention_dropout",), "Llama")
     shard(model, tp, tp_rank)
     inner = model.model
     replicated = None

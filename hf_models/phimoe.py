@@ -28,7 +28,6 @@ expert shards keep their names and are gathered back to ``[E, ...]`` by global e
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -45,7 +44,7 @@ from ds_dhelix.moe.router import (aux_piece, combine_copies, load_balancing_loss
                                   noise_seed, route_tokens, seeded_rng)
 
 from .common import (attn_core_op, check_divisible, embed_op, head_ops, make_side_fn, mark_replicated,
-                     qkv_projections, rotary, shard_param)
+                     qkv_projections, rotary, shard_param, warn_dropout)
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
@@ -110,7 +109,7 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
 
     def router(side, x2):
         x = x2.reshape(-1, x2.shape[-1])
-        noise = seeded_rng(x.device, noise_seed(base_seed, side["moe_serial"], index, rank)) \
+        noise = seeded_rng(x.device, noise_seed(base_seed, side["serial"], index, rank)) \
             if block.training else contextlib.nullcontext()
         with noise:
             eps = block.input_jitter_noise
@@ -183,6 +182,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     config = model.config
     ep_groups = ep_groups or ExpertGroups()
     check_tp(config, tp)
+    warn_dropout(config, ("attention_dropout",), "Phi-MoE")
     check_ep(config, ep_groups.size)
     shard(model, tp, tp_rank, ep_groups)
     inner = model.model
@@ -216,9 +216,8 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
 
 
 def side_inputs(model):
-    """Rotary cos/sin (+ eager mask), the MoE routing slots and the micro-batch serial number."""
+    """Rotary cos/sin (+ eager mask) and the MoE routing slots."""
     config, inner = model.config, model.model
-    serial = itertools.count()
 
     def extra(batch, side):
         s = side["seq_len"]
@@ -229,7 +228,7 @@ def side_inputs(model):
         dummy = inner.embed_tokens.weight[:1]
         pos = torch.arange(s, device=dummy.device).unsqueeze(0)
         cos, sin = inner.rotary_emb(dummy, pos)
-        out = {"cos": cos, "sin": sin, "moe": {}, "moe_serial": next(serial)}
+        out = {"cos": cos, "sin": sin, "moe": {}}
         if (config._attn_implementation or "sdpa") == "eager":
             mask = torch.full((s, s), torch.finfo(dummy.dtype).min, dtype=dummy.dtype, device=dummy.device).triu(1)
             out["causal_mask"] = mask[None, None]

@@ -51,6 +51,33 @@ def is_preset(name: str) -> bool:
     return name in PRESETS
 
 
+def check_weight_files(path: str) -> None:
+    """``ValueError`` naming the file when a checkpoint directory's safetensors files are not whole:
+    each header must parse and every tensor's bytes must lie inside the file."""
+    import struct
+    names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    for name in names:
+        full = os.path.join(path, name)
+        size = os.path.getsize(full)
+        with open(full, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{full}: not a safetensors file ({size} bytes, no header); re-save the checkpoint")
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                raise ValueError(f"{full}: truncated (its header alone needs {length} bytes, the file has {size}); "
+                                 f"copy or save the checkpoint again")
+            try:
+                header = json.loads(f.read(length))
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{full}: unreadable safetensors header ({err})") from None
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+        need = 8 + length + max(ends, default=0)
+        if need > size:
+            raise ValueError(f"{full}: truncated (its tensors need {need} bytes, the file has {size}); "
+                             f"copy or save the checkpoint again")
+
+
 def load_config(name_or_path: str | os.PathLike):
     """Transformers config of a preset name or a local checkpoint directory (holding config.json)."""
     from transformers import AutoConfig
@@ -65,7 +92,10 @@ def load_config(name_or_path: str | os.PathLike):
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"checkpoint directory {path!r} has no config.json; pass a save_pretrained directory")
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            return AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}/config.json: {str(err).splitlines()[0]}") from None
     raise ValueError(_not_found_message(name))
 
 

@@ -45,7 +45,7 @@ def test_round_trip_through_json(tmp_path):
         "schedule": "w",
         "si_execution": "plan",
         "defer_weight_grads": False,
-        "tensor_parallel": {"size": 2, "sequence_parallel": False},
+        "tensor_parallel": {"size": 2, "sequence_parallel": True},
         "expert_parallel": {"size": 2, "capacity_factor": 1.25, "aux_loss_coef": 0.02},
         "pipeline": {"stages": 2, "split": [1, 2, 2, 1]},
         "planner": {"profile": str(table), "cache_dir": str(tmp_path), "warmup": 0, "repeats": 1},

@@ -2,8 +2,8 @@
 
     (a) EP=2 op graph vs unsharded HF PhimoeForCausalLM (jitter 0): losses and every gradient close,
         dropless and capacity mode with room for every token
-    (b) SI (default plan; streamed with deferred weight gradients, the expert projections' among
-        them; streamed with pair_ends) vs sequential with EP=2 and router/input jitter on, 4 micro-batches: bitwise equal
+    (b) SI (default plan; reactive with deferred weight gradients, the expert projections' among
+        them; reactive with pair_ends) vs sequential with EP=2 and router/input jitter on, 4 micro-batches: bitwise equal
     (c) SI vs sequential through the DeepSpeed engine (DP2 x EP2, ZeRO 1, 3 steps): losses and
         parameters bitwise equal; close to HF. TP=2 attention x EP=2 on 4 ranks vs HF.
     (d) dispatch then combine returns its input exactly; experts that receive no token work
@@ -78,9 +78,9 @@ def ep_graph(model, layout, **kw):
 
 
 def run(graph, batches, schedule, deferred=None):
-    """Losses of one step; ``schedule`` "sequential", "si" (default plan), "si-stream" (streamed
+    """Losses of one step; ``schedule`` "sequential", "si" (default plan), "si-reactive" (reactive
     pairs, weight gradients deferred: their op names are added to ``deferred`` when given) or
-    "si-ends" (streamed, first two forwards and last two backwards paired too)."""
+    "si-ends" (reactive, first two forwards and last two backwards paired too)."""
     from ds_dhelix.executor import Executor
     from ds_dhelix.ops import backward_order
     from ds_dhelix.plan import default_plan
@@ -89,7 +89,7 @@ def run(graph, batches, schedule, deferred=None):
     rec = TraceRecorder(0) if deferred is not None else None
     ex = Executor(graph, default_plan(specs, backward_order(specs)) if schedule == "si" else None, recorder=rec,
                   pair_ends=schedule == "si-ends")
-    mbs = ex.run_microbatches(batches, schedule.removesuffix("-stream").removesuffix("-ends"), 1.0 / len(batches))
+    mbs = ex.run_microbatches(batches, schedule.removesuffix("-reactive").removesuffix("-ends"), 1.0 / len(batches))
     if rec is not None:
         deferred.update(e["name"].removesuffix(".wgrad") for e in rec.events() if e.get("name", "").endswith(".wgrad"))
     return [float(mb.loss) for mb in mbs]
@@ -158,10 +158,10 @@ def _rank_main(rank, world):
     # (b) SI vs sequential with jitter: seeded router noise, bitwise
     jitter = make_config(router_jitter_noise=0.05, input_jitter_noise=0.05)
     out, res["deferred"] = {}, set()
-    for schedule in ("sequential", "si", "si-stream", "si-ends"):
+    for schedule in ("sequential", "si", "si-reactive", "si-ends"):
         model = make_model(jitter)
         losses = run(ep_graph(model, lay), batches[rank], schedule,
-                     res["deferred"] if schedule == "si-stream" else None)
+                     res["deferred"] if schedule == "si-reactive" else None)
         out[schedule] = (losses, {n: p.grad.clone() for n, p in model.named_parameters()})
     ls, gs = out["sequential"]
     res["si_bitwise"] = {k: ls == li and all(torch.equal(gs[n], gi[n]) for n in gs) for k, (li, gi) in out.items()}
@@ -222,7 +222,7 @@ def test_ep2_matches_hf(ep2):
 
 def test_si_bitwise_with_router_jitter(ep2):
     for r in ep2:
-        assert r["si_bitwise"] == {"sequential": True, "si": True, "si-stream": True, "si-ends": True}
+        assert r["si_bitwise"] == {"sequential": True, "si": True, "si-reactive": True, "si-ends": True}
         # the expert projections are linear ops: their weight gradients were deferred; the
         # activation between them was not
         assert {"moe.experts.up", "moe.experts.down"} <= r["deferred"], r["deferred"]

@@ -101,7 +101,7 @@ def test_pp2_dp2_trains_on_four_ranks():
 def _check(world=2, layers=4, zero=1, **dh):
     from hf_models.registry import load_config, with_num_layers
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": dh.pop("m", 4),
-           "zero_optimization": {"stage": zero},
+           "zero_optimization": {"stage": zero}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "dhelix": {"enabled": True, "schedule": dh.pop("schedule", "w"), "pipeline": {"stages": 2}, **dh}}
     return check_setup(cfg, with_num_layers(load_config("tiny-llama"), layers), world)
 
@@ -155,7 +155,7 @@ def _rank_moe(rank, world):
     def watch(fn, layer):  # record each router's aux piece and the gradient that comes back to it
         def router(side, x2):
             xs, w, aux = fn(side, x2)
-            key = (side["moe_serial"], layer)  # serial = micro-batch index in the first step
+            key = (side["serial"], layer)  # serial = micro-batch index in the first step
             pieces[key] = aux.detach().clone()
             aux.register_hook(lambda g: grads.__setitem__(key, g.clone()))
             return xs, w, aux.view_as(aux)

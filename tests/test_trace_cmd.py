@@ -64,12 +64,12 @@ def test_trace_of_si_steps(tmp_path):
     assert summary["ranks"][0]["comm:tp:F"]["spans"] == 2 * 3 * 2 * len(COMM_OPS)
     idle = idle_breakdown(trace)
     assert set(idle) == {0, 1}
-    for entry in idle.values():  # where the compute lane waited: per phase, per collective
+    for entry in idle.values():  # where the compute lane waited: per period, per collective
         assert entry["steps"] == 2
-        assert set(entry["phases"]) == {"forward_alone", "co_executed", "backward_alone"}
-        assert all(v >= 0 for v in entry["phases"].values())
+        assert set(entry["periods"]) == {"forward_alone", "co_executed", "backward_alone"}
+        assert all(v >= 0 for v in entry["periods"].values())
         assert set(entry["waited_on"]) <= {f"{op} {s}" for op in COMM_OPS for s in "FB"} | {"none"}
-        assert sum(entry["waited_on"].values()) == pytest.approx(sum(entry["phases"].values()))
+        assert sum(entry["waited_on"].values()) == pytest.approx(sum(entry["periods"].values()))
     # pair re-timing: 2 steps x 2 pairs per rank; perfect overlap never beats a schedule, a schedule
     # never beats doing everything one after another
     retimed = retime_trace(trace)
@@ -97,4 +97,4 @@ def test_trace_analysis_command_reads_a_trace(tmp_path, capsys):
     rec.dump(path)
     assert analysis_main([str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["idle"]["0"]["steps"] == 1 and out["idle"]["0"]["phases"]["forward_alone"] == pytest.approx(2.0)
+    assert out["idle"]["0"]["steps"] == 1 and out["idle"]["0"]["periods"]["forward_alone"] == pytest.approx(2.0)

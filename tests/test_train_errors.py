@@ -1,78 +1,155 @@
-"""Bad input to train.py: one clear line of error, exit code 2, before any model is built."""
+"""Bad input to train.py: exactly one ``train.py: error:`` line naming the problem, exit code 2, no
+traceback, and no model built (the batch table that starts a run is never printed).
+
+One table over every mistake: the case builds its arguments (files in a temporary directory), the
+row lists words the error line must contain. Most rows run ``train.main`` in this process (the
+checks run before any distributed start-up); a few run the real script in a subprocess, to see
+the whole output of a real invocation.
+"""
+from __future__ import annotations
+
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "ds_configs", "tiny_llama_cpu.json")
+PP = os.path.join(ROOT, "ds_configs", "tiny_llama_pp2_w.json")
 
 
-def train(*args, world=2):
+def _config(tmp, change=None, base=BASE) -> str:
+    cfg = json.load(open(base))
+    if change:
+        change(cfg)
+    path = tmp / "ds.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _file(tmp, name, text) -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+def _truncated_checkpoint(tmp) -> str:
+    from hf_models.registry import build_model
+    model, _ = build_model("tiny-llama", seed=0)
+    out = tmp / "ckpt"
+    model.save_pretrained(out)
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return str(out)
+
+
+def _setdh(key, value):
+    def change(cfg):
+        cfg["dhelix"][key] = value
+    return change
+
+
+def _pop(key):
+    return lambda cfg: cfg.pop(key)
+
+
+def _set(key, value):
+    return lambda cfg: cfg.__setitem__(key, value)
+
+
+# (id, world, argv builder(tmp) -> list, words the error line must contain)
+CASES = [
+    ("missing-config", 2, lambda t: ["--deepspeed", "/nonexistent/ds.json"], ["/nonexistent/ds.json"]),
+    ("invalid-json", 2, lambda t: ["--deepspeed", _file(t, "bad.json", '{"train_batch_size": 4,,}')], ["line 1"]),
+    ("unknown-preset", 2, lambda t: ["--deepspeed", BASE, "--model", "tiny-lama"], ["tiny-lama", "tiny-llama"]),
+    ("missing-model-dir", 2, lambda t: ["--deepspeed", BASE, "--model", "/nonexistent/ckpt"], ["/nonexistent/ckpt"]),
+    ("truncated-safetensors", 2, lambda t: ["--deepspeed", BASE, "--model", _truncated_checkpoint(t)],
+     ["model.safetensors", "truncated"]),
+    ("missing-data", 2, lambda t: ["--deepspeed", BASE, "--data", "/nonexistent/data.txt"], ["/nonexistent/data.txt"]),
+    ("malformed-jsonl", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.jsonl", '{"text": "a"}\n{"text": \n')],
+     ["d.jsonl:2", "not valid JSON"]),
+    ("jsonl-without-text", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.jsonl", '{"txt": "a"}\n')],
+     ["d.jsonl:1", '"text"']),
+    ("empty-data", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.txt", "\n \n")], ["d.txt", "no text"]),
+    ("data-too-short", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.txt", "a few words only")],
+     ["tokens", "fewer than one micro-batch"]),
+    ("seq-len-0", 2, lambda t: ["--deepspeed", BASE, "--seq-len", "0"], ["--seq-len must be >= 1"]),
+    ("steps-0", 2, lambda t: ["--deepspeed", BASE, "--steps", "0"], ["--steps must be >= 1"]),
+    ("seq-len-not-divisible", 2, lambda t: ["--deepspeed", BASE, "--seq-len", "63"], ["--seq-len 63", "tensor_parallel.size 2"]),
+    ("batch-arithmetic", 2, lambda t: ["--deepspeed", _config(t, _set("train_batch_size", 8))],
+     ["train_batch_size 8", "micro 4", "accumulation 4", "data-parallel size 1"]),
+    ("tp-not-dividing-heads", 3, lambda t: ["--deepspeed", _config(t, _setdh("tensor_parallel", {"size": 3}))],
+     ["tensor_parallel.size 3", "valid TP sizes"]),
+    ("unknown-dhelix-key", 2, lambda t: ["--deepspeed", _config(t, _setdh("schedul", "si"))], ["dhelix.schedul", "schedule"]),
+    ("misspelled-deepspeed-key", 2, lambda t: ["--deepspeed", _config(t, _set("gradient_acumulation_steps", 4))],
+     ["gradient_acumulation_steps", "did you mean 'gradient_accumulation_steps'"]),
+    ("optimiser", 2, lambda t: ["--deepspeed", _config(t, lambda c: c.__setitem__("optimiser", c.pop("optimizer")))],
+     ["'optimiser'", "did you mean 'optimizer'"]),
+    ("zero-without-optimizer", 2, lambda t: ["--deepspeed", _config(t, _pop("optimizer"))],
+     ["zero_optimization.stage = 1", '"optimizer"']),
+    ("zero-3", 2, lambda t: ["--deepspeed", _config(t, _set("zero_optimization", {"stage": 3}))],
+     ["zero_optimization.stage = 3", "supported stages are [0, 1, 2]"]),
+    ("zero-2-with-pipeline", 2, lambda t: ["--deepspeed", _config(t, _set("zero_optimization", {"stage": 2}), base=PP)],
+     ["zero_optimization.stage = 2", "pipeline.stages = 2"]),
+    ("fp16-with-dhelix", 2, lambda t: ["--deepspeed", _config(t, _set("fp16", {"enabled": True}))], ["fp16", "bf16"]),
+    ("activation-checkpointing", 2, lambda t: ["--deepspeed", _config(t, _set("activation_checkpointing", {"partition_activations": True}))],
+     ["activation_checkpointing"]),
+    ("sequence-parallel-off", 2, lambda t: ["--deepspeed", _config(t, _setdh("tensor_parallel", {"size": 2, "sequence_parallel": False}))],
+     ["dhelix.tensor_parallel.sequence_parallel"]),
+    ("output-dir-is-a-file", 2, lambda t: ["--deepspeed", BASE, "--output-dir", _file(t, "out", "x")],
+     ["--output-dir", "regular file", "--overwrite-output-dir"]),
+    ("output-dir-under-a-file", 2, lambda t: ["--deepspeed", BASE, "--output-dir", _file(t, "f", "x") + "/run"],
+     ["--output-dir", "is not a directory"]),
+    ("ds-checkpoint-foreign-dir", 2, lambda t: ["--deepspeed", BASE, "--ds-checkpoint",
+                                                os.path.dirname(_file(t, "notes.txt", "mine"))],
+     ["--ds-checkpoint", "did not write"]),
+    ("save-interval-without-dir", 2, lambda t: ["--deepspeed", BASE, "--save-interval", "5"],
+     ["--save-interval needs --ds-checkpoint"]),
+    ("resume-missing", 2, lambda t: ["--deepspeed", BASE, "--resume", "/nonexistent/ck"], ["/nonexistent/ck"]),
+    ("watchdog-on-plain-deepspeed", 2, lambda t: ["--deepspeed", _config(t, _pop("dhelix")), "--watchdog-s", "5"],
+     ["--watchdog-s", "does not enable dhelix"]),
+]
+
+
+@pytest.mark.parametrize("case, world, argv, words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_before_any_model(tmp_path, monkeypatch, capsys, case, world, argv, words):
+    import train
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.chdir(tmp_path)  # default --output-dir under the temporary directory
+    rc = train.main(argv(tmp_path))
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+    assert rc == 2 and len(lines) == 1, err
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert "world size" not in out  # the run's batch table: nothing was built
+
+
+def _train(*args, world=2):
     env = dict(os.environ, WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
-def config(tmp_path, **changes):
-    cfg = json.load(open(BASE))
-    for key, value in changes.items():
-        cfg[key] = value
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+@pytest.mark.parametrize("argv, word", [
+    (["--deepspeed", "/nonexistent/ds.json"], "/nonexistent/ds.json"),
+    (["--deepspeed", BASE, "--model", "tiny-lama"], "tiny-lama"),
+], ids=["missing-config", "unknown-preset"])
+def test_real_invocation_prints_one_line_and_no_traceback(argv, word):
+    proc = _train(*argv)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and word in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "world size" not in proc.stdout
 
 
-def assert_one_line_error(proc, *needles):
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("train.py: error:")]
-    assert len(lines) == 1, proc.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr
-
-
-def test_missing_config():
-    assert_one_line_error(train("--deepspeed", "/nonexistent/ds.json"), "/nonexistent/ds.json")
-
-
-def test_invalid_json(tmp_path):
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"train_micro_batch_size_per_gpu": 4,,}')
-    assert_one_line_error(train("--deepspeed", str(bad)), "line 1")
-
-
-def test_unknown_preset():
-    assert_one_line_error(train("--deepspeed", BASE, "--model", "tiny-lama"), "tiny-lama", "tiny-llama")
-
-
-def test_missing_model_dir():
-    assert_one_line_error(train("--deepspeed", BASE, "--model", "/nonexistent/ckpt"), "/nonexistent/ckpt")
-
-
-def test_missing_data():
-    assert_one_line_error(train("--deepspeed", BASE, "--data", "/nonexistent/data.txt"), "/nonexistent/data.txt")
-
-
-def test_batch_arithmetic(tmp_path):
-    path = config(tmp_path, train_batch_size=8)  # micro 4 x accum 4 x dp 1 = 16
-    assert_one_line_error(train("--deepspeed", path), "train_batch_size 8", "micro 4", "accumulation 4",
-                          "data-parallel size 1")
-
-
-def test_tp_not_dividing_heads(tmp_path):
-    cfg = json.load(open(BASE))
-    cfg["dhelix"]["tensor_parallel"]["size"] = 3
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(cfg))
-    proc = train("--deepspeed", str(path), world=3)
-    assert_one_line_error(proc, "tensor_parallel.size 3", "valid TP sizes")
-
-
-def test_unknown_dhelix_key(tmp_path):
-    cfg = json.load(open(BASE))
-    cfg["dhelix"]["schedul"] = "si"
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(cfg))
-    assert_one_line_error(train("--deepspeed", str(path)), "dhelix.schedul", "schedule")
+def test_unknown_deepspeed_key_can_be_allowed_with_a_warning(tmp_path):
+    """dhelix.allow_unknown_deepspeed_keys turns the refusal into a warning (keys of a newer DeepSpeed)."""
+    from ds_dhelix.ds_keys import check_deepspeed_keys, deepspeed_keys
+    assert {"train_batch_size", "optimizer", "scheduler", "zero_optimization", "bf16", "fp16",
+            "tensorboard", "activation_checkpointing", "gradient_clipping", "dhelix"} <= deepspeed_keys()
+    with pytest.warns(UserWarning, match="future_key"):
+        assert check_deepspeed_keys({"future_key": 1, "train_batch_size": 2}, allow_unknown=True) == ["future_key"]
+    with pytest.raises(ValueError, match="future_key"):
+        check_deepspeed_keys({"future_key": 1})

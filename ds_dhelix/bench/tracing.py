@@ -8,7 +8,7 @@ on a CPU gloo world, optionally behind an emulated link, merged into one Chrome/
 
 ``summarize_trace`` turns a loaded trace into per-rank, per-lane span counts and busy time;
 ``lane_names`` and ``split_steps`` read a trace back for further analysis
-(``benchmarks/trace_analysis.py``: where the compute lane waited, each pair replayed).
+(``benchmarks/trace_analysis.py``: where the compute lane waited, each pair re-timed).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ on, write the merged Chrome/Perfetto trace and print its lanes and spans.
 Open the file in ui.perfetto.dev or chrome://tracing: one process per rank, a ``compute`` lane and
 one communication lane per strand (``comm:tp:F``, ``comm:tp:B``); spans are named by op, with the
 strand and micro-batch in their args. ``python -m benchmarks.trace_analysis trace.json`` (research)
-says where the compute lane waited and replays each pair on an idealised machine.
+says where the compute lane waited and re-times each pair on an idealised machine.
 """
 from __future__ import annotations
 

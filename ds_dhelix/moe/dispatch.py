@@ -61,6 +61,7 @@ class CountExchange:
     """COMM op body of ``moe.counts``: forward passes ``x`` through once this rank knows how many
     copies it sends to / receives from each EP rank; backward passes the gradient through."""
 
+    lane = "comm:ep"  # trace lane
     def __init__(self, layer: int, groups: ExpertGroups, metrics=None):
         self.layer, self.groups, self.metrics = layer, groups, metrics
 
@@ -104,6 +105,7 @@ def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> Pending:
 class ExpertAllToAll:
     """COMM op body for layer ``layer``: ``to_experts=True`` is ``moe.dispatch``, False ``moe.combine``."""
 
+    lane = "comm:ep"  # trace lane
     def __init__(self, layer: int, groups: ExpertGroups, to_experts: bool, metrics=None):
         self.layer, self.groups, self.to_experts, self.metrics = layer, groups, to_experts, metrics
 

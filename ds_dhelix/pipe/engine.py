@@ -149,7 +149,8 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         return self._pipeline_loss(mbs)
 
     def _run(self, batches: list[dict], instructions: list) -> list[MicroBatch]:
-        mbs = [MicroBatch(k, self.graph.make_side(b)) for k, b in enumerate(batches)]
+        first = self.global_steps * len(batches)  # serials of this step's micro-batches
+        mbs = [MicroBatch(k, self.graph.make_side(b, first + k)) for k, b in enumerate(batches)]
         self._state = _StepState(mbs, 1.0 / len(mbs))
         try:
             for ins in instructions:
