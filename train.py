@@ -27,7 +27,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--output-dir", default="outputs/run", help="where the HF checkpoint goes")
     p.add_argument("--overwrite-output-dir", action="store_true",
-                   help="replace a regular file or a foreign non-empty directory at --output-dir / --ds-checkpoint")
+                   help="replace a regular file or a foreign non-empty directory at --output-dir; let checkpoints "
+                        "go into a non-empty directory at --ds-checkpoint")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ds-checkpoint", default=None, metavar="DIR",
                    help="DeepSpeed checkpoints go here (at the end, every --save-interval steps, on a stop)")
@@ -119,11 +120,20 @@ def _check_lengths(args, setup, model_config) -> None:
 
 def _check_outputs(args) -> None:
     from ds_dhelix.checkpoint import check_output_dir, is_export
-    from ds_dhelix.resume import complete_tags
+    from ds_dhelix.resume import is_checkpoint_dir
     check_output_dir(args.output_dir, "--output-dir", args.overwrite_output_dir, ours=is_export)
     if args.ds_checkpoint:
-        ours = lambda p: bool(complete_tags(p)) or os.path.isfile(os.path.join(p, "latest"))  # noqa: E731
-        check_output_dir(args.ds_checkpoint, "--ds-checkpoint", args.overwrite_output_dir, ours=ours)
+        ckpt, out = (os.path.abspath(os.path.expanduser(p)) for p in (args.ds_checkpoint, args.output_dir))
+        if os.path.commonpath([ckpt, out]) == out:
+            raise ValueError(f"--ds-checkpoint {ckpt!r} lies in --output-dir {out!r}: the HF export replaces that "
+                             f"directory whole, checkpoints included; give them separate paths")
+        if os.path.isfile(ckpt):
+            raise ValueError(f"--ds-checkpoint {ckpt!r} is a regular file; checkpoints need a directory there")
+        check_output_dir(ckpt, "--ds-checkpoint", args.overwrite_output_dir, ours=is_checkpoint_dir)
+    if args.json_summary:
+        folder = os.path.dirname(os.path.abspath(args.json_summary))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--json-summary {args.json_summary!r}: {folder!r} is not a writable directory")
 
 
 def _tokens(args, setup):
@@ -142,10 +152,14 @@ def _tokens(args, setup):
 
 def run_state(args, ds_config, setup, num_tokens: int) -> dict:
     """What a checkpoint of this run records, and a resume must match (``ds_dhelix.resume``)."""
+    from ds_dhelix.build import zero_stage
     d, b = setup.dims, setup.batch
     data = os.path.abspath(os.path.expanduser(args.data)) if args.data else "embedded corpus"
     model = args.model if not os.path.isdir(os.path.expanduser(args.model)) else os.path.abspath(args.model)
+    precision = {"zero_stage": zero_stage(ds_config), "gradient_clipping": ds_config.get("gradient_clipping"),
+                 "fp16": ds_config.get("fp16"), "bf16": ds_config.get("bf16")}
     return {"step": 0, "total_steps": args.steps, "lr_schedule": ds_config.get("scheduler"),
+            "optimizer": ds_config.get("optimizer"), "precision": precision,
             "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep,
                        "micro_batch_size": b.micro_batch_size, "gradient_accumulation_steps": b.gradient_accumulation_steps},
             "model": model, "data": {"source": data, "tokens": num_tokens, "seed": args.seed},
@@ -162,17 +176,28 @@ def _check_resume(args, state: dict) -> tuple[str, str] | None:
         if not complete_tags(root):
             return None  # nothing saved yet: a fresh start
     root, tag = locate(args.ds_checkpoint if args.resume == "auto" else args.resume)
-    saved = read_run_state(root, tag)
-    check_resume({**saved, "plan_fingerprint": None}, state, args.allow_resume_change)
+    _report_changes(check_resume(read_run_state(root, tag), state, args.allow_resume_change))
     return root, tag
 
 
+def _report_changes(diffs: list[str]) -> None:
+    """What --allow-resume-change accepted, said once (rank 0)."""
+    if diffs and int(os.environ.get("RANK", 0)) == 0:
+        print("train.py: resuming with changes (--allow-resume-change): " + "; ".join(diffs), file=sys.stderr)
+
+
 def set_schedule_length(ds_config, steps):
-    sched = ds_config.get("scheduler", {})
+    """WarmupCosineLR / WarmupDecayLR run over --steps; a warmup longer than a fifth of them is
+    shortened to that (and said so)."""
+    sched = ds_config.get("scheduler") or {}
     if sched.get("type") in ("WarmupCosineLR", "WarmupDecayLR"):
         params = sched.setdefault("params", {})
         params["total_num_steps"] = steps
-        params["warmup_num_steps"] = min(params.get("warmup_num_steps", 0), max(steps // 5, 1))
+        warmup = params.get("warmup_num_steps", 0)
+        params["warmup_num_steps"] = min(warmup, max(steps // 5, 1))
+        if params["warmup_num_steps"] != warmup and int(os.environ.get("RANK", 0)) == 0:
+            print(f"train.py: scheduler warmup_num_steps {warmup} shortened to {params['warmup_num_steps']} "
+                  f"(a fifth of --steps {steps})", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -190,7 +215,7 @@ def run(args, prep: Prepared) -> int:
     import torch
     import torch.distributed as dist
 
-    from ds_dhelix.comm import CollectiveError
+    from ds_dhelix.comm import CollectiveError, is_comm_failure
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed()
     if dist.get_rank() == 0:
@@ -201,22 +226,12 @@ def run(args, prep: Prepared) -> int:
     engine = build(args, prep)
     try:
         return train(args, prep, engine)
-    except (CollectiveError, dist.DistError, RuntimeError) as err:
-        if not _is_comm_failure(err):
+    except RuntimeError as err:
+        if not is_comm_failure(err):
             raise
         where = f" (step {engine.global_steps + 1})" if isinstance(err, CollectiveError) else _position(engine)
         print(f"train.py: error: rank {dist.get_rank()}: {err}{where}", file=sys.stderr, flush=True)
         os._exit(1)  # a peer is gone: no clean teardown of the process group is possible
-
-
-def _is_comm_failure(err: BaseException) -> bool:
-    import torch.distributed as dist
-
-    from ds_dhelix.comm import CollectiveError
-    if isinstance(err, (CollectiveError, dist.DistError)):
-        return True
-    text = str(err)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Gloo", "gloo"))
 
 
 def _position(engine) -> str:
@@ -246,9 +261,11 @@ def build(args, prep: Prepared):
         fingerprint = None
     prep.run_state["plan_fingerprint"] = fingerprint
     if prep.resume is not None:
-        from ds_dhelix.resume import check_resume, load
+        from ds_dhelix.resume import load
         saved = load(engine, *prep.resume)
-        check_resume(saved, prep.run_state, args.allow_resume_change)  # the plan, now that it is known
+        if saved.get("plan_fingerprint") != fingerprint and int(os.environ.get("RANK", 0)) == 0:
+            print(f"train.py: the SI plan differs from the checkpoint's ({saved.get('plan_fingerprint')} -> "
+                  f"{fingerprint}); every plan gives the same math, so the run continues", file=sys.stderr)
     return engine
 
 
@@ -270,7 +287,7 @@ def train(args, prep: Prepared, engine) -> int:
     for _ in range(start, args.steps):
         _one_step(engine, prep.setup.dh, data, log, micro * gas * args.seq_len * dp_size, bar)
         reason = stop.agreed()
-        if reason:
+        if reason and engine.global_steps < args.steps:  # after the last step: finish (export) instead
             return _stopped(args, prep, engine, stop, reason, bar)
         if engine.global_steps < args.steps and args.stop_after and engine.global_steps - start >= args.stop_after:
             bar.close()
@@ -309,14 +326,17 @@ def _one_step(engine, dh, data, log: dict, tokens: int, bar) -> None:
     bar.update(1)
 
 
+def _watched(engine, what: str):
+    """The ds_dhelix engine's watchdog around ``what`` (plain DeepSpeed has none)."""
+    import contextlib
+    return engine.watched(what) if hasattr(engine, "watched") else contextlib.nullcontext()
+
+
 def save(args, prep: Prepared, engine) -> str:
     """A checkpoint of the current step under --ds-checkpoint (the newest --keep-checkpoints kept)."""
-    import contextlib
-
     from ds_dhelix import resume
     state = dict(prep.run_state, step=engine.global_steps)
-    watched = engine.watched("checkpoint save") if hasattr(engine, "watched") else contextlib.nullcontext()
-    with watched:
+    with _watched(engine, "checkpoint save"):
         return resume.save(engine, os.path.abspath(args.ds_checkpoint), state, args.keep_checkpoints)
 
 
@@ -333,15 +353,12 @@ def _stopped(args, prep: Prepared, engine, stop, reason: str, bar) -> int:
 
 def finish(args, prep: Prepared, engine, log: dict, start: int, micro: int, dp_size: int) -> None:
     """The final checkpoint, the HF export, the summary line and JSON."""
-    import contextlib
-
     import torch.distributed as dist
     dh = prep.setup.dh
     probe = probe_loss(engine, dh, prep.ids, micro, args.seq_len)
-    if args.ds_checkpoint:
+    if args.ds_checkpoint and start < engine.global_steps:  # (a resume at the end only exports)
         save(args, prep, engine)
-    watched = engine.watched("HF export") if hasattr(engine, "watched") else contextlib.nullcontext()
-    with watched:
+    with _watched(engine, "HF export"):
         if dh.enabled:
             path = engine.export_hf(args.output_dir, prep.tokenizer)  # TP / EP / pipeline shards gathered
         else:

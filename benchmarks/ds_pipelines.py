@@ -53,18 +53,6 @@ def causal_lm_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def _build(model_name: str, seed: int, num_layers: int | None):
-    from hf_models.registry import build_model, load_config
-    if num_layers is None:
-        return build_model(model_name, seed=seed)[0]
-    from transformers import AutoModelForCausalLM
-    config = copy.deepcopy(load_config(model_name))
-    config.num_hidden_layers = num_layers
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-
-
 def pipe_layers(model) -> list[nn.Module]:
     """[embed, decoder layers..., norm+head] of a Llama-style HF model, for a PipelineModule."""
     inner = getattr(model, "model", None)

@@ -26,6 +26,7 @@ from .ds_keys import check_deepspeed_keys
 from .groups import ProcessGroups
 from .ops import backward_order
 from .pipe.folding import LayerFold, fold_layers
+from .precision import check_fp16
 from .pipe.schedule import check_args as check_pipeline_microbatches
 from .plan import SIPlan, default_plan
 
@@ -47,9 +48,11 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
     micro-batch count. ``client_optimizer``: the caller passes its own optimizer."""
     dh = DhelixConfig.from_ds_config(ds_config)
     check_deepspeed_keys(ds_config, dh.allow_unknown_deepspeed_keys)
+    _check_sections(ds_config, dh)
     dims = ParallelDims.from_config(dh, world)
     batch = derive_batch(ds_config, dims)
     _check_zero(ds_config, dh, client_optimizer)
+    check_fp16(ds_config)
     if not dh.enabled:
         return Setup(dh, dims, batch, None)
     adapter = dims.check_model(model_config)
@@ -69,10 +72,6 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
 
 def _check_not_yet(ds_config: dict) -> None:
     """DeepSpeed features the ds_dhelix executor does not apply yet: refused, never ignored."""
-    if (ds_config.get("fp16") or {}).get("enabled"):
-        raise ValueError('"fp16": {"enabled": true} with dhelix: the executor runs backward itself and does not '
-                         'apply DeepSpeed\'s loss scale yet, so fp16 gradients would be wrong; use "bf16": '
-                         '{"enabled": true} (parameters and activations bf16, no loss scaling needed)')
     if ds_config.get("activation_checkpointing"):
         raise ValueError('"activation_checkpointing" with dhelix: the op graph does not recompute activations '
                          'yet, so the section would be ignored; remove it (the activation peak stays as '
@@ -81,23 +80,50 @@ def _check_not_yet(ds_config: dict) -> None:
 
 def check_model_settings(model) -> None:
     """Settings on the model object itself that the op graph would otherwise ignore."""
-    if getattr(model, "is_gradient_checkpointing", False):
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    if getattr(model, name, False):
         raise ValueError("the model has gradient checkpointing enabled (gradient_checkpointing_enable()), which "
                          "the ds_dhelix op graph does not apply; call model.gradient_checkpointing_disable()")
 
 
 ZERO_STAGES_WITH_DHELIX = (0, 1, 2)
+SECTIONS = ("fp16", "bf16", "zero_optimization", "activation_checkpointing", "scheduler", "optimizer")
+UNSUPPORTED_KEYS = {"sequence_parallel_size": "DeepSpeed-Ulysses sequence parallelism",
+                    "data_parallel_size": "a DeepSpeed mesh (with sequence_parallel_size)"}
+
+
+def zero_stage(ds_config: dict) -> int:
+    """``zero_optimization.stage`` (0 when absent); ``ValueError`` unless it is 0, 1, 2 or 3."""
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage = {stage!r}: use 0, 1, 2 or 3")
+    return stage
+
+
+def _check_sections(ds_config: dict, dh) -> None:
+    """DeepSpeed sections are JSON objects; keys train.py and ds_dhelix cannot honour are refused."""
+    for key in SECTIONS:
+        if key in ds_config and not isinstance(ds_config[key], dict):
+            raise ValueError(f"\"{key}\" must be a JSON object (e.g. {{\"enabled\": true}}), got {ds_config[key]!r}")
+    for key, what in UNSUPPORTED_KEYS.items():
+        if key in ds_config:
+            raise ValueError(f"\"{key}\" ({what}) is not supported with ds_dhelix / train.py; remove it")
+    given = set(ds_config.get("dhelix") or {}) - {"enabled", "allow_unknown_deepspeed_keys"}
+    if not dh.enabled and given:
+        raise ValueError(f"dhelix.enabled is false but the section sets {sorted(given)}, which a plain DeepSpeed "
+                         f"run would ignore; set \"enabled\": true or remove them")
 
 
 def _check_zero(ds_config: dict, dh, client_optimizer: bool) -> None:
-    zero = ds_config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    stage = zero_stage(ds_config)
     if dh.enabled and stage not in ZERO_STAGES_WITH_DHELIX:
         raise ValueError(f"zero_optimization.stage = {stage!r} with dhelix: supported stages are "
                          f"{list(ZERO_STAGES_WITH_DHELIX)}. ZeRO-3 gathers each parameter in module hooks "
                          f"that the op graph never calls, so the ops would see empty partitions; use stage "
                          f"2 (gradients and optimizer state partitioned) or 1")
-    if isinstance(stage, int) and stage >= 1 and "optimizer" not in ds_config and not client_optimizer:
+    if stage >= 1 and "optimizer" not in ds_config and not client_optimizer:
         raise ValueError(f"zero_optimization.stage = {stage} partitions the optimizer state but the ds_config "
                          f"has no \"optimizer\" section; add one (e.g. {{\"type\": \"AdamW\", \"params\": "
                          f"{{\"lr\": 1e-4}}}}) or pass optimizer= to ds_dhelix.initialize")
@@ -108,7 +134,7 @@ def _check_pipeline(dh, ds_config: dict, dims: ParallelDims, batch: BatchSizes, 
     if dh.schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"dhelix.schedule = {dh.schedule!r} with pipeline.stages = {p}: a pipeline runs "
                          f"one of {list(PIPELINE_SCHEDULES)} ('si' is the one-stage schedule)")
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    stage = zero_stage(ds_config)
     if stage >= 2:
         raise ValueError(f"zero_optimization.stage = {stage} with pipeline.stages = {p}: ZeRO-2/3 partition "
                          f"gradients, which DeepSpeed's pipeline engines cannot combine with; use stage 0 or 1")
@@ -162,9 +188,10 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
     dh = setup.dh
     if plan is None and dh.schedule == "si" and dh.si_execution == "plan":
         plan = _configured_plan(dh, graph, model, groups, config, example_batch)
-    from .engine import DhelixEngine as engine_class
     if "expert_groups" in graph.meta:  # knows expert parameters, logs aux loss and expert load
         from .moe.engine import DhelixMoeEngine as engine_class
+    else:
+        from .engine import DhelixEngine as engine_class
     return engine_class(dhelix=dh, groups=groups, graph=graph, plan=plan, model=model,
                         model_parameters=model_parameters or model.parameters(), mpu=groups,
                         config_class=DeepSpeedConfig(ds_config, groups), **extra)

@@ -89,6 +89,9 @@ def _exchange(a: str, b: str) -> bool:
         return False
 
 
+_exchange_for_test = _exchange  # the tests check the system call itself
+
+
 def publish_dir(tmp: str, target: str) -> None:
     """Put the complete directory ``tmp`` at ``target``: a rename when nothing is there, else an atomic
     exchange (the previous one stays readable until the new one is in place), then the old one is
@@ -103,9 +106,13 @@ def publish_dir(tmp: str, target: str) -> None:
     if _exchange(tmp, target):
         shutil.rmtree(tmp)  # now the previous directory
         return
-    old = tmp + ".old"
+    old = tmp + ".old"  # no atomic exchange here: two renames, the previous one put back on failure
     os.rename(target, old)
-    os.rename(tmp, target)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
     shutil.rmtree(old)
 
 
@@ -125,7 +132,7 @@ def _write_export(model, state: dict, out_dir: str, tokenizer, meta: dict) -> st
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    prefix = f".tmp-hf-{os.path.basename(out_dir)}-"
+    prefix = f".tmp-hf-{os.path.basename(out_dir)}@"  # "@": not the prefix of another export's name
     for name in os.listdir(parent):  # what an interrupted export left behind
         if name.startswith(prefix):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)

@@ -37,6 +37,17 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator",
+              "ncclRemoteError", "Timed out waiting", "gloo::EnforceNotMet", "connectFullMesh")
+
+
+def is_comm_failure(err: BaseException) -> bool:
+    """A backend error of a collective (a peer gone, a broken connection), not an error of ours."""
+    if isinstance(err, CollectiveError) or isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_LOST)
+
+
 class CollectiveError(RuntimeError):
     """A collective failed (typically: a peer process died). ``where`` names the op, micro-batch and
     strand; ``peer`` the remote address the backend reported, when it did."""

@@ -2,14 +2,15 @@
 interleaving. ``ds_dhelix.initialize`` (``build.py``) builds it like ``deepspeed.initialize``.
 
 A step of m micro-batches: the executor runs every forward and backward op by op (sequential or
-SI), leaving gradients on the parameters; then DeepSpeed does the rest with its own code paths:
+SI; each loss seeded with 1/m, times the fp16 loss scale), leaving gradients on the parameters;
+then DeepSpeed does the rest with its own code paths (overflow checks and the loss scale's
+update under fp16 included):
 its data-parallel gradient reduction (ZeRO 1/2: ``coalesce_grad_reduction``; ZeRO 0: the buffered
 all-reduce), gradient clipping over the model-parallel group, the optimizer and the LR schedule.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
@@ -17,6 +18,7 @@ from .config import DhelixConfig
 from .executor import MicroBatch
 from .groups import ProcessGroups
 from .plan import SIPlan
+from .precision import loss_seed
 from .stepping import DhelixStepMixin
 
 FEW_MICROBATCHES = 3
@@ -78,7 +80,7 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         stats = self.begin_step()  # the watchdog covers the micro-batches and the optimizer step
         try:
             with self._reduction_context():
-                mbs = self.executor.run_microbatches(batches, self.dhelix.schedule, 1.0 / len(batches),
+                mbs = self.executor.run_microbatches(batches, self.dhelix.schedule, loss_seed(self, len(batches)),
                                                      first_serial=self.global_steps * len(batches))
             self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
             self._is_gradient_accumulation_boundary = True
@@ -89,7 +91,7 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
             self._is_gradient_accumulation_boundary = None
         finally:
             self.watchdog.pause()
-        self.end_step(stats, self._mean_loss(mbs), batches)
+        self.end_step(stats, self.mean_loss(mbs), batches)
         return self.last_loss
 
     @torch.no_grad()
@@ -108,13 +110,4 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         finally:
             self.watchdog.pause()
             self.module.train()
-        return self._mean_loss(mbs)
-
-    def _mean_loss(self, mbs) -> torch.Tensor:
-        loss = torch.stack([mb.loss.detach().float() for mb in mbs]).mean()
-        if self.groups.tp_size > 1:
-            dist.all_reduce(loss, group=self.groups.tp_grad_group)  # shares -> full loss
-        if self.groups.dp_size > 1:
-            dist.all_reduce(loss, group=self.groups.dp_group)
-            loss /= self.groups.dp_size
-        return loss
+        return self.mean_loss(mbs)

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm import CollectiveError, Pending
+from .comm import CollectiveError, Pending, is_comm_failure
 from .graph import ModelGraph, Op
 from .plan import SIPlan
 
@@ -449,6 +449,8 @@ class Executor:
         except CollectiveError:
             raise
         except RuntimeError as err:
+            if not is_comm_failure(err):
+                raise
             groups = getattr(t.op.comm, "groups", None)
             group = groups.channel(t.channel) if hasattr(groups, "channel") else None
             raise CollectiveError(f"{t.op.name} ({t.strand} strand, micro-batch {t.mb.index}, block {t.block})",

@@ -24,6 +24,11 @@ from .comm import StrandGroups
 from .dims import ParallelDims
 
 
+def expert_group_name(ep: int) -> str:
+    """DeepSpeed's name of the expert-parallel groups of size ``ep`` (``param.group_name``)."""
+    return f"ep_size_{ep}"
+
+
 def _strand_groups(ranks: list[int]) -> StrandGroups:
     return StrandGroups(dist.new_group(ranks), dist.new_group(ranks))
 
@@ -73,7 +78,7 @@ class ProcessGroups:
         """EP and EDP groups inside one DP group ``peers``."""
         from deepspeed.utils import groups as ds_groups
         ep, mine = self.dims.ep, self.rank in peers
-        name = f"ep_size_{ep}"
+        name = expert_group_name(ep)
         for start in range(0, len(peers), ep):
             ranks = peers[start:start + ep]
             group, counts = _strand_groups(ranks), _strand_groups(ranks)
@@ -126,7 +131,7 @@ class ProcessGroups:
         """This rank's EP groups for the MoE op graph (``ds_dhelix.moe.ExpertGroups``)."""
         from .moe.dispatch import ExpertGroups
         ep = self.dims.ep
-        return ExpertGroups(ep, self.ep_rank, self.ep, self.ep_counts, f"ep_size_{ep}")
+        return ExpertGroups(ep, self.ep_rank, self.ep, self.ep_counts, expert_group_name(ep))
 
     # --- DeepSpeed mpu protocol (one stage) ----------------------------------------------------
     def get_model_parallel_rank(self):

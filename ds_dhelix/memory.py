@@ -32,6 +32,11 @@ class ActivationMeter:
         self.peak = self.current
 
     def _pack(self, t: torch.Tensor):
+        # Keep a detached alias (same storage and version counter, no grad_fn): a tensor an op saves
+        # of its own output (tanh, sigmoid, softmax...) would otherwise hold its node through this
+        # hook's object, a cycle autograd never frees when a later backward(inputs=...) leaves the
+        # node unexecuted (the deferred weight-gradient pass): memory would grow step by step.
+        t = t.detach()
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in self.param_storages or storage.nbytes() == 0:

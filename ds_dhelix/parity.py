@@ -21,6 +21,7 @@ import torch
 # rounding through a few steps of training; a real bug moves them by far more than 1e-5.
 HF_GRAD_TOLERANCE = 1e-5  # max |grad diff| at step 1, relative to max |HF grad| (at least 1)
 HF_LOSS_TOLERANCE = 1e-5
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ParityOptions:
     extra: dict = field(default_factory=dict)  # extra "dhelix" keys
     pp: int = 1  # pipeline stages: > 1 compares the folded pipeline against PP=1 sequential
     clip: float = 1.0  # gradient_clipping
+    dtype: str = "fp32"  # "fp32", "bf16" or "fp16" (DeepSpeed's mixed precision; HF compared in fp32 only)
 
     @property
     def world(self) -> int:
@@ -49,8 +51,18 @@ class ParityOptions:
     def ep(self) -> int:
         return int(self.extra.get("expert_parallel", {}).get("size", 1))
 
+    def precision_config(self) -> dict:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.dtype == "bf16":
+            return {"bf16": {"enabled": True}}
+        if self.dtype == "fp16":
+            return {"fp16": {"enabled": True, "initial_scale_power": 16}}
+        return {}
+
     def ds_config(self, schedule: str) -> dict:
         return {
+            **self.precision_config(),
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
             "gradient_accumulation_steps": self.micro_batches,
             "gradient_clipping": self.clip,
@@ -149,45 +161,60 @@ def train_hf(opts: ParityOptions, batches) -> dict:
 
 def _rank_main(rank, world, opts: ParityOptions):
     from hf_models.registry import load_config
+    note = _precision_note(opts)
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     seq = train_schedule(opts, "sequential", batches)
     other = train_schedule(opts, opts.schedule, batches) if opts.schedule != "sequential" else seq
-    seq["grads"] = first_step_grads(opts, batches)
+    if opts.dtype == "fp32":
+        seq["grads"] = first_step_grads(opts, batches)
     if rank != 0:
         return None
-    return compare(opts, seq, other, train_hf(opts, batches))
+    return compare(opts, seq, other, train_hf(opts, batches) if opts.dtype == "fp32" else None, note=note)
+
+
+def _precision_note(opts: ParityOptions) -> str:
+    """fp16 on a CPU without DeepSpeed's fp16 support: override the capability check (torch computes
+    fp16 on CPU) and say so in the result."""
+    if opts.dtype != "fp16":
+        return ""
+    from .precision import force_fp16_capability
+    return force_fp16_capability()
 
 
 def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def compare(opts, seq, other, hf, label: str | None = None) -> dict:
+def compare(opts, seq, other, hf, label: str | None = None, note: str = "") -> dict:
     """``seq`` (sequential, with its first-step ``grads``) against ``other`` (bitwise) and ``hf``
-    (within tolerances). ``label``: the key of ``other`` in "losses" / "peak_activation_bytes"
-    (default: the schedule)."""
+    (within tolerances; None: not compared, e.g. under bf16/fp16). ``label``: the key of ``other``
+    in "losses" / "peak_activation_bytes" (default: the schedule)."""
     label = label or opts.schedule
     bitwise = seq["losses"] == other["losses"] and all(
         torch.equal(seq["params"][k], other["params"][k]) for k in seq["params"])
+    out = {
+        "options": {k: v for k, v in asdict(opts).items() if k != "extra"},
+        "bitwise_equal": bitwise,
+        "max_abs_diff_vs_sequential": max_diff(other["params"], seq["params"]),
+        "losses": {"sequential": seq["losses"], label: other["losses"]},
+        "peak_activation_bytes": {"sequential": seq["peak_activation_bytes"],
+                                  label: other["peak_activation_bytes"]},
+        "note": note,
+    }
+    if hf is None:
+        out.update(hf_comparison=f"skipped: dtype {opts.dtype} (the HF reference runs fp32)", hf_close=None,
+                   max_abs_diff_vs_hf=None, max_loss_diff_vs_hf=None, ok=bitwise)
+        return out
     grad_diff = max_diff(seq["grads"], hf["grads"])
     grad_scale = max(1.0, max(float(g.abs().max()) for g in hf["grads"].values()))
     loss_diff = max(abs(a - b) for a, b in zip(other["losses"], hf["losses"]))
     close = grad_diff <= HF_GRAD_TOLERANCE * grad_scale and loss_diff <= HF_LOSS_TOLERANCE
-    return {
-        "options": {k: v for k, v in asdict(opts).items() if k != "extra"},
-        "bitwise_equal": bitwise,
-        "max_abs_diff_vs_sequential": max_diff(other["params"], seq["params"]),
-        "max_abs_diff_vs_hf": grad_diff,
-        "hf_comparison": "first-step gradients (before clipping) and every step's loss",
-        "max_loss_diff_vs_hf": loss_diff,
-        "hf_grad_tolerance": HF_GRAD_TOLERANCE * grad_scale,
-        "hf_loss_tolerance": HF_LOSS_TOLERANCE,
-        "hf_close": close,
-        "losses": {"sequential": seq["losses"], label: other["losses"], "hf": hf["losses"]},
-        "peak_activation_bytes": {"sequential": seq["peak_activation_bytes"],
-                                  label: other["peak_activation_bytes"]},
-        "ok": bitwise and close,
-    }
+    out["losses"]["hf"] = hf["losses"]
+    out.update(max_abs_diff_vs_hf=grad_diff, max_loss_diff_vs_hf=loss_diff,
+               hf_comparison="first-step gradients (before clipping) and every step's loss",
+               hf_grad_tolerance=HF_GRAD_TOLERANCE * grad_scale, hf_loss_tolerance=HF_LOSS_TOLERANCE,
+               hf_close=close, ok=bitwise and close)
+    return out
 
 
 def run_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
@@ -217,15 +244,20 @@ def train_pipeline(opts: ParityOptions, schedule: str, batches) -> dict | None:
 
 def _rank_pipeline(rank, world, opts: ParityOptions):
     from hf_models.registry import load_config
+    _precision_note(opts)
     return train_pipeline(opts, opts.schedule, make_batches(opts, load_config(opts.model).vocab_size))
 
 
 def _rank_reference(rank, world, opts: ParityOptions):
     from hf_models.registry import load_config
+    note = _precision_note(opts)
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     seq = train_schedule(opts, "sequential", batches)
-    seq["grads"] = first_step_grads(opts, batches)
-    return {"sequential": seq, "hf": train_hf(opts, batches)} if rank == 0 else None
+    hf = None
+    if opts.dtype == "fp32":
+        seq["grads"] = first_step_grads(opts, batches)
+        hf = train_hf(opts, batches)
+    return {"sequential": seq, "hf": hf, "note": note} if rank == 0 else None
 
 
 def pipe_label(opts: ParityOptions) -> str:
@@ -242,7 +274,7 @@ def run_pipe_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
     ref = run_ranks(_rank_reference, opts.tp * opts.dp, args=(replace(opts, pp=1, schedule="sequential"),),
                     timeout=timeout)[0]
     pipe = run_ranks(_rank_pipeline, opts.world, args=(opts,), timeout=timeout)[0]
-    out = compare(opts, ref["sequential"], pipe, ref["hf"], label=pipe_label(opts))
+    out = compare(opts, ref["sequential"], pipe, ref["hf"], label=pipe_label(opts), note=ref["note"])
     out["pp_tolerance"] = PP_TOLERANCE
     # the pipeline is judged against PP=1 sequential; HF closeness is the sequential run's (reported)
     out["ok"] = out["bitwise_equal"] or out["max_abs_diff_vs_sequential"] <= PP_TOLERANCE

@@ -33,12 +33,15 @@ _TAG = re.compile(r"global_step(\d+)")
 MUST_MATCH = {
     "total_steps": "the run's total optimizer steps (--steps), so the LR schedule",
     "lr_schedule": "the LR scheduler and its parameters",
+    "optimizer": "the optimizer and its parameters",
+    "precision": "ZeRO stage, gradient clipping and fp16/bf16",
     "layout": "the micro-batch and parallel layout",
     "model": "the model",
     "data": "the training data and its shuffle seed",
     "seq_len": "the sequence length",
-    "plan_fingerprint": "the SI plan",
 }
+"""Run-state keys a resume must match. The SI plan's fingerprint is recorded too but only reported
+when it differs: every plan gives the same math."""
 
 
 def tag_of(step: int) -> str:
@@ -55,6 +58,16 @@ def complete_tags(root: str) -> list[str]:
         if m and os.path.isfile(os.path.join(root, name, RUN_STATE_FILE)):
             found.append((int(m.group(1)), name))
     return [name for _, name in sorted(found)]
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """A directory this project's checkpoints were (or were being) written to: a ``latest`` file, a
+    complete or interrupted tag, or the helper scripts DeepSpeed writes beside its tags."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return ("latest" in names or bool(complete_tags(path)) or any(n.startswith(TMP_PREFIX + "global_step") for n in names)
+            or bool({"zero_to_fp32.py", "zero_to_torch.py"} & set(names)))
 
 
 def remove_leftovers(root: str) -> list[str]:
@@ -90,17 +103,24 @@ def locate(path: str) -> tuple[str, str]:
 
 
 def read_run_state(root: str, tag: str) -> dict:
-    with open(os.path.join(root, tag, RUN_STATE_FILE), encoding="utf-8") as f:
-        return json.load(f)
+    path = os.path.join(root, tag, RUN_STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: unreadable run state ({err}); resume from another checkpoint") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{path}: not a ds_dhelix run state (no step); resume from another checkpoint")
+    return state
 
 
 def check_resume(saved: dict, current: dict, allow_change: bool = False) -> list[str]:
     """The differences between a checkpoint's run state and this run's, one line each;
     ``ValueError`` listing them unless ``allow_change``."""
-    if saved.get("step", 0) >= current["total_steps"]:
-        raise ValueError(f"the checkpoint is at step {saved.get('step')} and --steps is {current['total_steps']} "
-                         f"(the run's total): nothing left to train; pass a larger --steps together with "
-                         f"--allow-resume-change to extend the run")
+    if saved.get("step", 0) > current["total_steps"]:
+        raise ValueError(f"the checkpoint is at step {saved.get('step')}, past --steps {current['total_steps']} "
+                         f"(the run's total); pass --steps {saved.get('step')} or more (a larger --steps changes the "
+                         f"LR schedule: add --allow-resume-change)")
     diffs = [f"{what} ({key}): checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
              for key, what in MUST_MATCH.items() if saved.get(key) != current.get(key)]
     if diffs and not allow_change:
@@ -150,7 +170,8 @@ def save(engine, root: str, run_state: dict, keep: int) -> str:
     dist.barrier()
     if rank == 0:
         _publish(root, tmp, tag, run_state)
-        for old in complete_tags(root)[:-keep] if keep > 0 else []:
+        older = [t for t in complete_tags(root) if t != tag]  # the one just published always stays
+        for old in older[:max(0, len(older) - (keep - 1))]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     dist.barrier()
     return os.path.join(root, tag)

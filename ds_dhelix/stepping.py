@@ -14,6 +14,7 @@ import contextlib
 import os
 import time
 
+import torch
 import torch.distributed as dist
 from deepspeed.utils import logger
 
@@ -37,6 +38,7 @@ class DhelixStepMixin:
                                  watchdog=self.watchdog, **executor_options)
         self.last_stats, self.last_loss = StepStats(), None
         self._step_t0 = 0.0
+        self.steps_run = 0  # steps of this process (a resumed engine's global_steps starts higher)
 
     def destroy(self):
         self.watchdog.stop()
@@ -53,9 +55,11 @@ class DhelixStepMixin:
             self.watchdog.pause()
 
     def pull_batches(self, data_iter) -> list[dict]:
-        """The step's ``gradient_accumulation_steps`` micro-batches; every one must have the same shape."""
+        """The step's ``gradient_accumulation_steps`` micro-batches, on this engine's device; every
+        one must have the same shape."""
         gas = self.gradient_accumulation_steps()
-        batches = [next(data_iter) for _ in range(gas)]
+        batches = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iter).items()}
+                   for _ in range(gas)]
         shape = tuple(batches[0]["input_ids"].shape)
         for k, b in enumerate(batches):
             got = tuple(b["input_ids"].shape)
@@ -82,14 +86,29 @@ class DhelixStepMixin:
         stats.peak_activation_bytes = self.meter.peak
         stats.step_s = time.perf_counter() - self._step_t0
         self.last_stats, self.last_loss = stats, loss
+        self.steps_run += 1
         self.log_step(batches)
         self.maybe_dump_trace()
+
+    def mean_loss(self, mbs) -> torch.Tensor:
+        """The step's loss: the micro-batches' mean, TP shares summed, averaged over DP replicas."""
+        loss = torch.stack([mb.loss.detach().float() for mb in mbs]).mean()
+        if self.groups.tp_size > 1:
+            dist.all_reduce(loss, group=self.groups.tp_grad_group)  # shares -> full loss
+        if self.groups.dp_size > 1:
+            dist.all_reduce(loss, group=self.groups.dp_group)
+            loss /= self.groups.dp_size
+        return loss
+
+    def logs_this_step(self) -> bool:
+        """Rank 0 writes TensorBoard scalars this step (monitor on, every ``log_interval`` steps)."""
+        return self.monitor.enabled and self.global_rank == 0 and self.global_steps % self.dhelix.log_interval == 0
 
     def log_step(self, batches) -> None:
         s = self.last_stats
         tokens = sum(b["input_ids"].numel() for b in batches) * self.groups.dp_size
         s.tokens_per_s = tokens / max(s.step_s, 1e-9)
-        if not (self.monitor.enabled and self.global_rank == 0) or self.global_steps % self.dhelix.log_interval:
+        if not self.logs_this_step():
             return
         step = self.global_steps
         norm = self.get_global_grad_norm()
@@ -103,12 +122,14 @@ class DhelixStepMixin:
                   ("Train/peak_activation_bytes", float(s.peak_activation_bytes), step)]
         if norm is not None:
             events.append(("Train/grad_norm", float(norm), step))
+        if self.fp16_enabled():
+            events.append(("Train/loss_scale", float(self._get_optimizer_loss_scale()), step))
         self.monitor.write_events(events)
 
     def maybe_dump_trace(self) -> None:
         """After ``trace.steps`` steps: every rank writes its spans, rank 0 merges them; the
         recorder stops recording."""
-        if self.recorder is None or not self.recorder.enabled or self.global_steps < self.dhelix.trace.steps:
+        if self.recorder is None or not self.recorder.enabled or self.steps_run < self.dhelix.trace.steps:
             return
         path = self.dhelix.trace.path
         self.recorder.dump(f"{path}.rank{self.global_rank}")
@@ -119,5 +140,5 @@ class DhelixStepMixin:
             merge_traces(parts, path)
             for p in parts:
                 os.remove(p)
-            logger.info(f"ds_dhelix: trace of {self.global_steps} steps written to {path}")
+            logger.info(f"ds_dhelix: trace of {self.steps_run} steps written to {path}")
         dist.barrier()

@@ -6,12 +6,16 @@ rank agrees on at the next step boundary.
         engine.train_batch(data)
         reason = stop.agreed()            # collective: every rank learns whether any rank must stop
         if reason: ... save (optional), exit
+    stop.close()                          # the default handlers again
 
 A rank's launcher is watched when it is one (``deepspeed``'s runner or ``deepspeed.launcher.launch``,
 ``torchrun``, ``accelerate launch``): DeepSpeed's single-node runner forwards no signal to the
-ranks, so when it is killed the ranks notice that it is gone (within ``poll_s``) and stop. The same
-signal again, more than ``REPEAT_S`` after the first, ends the rank at once; another signal right
-after the first (Ctrl-C reaches the launcher too, which then sends SIGTERM) is the same stop.
+ranks, so when it is killed the ranks notice that it is gone (within ``poll_s``) and stop.
+
+Signals are read by a watcher thread through ``signal.set_wakeup_fd``, so they are seen even while
+the main thread waits inside a collective (where Python runs no signal handler). The same signal
+again, more than ``REPEAT_S`` after the first, ends the rank at once; another signal right after
+the first (Ctrl-C reaches the launcher too, which then sends SIGTERM to the ranks) is the same stop.
 """
 from __future__ import annotations
 
@@ -23,18 +27,27 @@ import time
 import torch
 import torch.distributed as dist
 
-LAUNCHER_MARKS = ("deepspeed", "torchrun", "torch.distributed.run", "accelerate")
 LAUNCHER_GONE = 255  # reason code: the launcher process exited
 REPEAT_S = 2.0  # the same signal again after this long ends the rank at once
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _REASONS = {int(signal.SIGINT): "SIGINT", int(signal.SIGTERM): "SIGTERM", LAUNCHER_GONE: "the launcher's exit"}
 
 
-def _cmdline(pid: int) -> str:
+def _argv(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
-        return ""
+        return []
+
+
+def is_launcher(argv: list[str]) -> bool:
+    """A launcher's command line: the ``deepspeed`` / ``torchrun`` / ``accelerate`` script, or
+    ``python -m`` of DeepSpeed's or torch's launch module (the first three words decide)."""
+    head = [os.path.basename(a) for a in argv[:3]]
+    modules = {"deepspeed.launcher.launch", "deepspeed.launcher.runner", "torch.distributed.run",
+               "torch.distributed.launch"}
+    return bool({"deepspeed", "torchrun", "accelerate"} & set(head)) or bool(modules & set(argv[:3]))
 
 
 def _parent(pid: int) -> int | None:
@@ -60,52 +73,71 @@ def launcher_pids(pid: int | None = None, depth: int = 3) -> list[int]:
     for _ in range(depth):
         if not pid or pid <= 1:
             break
-        if any(mark in _cmdline(pid) for mark in LAUNCHER_MARKS):
+        if is_launcher(_argv(pid)):
             out.append(pid)
         pid = _parent(pid)
     return out
 
 
 class StopRequest:
-    """This rank's pending stop (a signal code or ``LAUNCHER_GONE``), agreed over the world."""
+    """This rank's pending stop (a signal number or ``LAUNCHER_GONE``), agreed over the world."""
 
     def __init__(self, poll_s: float = 1.0):
         self.code, self._first_at = 0, 0.0
         self.poll_s = poll_s
         self.launchers = launcher_pids()
         self._done = threading.Event()
+        self._saved: dict = {}
+        self._wakeup = None
 
     @classmethod
     def install(cls, poll_s: float = 1.0) -> "StopRequest":
         """Handle SIGTERM / SIGINT and watch the launcher (call from the main thread)."""
         stop = cls(poll_s)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, stop._on_signal)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        stop._wakeup = (read, write, signal.set_wakeup_fd(write))
+        for sig in SIGNALS:
+            stop._saved[sig] = signal.signal(sig, lambda signum, frame: None)  # the watcher reads them
+        threading.Thread(target=stop._read_signals, name="dhelix-signals", daemon=True).start()
         if stop.launchers:
             threading.Thread(target=stop._watch, name="dhelix-launcher-watch", daemon=True).start()
         return stop
 
-    def _on_signal(self, signum, frame) -> None:
+    def note(self, signum: int) -> None:
+        """Record a signal (the first one decides the reason); the same one again, later, leaves now."""
         now = time.monotonic()
-        if self.code == int(signum) and now - self._first_at > REPEAT_S:  # asked again: leave now
+        if self.code == signum and now - self._first_at > REPEAT_S:
             os._exit(128 + signum)
         if not self.code:
-            self.code, self._first_at = int(signum), now
-        # another signal soon after the first (Ctrl-C reaches the launcher too, which then sends
-        # SIGTERM to the ranks) is the same stop: the step still ends, the checkpoint is still saved
+            self.code, self._first_at = signum, now
+
+    def _read_signals(self) -> None:
+        read = self._wakeup[0]
+        while not self._done.is_set():
+            try:
+                data = os.read(read, 64)
+            except OSError:
+                return
+            for signum in data:
+                if signum in (int(s) for s in SIGNALS):
+                    self.note(signum)
 
     def _watch(self) -> None:
         while not self._done.wait(self.poll_s):
             if not all(_alive(pid) for pid in self.launchers):
-                self.code = self.code or LAUNCHER_GONE
+                if not self.code:
+                    self.code = LAUNCHER_GONE
                 return
 
     def agreed(self) -> str | None:
         """Collective on the default group: the reason any rank must stop (None: go on)."""
-        code = torch.tensor([self.code], dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        code = int(code)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return _REASONS.get(self.code, f"signal {self.code}") if self.code else None
+        from deepspeed.accelerator import get_accelerator
+        code = torch.tensor([self.code], dtype=torch.int64, device=get_accelerator().current_device_name())
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        code = int(code.item())
         if not code:
             return None
         where = "" if code == self.code else " (seen on another rank)"
@@ -116,4 +148,13 @@ class StopRequest:
         return 128 + (self.code if self.code and self.code != LAUNCHER_GONE else int(signal.SIGTERM))
 
     def close(self) -> None:
+        """Stop watching and put the previous signal handling back."""
         self._done.set()
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        if self._wakeup is not None:
+            read, write, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write)
+            os.close(read)
+            self._wakeup = None

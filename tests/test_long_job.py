@@ -93,7 +93,7 @@ def test_stop_and_resume_equals_a_straight_run(tmp_path, layout):
     want, got = _weights(tmp_path / "full"), _weights(tmp_path / "b")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert not (ck / ".tmp-global_step99").exists()
-    assert sorted(os.listdir(ck)) >= ["global_step10", "global_step5", "latest"]
+    assert {"global_step10", "global_step5", "latest"} <= set(os.listdir(ck))
     if layout == "llama-tp2-si":
         _lr_continues_in_tensorboard(tmp_path / "tb", full["lrs"])
 
@@ -243,3 +243,44 @@ def test_failed_export_keeps_the_previous_one_and_no_temporary_folder(tmp_path, 
         export_hf(model, str(out))
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
     assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp-hf")] == []
+
+
+def test_export_without_atomic_exchange_puts_the_previous_one_back_on_failure(tmp_path, monkeypatch):
+    """Where renameat2(RENAME_EXCHANGE) is missing, publish_dir renames twice; a failure of the
+    second rename restores the previous directory."""
+    from ds_dhelix import checkpoint
+    target, new = tmp_path / "hf", tmp_path / ".tmp-hf-new"
+    target.mkdir()
+    (target / "a").write_text("old")
+    new.mkdir()
+    (new / "a").write_text("new")
+    monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
+    real, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise OSError("no space left")
+        real(src, dst)
+    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    with pytest.raises(OSError, match="no space"):
+        checkpoint.publish_dir(str(new), str(target))
+    assert (target / "a").read_text() == "old" and len(calls) == 3  # moved aside, failed, put back
+    monkeypatch.setattr(checkpoint.os, "rename", real)
+    checkpoint.publish_dir(str(new), str(target))
+    assert (target / "a").read_text() == "new" and not new.exists()
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".old")] == []
+
+
+def test_atomic_exchange_swaps_directories(tmp_path):
+    from ds_dhelix.checkpoint import _exchange_for_test, publish_dir
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "f").write_text("a")
+    (b / "f").write_text("b")
+    if not _exchange_for_test(str(a), str(b)):
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not available here")
+    assert (a / "f").read_text() == "b" and (b / "f").read_text() == "a"
+    publish_dir(str(a), str(b))  # b gets a's content (now "b"), a's directory is gone
+    assert (b / "f").read_text() == "b" and not a.exists()

@@ -108,6 +108,28 @@ def test_no_private_name_imported_across_project_modules():
     assert bad == []
 
 
+def test_no_private_attribute_of_another_project_module():
+    """``module._name`` where ``module`` is an imported project module (``import x.y as m``,
+    ``from x import y``) reaches into its privates as much as ``from x.y import _name`` does."""
+    known = {**_modules("ds_dhelix"), **_modules("hf_models"), **_modules("benchmarks")}
+    bad = []
+    for mod, path in known.items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname or a.name for a in node.names if a.name in known}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module if not node.level else None
+                aliases |= {a.asname or a.name for a in node.names if base and f"{base}.{a.name}" in known}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                root = node.value
+                if isinstance(root, ast.Name) and root.id in aliases:
+                    bad.append(f"{mod}:{node.lineno} {root.id}.{node.attr}")
+    assert bad == []
+
+
 def test_functions_fit_on_a_screen():
     long = []
     for package in PACKAGES:

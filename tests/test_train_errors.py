@@ -93,7 +93,6 @@ CASES = [
      ["zero_optimization.stage = 3", "supported stages are [0, 1, 2]"]),
     ("zero-2-with-pipeline", 2, lambda t: ["--deepspeed", _config(t, _set("zero_optimization", {"stage": 2}), base=PP)],
      ["zero_optimization.stage = 2", "pipeline.stages = 2"]),
-    ("fp16-with-dhelix", 2, lambda t: ["--deepspeed", _config(t, _set("fp16", {"enabled": True}))], ["fp16", "bf16"]),
     ("activation-checkpointing", 2, lambda t: ["--deepspeed", _config(t, _set("activation_checkpointing", {"partition_activations": True}))],
      ["activation_checkpointing"]),
     ("sequence-parallel-off", 2, lambda t: ["--deepspeed", _config(t, _setdh("tensor_parallel", {"size": 2, "sequence_parallel": False}))],
@@ -108,6 +107,16 @@ CASES = [
     ("save-interval-without-dir", 2, lambda t: ["--deepspeed", BASE, "--save-interval", "5"],
      ["--save-interval needs --ds-checkpoint"]),
     ("resume-missing", 2, lambda t: ["--deepspeed", BASE, "--resume", "/nonexistent/ck"], ["/nonexistent/ck"]),
+    ("checkpoint-inside-output-dir", 2, lambda t: ["--deepspeed", BASE, "--output-dir", str(t / "x"),
+                                                  "--ds-checkpoint", str(t / "x" / "ck")], ["lies in --output-dir"]),
+    ("json-summary-in-missing-dir", 2, lambda t: ["--deepspeed", BASE, "--json-summary", "/nonexistent/s.json"],
+     ["--json-summary", "not a writable directory"]),
+    ("zero-optimization-not-an-object", 2, lambda t: ["--deepspeed", _config(t, _set("zero_optimization", True))],
+     ['"zero_optimization" must be a JSON object']),
+    ("ulysses-sequence-parallel", 2, lambda t: ["--deepspeed", _config(t, _set("sequence_parallel_size", 2))],
+     ["sequence_parallel_size", "not supported"]),
+    ("disabled-section-with-settings", 2, lambda t: ["--deepspeed", _config(t, _setdh("enabled", False))],
+     ["dhelix.enabled is false", "schedule"]),
     ("watchdog-on-plain-deepspeed", 2, lambda t: ["--deepspeed", _config(t, _pop("dhelix")), "--watchdog-s", "5"],
      ["--watchdog-s", "does not enable dhelix"]),
 ]
@@ -118,13 +127,15 @@ def test_bad_input_is_one_line_before_any_model(tmp_path, monkeypatch, capsys, c
     import train
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.chdir(tmp_path)  # default --output-dir under the temporary directory
+    started = []
+    monkeypatch.setattr(train, "run", lambda *a: started.append(a) or 0)  # what would start the ranks
     rc = train.main(argv(tmp_path))
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
     assert rc == 2 and len(lines) == 1, err
     for w in words:
         assert w in lines[0], lines[0]
-    assert "world size" not in out  # the run's batch table: nothing was built
+    assert started == []  # refused before any process group or model
 
 
 def _train(*args, world=2):

@@ -148,7 +148,7 @@ class DhelixMoeEngine(DhelixEngine):
     def log_step(self, batches) -> None:
         self._reduce_moe_metrics()  # every rank (a DP all-reduce), at the end of each step
         super().log_step(batches)
-        if not (self.monitor.enabled and self.global_rank == 0) or self.global_steps % self.dhelix.log_interval:
+        if not self.logs_this_step():
             return
         step = self.global_steps
         events = [("MoE/dropped_tokens", float(self.moe_dropped_tokens), step)]

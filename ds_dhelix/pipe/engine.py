@@ -41,6 +41,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..executor import MicroBatch
+from ..precision import loss_seed
 from ..stepping import DhelixStepMixin
 from . import schedule as S
 from .folding import LayerFold, chunk_index
@@ -151,7 +152,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
     def _run(self, batches: list[dict], instructions: list) -> list[MicroBatch]:
         first = self.global_steps * len(batches)  # serials of this step's micro-batches
         mbs = [MicroBatch(k, self.graph.make_side(b, first + k)) for k, b in enumerate(batches)]
-        self._state = _StepState(mbs, 1.0 / len(mbs))
+        self._state = _StepState(mbs, loss_seed(self, len(mbs)))
         try:
             for ins in instructions:
                 self._INSTRUCTION_MAP[type(ins)](self, ins)
@@ -166,12 +167,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
     def _pipeline_loss(self, mbs) -> torch.Tensor:
         """Stage 0's mean loss (TP shares summed, DP averaged), broadcast over the pipeline."""
         if self.stage_id == 0:
-            loss = torch.stack([mb.loss.detach().float() for mb in mbs]).mean()
-            if self.groups.tp_size > 1:
-                dist.all_reduce(loss, group=self.groups.tp_grad_group)
-            if self.groups.dp_size > 1:
-                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
-                loss /= self.groups.dp_size
+            loss = self.mean_loss(mbs)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(loss, src=self.grid.stage_to_global(0), group=self.grid.get_pipe_parallel_group())
