@@ -71,11 +71,14 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
 
 
 def _check_not_yet(ds_config: dict) -> None:
-    """DeepSpeed features the ds_dhelix executor does not apply yet: refused, never ignored."""
-    if ds_config.get("activation_checkpointing"):
-        raise ValueError('"activation_checkpointing" with dhelix: the op graph does not recompute activations '
-                         'yet, so the section would be ignored; remove it (the activation peak stays as '
-                         '`dhelix parity` reports)')
+    """DeepSpeed features ds_dhelix does in its own way: refused, naming its key, never ignored."""
+    section = ds_config.get("activation_checkpointing") or {}
+    on = sorted(k for k, v in section.items() if v)  # an all-off section (config templates ship one) asks for nothing
+    if on:
+        raise ValueError(f'"activation_checkpointing" sets {", ".join(on)} with dhelix: DeepSpeed\'s checkpointing '
+                         f'wraps modules the op graph does not call; recompute inside the op graph instead: '
+                         f'"dhelix": {{"recompute": "full"}} (each layer keeps its input) or "selective" (attention '
+                         f'core and MLP activation), and drop the section')
 
 
 def check_model_settings(model) -> None:
@@ -83,8 +86,9 @@ def check_model_settings(model) -> None:
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
         "is_gradient_checkpointing"
     if getattr(model, name, False):
-        raise ValueError("the model has gradient checkpointing enabled (gradient_checkpointing_enable()), which "
-                         "the ds_dhelix op graph does not apply; call model.gradient_checkpointing_disable()")
+        raise ValueError("the model has HF gradient checkpointing enabled (gradient_checkpointing_enable()), which "
+                         "the ds_dhelix op graph does not call; call model.gradient_checkpointing_disable() and set "
+                         "\"dhelix\": {\"recompute\": \"full\"} (or \"selective\") instead")
 
 
 ZERO_STAGES_WITH_DHELIX = (0, 1, 2)

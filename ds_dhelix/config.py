@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .dims import ParallelDims
+from .recompute import MODES
 
 SCHEDULES = ("sequential", "si", "w", "dualpipev")
 """Valid values of ``dhelix.schedule``."""
@@ -46,6 +47,9 @@ PIPELINE_SCHEDULES = ("sequential", "w", "dualpipev")
 
 FOLDED_SCHEDULES = ("w", "dualpipev")
 """Schedules that fold the layer list into 2 x stages chunks (rank r holds chunks r and 2p-1-r)."""
+
+RECOMPUTE_MODES = MODES
+"""Valid values of ``dhelix.recompute`` (``recompute.py``)."""
 
 SI_EXECUTIONS = ("reactive", "plan")
 """Valid values of ``dhelix.si_execution``."""
@@ -361,6 +365,10 @@ class DhelixConfig(_Section):
     """Hang watchdog: after this many seconds without progress every rank prints its last op and exits."""
     log_interval: int = 1
     """Log (stdout / TensorBoard) every this many optimizer steps."""
+    recompute: str = "none"
+    """Activation recompute inside the op graph: "none", "selective" (the attention core and the
+    MLP activation recompute right before their backward) or "full" (each decoder layer keeps only
+    its inputs and recomputes its forward as its backward starts); losses do not change."""
     allow_unknown_deepspeed_keys: bool = False
     """Warn instead of refusing a top-level ds_config key DeepSpeed does not read (keys of a newer
     DeepSpeed); DeepSpeed itself ignores such keys silently."""
@@ -396,6 +404,10 @@ class DhelixConfig(_Section):
                 f"\"schedule\": \"si\", \"si_execution\": \"reactive\"")
         self._positive("watchdog_s")
         self._at_least("log_interval", 1)
+        if self.recompute not in RECOMPUTE_MODES:
+            close = difflib.get_close_matches(self.recompute, RECOMPUTE_MODES, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise self._fail("recompute", f"choose one of {', '.join(RECOMPUTE_MODES)}{hint}")
         split = self.pipeline.split
         chunks = self.pipeline.num_chunks(self.schedule)
         if split is not None and len(split) != chunks:

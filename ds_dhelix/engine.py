@@ -49,7 +49,8 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
     def __init__(self, *, dhelix: DhelixConfig, groups: ProcessGroups, graph, plan: SIPlan | None, **kwargs):
         super().__init__(**kwargs)
         self.setup_strands(dhelix, groups, graph, plan if dhelix.schedule == "si" else None,
-                           defer_weight_grads=dhelix.defer_weight_grads, pair_ends=dhelix.pair_ends)
+                           defer_weight_grads=dhelix.defer_weight_grads, pair_ends=dhelix.pair_ends,
+                           recompute=dhelix.recompute)
         self._warned_few = False
 
     def export_hf(self, out_dir: str, tokenizer=None) -> str | None:

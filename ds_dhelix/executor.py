@@ -60,6 +60,7 @@ import torch
 from .comm import CollectiveError, Pending, is_comm_failure
 from .graph import ModelGraph, Op
 from .plan import SIPlan
+from .recompute import Kept, RecomputePolicy, keep
 
 
 @dataclass
@@ -85,15 +86,17 @@ class Task:
     backward: bool
     depth: int = 0  # position of the block in its strand's block list (the forward strand's gate)
     swapped: bool = False  # second strand of a same-direction pair: collectives on the other channel
+    recompute: bool = False  # a forward op the backward strand runs again (``recompute.py``)
 
     @property
     def strand(self) -> str:
-        return "B" if self.backward else "F"
+        return "B" if self.backward or self.recompute else "F"
 
     @property
     def channel(self) -> int:
-        """The strand-group channel its collectives use: 0 forward, 1 backward (flipped if swapped)."""
-        return int(self.backward) ^ int(self.swapped)
+        """The strand-group channel its collectives use: 0 forward, 1 backward (flipped if swapped);
+        a recomputed forward op belongs to the backward strand."""
+        return int(self.backward or self.recompute) ^ int(self.swapped)
 
 
 @dataclass
@@ -288,8 +291,9 @@ class Executor:
 
     def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, *, meter=None, recorder=None,
                  watchdog=None, defer_weight_grads: bool = True, reactive: bool | None = None,
-                 pair_ends: bool = False):
+                 pair_ends: bool = False, recompute: str = "none"):
         self.graph, self.plan, self.meter = graph, plan, meter
+        self.recompute = RecomputePolicy(recompute, graph)
         self.reactive = plan is None if reactive is None else reactive
         if self.reactive and plan is not None:
             raise ValueError("Executor: a plan runs with barriers; pass reactive=False (or no plan)")
@@ -336,6 +340,7 @@ class Executor:
         self._beat(t)
         if t.backward and self._deferred_params:
             self._drain_for(t)
+        self._before_forward(t)
         with self._label(t.op.name):
             t0 = time.perf_counter()
             if t.backward:
@@ -347,14 +352,40 @@ class Executor:
         if self.recorder is not None:
             self.recorder.add_span("compute", t.op.name, t0, t1, self._args(t))
 
+    def _before_forward(self, t: Task) -> None:
+        """A layer that recomputes keeps its inputs as its forward starts, and gets them back as
+        its recomputation starts; a recomputing op's side says so (e.g. MoE load is counted once)."""
+        if t.backward:
+            return
+        mb = t.mb
+        if t.op_index == 0 and self._grad and self.recompute.full(t.block):
+            if t.recompute:
+                mb.env.update(mb.saved.pop((t.block, "in")).values)
+            else:
+                mb.saved[(t.block, "in")] = keep(mb.env, self.recompute.live_in(t.block), self.meter)
+        mb.side["recomputing"] = t.recompute
+
+    def _forward_only(self, t: Task) -> bool:
+        """Run ``t`` without autograd: evaluation, or a recomputing layer's / op's first forward."""
+        return not self._grad or (not t.recompute and (self.recompute.full(t.block)
+                                                       or self.recompute.selective(t.block, t.op)))
+
     def _comp_forward(self, t: Task) -> None:
         op, mb = t.op, t.mb
-        if not self._grad:
+        if self._forward_only(t):
+            if self._grad and self.recompute.selective(t.block, op):
+                mb.saved[(t.block, t.op_index)] = keep(mb.env, op.inputs, self.meter)
             with torch.no_grad():
                 outs = op.fn(mb.side, *(mb.env[k] for k in op.inputs))
             mb.env.update(zip(op.outputs, outs))
             return
-        leaves = [mb.env[k].detach().requires_grad_(mb.env[k].is_floating_point()) for k in op.inputs]
+        self._record_forward(t, {k: mb.env[k] for k in op.inputs})
+
+    def _record_forward(self, t: Task, inputs: dict) -> list:
+        """The op's forward through autograd from detached ``inputs``: its saved context, its outputs
+        in the env; returns the outputs."""
+        op, mb = t.op, t.mb
+        leaves = [inputs[k].detach().requires_grad_(inputs[k].is_floating_point()) for k in op.inputs]
         hooks = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
         with torch.enable_grad(), hooks:
             outs = op.fn(mb.side, *leaves)
@@ -364,9 +395,16 @@ class Executor:
         mb.saved[key] = (leaves, outs)
         for name, out in zip(op.outputs, outs):
             mb.env[name] = out.detach()
+        return outs
 
     def _comp_backward(self, t: Task) -> None:
         op, mb = t.op, t.mb
+        saved = mb.saved.get((t.block, t.op_index))
+        if isinstance(saved, Kept):  # selective: the op's forward again, from its kept inputs
+            mb.side["recomputing"] = True
+            self._record_forward(t, saved.values)
+            mb.side["recomputing"] = False
+            del saved
         leaves, outs = mb.saved.pop((t.block, t.op_index))
         tensors, grads = [], []
         for key, out in zip(op.outputs, outs):
@@ -432,6 +470,7 @@ class Executor:
 
     def launch_comm(self, t: Task) -> Pending:
         self._beat(t)
+        self._before_forward(t)
         op, mb = t.op, t.mb
         with self._label(op.name), self._collective(t):
             if t.backward:
@@ -488,9 +527,13 @@ class Executor:
         hi = len(ops) if hi is None else hi
         if not backward:
             return [Task(mb, block, i, ops[i], False, depth, swapped) for i in range(lo, hi)]
-        # backward positions index the reversed op list
+        # backward positions index the reversed op list; a recomputing layer's backward starts with
+        # its forward again (in the round that runs its first backward op; a plan's earlier rounds
+        # may give the backward an empty range)
         n = len(ops)
-        return [Task(mb, block, n - 1 - j, ops[n - 1 - j], True, depth, swapped) for j in range(lo, hi)]
+        again = [Task(mb, block, i, ops[i], False, depth, swapped, recompute=True) for i in range(n)] \
+            if lo == 0 < hi and self._grad and self.recompute.full(block) else []
+        return again + [Task(mb, block, n - 1 - j, ops[n - 1 - j], True, depth, swapped) for j in range(lo, hi)]
 
     def _strand(self, mb: MicroBatch, backward: bool, swapped: bool = False) -> list[Task]:
         """Every task of one micro-batch's forward (or backward, last block first)."""
@@ -625,5 +668,8 @@ class Executor:
 
     @staticmethod
     def _args(t: Task) -> dict:
-        return {"strand": t.strand, "microbatch": t.mb.index, "block": t.block, "op": t.op.name,
-                "direction": "backward" if t.backward else "forward"}
+        args = {"strand": t.strand, "microbatch": t.mb.index, "block": t.block, "op": t.op.name,
+                "direction": "backward" if t.backward or t.recompute else "forward"}
+        if t.recompute:
+            args["recompute"] = True
+        return args

@@ -27,6 +27,7 @@ class Op:
     fn: Callable | None = None  # COMP only
     comm: object | None = None  # COMM only: body with forward / backward(x, side, channel) -> Pending
     linear: bool = False  # COMP: linear on the way to its weights (matmuls, views, row selection)
+    selective: bool = False  # COMP: recomputed under recompute "selective" (much to save, cheap to redo)
 
     @property
     def is_comm(self) -> bool:
@@ -37,12 +38,14 @@ class Op:
         return OpSpec(self.name, self.kind)
 
 
-def comp(name, inputs, outputs, fn, linear: bool = False) -> Op:
+def comp(name, inputs, outputs, fn, linear: bool = False, selective: bool = False) -> Op:
     """A COMP op ``outputs = fn(side, *inputs)``. ``linear``: every autograd step between its
     outputs and its weights is linear (a projection and views or row selection, no activation or
     norm on that path), so the executor may compute its weight gradient as a later, separate pass
-    that costs only the weight matmuls (see ``Executor``)."""
-    return Op(name, OpKind.COMP, tuple(inputs), tuple(outputs), fn=fn, linear=linear)
+    that costs only the weight matmuls (see ``Executor``). ``selective``: what ``recompute:
+    "selective"`` recomputes (an op that saves much more than its inputs: the attention core, an
+    activation)."""
+    return Op(name, OpKind.COMP, tuple(inputs), tuple(outputs), fn=fn, linear=linear, selective=selective)
 
 
 def comm(name, body, src, dst) -> Op:

@@ -59,6 +59,11 @@ class ActivationMeter:
             self.current -= entry[0]
             del self.live[key]
 
+    def hold(self, t: torch.Tensor):
+        """Count ``t`` as kept for backward (recompute's kept inputs) until the returned handle is
+        dropped; a storage already counted counts once."""
+        return self._pack(t)
+
     def hooks(self):
         """Context manager: count tensors saved for backward inside it."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda s: s.tensor)

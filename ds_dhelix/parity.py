@@ -42,6 +42,8 @@ class ParityOptions:
     pp: int = 1  # pipeline stages: > 1 compares the folded pipeline against PP=1 sequential
     clip: float = 1.0  # gradient_clipping
     dtype: str = "fp32"  # "fp32", "bf16" or "fp16" (DeepSpeed's mixed precision; HF compared in fp32 only)
+    dropout: float = 0.0  # every dropout rate of the model (HF is then compared with dropout off)
+    recompute: str = "none"  # dhelix.recompute of the trained legs
 
     @property
     def world(self) -> int:
@@ -70,7 +72,8 @@ class ParityOptions:
             "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.01, "torch_adam": True}},
             "zero_optimization": {"stage": self.zero_stage},
             "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": self.tp},
-                       **({"pipeline": {"stages": self.pp}} if self.pp > 1 else {}), **self.extra},
+                       **({"pipeline": {"stages": self.pp}} if self.pp > 1 else {}),
+                       **({"recompute": self.recompute} if self.recompute != "none" else {}), **self.extra},
         }
 
 
@@ -87,10 +90,13 @@ def make_batches(opts: ParityOptions, vocab: int) -> list[list[dict]]:
     return out
 
 
-def build(opts: ParityOptions):
-    """The model every leg starts from (same seed, same layers)."""
-    from hf_models.registry import build_model
-    return build_model(opts.model, seed=opts.seed, num_layers=opts.num_layers)[0]
+def build(opts: ParityOptions, dropout: bool = True):
+    """The model every leg starts from (same seed, same layers); ``dropout=False``: its dropout off
+    (the HF comparison's legs)."""
+    from hf_models.adapters import dropout_overrides
+    from hf_models.registry import build_model, load_config
+    overrides = dropout_overrides(load_config(opts.model), opts.dropout) if dropout and opts.dropout else None
+    return build_model(opts.model, seed=opts.seed, num_layers=opts.num_layers, overrides=overrides)[0]
 
 
 def _my_share(opts: ParityOptions, step: list[dict], dp_rank: int) -> list[dict]:
@@ -119,27 +125,32 @@ def train_schedule(opts: ParityOptions, schedule: str, batches) -> dict:
                   lambda engine: full_state_dict(engine.module, engine.groups.tp_grad_group, engine.groups.tp_size))
 
 
-def first_step_grads(opts: ParityOptions, batches) -> dict:
-    """On every rank: the sharded model's full gradients of the first step (sequential, before
-    clipping and the optimizer), through the build path's sharding and the executor alone."""
+def first_step(opts: ParityOptions, batches) -> dict:
+    """On every rank: the sharded model's first step (sequential, dropout off, before clipping and
+    the optimizer) through the build path's sharding and the executor alone: its full gradients
+    and its loss (mean over the micro-batches, TP shares summed, DP averaged)."""
     import torch.distributed as dist
 
     from .build import check_setup, shard_model
     from .checkpoint import full_grads
     from .executor import Executor
     from .groups import ProcessGroups
-    model = build(opts)
+    model = build(opts, dropout=False)
     setup = check_setup(opts.ds_config("sequential"), model.config, dist.get_world_size())
     groups = ProcessGroups.create(setup.dims)
     graph = shard_model(model, setup.dh, setup.dims, groups)
     mine = _my_share(opts, batches[0], groups.dp_rank)
-    Executor(graph).run_microbatches(mine, "sequential", 1.0 / len(mine))
-    return full_grads(model, groups)
+    mbs = Executor(graph).run_microbatches(mine, "sequential", 1.0 / len(mine))
+    loss = torch.stack([mb.loss.detach().float() for mb in mbs]).mean()
+    for group, size in ((groups.tp_grad_group, groups.tp_size), (groups.dp_group, groups.dp_size)):
+        if size > 1:
+            dist.all_reduce(loss, group=group)
+    return {"grads": full_grads(model, groups), "loss": float(loss) / groups.dp_size}
 
 
 def train_hf(opts: ParityOptions, batches) -> dict:
     """The unsharded HF model, one process, same data and optimizer; also its first-step gradients."""
-    model = build(opts)
+    model = build(opts, dropout=False)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
     losses, grads = [], None
@@ -166,7 +177,7 @@ def _rank_main(rank, world, opts: ParityOptions):
     seq = train_schedule(opts, "sequential", batches)
     other = train_schedule(opts, opts.schedule, batches) if opts.schedule != "sequential" else seq
     if opts.dtype == "fp32":
-        seq["grads"] = first_step_grads(opts, batches)
+        seq["first_step"] = first_step(opts, batches)
     if rank != 0:
         return None
     return compare(opts, seq, other, train_hf(opts, batches) if opts.dtype == "fp32" else None, note=note)
@@ -186,7 +197,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def compare(opts, seq, other, hf, label: str | None = None, note: str = "") -> dict:
-    """``seq`` (sequential, with its first-step ``grads``) against ``other`` (bitwise) and ``hf``
+    """``seq`` (sequential, with its ``first_step``) against ``other`` (bitwise) and ``hf``
     (within tolerances; None: not compared, e.g. under bf16/fp16). ``label``: the key of ``other``
     in "losses" / "peak_activation_bytes" (default: the schedule)."""
     label = label or opts.schedule
@@ -205,13 +216,19 @@ def compare(opts, seq, other, hf, label: str | None = None, note: str = "") -> d
         out.update(hf_comparison=f"skipped: dtype {opts.dtype} (the HF reference runs fp32)", hf_close=None,
                    max_abs_diff_vs_hf=None, max_loss_diff_vs_hf=None, ok=bitwise)
         return out
-    grad_diff = max_diff(seq["grads"], hf["grads"])
+    first = seq["first_step"]
+    grad_diff = max_diff(first["grads"], hf["grads"])
     grad_scale = max(1.0, max(float(g.abs().max()) for g in hf["grads"].values()))
-    loss_diff = max(abs(a - b) for a, b in zip(other["losses"], hf["losses"]))
+    if opts.dropout:  # the trained legs draw dropout masks HF does not: only the dropout-off first step
+        loss_diff, what = abs(first["loss"] - hf["losses"][0]), (
+            f"first-step gradients (before clipping) and loss, with dropout off (the trained legs use dropout "
+            f"{opts.dropout:g})")
+    else:
+        loss_diff = max(abs(a - b) for a, b in zip(other["losses"], hf["losses"]))
+        what = "first-step gradients (before clipping) and every step's loss"
     close = grad_diff <= HF_GRAD_TOLERANCE * grad_scale and loss_diff <= HF_LOSS_TOLERANCE
     out["losses"]["hf"] = hf["losses"]
-    out.update(max_abs_diff_vs_hf=grad_diff, max_loss_diff_vs_hf=loss_diff,
-               hf_comparison="first-step gradients (before clipping) and every step's loss",
+    out.update(max_abs_diff_vs_hf=grad_diff, max_loss_diff_vs_hf=loss_diff, hf_comparison=what,
                hf_grad_tolerance=HF_GRAD_TOLERANCE * grad_scale, hf_loss_tolerance=HF_LOSS_TOLERANCE,
                hf_close=close, ok=bitwise and close)
     return out
@@ -255,7 +272,7 @@ def _rank_reference(rank, world, opts: ParityOptions):
     seq = train_schedule(opts, "sequential", batches)
     hf = None
     if opts.dtype == "fp32":
-        seq["grads"] = first_step_grads(opts, batches)
+        seq["first_step"] = first_step(opts, batches)
         hf = train_hf(opts, batches)
     return {"sequential": seq, "hf": hf, "note": note} if rank == 0 else None
 

@@ -50,6 +50,20 @@ def _entry(rank, fn, world, port, outdir, args):
     os._exit(0)
 
 
+def _failures(outdir: str, world: int) -> list[tuple[int, str]]:
+    """(rank, traceback) of every rank that has already reported an error."""
+    failed = []
+    for rank in range(world):
+        try:
+            with open(os.path.join(outdir, f"rank{rank}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+        if status != "ok":
+            failed.append((rank, value))
+    return failed
+
+
 def run_ranks(fn, world: int, args=(), timeout: float = 180.0):
     outdir = tempfile.mkdtemp(prefix="dhelix-test-")
     ctx = mp.start_processes(_entry, args=(fn, world, free_port(), outdir, args), nprocs=world,
@@ -59,7 +73,9 @@ def run_ranks(fn, world: int, args=(), timeout: float = 180.0):
     try:
         while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"distributed test did not finish within {timeout:.0f} s (hang?)")
+                failed = _failures(outdir, world)  # one rank's error leaves its peers waiting on it
+                raise TimeoutError(f"distributed test did not finish within {timeout:.0f} s (hang?)"
+                                   + "".join(f"\nrank {r} failed first:\n{tb}" for r, tb in failed))
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -23,3 +23,8 @@ def adapter_for(config):
         return importlib.import_module(ADAPTERS[model_type])
     except ModuleNotFoundError as err:
         raise ValueError(f"the {model_type} adapter is not available in this build") from err
+
+
+def dropout_overrides(config, p: float) -> dict:
+    """Config keys that set every dropout rate of ``config``'s family to ``p``."""
+    return {key: p for key in adapter_for(config).DROPOUT_KEYS}

@@ -7,6 +7,8 @@ gradients summed over the TP group once per step (``mark_replicated``).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -88,16 +90,39 @@ def make_side_fn(tp: int, tp_rank: int, extra=None):
     return make_side
 
 
-def embed_op(embed: nn.Module, pos_embed: nn.Module | None = None):
-    """``embed``: token (+ learned position) embedding of this rank's shard -> ``h`` [s/tp, b, h]."""
+def embed_op(embed: nn.Module, pos_embed: nn.Module | None = None, drop=None):
+    """``embed``: token (+ learned position) embedding of this rank's shard -> ``h`` [s/tp, b, h];
+    ``drop`` (a ``Dropout`` or None): the embedding dropout."""
 
     def fn(side):
         h = embed(side["ids"])
         if pos_embed is not None:
             h = h + pos_embed(side["positions"])
+        if drop is not None:
+            h = drop(h, side, "embed")
         return (h.transpose(0, 1).contiguous(),)
 
     return comp("embed", (), ("h",), fn)
+
+
+class Dropout:
+    """One layer's dropout of rate ``p`` through the graph's ``Draws`` (masks seeded by micro-batch,
+    layer, op and rank, so every schedule draws the same); off while ``module`` is not training."""
+
+    def __init__(self, draws, p: float, layer: int, module: nn.Module):
+        self.draws, self.p, self.layer, self.module = draws, p, layer, module
+
+    @classmethod
+    def make(cls, draws, p: float, layer: int, module: nn.Module):
+        """A ``Dropout``, or None when ``p`` is 0 (the graph then runs no dropout code at all)."""
+        return cls(draws, p, layer, module) if p else None
+
+    def __call__(self, x, side: dict, op: str):
+        return self.draws.dropout(x, self.p, side, self.layer, op, self.module.training)
+
+    def rng(self, device, side: dict, op: str):
+        """The seeded stream of a kernel's own draws (sdpa's ``dropout_p``), while training."""
+        return self.draws.rng(device, side, self.layer, op) if self.module.training else contextlib.nullcontext()
 
 
 def head_ops(norm: nn.Module, lm_head: nn.Module):
@@ -169,26 +194,37 @@ def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, r
         mlp_norm,
         *when_sharded(comm("mlp.ag", gather, "x2", "x2f")),
         comp("mlp.up", (x2in,), mlp_hidden, mlp_up, linear=True),
-        comp("mlp.down", mlp_hidden, ("mo",), mlp_down, linear=True),
+        comp("mlp.down", mlp_hidden, ("mo",), mlp_down, linear=True, selective=True),
         *when_sharded(comm("mlp.rs", scatter, "mo", "mr")),
         mlp_add,
     ]
 
 
-def sequential_residual(norm: nn.Module, attn_bias, mlp_bias):
-    """``residual`` for ``h2 = h + attn; h = h2 + mlp`` (pre-norm, the common case).
-    ``attn_bias`` / ``mlp_bias``: the row-parallel biases (or None), added after the reduce-scatter."""
+def plus(x, bias):
+    """``x + bias`` (a row-parallel bias, added once after the reduce-scatter), or ``x``."""
+    return x if bias is None else x + bias
 
-    def plus(x, bias):
-        return x if bias is None else x + bias
+
+def dropped(x, drop, side, op: str):
+    """``drop(x)`` when the layer has residual dropout, else ``x``."""
+    return x if drop is None else drop(x, side, op)
+
+
+def sequential_residual(norm: nn.Module, attn_bias, mlp_bias, drop=None):
+    """``residual`` for ``h2 = h + drop(attn); h = h2 + drop(mlp)`` (pre-norm, the common case).
+    ``attn_bias`` / ``mlp_bias``: the row-parallel biases (or None), added after the reduce-scatter;
+    ``drop``: the layer's residual dropout (a ``Dropout``) or None."""
 
     def mlp_norm(side, h, a):
-        h2 = h + plus(a, attn_bias)
+        h2 = h + dropped(plus(a, attn_bias), drop, side, "attn.resid")
         return h2, norm(h2)
+
+    def mlp_add(side, h2, m):
+        return (h2 + dropped(plus(m, mlp_bias), drop, side, "mlp.resid"),)
 
     def make(ar: str, mr: str):
         return (comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm),
-                comp("mlp.add", ("h2", mr), ("h",), lambda side, h2, m: (h2 + plus(m, mlp_bias),)))
+                comp("mlp.add", ("h2", mr), ("h",), mlp_add))
 
     return make
 
@@ -213,9 +249,10 @@ def rotary(apply_rotary_pos_emb):
     return lambda q, k, side: apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
 
 
-def attn_core_op(attn_module, config, eager_fn, rotary=None):
+def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None):
     """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d];
-    ``rotary(q, k, side) -> (q, k)`` first when given."""
+    ``rotary(q, k, side) -> (q, k)`` first when given; ``drop`` (a ``Dropout``): the attention
+    probabilities' dropout, drawn by the attention kernel on the op's seeded stream."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     impl = config._attn_implementation or "sdpa"
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_fn)
@@ -224,10 +261,12 @@ def attn_core_op(attn_module, config, eager_fn, rotary=None):
         if rotary is not None:
             q, k = rotary(q, k, side)
         mask = side.get("causal_mask") if impl == "eager" else None
-        o, _ = attend(attn_module, q, k, v, mask, dropout=0.0, scaling=attn_module.scaling)
+        p = drop.p if drop is not None and attn_module.training else 0.0
+        with drop.rng(q.device, side, "attn.core") if p else contextlib.nullcontext():
+            o, _ = attend(attn_module, q, k, v, mask, dropout=p, scaling=attn_module.scaling)
         return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
 
-    return comp("attn.core", ("q", "k", "v"), ("o",), fn)
+    return comp("attn.core", ("q", "k", "v"), ("o",), fn, selective=True)
 
 
 def causal_mask_side(config, dtype, seq_len: int, device=None) -> dict:
@@ -249,9 +288,10 @@ def rotary_side_fn(rotary_emb: nn.Module, weight: torch.Tensor, config):
     return extra
 
 
-def warn_dropout(config, keys, family: str) -> None:
-    """The op graph applies no dropout (SI reorders random draws): say so when a config sets it."""
-    import warnings
-    active = {k: getattr(config, k) for k in keys if getattr(config, k, 0.0)}
-    if active:
-        warnings.warn(f"ds_dhelix runs {family} without dropout; ignoring {active}", stacklevel=3)
+def check_dropout(config, keys, family: str) -> dict[str, float]:
+    """The config's dropout rates ``keys`` (0 where unset); ``ValueError`` for a rate outside [0, 1)."""
+    rates = {k: float(getattr(config, k, 0.0) or 0.0) for k in keys}
+    bad = {k: v for k, v in rates.items() if not 0.0 <= v < 1.0}
+    if bad:
+        raise ValueError(f"{family} dropout {bad}: rates must lie in [0, 1)")
+    return rates

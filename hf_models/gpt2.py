@@ -23,19 +23,24 @@ Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
 With t = 1 the COMM ops are left out. Row-parallel biases are added once, after the
 reduce-scatter. Learned position embeddings (``wpe``) are added in ``embed`` for the rank's
 positions; a tied ``lm_head`` is the same Parameter as ``wte`` and is used by both end blocks.
-Dropout is not applied (see ``build_graph``).
+Dropout: ``embd_pdrop`` in ``embed``, ``attn_pdrop`` in ``attn.core``, ``resid_pdrop`` on the attention
+and MLP outputs in ``mlp.norm`` / ``mlp.add`` (after the reduce-scatter, so on the full sums), with
+masks seeded per micro-batch, layer, op and rank (``ds_dhelix.draws``).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from transformers.models.gpt2 import modeling_gpt2 as hf
 
+from ds_dhelix.draws import Draws
 from ds_dhelix.graph import ModelGraph, comp
 
-from .common import (causal_mask_side, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
-                     mark_replicated, sequential_residual, shard_param, warn_dropout)
+from .common import (Dropout, causal_mask_side, check_divisible, check_dropout, dense_layer_ops, embed_op,
+                     head_ops, make_side_fn, mark_replicated, sequential_residual, shard_param)
 
-_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 
 def inner_size(config) -> int:
@@ -72,24 +77,28 @@ def shard(model, tp: int, tp_rank: int) -> None:
             shard_param(conv, "weight", 0, tp_rank, tp)
 
 
-def attn_core_op(attn_module, config):
-    """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d]."""
+def attn_core_op(attn_module, config, drop=None):
+    """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d];
+    ``drop``: ``attn_pdrop`` on the attention probabilities, drawn on the op's seeded stream (the
+    upcast path's own ``attn_dropout`` module draws there too)."""
     impl = config._attn_implementation or "sdpa"
     attend = hf.ALL_ATTENTION_FUNCTIONS.get_interface(impl, hf.eager_attention_forward)
     upcast = impl == "eager" and attn_module.reorder_and_upcast_attn
 
     def fn(side, q, k, v):
         mask = side.get("causal_mask") if impl == "eager" else None
-        if upcast:
-            o, _ = attn_module._upcast_and_reordered_attn(q, k, v, mask)
-        else:
-            o, _ = attend(attn_module, q, k, v, mask, dropout=0.0, scaling=attn_module.scaling)
+        p = drop.p if drop is not None and attn_module.training else 0.0
+        with drop.rng(q.device, side, "attn.core") if drop is not None else contextlib.nullcontext():
+            if upcast:
+                o, _ = attn_module._upcast_and_reordered_attn(q, k, v, mask)
+            else:
+                o, _ = attend(attn_module, q, k, v, mask, dropout=p, scaling=attn_module.scaling)
         return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
 
-    return comp("attn.core", ("q", "k", "v"), ("o",), fn)
+    return comp("attn.core", ("q", "k", "v"), ("o",), fn, selective=True)
 
 
-def layer_ops(block, config, tp: int, tp_group):
+def layer_ops(index: int, block, config, tp: int, tp_group, draws):
     at, mlp = block.attn, block.mlp
     hd = at.head_dim
 
@@ -102,23 +111,24 @@ def layer_ops(block, config, tp: int, tp_group):
         tp, tp_group,
         attn_norm=lambda side, h: (block.ln_1(h),),
         qkv=qkv,
-        attn_core=attn_core_op(at, config),
+        attn_core=attn_core_op(at, config, Dropout.make(draws, config.attn_pdrop, index, at)),
         attn_out=lambda side, o: (torch.matmul(o, at.c_proj.weight),),
-        residual=sequential_residual(block.ln_2, at.c_proj.bias, mlp.c_proj.bias),
+        residual=sequential_residual(block.ln_2, at.c_proj.bias, mlp.c_proj.bias,
+                                     Dropout.make(draws, config.resid_pdrop, index, block)),
         mlp_up=lambda side, x: (mlp.c_fc(x),),
         mlp_down=lambda side, a: (torch.matmul(mlp.act(a), mlp.c_proj.weight),),
     )
 
 
-def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None) -> ModelGraph:
-    """Shard ``model`` in place for this TP rank and return its op graph.
-
-    Dropout is not applied: the op graph must give the same result under every schedule, and
-    SI reorders micro-batches' ops (and so their random draws). A warning names nonzero keys.
-    """
+def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
+                seed: int | None = None) -> ModelGraph:
+    """Shard ``model`` in place for this TP rank and return its op graph. Dropout (``embd_pdrop``,
+    ``attn_pdrop``, ``resid_pdrop``) draws its masks from ``ds_dhelix.draws`` (``seed``: their base
+    seed, None: ``torch.initial_seed()``), so every schedule draws the same ones."""
     config = model.config
     check_tp(config, tp)
-    warn_dropout(config, _DROPOUT_KEYS, "GPT-2")
+    check_dropout(config, DROPOUT_KEYS, "GPT-2")
+    draws = Draws(seed)
     shard(model, tp, tp_rank)
     tr = model.transformer
     replicated = None
@@ -132,7 +142,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     def eager_mask(batch, side):
         return causal_mask_side(config, tr.wte.weight.dtype, side["seq_len"], tr.wte.weight.device)
 
-    blocks = [[embed_op(tr.wte, pos_embed=tr.wpe)]]
-    blocks += [layer_ops(block, config, tp, tp_group) for block in tr.h]
+    blocks = [[embed_op(tr.wte, pos_embed=tr.wpe, drop=Dropout.make(draws, config.embd_pdrop, -1, tr))]]
+    blocks += [layer_ops(i, block, config, tp, tp_group, draws) for i, block in enumerate(tr.h)]
     blocks.append(head_ops(tr.ln_f, model.lm_head))
     return ModelGraph(blocks, make_side_fn(tp, tp_rank, eager_mask), family="gpt2", replicated=replicated)

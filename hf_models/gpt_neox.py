@@ -30,12 +30,14 @@ from __future__ import annotations
 import torch.nn.functional as F
 from transformers.models.gpt_neox import modeling_gpt_neox as hf
 
+from ds_dhelix.draws import Draws
 from ds_dhelix.graph import ModelGraph, comp
 
-from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
-                     mark_replicated, rotary, rotary_side_fn, sequential_residual, shard_param, warn_dropout)
+from .common import (Dropout, attn_core_op, check_divisible, check_dropout, dense_layer_ops, dropped, embed_op,
+                     head_ops, make_side_fn, mark_replicated, plus, rotary, rotary_side_fn, sequential_residual,
+                     shard_param)
 
-_DROPOUT_KEYS = ("hidden_dropout", "attention_dropout")
+DROPOUT_KEYS = ("hidden_dropout", "attention_dropout")
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
@@ -54,26 +56,25 @@ def shard(model, tp: int, tp_rank: int) -> None:
             shard_param(lin, "weight", 1, tp_rank, tp)
 
 
-def residual(layer):
-    """``mlp.norm`` / ``mlp.add`` for the parallel residual (h + attn(ln1(h)) + mlp(ln2(h))) or the
-    sequential one."""
+def residual(layer, drop=None):
+    """``mlp.norm`` / ``mlp.add`` for the parallel residual (h + drop(attn(ln1(h))) + drop(mlp(ln2(h))))
+    or the sequential one; ``drop``: ``hidden_dropout`` on the attention and MLP outputs."""
     at, mlp = layer.attention, layer.mlp
     if not layer.use_parallel_residual:
-        return sequential_residual(layer.post_attention_layernorm, at.dense.bias, mlp.dense_4h_to_h.bias)
+        return sequential_residual(layer.post_attention_layernorm, at.dense.bias, mlp.dense_4h_to_h.bias, drop)
 
-    def plus(x, lin):
-        return x if lin.bias is None else x + lin.bias
+    def add(side, h, a, m):
+        return (dropped(plus(m, mlp.dense_4h_to_h.bias), drop, side, "mlp.resid")
+                + dropped(plus(a, at.dense.bias), drop, side, "attn.resid") + h,)
 
     def make(ar: str, mr: str):
         norm = comp("mlp.norm", ("h",), ("x2",), lambda side, h: (layer.post_attention_layernorm(h),))
-        add = comp("mlp.add", ("h", ar, mr), ("h",),
-                   lambda side, h, a, m: (plus(m, mlp.dense_4h_to_h) + plus(a, at.dense) + h,))
-        return norm, add
+        return norm, comp("mlp.add", ("h", ar, mr), ("h",), add)
 
     return make
 
 
-def layer_ops(layer, config, tp: int, tp_group):
+def layer_ops(index: int, layer, config, tp: int, tp_group, draws):
     at, mlp = layer.attention, layer.mlp
     hd = at.head_size
 
@@ -86,23 +87,24 @@ def layer_ops(layer, config, tp: int, tp_group):
         tp, tp_group,
         attn_norm=lambda side, h: (layer.input_layernorm(h),),
         qkv=qkv,
-        attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb)),
+        attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb),
+                               drop=Dropout.make(draws, config.attention_dropout, index, at)),
         attn_out=lambda side, o: (F.linear(o, at.dense.weight),),
-        residual=residual(layer),
+        residual=residual(layer, Dropout.make(draws, config.hidden_dropout, index, layer)),
         mlp_up=lambda side, x: (mlp.dense_h_to_4h(x),),
         mlp_down=lambda side, a: (F.linear(mlp.act(a), mlp.dense_4h_to_h.weight),),
     )
 
 
-def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None) -> ModelGraph:
-    """Shard ``model`` in place for this TP rank and return its op graph.
-
-    Dropout is not applied: the op graph must give the same result under every schedule, and
-    SI reorders micro-batches' ops (and so their random draws). A warning names nonzero keys.
-    """
+def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
+                seed: int | None = None) -> ModelGraph:
+    """Shard ``model`` in place for this TP rank and return its op graph. Dropout
+    (``attention_dropout``, ``hidden_dropout``) draws its masks from ``ds_dhelix.draws`` (``seed``:
+    their base seed, None: ``torch.initial_seed()``)."""
     config = model.config
     check_tp(config, tp)
-    warn_dropout(config, _DROPOUT_KEYS, "GPT-NeoX")
+    check_dropout(config, DROPOUT_KEYS, "GPT-NeoX")
+    draws = Draws(seed)
     shard(model, tp, tp_rank)
     inner = model.gpt_neox
     replicated = None
@@ -116,7 +118,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
         replicated = mark_replicated(replicated, tp_grad_group)
 
     blocks = [[embed_op(inner.embed_in)]]
-    blocks += [layer_ops(layer, config, tp, tp_group) for layer in inner.layers]
+    blocks += [layer_ops(i, layer, config, tp, tp_group, draws) for i, layer in enumerate(inner.layers)]
     blocks.append(head_ops(inner.final_layer_norm, model.lm_head))
     side = rotary_side_fn(inner.rotary_emb, inner.embed_in.weight, config)  # cos/sin: [1, s, rotary_ndims]
     return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="gpt_neox", replicated=replicated)

@@ -25,9 +25,14 @@ from transformers.models.llama import modeling_llama as hf
 
 from ds_dhelix.graph import ModelGraph
 
-from .common import (attn_core_op, check_divisible, dense_layer_ops, embed_op, head_ops, make_side_fn,
-                     mark_replicated, qkv_projections, rotary, rotary_side_fn, sequential_residual,
-                     shard_param, warn_dropout)
+from ds_dhelix.draws import Draws
+
+from .common import (Dropout, attn_core_op, check_divisible, check_dropout, dense_layer_ops, embed_op, head_ops,
+                     make_side_fn, mark_replicated, qkv_projections, rotary, rotary_side_fn, sequential_residual,
+                     shard_param)
+
+
+DROPOUT_KEYS = ("attention_dropout",)
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
@@ -47,13 +52,15 @@ def shard(model, tp: int, tp_rank: int) -> None:
             shard_param(lin, "weight", 1, tp_rank, tp)
 
 
-def layer_ops(layer, config, tp: int, tp_group):
+def layer_ops(index: int, layer, config, tp: int, tp_group, draws: Draws):
     at, mlp = layer.self_attn, layer.mlp
+    drop = Dropout.make(draws, config.attention_dropout, index, at)
     return dense_layer_ops(
         tp, tp_group,
         attn_norm=lambda side, h: (layer.input_layernorm(h),),
         qkv=qkv_projections(at),
-        attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb)),
+        attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb),
+                               drop=drop),
         attn_out=lambda side, o: (F.linear(o, at.o_proj.weight),),
         residual=sequential_residual(layer.post_attention_layernorm, at.o_proj.bias, mlp.down_proj.bias),
         mlp_up=lambda side, x: (mlp.gate_proj(x), mlp.up_proj(x)),
@@ -62,11 +69,14 @@ def layer_ops(layer, config, tp: int, tp_group):
     )
 
 
-def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None) -> ModelGraph:
-    """Shard ``model`` in place for this TP rank and return its op graph."""
+def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
+                seed: int | None = None) -> ModelGraph:
+    """Shard ``model`` in place for this TP rank and return its op graph; ``seed``: the base seed
+    of its dropout masks (None: ``torch.initial_seed()``)."""
     config = model.config
     check_tp(config, tp)
-    warn_dropout(config, ("attention_dropout",), "Llama")
+    check_dropout(config, DROPOUT_KEYS, "Llama")
+    draws = Draws(seed)
     shard(model, tp, tp_rank)
     inner = model.model
     replicated = None
@@ -78,7 +88,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
         replicated = mark_replicated(replicated, tp_grad_group)
 
     blocks = [[embed_op(inner.embed_tokens)]]
-    blocks += [layer_ops(layer, config, tp, tp_group) for layer in inner.layers]
+    blocks += [layer_ops(i, layer, config, tp, tp_group, draws) for i, layer in enumerate(inner.layers)]
     blocks.append(head_ops(inner.norm, model.lm_head))
     side = rotary_side_fn(inner.rotary_emb, inner.embed_tokens.weight, config)
     return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="llama", replicated=replicated)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.models.phimoe import modeling_phimoe as hf
 
@@ -40,11 +39,14 @@ from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll, ExpertGroups
 from ds_dhelix.moe.experts import check_ep as _check_ep
 from ds_dhelix.moe.experts import expert_act, run_expert_down, run_expert_up, shard_experts
 from ds_dhelix.moe.metrics import MoeMetrics
-from ds_dhelix.moe.router import (aux_piece, combine_copies, load_balancing_loss, local_counts,
-                                  noise_seed, route_tokens, seeded_rng)
+from ds_dhelix.draws import Draws, draw_seed, seeded_rng
+from ds_dhelix.moe.router import aux_piece, combine_copies, load_balancing_loss, local_counts, route_tokens
 
-from .common import (attn_core_op, check_divisible, embed_op, head_ops, make_side_fn, mark_replicated,
-                     qkv_projections, rotary, shard_param, warn_dropout)
+from .common import (Dropout, attn_core_op, check_divisible, check_dropout, embed_op, head_ops, make_side_fn,
+                     mark_replicated, qkv_projections, rotary, shard_param)
+
+
+DROPOUT_KEYS = ("attention_dropout",)
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
@@ -81,14 +83,15 @@ def shard(model, tp: int, tp_rank: int, ep_groups: ExpertGroups) -> None:
         shard_experts(layer.mlp.experts, ep_groups)
 
 
-def attention_ops(layer, config, tp: int, tp_group):
+def attention_ops(index: int, layer, config, tp: int, tp_group, draws):
     at = layer.self_attn
+    drop = Dropout.make(draws, config.attention_dropout, index, at)
     xin, ar = ("xf", "ar") if tp > 1 else ("x", "ao")
     ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (layer.input_layernorm(h),))]
     if tp > 1:
         ops.append(comm("attn.ag", SeqAllGather(tp_group, tp), "x", "xf"))
     ops += [comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_projections(at), linear=True),
-            attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb)),
+            attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb), drop=drop),
             comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.o_proj.weight),), linear=True)]
     if tp > 1:
         ops.append(comm("attn.rs", SeqReduceScatter(tp_group, tp), "ao", "ar"))
@@ -109,7 +112,7 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
 
     def router(side, x2):
         x = x2.reshape(-1, x2.shape[-1])
-        noise = seeded_rng(x.device, noise_seed(base_seed, side["serial"], index, rank)) \
+        noise = seeded_rng(x.device, draw_seed(base_seed, side["serial"], index, rank)) \
             if block.training else contextlib.nullcontext()
         with noise:
             eps = block.input_jitter_noise
@@ -122,7 +125,8 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
         if ep == 1 or route.padded:
             local_counts(route, ep)
         side["moe"][index] = route
-        metrics.record_route(index, route.counts, route.dropped)
+        if not side.get("recomputing"):  # a recomputed layer routes again: count its load once
+            metrics.record_route(index, route.counts, route.dropped)
         return xs, weights, aux_piece(logits, top_k)
 
     def add(side, h2, ys, w):
@@ -138,7 +142,8 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
     experts = block.experts
     ops += [comp("moe.experts.up", (xr,), ("xg",),
                  lambda side, x: (run_expert_up(x, side["moe"][index], experts, ep, grouped),), linear=True),
-            comp("moe.experts.act", ("xg",), ("xa",), lambda side, g: (expert_act(g, experts.act_fn),)),
+            comp("moe.experts.act", ("xg",), ("xa",), lambda side, g: (expert_act(g, experts.act_fn),),
+                 selective=True),
             comp("moe.experts.down", ("xa",), (yr,),
                  lambda side, a: (run_expert_down(a, side["moe"][index], experts, ep, grouped),), linear=True)]
     if ep > 1:
@@ -182,7 +187,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     config = model.config
     ep_groups = ep_groups or ExpertGroups()
     check_tp(config, tp)
-    warn_dropout(config, ("attention_dropout",), "Phi-MoE")
+    check_dropout(config, DROPOUT_KEYS, "Phi-MoE")
     check_ep(config, ep_groups.size)
     shard(model, tp, tp_rank, ep_groups)
     inner = model.model
@@ -200,13 +205,13 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
         aux_loss_coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
     num_layers = len(inner.layers)
     metrics = MoeMetrics(num_layers, config.num_local_experts)
-    settings = {"capacity_factor": capacity_factor, "grouped_mm": grouped_mm,
-                "seed": torch.initial_seed() % (2 ** 31) if seed is None else seed,
-                "rank": dist.get_rank() if dist.is_initialized() else 0}
+    draws = Draws(seed)  # router noise and attention dropout
+    settings = {"capacity_factor": capacity_factor, "grouped_mm": grouped_mm, "seed": draws.base, "rank": draws.rank}
 
     blocks = [[embed_op(inner.embed_tokens)]]
     for i, layer in enumerate(inner.layers):
-        blocks.append(attention_ops(layer, config, tp, tp_group) + moe_ops(i, layer, ep_groups, settings, metrics))
+        blocks.append(attention_ops(i, layer, config, tp, tp_group, draws)
+                      + moe_ops(i, layer, ep_groups, settings, metrics))
     blocks.append(head_ops(inner.norm, model.lm_head)[:2]
                   + [loss_op(config, num_layers, aux_loss_coef, tp, tp_grad_group, metrics)])
     meta = {"moe_metrics": metrics, "expert_groups": ep_groups, "capacity_factor": capacity_factor,

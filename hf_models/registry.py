@@ -129,12 +129,14 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     num_layers: int | None = None,
+    overrides: dict | None = None,
 ):
     """A causal-LM model and its `ModelInfo`.
 
     A preset is initialised randomly from ``seed`` (the global RNG state is left untouched); a checkpoint
     directory is loaded with ``from_pretrained`` from local files only. ``num_layers`` keeps only the
-    first layers of a preset (random init: a smaller model of the same shape).
+    first layers of a preset (random init: a smaller model of the same shape); ``overrides`` sets
+    config keys before the model is made (e.g. dropout rates).
     """
     from transformers import AutoModelForCausalLM
 
@@ -144,6 +146,10 @@ def build_model(
         if not is_preset(name):
             raise ValueError(f"num_layers shrinks a preset; {name!r} is a checkpoint directory")
         config = with_num_layers(config, num_layers)
+    for key, value in (overrides or {}).items():  # e.g. dropout rates (config keys the model reads)
+        if not hasattr(config, key):
+            raise ValueError(f"{config.model_type} config has no key {key!r}")
+        setattr(config, key, value)
     if is_preset(name):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

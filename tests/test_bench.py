@@ -98,6 +98,9 @@ def test_failed_modes_become_rows():
     ({"pp": 2}, ["--pp 2", "--tp 2", "--tp 1"]),
     ({"pp": 2, "tp": 1, "ep": 2}, ["--ep 2", "--tp 1"]),
     ({"ep": 0}, ["ep must be >= 1"]),
+    ({"modes": ("si+fast",)}, ["si+fast", "none, selective, full"]),
+    ({"modes": ("autotp+full",)}, ["autotp+full", "ds_dhelix mode"]),
+    ({"modes": ("si", "si")}, ["twice"]),
 ])
 def test_bad_options_name_the_value(kwargs, words):
     with pytest.raises(ValueError) as err:
@@ -115,6 +118,23 @@ def test_layouts_world_and_tokens():
     assert pp.modes == ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si") and pp.world == 2
     section = pp.dhelix_ds_config("dualpipev-si")["dhelix"]
     assert section["schedule"] == "dualpipev" and section["pipeline"] == {"stages": 2}
+
+
+def test_recompute_modes_side_by_side():
+    """``--modes si si+full``: the same ds_dhelix mode with its dhelix.recompute, in one run
+    (the command line accepts pipeline modes too)."""
+    from ds_dhelix.cli import build_parser
+    from ds_dhelix.commands.bench import options_from_args
+    opts = BenchOptions(modes=("sequential", "si", "si+full", "si-plan+selective"))
+    assert "recompute" not in opts.dhelix_ds_config("si")["dhelix"]
+    assert opts.dhelix_ds_config("si+full")["dhelix"]["recompute"] == "full"
+    plan = opts.dhelix_ds_config("si-plan+selective")["dhelix"]
+    assert plan["recompute"] == "selective" and plan["si_execution"] == "plan"
+    args = build_parser().parse_args(["bench", "--pp", "2", "--tp", "1", "--modes", "sequential", "w+full"])
+    pp = options_from_args(args)
+    assert pp.modes == ("sequential", "w+full")
+    section = pp.dhelix_ds_config("w+full")["dhelix"]
+    assert (section["schedule"], section["recompute"]) == ("w", "full")
 
 
 def test_quick_keeps_explicit_values():

@@ -5,6 +5,8 @@
     an inf in one rank's gradient: the step is skipped on every rank, the scale halves, the
     parameters stay as they were; the next step trains again
     fp16 on a device without it: one line before any model is built
+    dropout 0.1 (GPT-2, Llama): SI bitwise equal to sequential, HF compared with dropout off; masks
+    drawn by micro-batch number (a fresh process draws what an uninterrupted one did); eval none
 
 fp16 runs on this CPU through DeepSpeed's CPU accelerator (``force_fp16_capability`` where it
 would refuse; torch computes fp16 on CPU).
@@ -124,3 +126,47 @@ def test_fp16_on_a_device_without_it_is_one_line(monkeypatch, capsys, tmp_path):
     assert train.main(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("train.py: error:") == 1 and "fp16 is not supported on this device" in err and "bf16" in err
+
+
+# ------------------------------------------------------------------------------------------ dropout
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-llama"])
+def test_dropout_si_bitwise_and_hf_compared_with_dropout_off(model):
+    r = run_parity(ParityOptions(model=model, tp=2, num_layers=2, seq_len=32, dropout=0.1), timeout=280)
+    assert r["bitwise_equal"] and r["losses"]["si"] == r["losses"]["sequential"], r
+    assert r["hf_close"] and "dropout off" in r["hf_comparison"]
+    # HF runs with dropout off: the dropout-0 model's first loss differs from the trained legs'
+    assert abs(r["losses"]["sequential"][0] - r["losses"]["hf"][0]) > 1e-3, r["losses"]
+
+
+def _dropout_graph(seed=5):
+    from hf_models.adapters import adapter_for
+    from tests.conftest import make_config, make_model
+    config = make_config("tiny-gpt2", attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
+    model = make_model(config)
+    return model, adapter_for(config).build_graph(model, seed=seed)
+
+
+def test_dropout_masks_follow_the_micro_batch_number_not_the_process():
+    """A fresh graph (a resumed process) draws, for micro-batch number k, the masks an
+    uninterrupted run drew for it; another number draws others; eval draws none."""
+    from ds_dhelix.executor import Executor, MicroBatch
+    from tests.conftest import make_batches
+    batches = make_batches(2048, 8)
+    model, graph = _dropout_graph()
+    ex = Executor(graph)
+    ex.run_microbatches(batches[:4], "si", 0.25, first_serial=0)
+    later = [float(mb.loss) for mb in ex.run_microbatches(batches[4:], "si", 0.25, first_serial=4)]
+    _, fresh = _dropout_graph()
+    again = [float(mb.loss) for mb in Executor(fresh).run_microbatches(batches[4:], "sequential", 0.25,
+                                                                          first_serial=4)]
+    other = [float(mb.loss) for mb in Executor(fresh).run_microbatches(batches[4:], "si", 0.25, first_serial=0)]
+    assert again == later and other != later
+    model.eval()
+    evals = []
+    with ex.inference():
+        for serial in (3, 7):
+            mb = MicroBatch(0, graph.make_side(batches[0], serial))
+            ex.forward(mb)
+            evals.append(float(mb.loss))
+    assert evals[0] == evals[1]  # no masks in eval, whatever the number

@@ -89,7 +89,8 @@ def test_few_microbatches_hint():
 def test_hf_comparison_fails_on_a_gradient_or_loss_off_by_more_than_rounding():
     """compare() judges the first-step gradients and the losses against HF, each on its own."""
     grads = {"w": torch.tensor([0.5, -2.0])}
-    run = {"losses": [7.0, 6.9], "params": {"w": torch.zeros(2)}, "peak_activation_bytes": 1, "grads": grads}
+    run = {"losses": [7.0, 6.9], "params": {"w": torch.zeros(2)}, "peak_activation_bytes": 1,
+           "first_step": {"grads": grads, "loss": 7.0}}
     hf = {"losses": [7.0, 6.9], "grads": {"w": torch.tensor([0.5, -2.0])}}
     opts = ParityOptions()
     assert compare(opts, run, run, hf)["ok"]

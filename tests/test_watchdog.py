@@ -58,3 +58,20 @@ def test_partial_beats_keep_position_and_report():
     assert "describe_fn failed" in text
     with pytest.raises(ValueError, match="timeout_s"):
         Watchdog(0, rank=0)
+
+
+def _one_rank_fails(rank, world):
+    import torch
+    import torch.distributed as dist
+    if rank == 0:
+        raise RuntimeError("rank zero broke first")
+    dist.recv(torch.zeros(1), src=0)  # waits for a peer that will never send
+
+
+@pytest.mark.timeout(120)
+def test_world_timeout_shows_the_rank_that_failed_first():
+    """A rank's error leaves its peers waiting on it: the timeout says which rank failed, and how."""
+    from tests.conftest import run_ranks
+    with pytest.raises(TimeoutError) as err:
+        run_ranks(_one_rank_fails, 2, timeout=20)
+    assert "rank 0 failed first" in str(err.value) and "rank zero broke first" in str(err.value)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import statistics
 
-from .options import DHELIX_MODES, REFERENCE_GBPS, BenchOptions
+from .options import DHELIX_MODES, REFERENCE_GBPS, BenchOptions, split_mode
 
 # Dense peak FLOP/s of devices by name (fp32 without tensor cores); MFU is null elsewhere (CPU).
 PEAK_FLOPS_FP32 = {"A100": 19.5e12, "A40": 37.4e12, "A800": 19.5e12, "H100": 67e12, "H200": 67e12}
@@ -104,7 +104,7 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, core
         if ideal:
             hideable = min(seq_med["compute_s"], seq_med["comm_s"])
             row["step_bound_speedup"] = seq_med["step_s"] / max(seq_med["step_s"] - hideable, 1e-9)
-        if mode in DHELIX_MODES and mode != "sequential" and ideal:
+        if split_mode(mode)[0] in DHELIX_MODES and split_mode(mode)[0] != "sequential" and ideal:
             row["achieved_over_ideal"] = row["speedup_vs_sequential"] / ideal
         if cores and med["cpu_s"] and med["main_thread_cpu_s"]:
             floor = max(med["cpu_s"] * opts.world / cores, med["main_thread_cpu_s"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .options import DHELIX_MODES, BenchOptions
+from .options import DHELIX_MODES, BenchOptions, split_mode
 
 
 class SkipMode(Exception):
@@ -130,7 +130,7 @@ def build_runner(opts: BenchOptions, mode: str, example_batch: dict, link_gbps: 
     micro-batch (the planner profiles its shapes), ``link_gbps`` the emulated link rate."""
     if opts.pp > 1:
         return PipeRunner(opts, mode, link_gbps)
-    if mode in DHELIX_MODES:
+    if split_mode(mode)[0] in DHELIX_MODES:
         return DhelixRunner(opts, mode, example_batch, link_gbps)
     if mode in ("deepspeed", "autotp"):
         return DeepSpeedRunner(opts, mode)

@@ -12,6 +12,9 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
     si-ends     reactive SI with "pair_ends": the first two forwards and the last two backwards paired
                 too (no strand alone; one more micro-batch of activations)
 
+A ds_dhelix mode may name its activation recompute after a ``+``: ``si+full``, ``sequential+selective``
+(``dhelix.recompute``; plain ``si`` is ``si+none``), so the modes' step times sit side by side.
+
 With ``pp > 1`` (folded pipeline over ``pp`` ranks, ``tp = 1``) the modes are ``PP_MODES``::
 
     ds-1f1b       DeepSpeed PipelineEngine, its 1F1B schedule, on the HF decoder layers
@@ -26,6 +29,7 @@ import copy
 from dataclasses import asdict, dataclass, field
 
 from ..linkemu import DEFAULT_BURST_KB
+from ..recompute import MODES as RECOMPUTE_MODES
 
 MODES = ("deepspeed", "autotp", "sequential", "si", "si-ends", "si-plan", "si-planned")
 """Modes a run can measure, in table order."""
@@ -41,6 +45,12 @@ PP_MODES = ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si")
 
 PP_SCHEDULES = {"sequential": "sequential", "w": "w", "dualpipev-si": "dualpipev"}
 """ds_dhelix pipeline modes -> their ``dhelix.schedule``."""
+
+def split_mode(mode: str) -> tuple[str, str | None]:
+    """``"si+full"`` -> ``("si", "full")``; ``"si"`` -> ``("si", None)``."""
+    base, _, recompute = mode.partition("+")
+    return base, (recompute or None) if "+" in mode else None
+
 
 REFERENCE_GBPS = 2.0
 """The link whose sequential comm/comp ratio the run reports (the paper's A40-like regime)."""
@@ -102,13 +112,20 @@ class BenchOptions:
         if self.pp > 1 and self.modes == DEFAULT_MODES:  # the default list: the pipeline's
             object.__setattr__(self, "modes", PP_MODES)
         allowed = PP_MODES if self.pp > 1 else MODES
-        unknown = [m for m in self.modes if m not in allowed]
+        unknown = [m for m in self.modes if split_mode(m)[0] not in allowed]
         if unknown:
             other = PP_MODES if self.pp == 1 else MODES
             hint = ""
             if any(m in other for m in unknown):
                 hint = " (pipeline modes need --pp > 1)" if self.pp == 1 else " (not a pipeline mode; drop --pp)"
             raise ValueError(f"unknown bench mode(s) {unknown}{hint}; choose from {', '.join(allowed)}")
+        for m in self.modes:
+            base, recompute = split_mode(m)
+            if recompute is not None and (base not in DHELIX_MODES or recompute not in RECOMPUTE_MODES):
+                raise ValueError(f"bench mode {m!r}: only a ds_dhelix mode ({', '.join(d for d in DHELIX_MODES if d in allowed)}) "
+                                 f"takes '+' and a recompute mode ({', '.join(RECOMPUTE_MODES)}), e.g. si+full")
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"bench modes {list(self.modes)} name a mode twice")
         if self.pp > 1 and (self.tp != 1 or self.ep != 1):
             raise ValueError(f"--pp {self.pp} with --tp {self.tp} --ep {self.ep}: the pipeline benchmark runs "
                              f"one rank per stage (DeepSpeed's pipelines here have no TP/EP to match); "
@@ -172,8 +189,11 @@ class BenchOptions:
     def dhelix_ds_config(self, mode: str, link_gbps: float | None = None) -> dict:
         """ds_config of a ds_dhelix mode: TP over the whole world, all micro-batches on it.
         ``link_gbps`` keys the planner's cached overlap table to the emulated link."""
+        mode, recompute = split_mode(mode)
         assert mode in DHELIX_MODES, mode
         section = copy.deepcopy(self.extra_dhelix)
+        if recompute is not None:
+            section["recompute"] = recompute
         section.update(enabled=True, schedule="sequential" if mode == "sequential" else "si",
                        tensor_parallel={"size": self.tp})
         if self.pp > 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ds_dhelix.bench.options import DEFAULT_MODES, MODES, BenchOptions, quick
+from ds_dhelix.bench.options import DEFAULT_MODES, MODES, PP_MODES, BenchOptions, quick
 
 from .common import check_model, link_rate, stdout_to_stderr
 
@@ -29,8 +29,10 @@ def register(sub) -> None:
                         "(one rank per stage; needs --tp 1)")
     p.add_argument("--ep", type=int, default=None,
                    help=f"expert-parallel size for MoE models (default {d.ep}); e.g. --model tiny-phimoe --tp 1 --ep 2")
-    p.add_argument("--modes", nargs="+", default=None, choices=MODES, metavar="MODE",
-                   help=f"modes to measure, of {' '.join(MODES)} (default: {' '.join(DEFAULT_MODES)})")
+    p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
+                   help=f"modes to measure, of {' '.join(MODES)} (default: {' '.join(DEFAULT_MODES)}); with "
+                        f"--pp: {' '.join(PP_MODES)}. A ds_dhelix mode takes its activation recompute after "
+                        f"'+': si+full, sequential+selective")
     p.add_argument("--link-gbps", nargs="+", type=link_rate, default=None, metavar="GBPS",
                    help="emulated link rates in Gbit/s, 'unshaped' for plain loopback "
                         "(default: 1 2 5 10 unshaped; --quick: 2)")

@@ -21,6 +21,11 @@ def register(sub) -> None:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2], help="ZeRO stage")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="set every dropout rate of the model (SI vs sequential stays bitwise; HF is then compared "
+                        "with dropout off, on the first step)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="dhelix.recompute of both trained legs (peak_activation_bytes shows what it saves)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="DeepSpeed precision (bf16 / fp16 with its loss scaler; fp16 is forced on a CPU without it, "
                         "and the output says so); the HF comparison runs in fp32 only")
@@ -35,12 +40,15 @@ def run(args) -> int:
         args.tp = 2 if args.pp == 1 and args.ep == 1 else 1
     if args.dp is None:
         args.dp = args.ep
+    if not 0.0 <= args.dropout < 1.0:
+        raise ValueError(f"--dropout {args.dropout}: a rate in [0, 1)")
     for name in ("tp", "dp", "ep", "pp", "steps", "micro_batches", "micro_batch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     opts = ParityOptions(model=args.model, tp=args.tp, dp=args.dp, schedule=args.schedule, steps=args.steps,
                          micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                          seq_len=args.seq_len, zero_stage=args.zero, pp=args.pp, clip=args.clip, dtype=args.dtype,
+                         dropout=args.dropout, recompute=args.recompute,
                          extra={"expert_parallel": {"size": args.ep}} if args.ep > 1 else {})
     _check_setup(opts)
     result = run_parity(opts, timeout=args.timeout)

@@ -14,7 +14,6 @@ and add ops, and between forward and backward.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -124,24 +123,3 @@ def load_balancing_loss(pieces, num_tokens: int, num_experts: int, reduce=None, 
         tokens_sum, prob_sum = reduce(torch.stack([tokens_sum, prob_sum]))
         total = total * world
     return torch.sum((tokens_sum / total) * (prob_sum / total).unsqueeze(0)) * num_experts
-
-
-# ---------------------------------------------------------------------------- router noise
-def noise_seed(base: int, microbatch: int, layer: int, rank: int) -> int:
-    """A seed per (run, micro-batch, layer, rank): the router's sampling noise does not depend on
-    the order in which micro-batches run, so SI and sequential draw the same noise."""
-    return (((base * 1_000_003 + microbatch) * 1_009 + layer) * 65_537 + rank) % (2 ** 63 - 1)
-
-
-@contextlib.contextmanager
-def seeded_rng(device: torch.device, seed: int):
-    """Run the body on a private RNG stream seeded with ``seed``; the global stream is untouched."""
-    if device.type == "cuda":
-        with torch.random.fork_rng(devices=[device.index if device.index is not None else 0],
-                                   device_type="cuda"):
-            torch.cuda.manual_seed(seed)
-            yield
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(seed)
-            yield

@@ -93,7 +93,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
 
     def __init__(self, *, dhelix, groups, plan, **kwargs):
         super().__init__(**kwargs)
-        self.setup_strands(dhelix, groups, self.module.graph, plan)
+        self.setup_strands(dhelix, groups, self.module.graph, plan, recompute=dhelix.recompute)
         self.fold = self.module.fold
         self.schedule_name = dhelix.schedule
         self.blocks = [self.module.chunk_blocks(0), self.module.chunk_blocks(1)]
