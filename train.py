@@ -76,6 +76,8 @@ def check_inputs(args) -> Prepared:
             raise ValueError("--watchdog-s sets the ds_dhelix engine's watchdog; this ds_config does not enable "
                              "dhelix (plain DeepSpeed has none)")
         ds_config["dhelix"]["watchdog_s"] = args.watchdog_s
+    if (ds_config.get("dhelix") or {}).get("enabled"):
+        ds_config["dhelix"].setdefault("seed", args.seed)  # dropout masks and router noise follow --seed
     model_config = load_config(args.model)  # unknown preset / missing dir -> ValueError
     if not is_preset(args.model):
         check_weight_files(os.path.expanduser(args.model))
@@ -163,7 +165,7 @@ def run_state(args, ds_config, setup, num_tokens: int) -> dict:
             "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep,
                        "micro_batch_size": b.micro_batch_size, "gradient_accumulation_steps": b.gradient_accumulation_steps},
             "model": model, "data": {"source": data, "tokens": num_tokens, "seed": args.seed},
-            "seq_len": args.seq_len, "plan_fingerprint": None}
+            "seq_len": args.seq_len, "draw_seed": setup.dh.seed, "plan_fingerprint": None}
 
 
 def _check_resume(args, state: dict) -> tuple[str, str] | None:

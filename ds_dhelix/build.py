@@ -162,7 +162,7 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
         ep = dh.expert_parallel
         moe = {"ep_groups": groups.expert_groups(), "capacity_factor": ep.capacity_factor,
                "aux_loss_coef": ep.aux_loss_coef}
-    return adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, **moe)
+    return adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, seed=dh.seed, **moe)
 
 
 def build_engine(model, config, *, args=None, model_parameters=None, optimizer=None, lr_scheduler=None,

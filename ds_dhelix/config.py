@@ -369,6 +369,11 @@ class DhelixConfig(_Section):
     """Activation recompute inside the op graph: "none", "selective" (the attention core and the
     MLP activation recompute right before their backward) or "full" (each decoder layer keeps only
     its inputs and recomputes its forward as its backward starts); losses do not change."""
+    seed: int = 1234
+    """Base seed of the op graph's random draws (dropout masks, MoE router noise): with the
+    micro-batch's number in the run, the layer, the op and the rank it seeds each draw, so every
+    schedule, and a resumed run, draw the same masks (``draws.py``). train.py sets it to --seed
+    unless the section sets it."""
     allow_unknown_deepspeed_keys: bool = False
     """Warn instead of refusing a top-level ds_config key DeepSpeed does not read (keys of a newer
     DeepSpeed); DeepSpeed itself ignores such keys silently."""

@@ -71,7 +71,7 @@ class ParityOptions:
             "steps_per_print": 10 ** 9,
             "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.01, "torch_adam": True}},
             "zero_optimization": {"stage": self.zero_stage},
-            "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": self.tp},
+            "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": self.tp}, "seed": self.seed,
                        **({"pipeline": {"stages": self.pp}} if self.pp > 1 else {}),
                        **({"recompute": self.recompute} if self.recompute != "none" else {}), **self.extra},
         }

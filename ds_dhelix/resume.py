@@ -39,6 +39,7 @@ MUST_MATCH = {
     "model": "the model",
     "data": "the training data and its shuffle seed",
     "seq_len": "the sequence length",
+    "draw_seed": "the base seed of dropout masks and router noise (dhelix.seed, else --seed)",
 }
 """Run-state keys a resume must match. The SI plan's fingerprint is recorded too but only reported
 when it differs: every plan gives the same math."""

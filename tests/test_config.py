@@ -138,6 +138,8 @@ def test_unknown_key_without_close_match_lists_valid_keys():
         ({"watchdog_s": "600"}, "dhelix.watchdog_s"),
         ({"watchdog_s": True}, "dhelix.watchdog_s"),
         ({"log_interval": 1.0}, "dhelix.log_interval"),
+        ({"seed": "1234"}, "dhelix.seed"),
+        ({"seed": 1.0}, "dhelix.seed"),
     ],
 )
 def test_wrong_type_names_field_and_value(section, path):

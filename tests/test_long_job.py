@@ -1,8 +1,8 @@
 """A long job you can trust, through the real DeepSpeed launcher on 2 CPU ranks (each run bounded by a
 timeout):
 
-    exact resume     a run left after step 5 (--stop-after) and resumed to 10 == a straight 10-step run:
-                     losses of steps 6-10 and the exported parameters bitwise, the LR schedule
+    exact resume     a run left after step 10 (--stop-after) and resumed to 20 == a straight 20-step run:
+                     losses of steps 11-20 and the exported parameters bitwise, the LR schedule
                      continues (TensorBoard's Train/lr too); tiny-llama TP=2 SI, tiny-phimoe EP=2 SI,
                      PP=2 W. A resume that would change the run is refused naming both values.
     checkpoints      --save-interval keeps the newest --keep-checkpoints, ``latest`` names the newest;
@@ -70,6 +70,9 @@ def _summary(path) -> dict:
         return json.load(f)
 
 
+TOTAL, STOP = 20, 10  # the resumed half runs in the cosine decay, after the configs' 10 warm-up steps
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -77,23 +80,23 @@ def test_stop_and_resume_equals_a_straight_run(tmp_path, layout):
     name, model = LAYOUTS[layout]
     cfg = _config(tmp_path, name, tb=layout == "llama-tp2-si")
     ck = tmp_path / "ck"
-    _ok(_run(_cmd(cfg, model, tmp_path / "full", "--steps", "10", "--json-summary", str(tmp_path / "full.json"))))
-    first = _run(_cmd(cfg, model, tmp_path / "a", "--steps", "10", "--stop-after", "5", "--ds-checkpoint", str(ck),
+    _ok(_run(_cmd(cfg, model, tmp_path / "full", "--steps", str(TOTAL), "--json-summary", str(tmp_path / "full.json"))))
+    first = _run(_cmd(cfg, model, tmp_path / "a", "--steps", str(TOTAL), "--stop-after", str(STOP), "--ds-checkpoint", str(ck),
                       "--json-summary", str(tmp_path / "a.json")))
     _ok(first)
-    assert "leaving after step 5 of 10" in first.stdout
+    assert f"leaving after step {STOP} of {TOTAL}" in first.stdout
     assert not (tmp_path / "a").exists()  # an intermediate stop exports nothing
     (ck / ".tmp-global_step99").mkdir()  # what an interrupted save would leave
-    _ok(_run(_cmd(cfg, model, tmp_path / "b", "--steps", "10", "--resume", "auto", "--ds-checkpoint", str(ck),
+    _ok(_run(_cmd(cfg, model, tmp_path / "b", "--steps", str(TOTAL), "--resume", "auto", "--ds-checkpoint", str(ck),
                   "--json-summary", str(tmp_path / "b.json"))))
     full, a, b = (_summary(tmp_path / f"{k}.json") for k in ("full", "a", "b"))
-    assert b["start_step"] == 5 and len(b["losses"]) == 5
+    assert b["start_step"] == STOP and len(b["losses"]) == TOTAL - STOP
     assert a["losses"] + b["losses"] == full["losses"]  # bitwise: the same floats
     assert a["lrs"] + b["lrs"] == full["lrs"] and b["lrs"][0] > 0
     want, got = _weights(tmp_path / "full"), _weights(tmp_path / "b")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert not (ck / ".tmp-global_step99").exists()
-    assert {"global_step10", "global_step5", "latest"} <= set(os.listdir(ck))
+    assert {f"global_step{TOTAL}", f"global_step{STOP}", "latest"} <= set(os.listdir(ck))
     if layout == "llama-tp2-si":
         _lr_continues_in_tensorboard(tmp_path / "tb", full["lrs"])
 
@@ -106,8 +109,8 @@ def _lr_continues_in_tensorboard(tb_dir, lrs) -> None:
         acc.Reload()
         if "Train/lr" in acc.Tags()["scalars"]:
             logged.update({e.step: e.value for e in acc.Scalars("Train/lr")})
-    assert sorted(logged) == list(range(1, 11)), sorted(logged)  # steps 1-5, then 6-10 after the resume
-    assert logged[6] > 0 and [logged[s] for s in range(1, 11)] == pytest.approx(lrs, rel=1e-6)
+    assert sorted(logged) == list(range(1, TOTAL + 1)), sorted(logged)  # before the stop, then after the resume
+    assert logged[STOP + 1] > 0 and [logged[s] for s in range(1, TOTAL + 1)] == pytest.approx(lrs, rel=1e-6)
 
 
 @pytest.mark.slow

@@ -194,6 +194,7 @@ class BenchOptions:
         section = copy.deepcopy(self.extra_dhelix)
         if recompute is not None:
             section["recompute"] = recompute
+        section.setdefault("seed", self.seed)
         section.update(enabled=True, schedule="sequential" if mode == "sequential" else "si",
                        tensor_parallel={"size": self.tp})
         if self.pp > 1:
