@@ -21,7 +21,8 @@ def parse_args(argv=None):
     p.add_argument("--deepspeed", "--deepspeed_config", dest="deepspeed", required=True,
                    help="ds_config JSON (with an optional \"dhelix\" section)")
     p.add_argument("--model", default="tiny-llama",
-                   help="preset (tiny-llama, tiny-gpt2, tiny-gpt-neox, tiny-phimoe) or a local HF checkpoint dir")
+                   help="preset (tiny-llama, tiny-gpt2, tiny-gpt-neox, tiny-phimoe; small-llama, small-phimoe: ~100M) or a "
+                        "local HF checkpoint dir (each rank reads only its shards under dhelix)")
     p.add_argument("--data", default=None, help="local .txt or .jsonl (field 'text'); default: embedded corpus")
     p.add_argument("--steps", type=int, default=100, help="total optimizer steps of the run (a resume continues to it)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
@@ -47,7 +48,12 @@ def parse_args(argv=None):
     p.add_argument("--watchdog-s", type=float, default=None,
                    help="seconds without progress before a rank reports where it hangs and exits (default: the "
                         "config's dhelix.watchdog_s, 600)")
-    p.add_argument("--json-summary", default=None, help="write the run summary (losses, timings) as JSON")
+    p.add_argument("--attn-implementation", default=None, choices=["sdpa", "eager", "flash_attention_2"],
+                   help="attention kernel (default: the checkpoint directory's config.json setting, else sdpa)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file of the HF export (e.g. 500MB, 5GB); bigger models get shards "
+                        "and an index file")
+    p.add_argument("--json-summary", default=None, help="write the run summary (losses, timings, memory) as JSON")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return p.parse_args(argv)
 
@@ -62,6 +68,7 @@ class Prepared:
     ids: object  # the training tokens (1-D LongTensor)
     run_state: dict  # what a checkpoint of this run records
     resume: tuple[str, str] | None  # (checkpoint root, tag)
+    memory: dict | None = None  # this rank's host memory marks (filled by build)
 
 
 def check_inputs(args) -> Prepared:
@@ -81,6 +88,13 @@ def check_inputs(args) -> Prepared:
     model_config = load_config(args.model)  # unknown preset / missing dir -> ValueError
     if not is_preset(args.model):
         check_weight_files(os.path.expanduser(args.model))
+        if (ds_config.get("dhelix") or {}).get("enabled"):
+            from hf_models.loading import CheckpointFiles
+            CheckpointFiles(os.path.expanduser(args.model))  # each rank reads its shards: safetensors only
+    from hf_models.registry import resolve_attn_implementation
+    args.attn_implementation = resolve_attn_implementation(args.attn_implementation, args.model)
+    from ds_dhelix.checkpoint import parse_size
+    parse_size(args.max_shard_size, "--max-shard-size")
     setup = check_setup(ds_config, model_config, int(os.environ.get("WORLD_SIZE", 1)))
     if "optimizer" not in ds_config:
         raise ValueError('the ds_config has no "optimizer" section: train.py trains, so it needs one '
@@ -244,23 +258,52 @@ def _position(engine) -> str:
     return f" (step {wd.step + 1 if isinstance(wd.step, int) else wd.step}, during {wd.op})"
 
 
+def run_dtype(ds_config: dict):
+    """The dtype DeepSpeed trains the parameters in: bf16 / fp16 when enabled, else fp32."""
+    import torch
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return dtype
+    return torch.float32
+
+
+def build_model_for(args, prep: Prepared):
+    """``(model, weights)``: a preset built whole from --seed; a checkpoint directory under dhelix
+    as an empty (meta) model whose shards each rank reads from ``weights`` during the build, in the
+    run's dtype; under plain DeepSpeed loaded whole."""
+    from hf_models.registry import build_model, is_preset
+    if prep.setup.dh.enabled and not is_preset(args.model):
+        from hf_models.loading import empty_model
+        path = os.path.expanduser(args.model)
+        return empty_model(path, run_dtype(prep.ds_config), args.attn_implementation), path
+    model, _ = build_model(args.model, seed=args.seed, attn_implementation=args.attn_implementation)
+    return model, None
+
+
 def build(args, prep: Prepared):
     """The model, the engine (ds_dhelix or plain DeepSpeed) and the checkpoint it resumes from."""
     import deepspeed
 
-    from hf_models.registry import build_model
-    model, _ = build_model(args.model, seed=args.seed)
+    from ds_dhelix.memory import peak_rss_mib, reset_peak_rss
+    reset_peak_rss()
+    baseline = peak_rss_mib()
+    model, weights = build_model_for(args, prep)
     dh = prep.setup.dh
     if dh.enabled:
         import ds_dhelix
         micro = prep.setup.batch.micro_batch_size
         first = prep.ids[: micro * args.seq_len].view(micro, args.seq_len)
-        engine, *_ = ds_dhelix.initialize(model=model, config=prep.ds_config,
+        engine, *_ = ds_dhelix.initialize(model=model, config=prep.ds_config, weights=weights,
                                           example_batch={"input_ids": first, "labels": first.clone()})
         fingerprint = engine.plan.fingerprint() if getattr(engine, "plan", None) is not None else None
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=prep.ds_config)
         fingerprint = None
+    report = getattr(engine, "load_report", None)
+    prep.memory = {"baseline_rss_mib": baseline,
+                   "load_peak_rss_mib": report.peak_rss_mib if report is not None else peak_rss_mib(),
+                   "shard_mib": sum(p.numel() * p.element_size() for p in engine.module.parameters()) / 2 ** 20}
+    reset_peak_rss()  # the training peak is measured from here
     prep.run_state["plan_fingerprint"] = fingerprint
     if prep.resume is not None:
         from ds_dhelix.resume import load
@@ -294,10 +337,11 @@ def train(args, prep: Prepared, engine) -> int:
         if engine.global_steps < args.steps and args.stop_after and engine.global_steps - start >= args.stop_after:
             bar.close()
             path = save(args, prep, engine)
+            memory = memory_marks(prep)
             if rank == 0:
                 print(f"train.py: leaving after step {engine.global_steps} of {args.steps} (--stop-after "
                       f"{args.stop_after}); checkpoint {path}; continue with --resume auto")
-                summarize(args, log, start, None, micro, engine, dp_size, prep.setup.dh, {})
+                summarize(args, log, start, None, micro, engine, dp_size, prep.setup.dh, {}, memory)
             return 0
         if args.save_interval and engine.global_steps % args.save_interval == 0 and engine.global_steps < args.steps:
             save(args, prep, engine)
@@ -362,15 +406,27 @@ def finish(args, prep: Prepared, engine, log: dict, start: int, micro: int, dp_s
         save(args, prep, engine)
     with _watched(engine, "HF export"):
         if dh.enabled:
-            path = engine.export_hf(args.output_dir, prep.tokenizer)  # TP / EP / pipeline shards gathered
+            path = engine.export_hf(args.output_dir, prep.tokenizer, max_shard_size=args.max_shard_size)
         else:
             from ds_dhelix.checkpoint import export_hf
-            path = export_hf(engine.module, args.output_dir, prep.tokenizer)
+            path = export_hf(engine.module, args.output_dir, prep.tokenizer, max_shard_size=args.max_shard_size)
+    memory = memory_marks(prep)
     if dist.get_rank() == 0:
-        summarize(args, log, start, path, micro, engine, dp_size, dh, probe)
+        summarize(args, log, start, path, micro, engine, dp_size, dh, probe, memory)
     if engine.monitor.enabled and dist.get_rank() == 0:
         for writer in _tb_writers(engine):
             writer.flush()
+
+
+def memory_marks(prep: Prepared) -> list[dict]:
+    """Every rank's host memory marks (collective): baseline, load peak, training peak, shard."""
+    import torch.distributed as dist
+
+    from ds_dhelix.memory import peak_rss_mib
+    mine = {"rank": dist.get_rank(), **(prep.memory or {}), "train_peak_rss_mib": peak_rss_mib()}
+    marks = [None] * dist.get_world_size()
+    dist.all_gather_object(marks, mine)
+    return marks
 
 
 def probe_loss(engine, dh, ids, micro, seq_len):
@@ -416,14 +472,14 @@ def _tb_writers(engine):
             yield w
 
 
-def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, probe):
+def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, probe, memory):
     import statistics
     losses, times, stats = log["losses"], log["times"], log["stats"]
     k = max(1, len(losses) // 10)
     first, last = statistics.mean(losses[:k]), statistics.mean(losses[-k:])
     med = statistics.median(times[1:] or times)
     tokens = micro * engine.gradient_accumulation_steps() * args.seq_len * dp_size
-    summary = {"model": args.model, "start_step": start, "steps": len(losses), "total_steps": args.steps,
+    summary = {"model": args.model, "attn_implementation": args.attn_implementation, "start_step": start, "steps": len(losses), "total_steps": args.steps,
                "loss_first": first, "loss_last": last, "losses": losses, "lrs": log["lrs"],
                "median_step_s": med, "tokens_per_s": tokens / med, "hf_checkpoint": path}
     line = (f"done: steps {start + 1}-{start + len(losses)}, loss {first:.3f} -> {last:.3f}, "
@@ -445,6 +501,11 @@ def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, pro
     if path:
         print(f"HF checkpoint: {path}")
     summary.update(probe)
+    summary["memory"] = memory
+    if memory and memory[0].get("load_peak_rss_mib") is not None:
+        m = memory[0]
+        print(f"host memory, rank 0: load {m['load_peak_rss_mib'] - m['baseline_rss_mib']:.0f} MiB over the baseline "
+              f"for a {m['shard_mib']:.0f} MiB shard, training peak {m['train_peak_rss_mib']:.0f} MiB")
     if args.json_summary:
         with open(args.json_summary, "w") as f:
             json.dump(summary, f, indent=1)

@@ -6,10 +6,14 @@ itself stays light (the planner, plans and schedules never import deepspeed or t
 __version__ = "0.1.0"
 
 _LAZY = {"initialize": "build", "build_engine": "build", "check_setup": "build", "DhelixEngine": "engine"}
+_LAZY_HF = {"empty_model": "hf_models.loading"}
 
 
 def __getattr__(name):
     if name in _LAZY:
         import importlib
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    if name in _LAZY_HF:
+        import importlib
+        return getattr(importlib.import_module(_LAZY_HF[name]), name)
     raise AttributeError(name)

@@ -165,12 +165,50 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
     return adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, seed=dh.seed, **moe)
 
 
+@dataclass(frozen=True)
+class LoadReport:
+    """What reading this rank's shards from a checkpoint cost (``engine.load_report``)."""
+
+    path: str
+    bytes_read: int
+    peak_rss_mib: float | None  # peak resident memory while the model was built, sharded and read
+
+
+def load_shards(model, weights: str | None, rank: int = 0) -> LoadReport | None:
+    """Read every parameter of ``model`` still on the meta device (this rank's shards, cut by
+    ``shard_model``) from the checkpoint directory ``weights``; None when nothing is on meta."""
+    from hf_models.loading import CheckpointFiles, materialize
+
+    from .memory import peak_rss_mib
+    on_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if not on_meta:
+        if weights is not None:
+            raise ValueError(f"weights={weights!r} but the model's parameters are loaded already; build the model "
+                             f"with ds_dhelix.empty_model(DIR) to read only this rank's shards, or drop weights=")
+        return None
+    if weights is None:
+        raise ValueError(f"the model's parameters are on the meta device ({on_meta[0]}, ...): pass weights=<checkpoint "
+                         f"directory> so each rank reads its own shards")
+    files = CheckpointFiles(weights)
+    bar = _progress(len(on_meta), "reading shards") if rank == 0 else None
+    read = materialize(model, files, progress=(lambda i, n, name: bar.update(1)) if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    return LoadReport(files.path, read, peak_rss_mib())
+
+
+def _progress(total: int, what: str):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=f"ds_dhelix: {what}", unit="tensor", leave=False)
+
+
 def build_engine(model, config, *, args=None, model_parameters=None, optimizer=None, lr_scheduler=None,
-                 plan: SIPlan | None = None, example_batch: dict | None = None):
+                 plan: SIPlan | None = None, example_batch: dict | None = None, weights: str | None = None):
     """The engine for ``model`` (an HF causal LM, sharded in place) under ``config`` (a ds_config
     dict or path with an enabled "dhelix" section). ``plan`` runs SI pairs by that plan, as
     ``si_execution="plan"`` would; ``example_batch`` (one micro-batch) gives the shapes to profile
-    for ``planner.profile="auto"``."""
+    for ``planner.profile="auto"``. ``weights``: the checkpoint directory of a model built with
+    ``empty_model`` (parameters on the meta device): each rank reads only its shards from it."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
     if not isinstance(config, dict):
@@ -188,7 +226,8 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
     ds_config.pop("dhelix", None)
     extra = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "config": ds_config}
     if setup.dims.pp > 1:
-        return _pipeline_engine(model, setup, groups, graph, plan, model_parameters, extra)
+        return _pipeline_engine(model, setup, groups, graph, plan, model_parameters, extra, weights)
+    report = load_shards(model, weights, groups.rank)
     dh = setup.dh
     if plan is None and dh.schedule == "si" and dh.si_execution == "plan":
         plan = _configured_plan(dh, graph, model, groups, config, example_batch)
@@ -196,17 +235,20 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
         from .moe.engine import DhelixMoeEngine as engine_class
     else:
         from .engine import DhelixEngine as engine_class
-    return engine_class(dhelix=dh, groups=groups, graph=graph, plan=plan, model=model,
-                        model_parameters=model_parameters or model.parameters(), mpu=groups,
-                        config_class=DeepSpeedConfig(ds_config, groups), **extra)
+    engine = engine_class(dhelix=dh, groups=groups, graph=graph, plan=plan, model=model,
+                          model_parameters=model_parameters or model.parameters(), mpu=groups,
+                          config_class=DeepSpeedConfig(ds_config, groups), **extra)
+    engine.load_report = report
+    return engine
 
 
 def initialize(args=None, model=None, config=None, model_parameters=None, optimizer=None,
-               lr_scheduler=None, plan: SIPlan | None = None, example_batch: dict | None = None):
+               lr_scheduler=None, plan: SIPlan | None = None, example_batch: dict | None = None,
+               weights: str | None = None):
     """Like ``deepspeed.initialize`` for an HF causal LM: returns ``(engine, optimizer, None,
     lr_scheduler)`` (see :func:`build_engine`)."""
     engine = build_engine(model, config, args=args, model_parameters=model_parameters, optimizer=optimizer,
-                          lr_scheduler=lr_scheduler, plan=plan, example_batch=example_batch)
+                          lr_scheduler=lr_scheduler, plan=plan, example_batch=example_batch, weights=weights)
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
@@ -219,7 +261,8 @@ def _warn_ignored_by_pipeline(ds_config: dict, setup: Setup) -> None:
                        f"forward/backward pair runs by the SI plan's rounds (the default plan)")
 
 
-def _pipeline_engine(model, setup: Setup, groups: ProcessGroups, graph, plan, model_parameters, extra: dict):
+def _pipeline_engine(model, setup: Setup, groups: ProcessGroups, graph, plan, model_parameters, extra: dict,
+                     weights: str | None):
     """Fold and prune ``model`` for this rank's stage; the folded pipeline engine."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -231,12 +274,17 @@ def _pipeline_engine(model, setup: Setup, groups: ProcessGroups, graph, plan, mo
     if plan is None:
         specs = graph.layer_specs()
         plan = default_plan(specs, backward_order(specs))
-    module = FoldedPipelineModule(model, graph, setup.fold, groups.topology)
+    loaded = []  # this stage's shards are read once the other stages' layers are pruned
+    module = FoldedPipelineModule(model, graph, setup.fold, groups.topology,
+                                  on_pruned=lambda pruned: loaded.append(load_shards(pruned, weights, groups.rank)))
+    report = loaded[0]
     mpu = module.mpu()
     kept = {id(p) for p in module.parameters()}  # the caller's list may name pruned parameters
     params = [p for p in (model_parameters or module.parameters()) if id(p) in kept]
-    return FoldedPipelineEngine(dhelix=setup.dh, groups=groups, plan=plan, model=module, model_parameters=params,
-                                mpu=mpu, config_class=DeepSpeedConfig(extra["config"], mpu), **extra)
+    engine = FoldedPipelineEngine(dhelix=setup.dh, groups=groups, plan=plan, model=module, model_parameters=params,
+                                  mpu=mpu, config_class=DeepSpeedConfig(extra["config"], mpu), **extra)
+    engine.load_report = report
+    return engine
 
 
 def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, example_batch) -> SIPlan:

@@ -53,10 +53,11 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
                            recompute=dhelix.recompute)
         self._warned_few = False
 
-    def export_hf(self, out_dir: str, tokenizer=None) -> str | None:
+    def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """Write an HF checkpoint (shards gathered) from global rank 0; collective on all ranks."""
         from .checkpoint import export_hf
-        return export_hf(self.module, out_dir, tokenizer, self.groups.tp_grad_group, self.groups.tp_size)
+        return export_hf(self.module, out_dir, tokenizer, self.groups.tp_grad_group, self.groups.tp_size,
+                         max_shard_size=max_shard_size)
 
     # ------------------------------------------------------------------ training
     def _reduction_context(self):

@@ -71,3 +71,35 @@ class ActivationMeter:
 
 def null_hooks():
     return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------ host memory
+def _status_mib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def rss_mib() -> float | None:
+    """This process's resident memory now, in MiB (None where /proc is not available)."""
+    return _status_mib("VmRSS")
+
+
+def peak_rss_mib() -> float | None:
+    """The peak resident memory since the last :func:`reset_peak_rss` (or the process start)."""
+    return _status_mib("VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window (Linux ``clear_refs`` 5); False where the system cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

@@ -27,6 +27,9 @@ from .watchdog import Watchdog
 class DhelixStepMixin:
     """Step logic shared by the ds_dhelix engines (mixed in before a ``DeepSpeedEngine`` class)."""
 
+    load_report = None
+    """``build.LoadReport`` when the build read this rank's shards from a checkpoint, else None."""
+
     def setup_strands(self, dhelix, groups, graph, plan, **executor_options) -> None:
         """Everything a step needs; call after the DeepSpeed engine's own ``__init__``."""
         self.dhelix, self.groups, self.graph, self.plan = dhelix, groups, graph, plan

@@ -38,12 +38,16 @@ def shard_param(module: nn.Module, name: str, dim: int, rank: int, tp: int, inde
     p = getattr(module, name)
     if p is None or tp == 1:
         return
+    from .loading import select
     if index is None:
         size = p.shape[dim] // tp
         data = p.data.narrow(dim, rank * size, size)
+        part = select(p, dim, slice(rank * size, (rank + 1) * size))
     else:
         data = p.data.index_select(dim, index.to(p.device))
+        part = select(p, dim, index)
     new = nn.Parameter(data.clone().contiguous(), requires_grad=p.requires_grad)
+    new.hf_selection = part  # which part of the full HF tensor this shard is (sharded loading)
     new.tensor_model_parallel = True
     new.tp_partition_dim = dim
     if index is not None:
@@ -277,11 +281,13 @@ def causal_mask_side(config, dtype, seq_len: int, device=None) -> dict:
     return {"causal_mask": mask[None, None]}
 
 
-def rotary_side_fn(rotary_emb: nn.Module, weight: torch.Tensor, config):
-    """``extra`` for ``make_side_fn``: rotary cos/sin over the full sequence (+ the eager mask)."""
+def rotary_side_fn(rotary_emb: nn.Module, embed: nn.Module, config):
+    """``extra`` for ``make_side_fn``: rotary cos/sin over the full sequence (+ the eager mask), in
+    the dtype and on the device of ``embed.weight`` as it is when the micro-batch is made (read
+    then: a pipeline stage without the embedding holds an empty stand-in of it)."""
 
     def extra(batch, side):
-        s, dummy = side["seq_len"], weight[:1].detach()
+        s, dummy = side["seq_len"], embed.weight[:1].detach()
         cos, sin = rotary_emb(dummy, torch.arange(s, device=dummy.device).unsqueeze(0))
         return {"cos": cos, "sin": sin, **causal_mask_side(config, dummy.dtype, s, dummy.device)}
 

@@ -90,5 +90,5 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     blocks = [[embed_op(inner.embed_tokens)]]
     blocks += [layer_ops(i, layer, config, tp, tp_group, draws) for i, layer in enumerate(inner.layers)]
     blocks.append(head_ops(inner.norm, model.lm_head))
-    side = rotary_side_fn(inner.rotary_emb, inner.embed_tokens.weight, config)
+    side = rotary_side_fn(inner.rotary_emb, inner.embed_tokens, config)
     return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="llama", replicated=replicated)

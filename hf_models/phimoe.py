@@ -72,6 +72,26 @@ def check_ep(config, ep: int, dp_size: int | None = None) -> None:
     _check_ep(config.num_local_experts, config.num_experts_per_tok, ep, dp_size)
 
 
+def checkpoint_source(name: str, config):
+    """Where ``name`` lives in Phi-MoE files as ``save_pretrained`` writes them: the router is
+    ``block_sparse_moe.gate``; expert ``e``'s ``w1`` (gate) and ``w3`` (up) rows make
+    ``gate_up_proj[e]``, its ``w2`` makes ``down_proj[e]`` (None: the name itself)."""
+    from .loading import Joined, Key
+    head, sep, leaf = name.partition(".mlp.")
+    if not sep:
+        return None
+    moe = f"{head}.block_sparse_moe"
+    n, inter = config.num_local_experts, config.intermediate_size
+    if leaf == "router.weight":
+        return Key(f"{moe}.gate.weight")
+    if leaf == "experts.gate_up_proj":
+        return Joined(0, tuple(Joined(0, (Key(f"{moe}.experts.{e}.w1.weight"), Key(f"{moe}.experts.{e}.w3.weight")),
+                                      sizes=(inter, inter)) for e in range(n)), stack=True)
+    if leaf == "experts.down_proj":
+        return Joined(0, tuple(Key(f"{moe}.experts.{e}.w2.weight") for e in range(n)), stack=True)
+    return Key(f"{moe}.{leaf}")
+
+
 def shard(model, tp: int, tp_rank: int, ep_groups: ExpertGroups) -> None:
     """TP: q/k/v by output rows, o_proj by input columns. EP: keep this rank's experts."""
     for layer in model.model.layers:

@@ -78,6 +78,30 @@ def check_weight_files(path: str) -> None:
                              f"copy or save the checkpoint again")
 
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
+def resolve_attn_implementation(requested: str | None, name_or_path: str | os.PathLike) -> str:
+    """The attention implementation a run uses: ``requested``, else the checkpoint directory's own
+    ``config.json`` setting, else sdpa. ``ValueError`` for an unknown name or flash attention
+    without its package."""
+    choice = requested
+    name = os.path.expanduser(os.fspath(name_or_path))
+    if choice is None and not is_preset(name) and os.path.isfile(os.path.join(name, "config.json")):
+        with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+        choice = raw.get("_attn_implementation") or raw.get("attn_implementation")
+    choice = choice or DEFAULT_ATTN_IMPLEMENTATION
+    if choice not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {choice!r} is not supported; use one of {list(ATTN_IMPLEMENTATIONS)}")
+    if choice == "flash_attention_2":
+        import importlib.util
+        if importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available():
+            raise ValueError("flash_attention_2 needs the flash-attn package and a CUDA device "
+                             "(pip install flash-attn); use sdpa or eager")
+    return choice
+
+
 def load_config(name_or_path: str | os.PathLike):
     """Transformers config of a preset name or a local checkpoint directory (holding config.json)."""
     from transformers import AutoConfig

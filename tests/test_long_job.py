@@ -26,6 +26,8 @@ import time
 import pytest
 import torch
 
+from tests.conftest import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 LAYOUTS = {"llama-tp2-si": ("tiny_llama_cpu.json", "tiny-llama"), "phimoe-ep2-si": ("phimoe_ep2.json", "tiny-phimoe"),
@@ -44,7 +46,8 @@ def _config(tmp, name: str, tb: bool = False, scheduler: bool = True) -> str:
 
 
 def _cmd(cfg: str, model: str, out, *extra) -> list[str]:
-    return [DEEPSPEED, "--num_gpus", "2", os.path.join(ROOT, "train.py"), "--deepspeed", cfg, "--model", model,
+    return [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), os.path.join(ROOT, "train.py"),
+            "--deepspeed", cfg, "--model", model,
             "--seq-len", "32", "--output-dir", str(out), *extra]
 
 
@@ -228,8 +231,7 @@ def test_sigkill_of_one_rank_ends_the_other_with_one_line(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_failed_export_keeps_the_previous_one_and_no_temporary_folder(tmp_path, monkeypatch):
-    from transformers import PreTrainedModel
-
+    from ds_dhelix import checkpoint
     from ds_dhelix.checkpoint import EXPORT_MARK, export_hf
     from hf_models.registry import build_model
     model, _ = build_model("tiny-llama", seed=0)
@@ -238,12 +240,17 @@ def test_failed_export_keeps_the_previous_one_and_no_temporary_folder(tmp_path, 
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
     assert EXPORT_MARK in before
 
-    def broken(self, path, **kw):  # writes part of the checkpoint, then fails
-        (open(os.path.join(path, "model.safetensors"), "wb")).write(b"partial")
-        raise OSError("disk full")
-    monkeypatch.setattr(PreTrainedModel, "save_pretrained", broken)
+    calls = []
+    add = checkpoint.ShardWriter.add
+
+    def broken(self, key, tensor):  # the disk fills up after a few tensors, mid-file
+        calls.append(key)
+        if len(calls) > 5:
+            raise OSError("disk full")
+        add(self, key, tensor)
+    monkeypatch.setattr(checkpoint.ShardWriter, "add", broken)
     with pytest.raises(OSError, match="disk full"):
-        export_hf(model, str(out))
+        export_hf(model, str(out), max_shard_size="100KB")  # several files: the failure comes mid-export
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
     assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp-hf")] == []
 

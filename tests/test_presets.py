@@ -38,9 +38,28 @@ def batch(cache_dir):
     return next(batch_iterator(ids, micro_batch_size=2, seq_len=64, seed=0))
 
 
+TINY = tuple(n for n in PRESETS if n.startswith("tiny-"))
+
+
 def test_preset_names():
-    assert PRESETS == ("tiny-gpt-neox", "tiny-gpt2", "tiny-llama", "tiny-phimoe")
+    assert PRESETS == ("small-llama", "small-phimoe", "tiny-gpt-neox", "tiny-gpt2", "tiny-llama", "tiny-phimoe")
     assert all(is_preset(n) for n in PRESETS) and not is_preset("llama")
+
+
+@pytest.mark.parametrize("name, params", [("small-llama", 98.6e6), ("small-phimoe", 98.7e6)])
+def test_small_presets_have_real_shapes(name, params):
+    """The memory / speed presets: hidden 1024, 8 layers, 16 heads, 8 KV heads, ~100M parameters
+    (counted on the meta device: nothing is initialised)."""
+    from hf_models.loading import empty_model
+    config = load_config(name)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.vocab_size) == (1024, 8, 16, 8, 2048)
+    if name == "small-phimoe":
+        assert (config.num_local_experts, config.num_experts_per_tok) == (8, 2)
+    else:
+        assert config.intermediate_size == 2816
+    n = sum(p.numel() for p in empty_model(None, config=config).parameters())
+    assert abs(n - params) / params < 0.02, n
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -58,7 +77,7 @@ def test_gpt_neox_partial_rotary():
     assert load_config("tiny-gpt-neox").rope_parameters["partial_rotary_factor"] == 0.25
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", TINY)
 def test_build_forward_backward_and_round_trip(name, batch, tmp_path):
     rng_before = torch.random.get_rng_state()
     model, info = build_model(name, seed=1234)
@@ -107,7 +126,7 @@ def test_load_config_errors(tmp_path):
         load_config("tiny-lama")
     with pytest.raises(ValueError, match=r"'\./no/such/dir' not found"):
         load_config("./no/such/dir")
-    with pytest.raises(ValueError, match=r"neither a preset \(tiny-gpt-neox, tiny-gpt2, tiny-llama, tiny-phimoe\)"):
+    with pytest.raises(ValueError, match=r"neither a preset \(small-llama, small-phimoe, tiny-gpt-neox, tiny-gpt2, tiny-llama, tiny-phimoe\)"):
         load_config("bert-base")
     with pytest.raises(ValueError, match="has no config.json"):
         load_config(tmp_path)

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -20,7 +22,7 @@ def run_train(tmp_path, steps=40, extra=()):
     cfg_path.write_text(json.dumps(cfg))
     summary = tmp_path / "summary.json"
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
-           os.path.join(ROOT, "train.py"), "--deepspeed", str(cfg_path), "--steps", str(steps),
+           "--master_port", str(free_port()), os.path.join(ROOT, "train.py"), "--deepspeed", str(cfg_path), "--steps", str(steps),
            "--seq-len", "64", "--output-dir", str(tmp_path / "hf"), "--json-summary", str(summary), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)

@@ -45,6 +45,16 @@ def _truncated_checkpoint(tmp) -> str:
     return str(out)
 
 
+def _bin_only_checkpoint(tmp) -> str:
+    from hf_models.registry import build_model
+    model, _ = build_model("tiny-llama", seed=0)
+    out = tmp / "bin-ckpt"
+    model.save_pretrained(out)
+    os.remove(out / "model.safetensors")
+    (out / "pytorch_model.bin").write_bytes(b"weights")
+    return str(out)
+
+
 def _setdh(key, value):
     def change(cfg):
         cfg["dhelix"][key] = value
@@ -75,6 +85,11 @@ CASES = [
     ("empty-data", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.txt", "\n \n")], ["d.txt", "no text"]),
     ("data-too-short", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.txt", "a few words only")],
      ["tokens", "fewer than one micro-batch"]),
+    ("bin-only-checkpoint", 2, lambda t: ["--deepspeed", BASE, "--model", _bin_only_checkpoint(t)],
+     ["pytorch_model.bin", "safe_serialization=True"]),
+    ("max-shard-size", 2, lambda t: ["--deepspeed", BASE, "--max-shard-size", "big"], ["--max-shard-size 'big'", "5GB"]),
+    ("flash-attention-unavailable", 2, lambda t: ["--deepspeed", BASE, "--attn-implementation", "flash_attention_2"],
+     ["flash_attention_2", "flash-attn", "sdpa"]),
     ("seq-len-0", 2, lambda t: ["--deepspeed", BASE, "--seq-len", "0"], ["--seq-len must be >= 1"]),
     ("steps-0", 2, lambda t: ["--deepspeed", BASE, "--steps", "0"], ["--steps must be >= 1"]),
     ("seq-len-not-divisible", 2, lambda t: ["--deepspeed", BASE, "--seq-len", "63"], ["--seq-len 63", "tensor_parallel.size 2"]),

@@ -15,6 +15,7 @@ from torch import nn
 
 from .dispatch import ExpertGroups
 from .router import Route
+from hf_models.loading import select
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -46,7 +47,9 @@ def shard_experts(experts: nn.Module, groups: ExpertGroups) -> None:
     for name in EXPERT_PARAMS:
         p = getattr(experts, name)
         if groups.size > 1:
+            part = select(p, 0, slice(lo, lo + local))
             p = nn.Parameter(p.data[lo:lo + local].clone(), requires_grad=p.requires_grad)
+            p.hf_selection = part  # which experts of the full HF tensor (sharded loading)
             setattr(experts, name, p)
         if groups.size > 1:  # DeepSpeed: an expert parameter, reduced over the expert-DP group
             p.allreduce = False

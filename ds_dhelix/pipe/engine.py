@@ -108,10 +108,11 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         """Every stage reads the micro-batches (side inputs are built on each rank)."""
         self.training_dataloader, self.data_iterator = None, iterator
 
-    def export_hf(self, out_dir: str, tokenizer=None) -> str | None:
+    def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """The whole model as an HF checkpoint written by global rank 0 (collective)."""
         from .module import export_hf_pipeline
-        return export_hf_pipeline(self.module, out_dir, tokenizer, self.groups.tp_grad_group, self.groups.tp_size)
+        return export_hf_pipeline(self.module, out_dir, tokenizer, self.groups.tp_grad_group, self.groups.tp_size,
+                                  max_shard_size=max_shard_size)
 
     # ------------------------------------------------------------------ steps
     def _rank_schedule(self, name: str, m: int) -> list:

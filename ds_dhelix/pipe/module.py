@@ -19,8 +19,6 @@ state_dict / ``save_pretrained`` directory on global rank 0.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
@@ -58,7 +56,9 @@ def prune_to_stage(model: nn.Module, fold: LayerFold, stage: int) -> int:
             if p is None or owns(layer_of.get(id(p))):
                 continue
             del module._parameters[name]
-            module.register_buffer(name, p.data.new_empty((0,) + tuple(p.shape[1:])), persistent=False)
+            device = "cpu" if p.is_meta else p.device  # (a model built empty: its shards are read later)
+            module.register_buffer(name, torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype, device=device),
+                                   persistent=False)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -68,12 +68,14 @@ class FoldedPipelineModule(PipelineModule):
     ``model``: the HF causal LM (pruned in place); ``graph``: its op graph; ``fold``: the layout;
     ``topology``: DeepSpeed's pipe x data x model topology. Exposes ``hf_model`` (HF names),
     ``graph``, ``fold``, ``chunk_blocks(phase)`` and ``stage_id``. ``forward`` is not used: the
-    engine runs the graph blocks through the SI executor.
+    engine runs the graph blocks through the SI executor. ``on_pruned(model)`` runs once the other
+    stages' layers are gone and before DeepSpeed moves the module to its device (the build reads
+    this stage's shards from a checkpoint there).
     """
 
-    def __init__(self, model: nn.Module, graph, fold: LayerFold, topology):
+    def __init__(self, model: nn.Module, graph, fold: LayerFold, topology, on_pruned=None):
         # PipelineModule.__init__ calls _partition_layers and _build, which need these
-        object.__setattr__(self, "_pending", (model, graph, fold))
+        object.__setattr__(self, "_pending", (model, graph, fold, on_pruned))
         super().__init__(layers=list(range(fold.num_layers)), topology=topology, partition_method="uniform")
         object.__delattr__(self, "_pending")
 
@@ -85,9 +87,11 @@ class FoldedPipelineModule(PipelineModule):
         self._local_start, self._local_stop = phase0.start, phase0.stop
 
     def _build(self):
-        model, graph, fold = self._pending
+        model, graph, fold, on_pruned = self._pending
         self.fold, self.graph = fold, graph
         prune_to_stage(model, fold, self.stage_id)
+        if on_pruned is not None:
+            on_pruned(model)
         self.hf_model = model
         for p in self.parameters():
             p.ds_pipe_replicated = False
@@ -129,41 +133,49 @@ class FoldedPipelineModule(PipelineModule):
         self.hf_model.load_state_dict(state, strict=strict)
 
 
-def gather_hf_state_dict(module: FoldedPipelineModule, tp_group=None, tp_size: int = 1):
-    """Every parameter of the whole model as its full HF tensor, on the stage-0 ranks of each
-    pipeline (None elsewhere). Collective over the TP group, then the pipeline group."""
-    from ..checkpoint import full_state_dict
-    mine = {k: v.cpu() for k, v in full_state_dict(module.hf_model, tp_group, tp_size).items()}
-    grid = module._grid
-    src = grid.stage_to_global(0)
-    parts = [None] * grid.get_pipe_parallel_world_size() if grid.get_global_rank() == src else None
-    dist.gather_object(mine, parts, dst=src, group=grid.get_pipe_parallel_group())
-    if parts is None:
-        return None
-    full = {}
-    for part in parts:
-        full.update(part)
-    return full
-
-
 def export_hf_pipeline(module: FoldedPipelineModule, out_dir: str, tokenizer=None, tp_group=None,
-                       tp_size: int = 1) -> str | None:
-    """Write the whole pipelined model as an HF checkpoint (``save_pretrained`` layout) from global
-    rank 0 with :func:`ds_dhelix.checkpoint.export_hf`'s writer; returns the path on rank 0."""
-    from transformers import AutoModelForCausalLM
-
+                       tp_size: int = 1, max_shard_size="5GB") -> str | None:
+    """Write the whole pipelined model as an HF checkpoint, streamed from global rank 0 with
+    :func:`ds_dhelix.checkpoint.export_hf`'s writer; returns the path on rank 0."""
     from ..checkpoint import export_hf
-    full = gather_hf_state_dict(module, tp_group, tp_size)
-    if dist.get_rank() != 0:
-        return export_hf(nn.Module(), out_dir)  # joins the writer's barrier
-    config = module.hf_model.config
-    dtype = next(iter(full.values())).dtype
-    whole = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
-    missing, unexpected = whole.load_state_dict(full, strict=False)
-    tied = set(getattr(whole, "_tied_weights_keys", None) or {})
-    if [k for k in missing if k not in tied] or unexpected:
-        raise RuntimeError(f"pipeline export: stages do not cover the model: missing {missing}, "
-                           f"unexpected {unexpected}")
-    whole.tie_weights()
-    with torch.no_grad():
-        return export_hf(whole, out_dir, tokenizer)
+    return export_hf(module.hf_model, out_dir, tokenizer, max_shard_size=max_shard_size,
+                     tensors=pipeline_tensors(module, tp_group, tp_size))
+
+
+def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int = 1):
+    """``(name, full HF tensor)`` of every parameter of the whole model, one at a time, yielded on
+    global rank 0 (collective): each stage gathers its tensors over its TP group and the rank of
+    global rank 0's pipeline sends each to it, stage by stage."""
+    from ..checkpoint import hf_tensors
+    from hf_models.loading import empty_model
+    grid = module._grid
+    pipe = grid.get_pipe_parallel_group()
+    mine = [name for name, _ in module.hf_model.named_parameters()]
+    by_stage = [None] * grid.get_pipe_parallel_world_size()
+    dist.all_gather_object(by_stage, (module.stage_id, mine), group=pipe)
+    root = dist.get_rank() == 0
+    in_root_pipeline = dist.get_rank() in dist.get_process_group_ranks(pipe) and grid.stage_to_global(0) == 0
+    shapes = dtype = None
+    if root:
+        shapes = {n: p.shape for n, p in empty_model(None, config=module.hf_model.config).named_parameters()}
+        dtype = next(module.hf_model.parameters()).dtype
+    for stage, names in sorted(by_stage):
+        if stage == module.stage_id:
+            for name, full in hf_tensors(module.hf_model, tp_group, tp_size):
+                if root:
+                    yield name, full
+                elif in_root_pipeline:
+                    dist.send(full.contiguous(), dst=0)
+        elif root:
+            src = grid.stage_to_global(stage)
+            for name in names:
+                buf = torch.empty(shapes[name], dtype=dtype)
+                dist.recv(buf, src=src)
+                yield name, buf
+
+
+def gather_hf_state_dict(module: FoldedPipelineModule, tp_group=None, tp_size: int = 1) -> dict | None:
+    """Every parameter of the whole model as its full HF tensor, on global rank 0 (None elsewhere;
+    collective): :func:`pipeline_tensors` collected (for comparisons; the export streams instead)."""
+    full = dict(pipeline_tensors(module, tp_group, tp_size))
+    return full if dist.get_rank() == 0 else None
