@@ -24,6 +24,9 @@ def parse_args(argv=None):
                    help="preset (tiny-llama, tiny-gpt2, tiny-gpt-neox, tiny-phimoe; small-llama, small-phimoe: ~100M) or a "
                         "local HF checkpoint dir (each rank reads only its shards under dhelix)")
     p.add_argument("--data", default=None, help="local .txt or .jsonl (field 'text'); default: embedded corpus")
+    p.add_argument("--packing", default="concat", choices=["concat", "docs", "none"],
+                   help="concat: documents back to back with EOS between; docs: also restart positions and mask "
+                        "attention at each document; none: pad each document to its own block(s)")
     p.add_argument("--steps", type=int, default=100, help="total optimizer steps of the run (a resume continues to it)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--output-dir", default="outputs/run", help="where the HF checkpoint goes")
@@ -125,7 +128,17 @@ def _check_flags(args) -> None:
         load_text(args.data)  # missing, unreadable, malformed jsonl, empty: one line naming file and line
 
 
+def _check_packing(args, setup, model_config) -> None:
+    if args.packing == "none" and setup.dh.enabled and hasattr(model_config, "num_local_experts"):
+        raise ValueError("--packing none pads documents, and the MoE router's load-balancing loss would count the "
+                         "padded tokens (HF leaves them out); use --packing docs (or concat) with an MoE model")
+    if args.packing == "docs" and args.attn_implementation == "flash_attention_2":
+        raise ValueError("--packing docs masks attention across documents, which the ds_dhelix graph does not yet "
+                         "pass to flash_attention_2; use sdpa or eager")
+
+
 def _check_lengths(args, setup, model_config) -> None:
+    _check_packing(args, setup, model_config)
     tp = setup.dims.tp
     if args.seq_len % tp:
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by tensor_parallel.size {tp}")
@@ -153,17 +166,29 @@ def _check_outputs(args) -> None:
 
 
 def _tokens(args, setup):
-    """The tokenizer and the training tokens; enough of them for one step on every replica."""
-    from ds_dhelix.data import build_embedded_corpus, encode_text, load_text
+    """The tokenizer and the training tokens (documents each followed by EOS); enough blocks for one
+    step on every replica."""
+    from ds_dhelix.data import TokenDataset, build_embedded_corpus, encode_documents, load_text, split_documents
     from hf_models.registry import load_tokenizer_for
     tokenizer = load_tokenizer_for(args.model)
-    ids = encode_text(tokenizer, load_text(args.data) if args.data else build_embedded_corpus())
-    blocks, need = len(ids) // args.seq_len, setup.batch.micro_batch_size * setup.dims.dp
+    ids = encode_documents(tokenizer, split_documents(load_text(args.data) if args.data else build_embedded_corpus()))
+    if len(ids) < args.seq_len and args.packing != "none":
+        blocks = 0
+    else:
+        blocks = len(TokenDataset(ids, args.seq_len, **data_options(args, tokenizer)))
+    need = setup.batch.micro_batch_size * setup.dims.dp
     if blocks < need:
         raise ValueError(f"{args.data or 'the corpus'} has {len(ids)} tokens: {blocks} blocks of --seq-len "
-                         f"{args.seq_len}, fewer than one micro-batch ({setup.batch.micro_batch_size}) on each of "
-                         f"{setup.dims.dp} data-parallel replicas; use more text or a shorter --seq-len")
+                         f"{args.seq_len} (--packing {args.packing}), fewer than one micro-batch "
+                         f"({setup.batch.micro_batch_size}) on each of {setup.dims.dp} data-parallel replicas; use "
+                         f"more text or a shorter --seq-len")
     return tokenizer, ids
+
+
+def data_options(args, tokenizer) -> dict:
+    """How ``TokenDataset`` / ``batch_iterator`` cut the tokens (``--packing``)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return {"packing": args.packing, "eos_id": tokenizer.eos_token_id, "pad_id": pad}
 
 
 def run_state(args, ds_config, setup, num_tokens: int) -> dict:
@@ -178,7 +203,8 @@ def run_state(args, ds_config, setup, num_tokens: int) -> dict:
             "optimizer": ds_config.get("optimizer"), "precision": precision,
             "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep,
                        "micro_batch_size": b.micro_batch_size, "gradient_accumulation_steps": b.gradient_accumulation_steps},
-            "model": model, "data": {"source": data, "tokens": num_tokens, "seed": args.seed},
+            "model": model, "data": {"source": data, "tokens": num_tokens, "seed": args.seed,
+                                            "packing": args.packing},
             "seq_len": args.seq_len, "draw_seed": setup.dh.seed, "plan_fingerprint": None}
 
 
@@ -325,7 +351,7 @@ def train(args, prep: Prepared, engine) -> int:
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     start = engine.global_steps
     data = batch_iterator(prep.ids, micro, args.seq_len, seed=args.seed, rank=dp_rank, num_replicas=dp_size,
-                          start=start * gas)
+                          start=start * gas, **data_options(args, prep.tokenizer))
     stop = StopRequest.install()
     log = {"losses": [], "times": [], "stats": [], "lrs": []}
     bar = tqdm(total=args.steps, initial=start, desc="train", disable=rank != 0, dynamic_ncols=True)
@@ -453,7 +479,10 @@ def plain_step(engine, data):
     gas = engine.gradient_accumulation_steps()
     for _ in range(gas):
         batch = next(data)
-        out = engine(input_ids=batch["input_ids"], labels=batch["labels"])
+        from ds_dhelix.data import hf_model_inputs
+        module = engine.module
+        eager = next(module.parameters()).dtype if module.config._attn_implementation == "eager" else None
+        out = engine(**hf_model_inputs(batch, eager))
         engine.backward(out.loss)
         engine.step()
         total += out.loss.detach().float()

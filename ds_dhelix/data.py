@@ -194,6 +194,25 @@ def encode_text(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.long)
 
 
+def split_documents(text: str) -> list[str]:
+    """The documents of a text: its blank-line separated chunks (a .jsonl file's lines are joined
+    that way by ``load_text``)."""
+    return [d for d in text.split("\n\n") if d.strip()]
+
+
+def encode_documents(tokenizer, docs: Sequence[str]) -> torch.Tensor:
+    """Token ids of ``docs`` as one 1-D LongTensor, each document followed by the tokenizer's EOS
+    token, so a packed block shows where one document ends and the next begins."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer defines no EOS token; documents could not be told apart in packed blocks")
+    flat: list[int] = []
+    for part in tokenizer(list(docs), add_special_tokens=False)["input_ids"]:
+        flat.extend(part)
+        flat.append(eos)
+    return torch.tensor(flat, dtype=torch.long)
+
+
 # --------------------------------------------------------------------------------------------------
 # user text
 # --------------------------------------------------------------------------------------------------
@@ -243,24 +262,103 @@ def _parse_jsonl(path: str, raw: str) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-class TokenDataset(torch.utils.data.Dataset):
-    """Non-overlapping blocks of ``seq_len`` tokens; item = {"input_ids", "labels"} (labels = inputs,
-    the HF causal-LM model shifts them). The tail shorter than a block is left out."""
+PACKINGS = ("concat", "docs", "none")
+"""How documents become blocks of ``seq_len`` tokens (``train.py --packing``):
 
-    def __init__(self, token_ids: Sequence[int] | torch.Tensor, seq_len: int):
+- ``concat``: documents back to back, EOS between them; positions run on and attention crosses
+  documents (classic GPT packing);
+- ``docs``: the same blocks, plus ``position_ids`` that restart at each document and targets across
+  a document boundary ignored (-100); the op graph masks attention across documents (a
+  block-diagonal causal mask built from ``position_ids``);
+- ``none``: each document padded to its own block(s) (a longer one is cut into several), with an
+  ``attention_mask`` and -100 targets on the padding."""
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Blocks of ``seq_len`` tokens; item = {"input_ids", "labels"} (labels = inputs, the HF
+    causal-LM model shifts them), plus "position_ids" (``packing="docs"``) or "attention_mask"
+    (``packing="none"``). ``eos_id``: the document separator in ``token_ids`` (needed by "docs"
+    and "none"); ``pad_id``: the padding of "none". The tail shorter than a block is left out
+    (``concat`` / ``docs``)."""
+
+    def __init__(self, token_ids: Sequence[int] | torch.Tensor, seq_len: int, packing: str = "concat",
+                 eos_id: int | None = None, pad_id: int = 0):
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
         _check_positive("seq_len", seq_len)
-        if ids.numel() < seq_len:
-            raise ValueError(f"{ids.numel()} tokens are fewer than one block of seq_len {seq_len}")
-        self.seq_len = seq_len
-        self.blocks = ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+        if packing not in PACKINGS:
+            raise ValueError(f"packing {packing!r}: use one of {', '.join(PACKINGS)}")
+        if packing != "concat" and eos_id is None:
+            raise ValueError(f"packing {packing!r} needs the EOS id that separates documents")
+        self.seq_len, self.packing = seq_len, packing
+        if packing == "none":
+            self.fields = _padded_documents(ids, seq_len, eos_id, pad_id)
+        else:
+            if ids.numel() < seq_len:
+                raise ValueError(f"{ids.numel()} tokens are fewer than one block of seq_len {seq_len}")
+            blocks = ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+            self.fields = {"input_ids": blocks, "labels": blocks}
+            if packing == "docs":
+                self.fields = {"input_ids": blocks, **document_positions(blocks, eos_id)}
+        self.blocks = self.fields["input_ids"]
 
     def __len__(self) -> int:
         return self.blocks.shape[0]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        block = self.blocks[i]
-        return {"input_ids": block.clone(), "labels": block.clone()}
+        return self.rows(torch.tensor([i]), squeeze=True)
+
+    def rows(self, index: torch.Tensor, squeeze: bool = False) -> dict[str, torch.Tensor]:
+        out = {k: v[index].clone() for k, v in self.fields.items()}
+        return {k: v[0] for k, v in out.items()} if squeeze else out
+
+
+def document_positions(blocks: torch.Tensor, eos_id: int) -> dict[str, torch.Tensor]:
+    """``position_ids`` restarting after every EOS (and at each block's start), and ``labels`` with
+    -100 at each document's first token inside a block (the previous document's EOS does not
+    predict it)."""
+    b, s = blocks.shape
+    start = torch.zeros_like(blocks, dtype=torch.bool)
+    start[:, 0] = True
+    start[:, 1:] = blocks[:, :-1] == eos_id
+    index = torch.arange(s).expand(b, s)
+    last_start = torch.where(start, index, torch.zeros_like(index)).cummax(dim=1).values
+    labels = blocks.clone()
+    labels[:, 1:][start[:, 1:]] = -100
+    return {"labels": labels, "position_ids": index - last_start}
+
+
+def hf_model_inputs(batch: dict, eager_dtype: torch.dtype | None = None) -> dict:
+    """The keyword arguments a plain HF causal LM takes for ``batch``: packed documents
+    (``position_ids``) also get the block-diagonal causal mask the op graph builds from them,
+    [b, 1, s, s]: boolean (sdpa), or additive in ``eager_dtype`` for eager attention (which adds
+    its mask to the scores)."""
+    pos = batch.get("position_ids")
+    if pos is None:
+        return batch
+    segment = (pos == 0).cumsum(dim=1)
+    s = pos.shape[1]
+    allowed = (segment[:, :, None] == segment[:, None, :]) & torch.ones(s, s, dtype=torch.bool, device=pos.device).tril()
+    mask = allowed[:, None]
+    if eager_dtype is not None:
+        mask = torch.zeros(mask.shape, dtype=eager_dtype, device=pos.device).masked_fill(~mask, torch.finfo(eager_dtype).min)
+    return {**batch, "attention_mask": mask}
+
+
+def _padded_documents(ids: torch.Tensor, seq_len: int, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
+    ends = (ids == eos_id).nonzero().flatten().tolist()
+    rows, lo = [], 0
+    for end in ends + ([ids.numel() - 1] if not ends or ends[-1] != ids.numel() - 1 else []):
+        doc = ids[lo:end + 1]
+        lo = end + 1
+        rows += [doc[i:i + seq_len] for i in range(0, doc.numel(), seq_len)]
+    if not rows:
+        raise ValueError("no documents to pad")
+    input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    for r, row in enumerate(rows):
+        input_ids[r, :row.numel()] = row
+        mask[r, :row.numel()] = 1
+    return {"input_ids": input_ids, "labels": input_ids.masked_fill(mask == 0, -100), "attention_mask": mask}
 
 
 def batch_iterator(
@@ -271,8 +369,12 @@ def batch_iterator(
     rank: int = 0,
     num_replicas: int = 1,
     start: int = 0,
+    packing: str = "concat",
+    eos_id: int | None = None,
+    pad_id: int = 0,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless micro-batches {"input_ids", "labels"}: LongTensor [micro_batch_size, seq_len].
+    """Endless micro-batches {"input_ids", "labels"} (+ "position_ids" / "attention_mask" by
+    ``packing``, see ``PACKINGS``): LongTensor [micro_batch_size, seq_len].
 
     Each epoch shuffles the blocks with ``seed + epoch``; replica ``rank`` takes every
     ``num_replicas``-th block, so replicas see disjoint blocks and the same number of batches.
@@ -285,7 +387,7 @@ def batch_iterator(
     _check_positive("num_replicas", num_replicas)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
         raise ValueError(f"rank must be an int in [0, {num_replicas}), got {rank!r}")
-    dataset = TokenDataset(token_ids, seq_len)
+    dataset = TokenDataset(token_ids, seq_len, packing, eos_id, pad_id)
     per_replica = len(dataset) // num_replicas
     num_batches = per_replica // micro_batch_size
     if num_batches == 0:
@@ -303,8 +405,7 @@ def _batches(dataset, micro_batch_size, seed, rank, num_replicas, num_batches, s
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch))
         mine = order[: num_batches * micro_batch_size * num_replicas][rank::num_replicas]
         for b in range(first, num_batches):
-            block = dataset.blocks[mine[b * micro_batch_size : (b + 1) * micro_batch_size]]
-            yield {"input_ids": block, "labels": block.clone()}
+            yield dataset.rows(mine[b * micro_batch_size : (b + 1) * micro_batch_size])
         epoch, first = epoch + 1, 0
 
 

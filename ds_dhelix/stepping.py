@@ -24,6 +24,31 @@ from .trace import TraceRecorder, merge_traces
 from .watchdog import Watchdog
 
 
+def check_attention_mask(batch: dict, k: int, moe: bool = False) -> None:
+    """A micro-batch's ``attention_mask`` is honoured when it is right padding whose targets are
+    ignored: causal attention never lets a real token see the padding after it, so every counted
+    loss term is what HF computes with the mask. Any other mask is refused, naming the fix."""
+    mask = batch.get("attention_mask")
+    if mask is None or bool((mask != 0).all()):
+        return
+    fix = ("pad on the right with labels = -100 on the padding (DataCollatorForLanguageModeling does), or pack "
+           "documents with position_ids (train.py --packing docs)")
+    if mask.dim() != 2:
+        raise ValueError(f"micro-batch {k} has an attention_mask of shape {tuple(mask.shape)}: ds_dhelix reads a "
+                         f"[batch, sequence] padding mask only; {fix}")
+    keep = mask != 0
+    if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
+        raise ValueError(f"micro-batch {k} has an attention_mask with left padding or holes, which the op graph's "
+                         f"causal attention cannot honour; {fix}")
+    labels = batch.get("labels", batch["input_ids"])
+    if bool((labels[~keep] != -100).any()):
+        raise ValueError(f"micro-batch {k}: labels on padded positions (attention_mask 0) must be -100, or the "
+                         f"loss would count the padding; {fix}")
+    if moe:
+        raise ValueError(f"micro-batch {k} has padding: the MoE router's load-balancing loss would count the padded "
+                         f"tokens (HF leaves them out); pack the data without padding (--packing concat or docs)")
+
+
 class DhelixStepMixin:
     """Step logic shared by the ds_dhelix engines (mixed in before a ``DeepSpeedEngine`` class)."""
 
@@ -69,11 +94,7 @@ class DhelixStepMixin:
             if got != shape:
                 raise ValueError(f"micro-batch {k} has shape {got}, expected {shape}: every micro-batch "
                                  f"of a step must have the same [batch, sequence] shape")
-            mask = b.get("attention_mask")
-            if mask is not None and not bool((mask != 0).all()):
-                raise ValueError(f"micro-batch {k} has an attention_mask with padding: the op graph runs causal "
-                                 f"attention over the whole sequence and does not read attention_mask; pack the "
-                                 f"data without padding, or mark padded targets with labels = -100 and drop the mask")
+            check_attention_mask(b, k, moe="expert_groups" in self.graph.meta)
         return batches
 
     def begin_step(self) -> StepStats:

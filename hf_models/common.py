@@ -78,15 +78,21 @@ def make_side_fn(tp: int, tp_rank: int, extra=None):
         targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
         n = s // tp
         sl = slice(tp_rank * n, (tp_rank + 1) * n)
+        position_ids = batch.get("position_ids")  # packed documents: positions restart per document
         side = {
             "ids": ids[:, sl],
             "targets": targets[:, sl].t().contiguous(),  # [s/tp, b], sequence-first
             "num_valid": int((targets != -100).sum()),
-            "positions": torch.arange(tp_rank * n, (tp_rank + 1) * n, device=ids.device).unsqueeze(0).expand(b, n),
+            "positions": (position_ids[:, sl] if position_ids is not None else
+                          torch.arange(tp_rank * n, (tp_rank + 1) * n, device=ids.device).unsqueeze(0).expand(b, n)),
             "seq_len": s,
             "batch": b,
             "serial": serial,
         }
+        if position_ids is not None:
+            if tuple(position_ids.shape) != (b, s):
+                raise ValueError(f"position_ids shape {tuple(position_ids.shape)} does not match input_ids {(b, s)}")
+            side["position_ids"] = position_ids
         if extra is not None:
             side.update(extra(batch, side))
         return side
@@ -264,7 +270,7 @@ def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None):
     def fn(side, q, k, v):
         if rotary is not None:
             q, k = rotary(q, k, side)
-        mask = side.get("causal_mask") if impl == "eager" else None
+        mask = side.get("causal_mask")  # eager's causal mask, or packed documents' block mask
         p = drop.p if drop is not None and attn_module.training else 0.0
         with drop.rng(q.device, side, "attn.core") if p else contextlib.nullcontext():
             o, _ = attend(attn_module, q, k, v, mask, dropout=p, scaling=attn_module.scaling)
@@ -273,12 +279,34 @@ def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None):
     return comp("attn.core", ("q", "k", "v"), ("o",), fn, selective=True)
 
 
-def causal_mask_side(config, dtype, seq_len: int, device=None) -> dict:
-    """The additive causal mask eager attention needs (sdpa uses ``is_causal`` instead)."""
-    if (config._attn_implementation or "sdpa") != "eager":
+def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None) -> dict:
+    """The attention mask a micro-batch needs, as ``{"causal_mask": ...}``: with ``position_ids``
+    (packed documents: a document starts where its position is 0) a block-diagonal causal mask,
+    boolean for sdpa and additive for eager, [b, 1, s, s]; else the additive causal mask eager
+    attention needs [1, 1, s, s] (sdpa runs ``is_causal`` instead: nothing)."""
+    eager = (config._attn_implementation or "sdpa") == "eager"
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    if position_ids is not None:
+        if (config._attn_implementation or "sdpa") == "flash_attention_2":
+            raise ValueError("packed documents (position_ids) with flash_attention_2 are not supported; use sdpa or "
+                             "eager")
+        segment = (position_ids == 0).cumsum(dim=1)
+        allowed = (segment[:, :, None] == segment[:, None, :]) & causal
+    elif eager:
+        allowed = causal.unsqueeze(0)
+    else:
         return {}
-    mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
-    return {"causal_mask": mask[None, None]}
+    allowed = allowed[:, None]
+    if not eager:
+        return {"causal_mask": allowed}
+    return {"causal_mask": torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)}
+
+
+def side_positions(side: dict, device) -> torch.Tensor:
+    """Positions over the full sequence, [b or 1, s]: the batch's ``position_ids`` when it has them."""
+    pos = side.get("position_ids")
+    return pos if pos is not None else torch.arange(side["seq_len"], device=device).unsqueeze(0)
 
 
 def rotary_side_fn(rotary_emb: nn.Module, embed: nn.Module, config):
@@ -288,8 +316,9 @@ def rotary_side_fn(rotary_emb: nn.Module, embed: nn.Module, config):
 
     def extra(batch, side):
         s, dummy = side["seq_len"], embed.weight[:1].detach()
-        cos, sin = rotary_emb(dummy, torch.arange(s, device=dummy.device).unsqueeze(0))
-        return {"cos": cos, "sin": sin, **causal_mask_side(config, dummy.dtype, s, dummy.device)}
+        cos, sin = rotary_emb(dummy, side_positions(side, dummy.device))
+        return {"cos": cos, "sin": sin,
+                **causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"))}
 
     return extra
 

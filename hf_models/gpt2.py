@@ -86,7 +86,7 @@ def attn_core_op(attn_module, config, drop=None):
     upcast = impl == "eager" and attn_module.reorder_and_upcast_attn
 
     def fn(side, q, k, v):
-        mask = side.get("causal_mask") if impl == "eager" else None
+        mask = side.get("causal_mask")  # eager's causal mask, or packed documents' block mask
         p = drop.p if drop is not None and attn_module.training else 0.0
         with drop.rng(q.device, side, "attn.core") if drop is not None else contextlib.nullcontext():
             if upcast:
@@ -140,7 +140,8 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
         replicated = mark_replicated(replicated, tp_grad_group)  # a tied lm_head/wte is one parameter
 
     def eager_mask(batch, side):
-        return causal_mask_side(config, tr.wte.weight.dtype, side["seq_len"], tr.wte.weight.device)
+        return causal_mask_side(config, tr.wte.weight.dtype, side["seq_len"], tr.wte.weight.device,
+                                side.get("position_ids"))
 
     blocks = [[embed_op(tr.wte, pos_embed=tr.wpe, drop=Dropout.make(draws, config.embd_pdrop, -1, tr))]]
     blocks += [layer_ops(i, block, config, tp, tp_group, draws) for i, block in enumerate(tr.h)]

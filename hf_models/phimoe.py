@@ -42,8 +42,8 @@ from ds_dhelix.moe.metrics import MoeMetrics
 from ds_dhelix.draws import Draws, draw_seed, seeded_rng
 from ds_dhelix.moe.router import aux_piece, combine_copies, load_balancing_loss, local_counts, route_tokens
 
-from .common import (Dropout, attn_core_op, check_divisible, check_dropout, embed_op, head_ops, make_side_fn,
-                     mark_replicated, qkv_projections, rotary, shard_param)
+from .common import (Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout, embed_op, head_ops,
+                     make_side_fn, mark_replicated, qkv_projections, rotary, shard_param, side_positions)
 
 
 DROPOUT_KEYS = ("attention_dropout",)
@@ -251,12 +251,8 @@ def side_inputs(model):
             raise ValueError(f"sequence length {s} exceeds Phi-MoE's sliding_window {window}; the ds_dhelix "
                              f"adapter runs full causal attention: use --seq-len <= {window}")
         dummy = inner.embed_tokens.weight[:1]
-        pos = torch.arange(s, device=dummy.device).unsqueeze(0)
-        cos, sin = inner.rotary_emb(dummy, pos)
-        out = {"cos": cos, "sin": sin, "moe": {}}
-        if (config._attn_implementation or "sdpa") == "eager":
-            mask = torch.full((s, s), torch.finfo(dummy.dtype).min, dtype=dummy.dtype, device=dummy.device).triu(1)
-            out["causal_mask"] = mask[None, None]
-        return out
+        cos, sin = inner.rotary_emb(dummy, side_positions(side, dummy.device))
+        return {"cos": cos, "sin": sin, "moe": {},
+                **causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"))}
 
     return extra

@@ -87,6 +87,8 @@ CASES = [
      ["tokens", "fewer than one micro-batch"]),
     ("bin-only-checkpoint", 2, lambda t: ["--deepspeed", BASE, "--model", _bin_only_checkpoint(t)],
      ["pytorch_model.bin", "safe_serialization=True"]),
+    ("padding-with-moe", 2, lambda t: ["--deepspeed", os.path.join(ROOT, "ds_configs", "phimoe_ep2.json"),
+                                       "--model", "tiny-phimoe", "--packing", "none"], ["--packing none", "load-balancing"]),
     ("max-shard-size", 2, lambda t: ["--deepspeed", BASE, "--max-shard-size", "big"], ["--max-shard-size 'big'", "5GB"]),
     ("flash-attention-unavailable", 2, lambda t: ["--deepspeed", BASE, "--attn-implementation", "flash_attention_2"],
      ["flash_attention_2", "flash-attn", "sdpa"]),

@@ -24,6 +24,9 @@ def register(sub) -> None:
     p.add_argument("--dropout", type=float, default=0.0,
                    help="set every dropout rate of the model (SI vs sequential stays bitwise; HF is then compared "
                         "with dropout off, on the first step)")
+    p.add_argument("--packing", default="concat", choices=["concat", "docs"],
+                   help="docs: random documents of random lengths per row (position_ids restart, attention masked "
+                        "across documents; HF gets the same block-diagonal mask)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="dhelix.recompute of both trained legs (peak_activation_bytes shows what it saves)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
@@ -48,7 +51,7 @@ def run(args) -> int:
     opts = ParityOptions(model=args.model, tp=args.tp, dp=args.dp, schedule=args.schedule, steps=args.steps,
                          micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                          seq_len=args.seq_len, zero_stage=args.zero, pp=args.pp, clip=args.clip, dtype=args.dtype,
-                         dropout=args.dropout, recompute=args.recompute,
+                         dropout=args.dropout, recompute=args.recompute, packing=args.packing,
                          extra={"expert_parallel": {"size": args.ep}} if args.ep > 1 else {})
     _check_setup(opts)
     result = run_parity(opts, timeout=args.timeout)
