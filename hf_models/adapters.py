@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 
 ADAPTERS = {"llama": "hf_models.llama", "gpt2": "hf_models.gpt2", "gpt_neox": "hf_models.gpt_neox",
-            "phimoe": "hf_models.phimoe"}
+            "phimoe": "hf_models.phimoe", "mixtral": "hf_models.mixtral", "qwen3_moe": "hf_models.qwen3_moe",
+            "olmoe": "hf_models.olmoe"}
 
 
 def adapter_for(config):

@@ -107,10 +107,15 @@ def test_bin_only_and_mismatched_checkpoints_are_refused(tmp_path):
         materialize(wrong, CheckpointFiles(path))
 
 
-def test_export_layout_is_what_save_pretrained_writes(tmp_path):
-    full, path = _save(tmp_path, "tiny-phimoe")
+@pytest.mark.parametrize("preset", ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe", "tiny-gpt-neox"])
+def test_export_layout_is_what_save_pretrained_writes(tmp_path, preset):
+    full, path = _save(tmp_path, preset)
     keys = {k for n, p in full.named_parameters() for k, _ in file_tensors(checkpoint_source(full, n), p.detach())}
     assert keys == set(CheckpointFiles(path).keys())
+    model = empty_model(path)  # and every parameter reads back from those files
+    materialize(model, CheckpointFiles(path))
+    want = dict(full.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
 
 
 # ------------------------------------------------------------------------- through train.py

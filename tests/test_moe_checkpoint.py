@@ -1,5 +1,7 @@
-"""HF Phi-MoE checkpoint -> EP=2 training -> HF checkpoint: plain transformers and an EP=1 run both
-reproduce the trained model's loss."""
+"""HF MoE checkpoint (Phi-MoE, Mixtral) -> EP=2 training, each rank reading only its experts
+(``ds_dhelix.empty_model`` + ``weights=``) -> streamed HF checkpoint: plain transformers and an EP=1
+run both reproduce the trained model's loss."""
+import pytest
 import torch
 
 from ds_dhelix.spawn import run_ranks
@@ -26,9 +28,9 @@ def _batches(seed, n):
 
 def _train_and_export(rank, world, src, dst):
     import ds_dhelix
-    from hf_models.registry import build_model
-    model, _ = build_model(src, seed=0)
-    engine, *_ = ds_dhelix.initialize(model=model, config=_cfg(2))
+    model = ds_dhelix.empty_model(src)
+    engine, *_ = ds_dhelix.initialize(model=model, config=_cfg(2), weights=src)
+    assert engine.load_report is not None and engine.load_report.bytes_read > 0
     data = _batches(rank, 4)
     engine.train_batch(iter(data[:2]))
     engine.train_batch(iter(data[2:]))
@@ -46,10 +48,11 @@ def _eval_ep1(rank, world, src):
     return float(engine.eval_batch(iter(_batches(99, 1) * 2)))
 
 
-def test_hf_to_ep2_to_hf_and_ep1(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-phimoe", "tiny-mixtral"])
+def test_hf_to_ep2_to_hf_and_ep1(tmp_path, preset):
     from transformers import AutoModelForCausalLM
     from hf_models.registry import build_model
-    model, _ = build_model("tiny-phimoe", seed=3)
+    model, _ = build_model(preset, seed=3)
     model.save_pretrained(tmp_path / "in")
     trained = run_ranks(_train_and_export, 2, args=(str(tmp_path / "in"), str(tmp_path / "out")), timeout=240)
     assert trained[0] == trained[1]  # the loss is averaged over both data-parallel ranks

@@ -1,0 +1,280 @@
+"""One MoE decoder layer machinery for every HF MoE family whose experts are fused tensors
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) behind a router module returning
+``(logits, top-k weights, top-k experts)``: Phi-MoE (sparsemixer), Mixtral (softmax top-k,
+renormalised), Qwen3-MoE and OLMoE (softmax top-k, renormalised when ``norm_topk_prob``; RMSNorm of q
+and k per head or over the whole projection). A family is a ``MoeFamily``: where its router and jitter live, how many experts its
+config has, how its files store the experts. The adapters (``phimoe.py``, ``mixtral.py``) are that
+description plus their checks.
+
+Layer ops (``s`` sequence, ``t`` TP size, ``N`` tokens of this rank, hidden sequence-first)::
+
+    attn.norm     COMP  h[s/t] -> x               input_layernorm
+    attn.ag       COMM  x -> xf[s]                all-gather (sequence)           t > 1
+    attn.qkv      COMP  xf -> q,k,v               q/k/v_proj (column-parallel)
+    attn.core     COMP  q,k,v -> o                rotary + HF attention function (sdpa/eager)
+    attn.out      COMP  o -> ao                   o_proj (row-parallel, partial sums)
+    attn.rs       COMM  ao -> ar[s/t]             reduce-scatter (sequence)       t > 1
+    mlp.norm      COMP  h,ar -> h2,x2             residual add + post_attention_layernorm
+    moe.router    COMP  x2 -> xs,w,aux.<i>        the family's HF router; copies sorted by expert
+    moe.counts    COMM  xs -> xc                  rows per (rank, expert), async    ep > 1, dropless
+    moe.dispatch  COMM  xs|xc -> xr               all-to-all to the experts' EP ranks  ep > 1
+    moe.experts.up    COMP  xr -> xg              regroup rows by expert; gate/up projections
+    moe.experts.act   COMP  xg -> xa              act(gate) x up
+    moe.experts.down  COMP  xa -> yr              down projection; rows back in received order
+    moe.combine   COMM  yr -> ys                  all-to-all back                      ep > 1
+    moe.add       COMP  h2,ys,w -> h              weighted sum of each token's copies + residual
+
+Each TP rank routes its own sequence shard; EP groups are DP peers with the same TP rank. The
+router's per-layer load-balancing pieces (``aux.<i>``) flow to ``head.loss``, which adds HF's
+``router_aux_loss_coef x load_balancing_loss`` over all layers, so its gradient reaches every router
+through the ordinary backward of the op graph, under SI as well. HF state_dict keys never change:
+expert shards keep their names and are gathered back to ``[E, ...]`` by global expert id.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds_dhelix.comm import SeqAllGather, SeqReduceScatter
+from ds_dhelix.draws import Draws, draw_seed, seeded_rng
+from ds_dhelix.graph import ModelGraph, comm, comp
+from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll, ExpertGroups
+from ds_dhelix.moe.experts import expert_act, run_expert_down, run_expert_up, shard_experts
+from ds_dhelix.moe.metrics import MoeMetrics
+from ds_dhelix.moe.router import aux_piece, combine_copies, load_balancing_loss, local_counts, route_tokens
+
+from .common import (Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout, embed_op, head_ops,
+                     make_side_fn, mark_replicated, qkv_projections, rotary, shard_param, side_positions)
+
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """What differs between the MoE families this machinery runs."""
+
+    name: str                 # "Phi-MoE", for messages
+    family: str               # the graph's family tag
+    hf: object                # the transformers modeling module (eager attention, rotary)
+    router: str               # the router's attribute on the sparse block ("router", "gate")
+    block_jitter: str | None  # the block's input-jitter attribute ("input_jitter_noise", "jitter_noise")
+    experts_key: str          # the config key of the expert count
+    files_block: str          # the block's name in the files save_pretrained writes
+    files_router: str         # the router's name there
+    files_experts: tuple      # (gate, up, down) names of one expert there
+    inter_key: str = "intermediate_size"  # the config key of one expert's hidden size
+    qk_norm: str | None = None  # RMSNorm of q and k: "head" (over head_dim, Qwen3) or "full" (the whole projection, OLMoE)
+
+    def num_experts(self, config) -> int:
+        return getattr(config, self.experts_key)
+
+
+def check_tp(config, tp: int, world: int | None = None) -> None:
+    check_divisible(tp, world, num_attention_heads=config.num_attention_heads,
+                    num_key_value_heads=config.num_key_value_heads)
+
+
+def checkpoint_source(family: MoeFamily, name: str, config):
+    """Where ``name`` lives in the files ``save_pretrained`` writes for ``family``: the router under
+    its file name; expert ``e``'s gate and up rows make ``gate_up_proj[e]``, its down projection
+    ``down_proj[e]`` (None: the name itself)."""
+    from .loading import Joined, Key
+    head, sep, leaf = name.partition(".mlp.")
+    if not sep:
+        return None
+    block = f"{head}.{family.files_block}"
+    n, inter = family.num_experts(config), getattr(config, family.inter_key)
+    gate, up, down = family.files_experts
+    if leaf == f"{family.router}.weight":
+        return Key(f"{block}.{family.files_router}.weight")
+    if leaf == "experts.gate_up_proj":
+        return Joined(0, tuple(Joined(0, (Key(f"{block}.experts.{e}.{gate}.weight"), Key(f"{block}.experts.{e}.{up}.weight")),
+                                      sizes=(inter, inter)) for e in range(n)), stack=True)
+    if leaf == "experts.down_proj":
+        return Joined(0, tuple(Key(f"{block}.experts.{e}.{down}.weight") for e in range(n)), stack=True)
+    return Key(f"{block}.{leaf}")
+
+
+def shard(model, tp: int, tp_rank: int, ep_groups: ExpertGroups) -> None:
+    """TP: q/k/v by output rows, o_proj by input columns. EP: keep this rank's experts."""
+    for layer in model.model.layers:
+        at = layer.self_attn
+        for lin in (at.q_proj, at.k_proj, at.v_proj):
+            shard_param(lin, "weight", 0, tp_rank, tp)
+            shard_param(lin, "bias", 0, tp_rank, tp)
+        shard_param(at.o_proj, "weight", 1, tp_rank, tp)
+        shard_experts(layer.mlp.experts, ep_groups)
+
+
+def qkv_op(at, qk_norm: str | None):
+    """``attn.qkv``: the projections, then the family's RMSNorm of q and k (HF's order)."""
+    if qk_norm is None:
+        return qkv_projections(at)
+    if qk_norm == "head":  # per head: the projections' views normalised over head_dim
+        project = qkv_projections(at)
+
+        def fn(side, xf):
+            q, k, v = project(side, xf)
+            return at.q_norm(q), at.k_norm(k), v
+        return fn
+    hd = at.head_dim
+
+    def full(side, xf):  # over the whole projection (every head at once; TP = 1)
+        s, b, _ = xf.shape
+        q, k, v = at.q_norm(at.q_proj(xf)), at.k_norm(at.k_proj(xf)), at.v_proj(xf)
+        return tuple(t.view(s, b, -1, hd).permute(1, 2, 0, 3) for t in (q, k, v))
+    return full
+
+
+def attention_ops(index: int, layer, config, tp: int, tp_group, draws, family: MoeFamily):
+    at = layer.self_attn
+    drop = Dropout.make(draws, config.attention_dropout, index, at)
+    xin, ar = ("xf", "ar") if tp > 1 else ("x", "ao")
+    ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (layer.input_layernorm(h),))]
+    if tp > 1:
+        ops.append(comm("attn.ag", SeqAllGather(tp_group, tp), "x", "xf"))
+    ops += [comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_op(at, family.qk_norm), linear=family.qk_norm is None),
+            attn_core_op(at, config, family.hf.eager_attention_forward, rotary=rotary(family.hf.apply_rotary_pos_emb),
+                         drop=drop),
+            comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.o_proj.weight),), linear=True)]
+    if tp > 1:
+        ops.append(comm("attn.rs", SeqReduceScatter(tp_group, tp), "ao", "ar"))
+
+    def mlp_norm(side, h, a):
+        h2 = h + (a if at.o_proj.bias is None else a + at.o_proj.bias)
+        return h2, layer.post_attention_layernorm(h2)
+
+    ops.append(comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm))
+    return ops
+
+
+def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics: MoeMetrics, family: MoeFamily):
+    """``moe.router`` .. ``moe.add`` of layer ``index``."""
+    block = layer.mlp
+    gate = getattr(block, family.router)
+    num_experts, top_k, ep = family.num_experts(settings["config"]), gate.top_k, ep_groups.size
+    cf, grouped, base_seed, rank = (settings[k] for k in ("capacity_factor", "grouped_mm", "seed", "rank"))
+
+    def router(side, x2):
+        x = x2.reshape(-1, x2.shape[-1])
+        noise = seeded_rng(x.device, draw_seed(base_seed, side["serial"], index, rank)) \
+            if block.training else contextlib.nullcontext()
+        with noise:
+            eps = getattr(block, family.block_jitter) if family.block_jitter else 0.0
+            if block.training and eps > 0:  # the sparse block's input jitter (HF: in place, the experts see it)
+                x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+            if gate.training and getattr(gate, "input_jitter_noise", 0) > 0:
+                x = x.clone()  # Phi-MoE's router jitters its input in place: the experts see it too
+            logits, weights, selected = gate(x)
+        xs, route = route_tokens(x, selected, num_experts, cf)
+        if ep == 1 or route.padded:
+            local_counts(route, ep)
+        side["moe"][index] = route
+        if not side.get("recomputing"):  # a recomputed layer routes again: count its load once
+            metrics.record_route(index, route.counts, route.dropped)
+        return xs, weights, aux_piece(logits, top_k)
+
+    def add(side, h2, ys, w):
+        return (h2 + combine_copies(ys, w, side["moe"][index]).view(h2.shape),)
+
+    xr, yr = ("xr", "yr") if ep > 1 else ("xs", "ys")
+    ops = [comp("moe.router", ("x2",), ("xs", "w", f"aux.{index}"), router)]
+    if ep > 1:
+        if cf is None:  # dropless: the split sizes travel first, asynchronously
+            ops.append(comm("moe.counts", CountExchange(index, ep_groups, metrics), "xs", "xc"))
+        ops.append(comm("moe.dispatch", ExpertAllToAll(index, ep_groups, True, metrics),
+                        "xs" if cf is not None else "xc", "xr"))
+    experts = block.experts
+    ops += [comp("moe.experts.up", (xr,), ("xg",),
+                 lambda side, x: (run_expert_up(x, side["moe"][index], experts, ep, grouped),), linear=True),
+            comp("moe.experts.act", ("xg",), ("xa",), lambda side, g: (expert_act(g, experts.act_fn),),
+                 selective=True),
+            comp("moe.experts.down", ("xa",), (yr,),
+                 lambda side, a: (run_expert_down(a, side["moe"][index], experts, ep, grouped),), linear=True)]
+    if ep > 1:
+        ops.append(comm("moe.combine", ExpertAllToAll(index, ep_groups, False, metrics), "yr", "ys"))
+    ops.append(comp("moe.add", ("h2", "ys", "w"), ("h",), add))
+    return ops
+
+
+def loss_op(config, num_layers: int, coef: float, tp: int, tp_grad_group, metrics: MoeMetrics, num_experts: int):
+    """``head.loss``: this rank's share of cross-entropy + ``coef`` x HF's load-balancing loss.
+
+    With TP the pieces are summed over the TP group first (the loss is over all tokens of the
+    micro-batch) and each TP rank adds 1/t of the aux term, so the shares still sum to the loss."""
+    num_experts = config.num_local_experts
+    keys = tuple(f"aux.{i}" for i in range(num_layers))
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+        return all_reduce(t, group=tp_grad_group)
+
+    def fn(side, logits, *pieces):
+        ce = F.cross_entropy(logits.float().flatten(0, 1), side["targets"].flatten(),
+                             ignore_index=-100, reduction="sum") / max(side["num_valid"], 1)
+        tokens = logits.shape[0] * logits.shape[1]
+        aux = load_balancing_loss(pieces, tokens, num_experts, reduce if tp > 1 else None, tp)
+        metrics.record_aux(aux)
+        return (ce + coef * aux / tp,)
+
+    return comp("head.loss", ("logits",) + keys, ("loss",), fn)
+
+
+def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None, *,
+                ep_groups: ExpertGroups | None = None, capacity_factor: float | None = None,
+                aux_loss_coef: float | None = None, grouped_mm: bool | None = None,
+                seed: int | None = None, check_ep=None) -> ModelGraph:
+    """Shard ``model`` in place for this TP rank and EP rank and return its op graph.
+
+    ``capacity_factor`` None = dropless; ``aux_loss_coef`` None = the config's
+    ``router_aux_loss_coef`` (0 when ``output_router_logits`` is off, as in HF); ``grouped_mm``
+    None = auto (grouped GEMM on CUDA bf16, else a loop over experts)."""
+    config = model.config
+    ep_groups = ep_groups or ExpertGroups()
+    check_tp(config, tp)
+    check_dropout(config, ("attention_dropout",), family.name)
+    if check_ep is not None:
+        check_ep(config, ep_groups.size)
+    shard(model, tp, tp_rank, ep_groups)
+    inner = model.model
+    replicated = None
+    if tp > 1:  # every parameter TP does not cut (norms, router, experts, embedding, head) sees a sequence shard
+        replicated = mark_replicated([p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)],
+                                     tp_grad_group)
+    if aux_loss_coef is None:
+        aux_loss_coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
+    num_layers = len(inner.layers)
+    metrics = MoeMetrics(num_layers, family.num_experts(config))
+    draws = Draws(seed)  # router noise and attention dropout
+    settings = {"capacity_factor": capacity_factor, "grouped_mm": grouped_mm, "seed": draws.base, "rank": draws.rank,
+                "config": config}
+
+    blocks = [[embed_op(inner.embed_tokens)]]
+    for i, layer in enumerate(inner.layers):
+        blocks.append(attention_ops(i, layer, config, tp, tp_group, draws, family)
+                      + moe_ops(i, layer, ep_groups, settings, metrics, family))
+    blocks.append(head_ops(inner.norm, model.lm_head)[:2]
+                  + [loss_op(config, num_layers, aux_loss_coef, tp, tp_grad_group, metrics, family.num_experts(config))])
+    meta = {"moe_metrics": metrics, "expert_groups": ep_groups, "capacity_factor": capacity_factor,
+            "aux_loss_coef": aux_loss_coef}
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side_inputs(model, family)), family=family.family, meta=meta,
+                      replicated=replicated)
+
+
+def side_inputs(model, family: MoeFamily):
+    """Rotary cos/sin (+ eager mask) and the MoE routing slots."""
+    config, inner = model.config, model.model
+
+    def extra(batch, side):
+        s = side["seq_len"]
+        window = getattr(config, "sliding_window", None)
+        if window is not None and s > window:
+            raise ValueError(f"sequence length {s} exceeds {family.name}'s sliding_window {window}; the ds_dhelix "
+                             f"adapter runs full causal attention: use --seq-len <= {window}")
+        dummy = inner.embed_tokens.weight[:1]
+        cos, sin = inner.rotary_emb(dummy, side_positions(side, dummy.device))
+        return {"cos": cos, "sin": sin, "moe": {},
+                **causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"))}
+
+    return extra
