@@ -199,7 +199,8 @@ def _rank_main(rank, world, opts: ParityOptions):
 
 def _is_moe(opts: ParityOptions) -> bool:
     from hf_models.registry import load_config
-    return opts.packing == "docs" and hasattr(load_config(opts.model), "num_local_experts")
+    from hf_models.adapters import num_experts
+    return opts.packing == "docs" and num_experts(load_config(opts.model)) > 0
 
 
 def _precision_note(opts: ParityOptions) -> str:

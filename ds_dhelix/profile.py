@@ -46,7 +46,7 @@ def run_meta(model_config, tp: int, world: int, batch_shape, dtype, link_gbps=No
     c = model_config
     shape = {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                "num_attention_heads", "num_key_value_heads", "vocab_size",
-                                               "num_local_experts", "num_experts_per_tok")}
+                                               "num_local_experts", "num_experts", "num_experts_per_tok")}
     return {"device": device_name(), "model": json.dumps(shape, sort_keys=True),
             "dtype": str(dtype).removeprefix("torch."), "layout": f"world={world},tp={tp},ep={ep}",
             "batch_shape": list(batch_shape), "link_gbps": link_gbps, "op_graph": OP_GRAPH_REVISION}

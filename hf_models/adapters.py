@@ -13,6 +13,7 @@ import importlib
 
 ADAPTERS = {"llama": "hf_models.llama", "gpt2": "hf_models.gpt2", "gpt_neox": "hf_models.gpt_neox",
             "phimoe": "hf_models.phimoe", "mixtral": "hf_models.mixtral", "qwen3_moe": "hf_models.qwen3_moe",
+            "qwen2_moe": "hf_models.qwen2_moe",
             "olmoe": "hf_models.olmoe"}
 
 
@@ -24,6 +25,11 @@ def adapter_for(config):
         return importlib.import_module(ADAPTERS[model_type])
     except ModuleNotFoundError as err:
         raise ValueError(f"the {model_type} adapter is not available in this build") from err
+
+
+def num_experts(config) -> int:
+    """The routed experts of an MoE config (``num_local_experts`` or ``num_experts``), 0 for a dense one."""
+    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
 
 
 def dropout_overrides(config, p: float) -> dict:

@@ -2,7 +2,8 @@
 (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) behind a router module returning
 ``(logits, top-k weights, top-k experts)``: Phi-MoE (sparsemixer), Mixtral (softmax top-k,
 renormalised), Qwen3-MoE and OLMoE (softmax top-k, renormalised when ``norm_topk_prob``; RMSNorm of q
-and k per head or over the whole projection). A family is a ``MoeFamily``: where its router and jitter live, how many experts its
+and k per head or over the whole projection), Qwen2-MoE (a sigmoid-gated shared expert, ``moe.shared``,
+placed right after the dispatch so it computes while the routed tokens are in flight). A family is a ``MoeFamily``: where its router and jitter live, how many experts its
 config has, how its files store the experts. The adapters (``phimoe.py``, ``mixtral.py``) are that
 description plus their checks.
 
@@ -18,11 +19,12 @@ Layer ops (``s`` sequence, ``t`` TP size, ``N`` tokens of this rank, hidden sequ
     moe.router    COMP  x2 -> xs,w,aux.<i>        the family's HF router; copies sorted by expert
     moe.counts    COMM  xs -> xc                  rows per (rank, expert), async    ep > 1, dropless
     moe.dispatch  COMM  xs|xc -> xr               all-to-all to the experts' EP ranks  ep > 1
+    moe.shared    COMP  x2 -> ysh                 shared expert x sigmoid(gate)        Qwen2-MoE
     moe.experts.up    COMP  xr -> xg              regroup rows by expert; gate/up projections
     moe.experts.act   COMP  xg -> xa              act(gate) x up
     moe.experts.down  COMP  xa -> yr              down projection; rows back in received order
     moe.combine   COMM  yr -> ys                  all-to-all back                      ep > 1
-    moe.add       COMP  h2,ys,w -> h              weighted sum of each token's copies + residual
+    moe.add       COMP  h2,ys,w[,ysh] -> h        weighted sum of each token's copies (+ shared) + residual
 
 Each TP rank routes its own sequence shard; EP groups are DP peers with the same TP rank. The
 router's per-layer load-balancing pieces (``aux.<i>``) flow to ``head.loss``, which adds HF's
@@ -64,6 +66,7 @@ class MoeFamily:
     files_router: str         # the router's name there
     files_experts: tuple      # (gate, up, down) names of one expert there
     inter_key: str = "intermediate_size"  # the config key of one expert's hidden size
+    shared_expert: bool = False  # a shared-expert MLP gated by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)
     qk_norm: str | None = None  # RMSNorm of q and k: "head" (over head_dim, Qwen3) or "full" (the whole projection, OLMoE)
 
     def num_experts(self, config) -> int:
@@ -175,8 +178,9 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
             metrics.record_route(index, route.counts, route.dropped)
         return xs, weights, aux_piece(logits, top_k)
 
-    def add(side, h2, ys, w):
-        return (h2 + combine_copies(ys, w, side["moe"][index]).view(h2.shape),)
+    def add(side, h2, ys, w, *shared):
+        routed = combine_copies(ys, w, side["moe"][index]).view(h2.shape)
+        return (h2 + (routed + shared[0] if shared else routed),)  # HF's order: (routed + shared) + residual
 
     xr, yr = ("xr", "yr") if ep > 1 else ("xs", "ys")
     ops = [comp("moe.router", ("x2",), ("xs", "w", f"aux.{index}"), router)]
@@ -185,6 +189,9 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
             ops.append(comm("moe.counts", CountExchange(index, ep_groups, metrics), "xs", "xc"))
         ops.append(comm("moe.dispatch", ExpertAllToAll(index, ep_groups, True, metrics),
                         "xs" if cf is not None else "xc", "xr"))
+    if family.shared_expert:  # right after the dispatch: it computes while the routed tokens are in flight
+        ops.append(comp("moe.shared", ("x2",), ("ysh",), lambda side, x: (
+            torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x),)))
     experts = block.experts
     ops += [comp("moe.experts.up", (xr,), ("xg",),
                  lambda side, x: (run_expert_up(x, side["moe"][index], experts, ep, grouped),), linear=True),
@@ -194,7 +201,7 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
                  lambda side, a: (run_expert_down(a, side["moe"][index], experts, ep, grouped),), linear=True)]
     if ep > 1:
         ops.append(comm("moe.combine", ExpertAllToAll(index, ep_groups, False, metrics), "yr", "ys"))
-    ops.append(comp("moe.add", ("h2", "ys", "w"), ("h",), add))
+    ops.append(comp("moe.add", ("h2", "ys", "w") + (("ysh",) if family.shared_expert else ()), ("h",), add))
     return ops
 
 
@@ -203,7 +210,6 @@ def loss_op(config, num_layers: int, coef: float, tp: int, tp_grad_group, metric
 
     With TP the pieces are summed over the TP group first (the loss is over all tokens of the
     micro-batch) and each TP rank adds 1/t of the aux term, so the shares still sum to the loss."""
-    num_experts = config.num_local_experts
     keys = tuple(f"aux.{i}" for i in range(num_layers))
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
@@ -268,8 +274,8 @@ def side_inputs(model, family: MoeFamily):
 
     def extra(batch, side):
         s = side["seq_len"]
-        window = getattr(config, "sliding_window", None)
-        if window is not None and s > window:
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        if window and s > window:
             raise ValueError(f"sequence length {s} exceeds {family.name}'s sliding_window {window}; the ds_dhelix "
                              f"adapter runs full causal attention: use --seq-len <= {window}")
         dummy = inner.embed_tokens.weight[:1]

@@ -38,7 +38,7 @@ def check_moe(config) -> None:
 def check_ep(config, ep: int, dp_size: int | None = None) -> None:
     """``ValueError`` unless ``ep`` divides the number of experts (and the DP size), listing valid sizes."""
     check_moe(config)
-    _check_ep(config.num_experts, config.num_experts_per_tok, ep, dp_size)
+    _check_ep(config.num_experts, config.num_experts_per_tok, ep, dp_size, key="num_experts")
 
 
 def checkpoint_source(name: str, config):

@@ -23,7 +23,8 @@ LAYOUTS = {"tiny-llama": {"tp": 2}, "tiny-gpt2": {"tp": 2}, "tiny-gpt-neox": {"t
            "tiny-phimoe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
            "tiny-mixtral": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
            "tiny-qwen3-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-olmoe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}}}
+           "tiny-olmoe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+           "tiny-qwen2-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}}}
 
 
 def golden_options(preset: str):

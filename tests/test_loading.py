@@ -107,7 +107,8 @@ def test_bin_only_and_mismatched_checkpoints_are_refused(tmp_path):
         materialize(wrong, CheckpointFiles(path))
 
 
-@pytest.mark.parametrize("preset", ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe", "tiny-gpt-neox"])
+@pytest.mark.parametrize("preset", ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe",
+                                    "tiny-qwen2-moe", "tiny-gpt-neox"])
 def test_export_layout_is_what_save_pretrained_writes(tmp_path, preset):
     full, path = _save(tmp_path, preset)
     keys = {k for n, p in full.named_parameters() for k, _ in file_tensors(checkpoint_source(full, n), p.detach())}

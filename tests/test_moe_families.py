@@ -21,8 +21,10 @@ def test_mixtral_ep2_si_bitwise_and_close_to_hf(zero):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("model, layout", [("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}),
                                            ("tiny-olmoe", {"tp": 1, "dp": 2, "ep": 2}),
-                                           ("tiny-qwen3-moe", {"tp": 2, "dp": 1, "ep": 1})])
-def test_qwen3_moe_and_olmoe_si_bitwise_and_close_to_hf(model, layout):
+                                           ("tiny-qwen3-moe", {"tp": 2, "dp": 1, "ep": 1}),
+                                           ("tiny-qwen2-moe", {"tp": 1, "dp": 2, "ep": 2}),
+                                           ("tiny-qwen2-moe", {"tp": 2, "dp": 1, "ep": 1})])
+def test_qwen_olmoe_si_bitwise_and_close_to_hf(model, layout):
     ep = layout.pop("ep")
     r = run_parity(ParityOptions(model=model, num_layers=2, seq_len=32, **layout,
                                  extra={"expert_parallel": {"size": ep}} if ep > 1 else {}), timeout=380)
@@ -59,7 +61,24 @@ def test_family_settings_the_graph_cannot_run_are_refused():
     olmoe.clip_qkv = 8.0
     with pytest.raises(ValueError, match="clip_qkv"):
         adapter_for(olmoe).check_tp(olmoe, 1)
-    qwen = load_config("tiny-qwen3-moe")
-    qwen.mlp_only_layers = [1]
-    with pytest.raises(ValueError, match="dense MLP layers"):
-        adapter_for(qwen).check_tp(qwen, 1)
+    for name in ("tiny-qwen3-moe", "tiny-qwen2-moe"):
+        qwen = load_config(name)
+        qwen.mlp_only_layers = [1]
+        with pytest.raises(ValueError, match="dense MLP layers"):
+            adapter_for(qwen).check_tp(qwen, 1)
+    qwen = load_config("tiny-qwen2-moe")
+    with pytest.raises(ValueError, match="does not divide num_experts 4"):
+        adapter_for(qwen).check_ep(qwen, 3)
+
+
+def test_shared_expert_runs_while_the_routed_tokens_are_in_flight():
+    """Qwen2-MoE's gated shared expert is a COMP op right after the dispatch, before the experts
+    need the dispatched rows: the executor computes it while the all-to-all is in flight."""
+    from ds_dhelix.moe.dispatch import ExpertGroups
+    from hf_models.adapters import adapter_for
+    from hf_models.registry import build_model
+    model, _ = build_model("tiny-qwen2-moe", seed=0, num_layers=1)
+    graph = adapter_for(model.config).build_graph(model, ep_groups=ExpertGroups(size=2, rank=0))
+    names = [op.name for op in graph.blocks[1]]
+    at = names.index("moe.shared")
+    assert names[at - 1] == "moe.dispatch" and names[at + 1] == "moe.experts.up", names

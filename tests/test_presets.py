@@ -31,6 +31,10 @@ EXPECTED = {
     "tiny-olmoe": dict(model_type="olmoe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=256, num_experts=4, num_experts_per_tok=2,
                        norm_topk_prob=False, output_router_logits=True, router_aux_loss_coef=0.01),
+    "tiny-qwen2-moe": dict(model_type="qwen2_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, qkv_bias=True,
+                           output_router_logits=True, router_aux_loss_coef=0.01),
 }
 
 
@@ -52,7 +56,7 @@ TINY = tuple(n for n in PRESETS if n.startswith("tiny-"))
 
 def test_preset_names():
     assert PRESETS == ("small-llama", "small-phimoe", "tiny-gpt-neox", "tiny-gpt2", "tiny-llama", "tiny-mixtral",
-                       "tiny-olmoe", "tiny-phimoe", "tiny-qwen3-moe")
+                       "tiny-olmoe", "tiny-phimoe", "tiny-qwen2-moe", "tiny-qwen3-moe")
     assert all(is_preset(n) for n in PRESETS) and not is_preset("llama")
 
 
@@ -104,7 +108,7 @@ def test_build_forward_backward_and_round_trip(name, batch, tmp_path):
     model.train()
     out = model(**batch)
     assert torch.isfinite(out.loss) and 6.0 < out.loss.item() < 9.0  # ~ln(2048) = 7.6 at random init
-    if name in ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe"):
+    if name in ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe", "tiny-qwen2-moe"):
         assert out.aux_loss is not None and torch.isfinite(out.aux_loss)
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -137,7 +141,7 @@ def test_load_config_errors(tmp_path):
     with pytest.raises(ValueError, match=r"'\./no/such/dir' not found"):
         load_config("./no/such/dir")
     with pytest.raises(ValueError, match=r"neither a preset \(small-llama, small-phimoe, tiny-gpt-neox, tiny-gpt2, tiny-llama, tiny-mixtral, "
-                                            r"tiny-olmoe, tiny-phimoe, tiny-qwen3-moe\)"):
+                                            r"tiny-olmoe, tiny-phimoe, tiny-qwen2-moe, tiny-qwen3-moe\)"):
         load_config("bert-base")
     with pytest.raises(ValueError, match="has no config.json"):
         load_config(tmp_path)

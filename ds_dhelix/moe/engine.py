@@ -37,7 +37,8 @@ class DhelixMoeEngine(DhelixEngine):
     def _configure_distributed_model(self, model):
         if any(is_moe_param(p) for p in model.parameters()):  # expert parallel (ep > 1)
             self.has_moe_layers = True  # before DeepSpeed builds the optimizer and broadcasts the model
-            self.num_experts.append(int(model.config.num_local_experts))
+            from hf_models.adapters import num_experts
+            self.num_experts.append(num_experts(model.config))
         super()._configure_distributed_model(model)
 
     def clip_fp32_gradients(self):

@@ -25,13 +25,14 @@ def valid_ep_sizes(num_experts: int, dp_size: int | None = None) -> list[int]:
             if num_experts % d == 0 and (dp_size is None or dp_size % d == 0)]
 
 
-def check_ep(num_experts: int, top_k: int, ep: int, dp_size: int | None = None) -> None:
-    """``ValueError`` for an expert-parallel size or top-k that cannot work, naming the valid ones."""
+def check_ep(num_experts: int, top_k: int, ep: int, dp_size: int | None = None, key: str = "num_local_experts") -> None:
+    """``ValueError`` for an expert-parallel size or top-k that cannot work, naming the valid ones
+    (``key``: the config key of the expert count, for the message)."""
     if top_k > num_experts:
-        raise ValueError(f"num_experts_per_tok {top_k} is larger than num_local_experts {num_experts}: "
+        raise ValueError(f"num_experts_per_tok {top_k} is larger than {key} {num_experts}: "
                          f"a token cannot be routed to more experts than exist; use top-k <= {num_experts}")
     if ep < 1 or num_experts % ep:
-        raise ValueError(f"expert_parallel.size {ep} does not divide num_local_experts {num_experts}; "
+        raise ValueError(f"expert_parallel.size {ep} does not divide {key} {num_experts}; "
                          f"valid EP sizes: {valid_ep_sizes(num_experts, dp_size)}")
     if dp_size is not None and dp_size % ep:
         raise ValueError(f"expert_parallel.size {ep} does not divide the data-parallel size {dp_size} "

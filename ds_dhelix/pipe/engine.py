@@ -43,6 +43,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ..executor import MicroBatch
 from ..precision import loss_seed
 from ..stepping import DhelixStepMixin
+from hf_models.adapters import num_experts
 from . import schedule as S
 from .folding import LayerFold, chunk_index
 
@@ -99,7 +100,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         self.blocks = [self.module.chunk_blocks(0), self.module.chunk_blocks(1)]
         self.carried = boundary_keys(self.graph, self.fold)
         cfg = self.module.hf_model.config
-        self._hidden, self._experts = cfg.hidden_size, getattr(cfg, "num_local_experts", 0)
+        self._hidden, self._experts = cfg.hidden_size, num_experts(cfg)
         self._dtype = next(self.module.parameters()).dtype
         self._schedules: dict[tuple[str, int], list] = {}
         self._state: _StepState | None = None
