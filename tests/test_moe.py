@@ -1,4 +1,6 @@
-"""MoE with expert parallelism (Phi-MoE, CPU, fp32, gloo).
+"""MoE with expert parallelism, one suite for every family (Phi-MoE, Mixtral, Qwen3-MoE, Qwen2-MoE,
+OLMoE; CPU, fp32, gloo): (a), (b), (d), (e) run for each; (c) and (f) for Phi-MoE (the other
+families' engine runs are in tests/test_moe_families.py).
 
     (a) EP=2 op graph vs unsharded HF PhimoeForCausalLM (jitter 0): losses and every gradient close,
         dropless and capacity mode with room for every token
@@ -29,9 +31,12 @@ TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
 SEED, BATCH, SEQ, MICRO = 3, 2, 16, 2
 
 
-def make_config(**overrides):
+MOE_PRESETS = ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe")
+
+
+def make_config(preset="tiny-phimoe", **overrides):
     from hf_models.registry import load_config
-    config = load_config("tiny-phimoe")
+    config = load_config(preset)
     config.num_hidden_layers = 2
     config._attn_implementation = "sdpa"
     for key, value in overrides.items():
@@ -58,23 +63,31 @@ def make_batches(world: int, vocab: int) -> list[list[dict]]:
 
 
 def force_experts(model, bias):
-    """Route every token by ``logits + bias`` (HF's sparsemixer on shifted logits)."""
+    """Route every token by ``logits + bias`` (the family's own routing on shifted logits: Phi-MoE's
+    sparsemixer, else softmax top-k, renormalised where the family does)."""
     from transformers.models.phimoe.modeling_phimoe import sparsemixer
     import torch.nn.functional as F
+    from hf_models.adapters import adapter_for
+    family = adapter_for(model.config).FAMILY
     for layer in model.model.layers:
-        router = layer.mlp.router
+        router = getattr(layer.mlp, family.router)
 
         def forward(x, router=router):
             logits = F.linear(x, router.weight) + torch.tensor(bias, dtype=x.dtype)
-            w, sel = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=router.training)
-            return logits, w, sel
+            if family.family == "phimoe":
+                w, sel = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=router.training)
+                return logits, w, sel
+            top, sel = torch.topk(torch.softmax(logits.float(), dim=-1), router.top_k, dim=-1)
+            if getattr(router, "norm_topk_prob", True):
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), sel
 
         router.forward = forward
 
 
 def ep_graph(model, layout, **kw):
-    from hf_models import phimoe
-    return phimoe.build_graph(model, ep_groups=layout.expert_groups(), seed=11, **kw)
+    from hf_models.adapters import adapter_for
+    return adapter_for(model.config).build_graph(model, ep_groups=layout.expert_groups(), seed=11, **kw)
 
 
 def run(graph, batches, schedule, deferred=None):
@@ -127,12 +140,12 @@ def grad_diff(model, ref_grads) -> float:
 
 
 # ------------------------------------------------------------------------------ 2-rank world
-def _rank_main(rank, world):
+def _rank_main(rank, world, preset):
     from ds_dhelix.checkpoint import full_state_dict
     from tests.conftest import process_groups
     lay = process_groups(tp=1, ep=2)
     res = {}
-    config = make_config()
+    config = make_config(preset)
     batches = make_batches(world, config.vocab_size)
     hf_losses, hf_grads = hf_reference(config, batches)
 
@@ -156,7 +169,8 @@ def _rank_main(rank, world):
         res["mismatch_error"] = str(err)
 
     # (b) SI vs sequential with jitter: seeded router noise, bitwise
-    jitter = make_config(router_jitter_noise=0.05, input_jitter_noise=0.05)
+    jitter = make_config(preset, **{k: 0.05 for k in ("router_jitter_noise", "input_jitter_noise")
+                                    if hasattr(config, k)})  # the jitter a family has (Qwen, OLMoE: none)
     out, res["deferred"] = {}, set()
     for schedule in ("sequential", "si", "si-reactive", "si-ends"):
         model = make_model(jitter)
@@ -204,9 +218,9 @@ def dispatch_roundtrip(rank, lay) -> dict:
     return ok
 
 
-@pytest.fixture(scope="module")
-def ep2():
-    return run_ranks(_rank_main, 2, timeout=240)
+@pytest.fixture(scope="module", params=MOE_PRESETS)
+def ep2(request):
+    return run_ranks(_rank_main, 2, args=(request.param,), timeout=240)
 
 
 def test_ep2_matches_hf(ep2):

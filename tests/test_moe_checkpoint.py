@@ -1,4 +1,4 @@
-"""HF MoE checkpoint (Phi-MoE, Mixtral) -> EP=2 training, each rank reading only its experts
+"""HF MoE checkpoint (every family) -> EP=2 training, each rank reading only its experts
 (``ds_dhelix.empty_model`` + ``weights=``) -> streamed HF checkpoint: plain transformers and an EP=1
 run both reproduce the trained model's loss."""
 import pytest
@@ -48,7 +48,7 @@ def _eval_ep1(rank, world, src):
     return float(engine.eval_batch(iter(_batches(99, 1) * 2)))
 
 
-@pytest.mark.parametrize("preset", ["tiny-phimoe", "tiny-mixtral"])
+@pytest.mark.parametrize("preset", ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe"])
 def test_hf_to_ep2_to_hf_and_ep1(tmp_path, preset):
     from transformers import AutoModelForCausalLM
     from hf_models.registry import build_model

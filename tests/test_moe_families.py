@@ -16,6 +16,8 @@ def test_mixtral_ep2_si_bitwise_and_close_to_hf(zero):
                                  extra={"expert_parallel": {"size": 2}}), timeout=380)
     assert r["bitwise_equal"] and r["losses"]["si"] == r["losses"]["sequential"], r
     assert r["hf_close"], (r["max_loss_diff_vs_hf"], r["max_abs_diff_vs_hf"])
+    peak = r["peak_activation_bytes"]
+    assert peak["si"] <= 1.03 * peak["sequential"], peak
 
 
 @pytest.mark.timeout(400)
@@ -29,6 +31,8 @@ def test_qwen_olmoe_si_bitwise_and_close_to_hf(model, layout):
     r = run_parity(ParityOptions(model=model, num_layers=2, seq_len=32, **layout,
                                  extra={"expert_parallel": {"size": ep}} if ep > 1 else {}), timeout=380)
     assert r["bitwise_equal"] and r["hf_close"], r
+    peak = r["peak_activation_bytes"]
+    assert peak["si"] <= 1.03 * peak["sequential"], peak  # the second strand costs at most 3%
 
 
 @pytest.mark.slow
