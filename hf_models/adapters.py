@@ -22,9 +22,10 @@ def adapter_for(config):
     if model_type not in ADAPTERS:
         raise ValueError(f"no ds_dhelix adapter for model_type {model_type!r}; supported: {sorted(ADAPTERS)}")
     try:
-        return importlib.import_module(ADAPTERS[model_type])
+        module = importlib.import_module(ADAPTERS[model_type])
     except ModuleNotFoundError as err:
         raise ValueError(f"the {model_type} adapter is not available in this build") from err
+    return getattr(module, "ADAPTER", module)  # MoE families: a MoeAdapter over the shared machinery
 
 
 def num_experts(config) -> int:

@@ -7,44 +7,9 @@ from __future__ import annotations
 
 from transformers.models.mixtral import modeling_mixtral as hf
 
-from ds_dhelix.moe.experts import check_ep as _check_ep
+from .moe_family import MoeAdapter, MoeFamily, check_top_k
 
-from . import moe_family
-from .moe_family import MoeFamily
-
-DROPOUT_KEYS = ("attention_dropout",)
 FAMILY = MoeFamily(name="Mixtral", family="mixtral", hf=hf, router="gate", block_jitter="jitter_noise",
                    experts_key="num_local_experts", files_block="block_sparse_moe", files_router="gate",
                    files_experts=("w1", "w3", "w2"))
-
-
-def check_tp(config, tp: int, world: int | None = None) -> None:
-    moe_family.check_tp(config, tp, world)
-    check_moe(config)
-
-
-def check_moe(config) -> None:
-    num, top_k = config.num_local_experts, config.num_experts_per_tok
-    if not 1 <= top_k <= num:
-        raise ValueError(f"num_experts_per_tok {top_k} with num_local_experts {num}: a token goes to between 1 and "
-                         f"{num} experts")
-
-
-def check_ep(config, ep: int, dp_size: int | None = None) -> None:
-    """``ValueError`` unless ``ep`` divides the number of experts (and the DP size), listing valid sizes."""
-    check_moe(config)
-    _check_ep(config.num_local_experts, config.num_experts_per_tok, ep, dp_size)
-
-
-def checkpoint_source(name: str, config):
-    return moe_family.checkpoint_source(FAMILY, name, config)
-
-
-def shard(model, tp: int, tp_rank: int, ep_groups) -> None:
-    moe_family.shard(model, tp, tp_rank, ep_groups)
-
-
-def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None, **options):
-    """Shard ``model`` in place for this TP and EP rank and return its op graph (options: see
-    ``moe_family.build_graph``)."""
-    return moe_family.build_graph(FAMILY, model, tp, tp_rank, tp_group, tp_grad_group, check_ep=check_ep, **options)
+ADAPTER = MoeAdapter(FAMILY, lambda config: check_top_k(config, FAMILY.experts_key))

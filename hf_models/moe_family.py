@@ -78,6 +78,60 @@ def check_tp(config, tp: int, world: int | None = None) -> None:
                     num_key_value_heads=config.num_key_value_heads)
 
 
+class MoeAdapter:
+    """The adapter interface (``hf_models/adapters.py``) of one MoE family: its ``MoeFamily`` and
+    ``check_moe(config)`` (the routing settings it cannot run, as ``ValueError``); ``max_tp``: the
+    largest TP size its attention allows (None: any that divides the heads), with the reason."""
+
+    DROPOUT_KEYS = ("attention_dropout",)
+
+    def __init__(self, family: MoeFamily, check_moe, max_tp: tuple[int, str] | None = None):
+        self.FAMILY, self.check_moe, self.max_tp = family, check_moe, max_tp
+
+    def check_tp(self, config, tp: int, world: int | None = None) -> None:
+        if self.max_tp is not None and tp > self.max_tp[0]:
+            raise ValueError(f"tensor_parallel.size {tp} with {self.FAMILY.name}: {self.max_tp[1]}")
+        check_tp(config, tp, world)
+        self.check_moe(config)
+
+    def check_ep(self, config, ep: int, dp_size: int | None = None) -> None:
+        """``ValueError`` unless ``ep`` divides the experts (and the DP size), listing valid sizes."""
+        from ds_dhelix.moe.experts import check_ep as check_sizes
+        self.check_moe(config)
+        f = self.FAMILY
+        check_sizes(f.num_experts(config), config.num_experts_per_tok, ep, dp_size, key=f.experts_key)
+
+    def checkpoint_source(self, name: str, config):
+        return checkpoint_source(self.FAMILY, name, config)
+
+    def shard(self, model, tp: int, tp_rank: int, ep_groups) -> None:
+        shard(model, tp, tp_rank, ep_groups)
+
+    def build_graph(self, model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None, **options):
+        """Shard ``model`` in place for this TP and EP rank and return its op graph (options: see
+        :func:`build_graph`)."""
+        return build_graph(self.FAMILY, model, tp, tp_rank, tp_group, tp_grad_group, check_ep=self.check_ep,
+                           **options)
+
+
+def check_top_k(config, key: str) -> None:
+    """``ValueError`` unless a token goes to between 1 and all of the ``key`` experts."""
+    num, top_k = getattr(config, key), config.num_experts_per_tok
+    if not 1 <= top_k <= num:
+        raise ValueError(f"num_experts_per_tok {top_k} with {key} {num}: a token goes to between 1 and {num} experts")
+
+
+def check_all_sparse(config, name: str) -> None:
+    """``ValueError`` when some decoder layers are dense MLPs (Qwen's ``mlp_only_layers`` /
+    ``decoder_sparse_step``)."""
+    dense = list(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1)
+    if dense or step != 1:
+        raise ValueError(f"{name} with dense MLP layers (mlp_only_layers {dense}, decoder_sparse_step {step}) is "
+                         f"not supported yet: every layer must be an MoE layer (mlp_only_layers [], "
+                         f"decoder_sparse_step 1)")
+
+
 def checkpoint_source(family: MoeFamily, name: str, config):
     """Where ``name`` lives in the files ``save_pretrained`` writes for ``family``: the router under
     its file name; expert ``e``'s gate and up rows make ``gate_up_proj[e]``, its down projection

@@ -7,20 +7,11 @@ from __future__ import annotations
 
 from transformers.models.phimoe import modeling_phimoe as hf
 
-from ds_dhelix.moe.experts import check_ep as _check_ep
+from .moe_family import MoeAdapter, MoeFamily
 
-from . import moe_family
-from .moe_family import MoeFamily
-
-DROPOUT_KEYS = ("attention_dropout",)
 FAMILY = MoeFamily(name="Phi-MoE", family="phimoe", hf=hf, router="router", block_jitter="input_jitter_noise",
                    experts_key="num_local_experts", files_block="block_sparse_moe", files_router="gate",
                    files_experts=("w1", "w3", "w2"))
-
-
-def check_tp(config, tp: int, world: int | None = None) -> None:
-    moe_family.check_tp(config, tp, world)
-    check_moe(config)
 
 
 def check_moe(config) -> None:
@@ -34,21 +25,4 @@ def check_moe(config) -> None:
                          f"use at least 2 experts")
 
 
-def check_ep(config, ep: int, dp_size: int | None = None) -> None:
-    """``ValueError`` unless ``ep`` divides the number of experts (and the DP size), listing valid sizes."""
-    check_moe(config)
-    _check_ep(config.num_local_experts, config.num_experts_per_tok, ep, dp_size)
-
-
-def checkpoint_source(name: str, config):
-    return moe_family.checkpoint_source(FAMILY, name, config)
-
-
-def shard(model, tp: int, tp_rank: int, ep_groups) -> None:
-    moe_family.shard(model, tp, tp_rank, ep_groups)
-
-
-def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None, **options):
-    """Shard ``model`` in place for this TP and EP rank and return its op graph (options: see
-    ``moe_family.build_graph``)."""
-    return moe_family.build_graph(FAMILY, model, tp, tp_rank, tp_group, tp_grad_group, check_ep=check_ep, **options)
+ADAPTER = MoeAdapter(FAMILY, check_moe)

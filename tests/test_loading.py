@@ -26,7 +26,7 @@ def _save(tmp_path, preset, dtype=torch.float32, max_shard_size=None):
 
 def _cut(model, preset, tp, rank, ep=1, ep_rank=0):
     if preset == "tiny-phimoe":
-        phimoe.shard(model, tp, rank, ExpertGroups(size=ep, rank=ep_rank))
+        phimoe.ADAPTER.shard(model, tp, rank, ExpertGroups(size=ep, rank=ep_rank))
     else:
         SHARD[preset](model, tp, rank)
     return model

@@ -286,7 +286,7 @@ def _tp2_ep2_main(rank, world):
     batches = make_batches(lay.dp_size, config.vocab_size)
     hf_losses, hf_grads = hf_reference(config, batches)
     model = make_model(config)
-    graph = phimoe.build_graph(model, 2, lay.tp_rank, lay.tp, lay.tp_grad_group,
+    graph = phimoe.ADAPTER.build_graph(model, 2, lay.tp_rank, lay.tp, lay.tp_grad_group,
                                ep_groups=lay.expert_groups(), seed=11)
     losses = torch.tensor(run(graph, batches[lay.dp_rank], "si"))
     dist.all_reduce(losses, group=lay.tp_grad_group)  # TP shares -> micro-batch loss
@@ -345,11 +345,11 @@ def test_bad_ep_and_top_k():
     config = make_config()
     with pytest.raises(ValueError, match=r"expert_parallel.size 3 does not divide num_local_experts 4; "
                                          r"valid EP sizes: \[1, 2, 4\]"):
-        phimoe.check_ep(config, 3)
+        phimoe.ADAPTER.check_ep(config, 3)
     with pytest.raises(ValueError, match=r"does not divide the data-parallel size 2.*valid EP sizes: \[1, 2\]"):
-        phimoe.check_ep(config, 4, dp_size=2)
+        phimoe.ADAPTER.check_ep(config, 4, dp_size=2)
     with pytest.raises(ValueError, match="num_experts_per_tok 5 is larger than num_local_experts 4"):
-        phimoe.check_tp(make_config(num_experts_per_tok=5), 1)
+        phimoe.ADAPTER.check_tp(make_config(num_experts_per_tok=5), 1)
 
 
 def test_expert_parallel_on_dense_model_is_refused():
