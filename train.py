@@ -267,13 +267,25 @@ def run(args, prep: Prepared) -> int:
         remove_leftovers(os.path.abspath(args.ds_checkpoint))
     engine = build(args, prep)
     try:
-        return train(args, prep, engine)
+        code = train(args, prep, engine)
+        teardown(engine)
+        return code
     except RuntimeError as err:
         if not is_comm_failure(err):
             raise
         where = f" (step {engine.global_steps + 1})" if isinstance(err, CollectiveError) else _position(engine)
         print(f"train.py: error: rank {dist.get_rank()}: {err}{where}", file=sys.stderr, flush=True)
         os._exit(1)  # a peer is gone: no clean teardown of the process group is possible
+
+
+def teardown(engine) -> None:
+    """A clean end: every rank past its last collective, the engine's threads stopped and the
+    process groups destroyed before the interpreter exits (a communication thread still running
+    at exit aborts the process: "terminate called without an active exception", exit -6)."""
+    import torch.distributed as dist
+    dist.barrier()
+    engine.destroy()
+    dist.destroy_process_group()
 
 
 def _position(engine) -> str:
