@@ -235,11 +235,9 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
         from .moe.engine import DhelixMoeEngine as engine_class
     else:
         from .engine import DhelixEngine as engine_class
-    engine = engine_class(dhelix=dh, groups=groups, graph=graph, plan=plan, model=model,
-                          model_parameters=model_parameters or model.parameters(), mpu=groups,
-                          config_class=DeepSpeedConfig(ds_config, groups), **extra)
-    engine.load_report = report
-    return engine
+    return engine_class(dhelix=dh, groups=groups, graph=graph, plan=plan, model=model, load_report=report,
+                        model_parameters=model_parameters or model.parameters(), mpu=groups,
+                        config_class=DeepSpeedConfig(ds_config, groups), **extra)
 
 
 def initialize(args=None, model=None, config=None, model_parameters=None, optimizer=None,
@@ -277,14 +275,12 @@ def _pipeline_engine(model, setup: Setup, groups: ProcessGroups, graph, plan, mo
     loaded = []  # this stage's shards are read once the other stages' layers are pruned
     module = FoldedPipelineModule(model, graph, setup.fold, groups.topology,
                                   on_pruned=lambda pruned: loaded.append(load_shards(pruned, weights, groups.rank)))
-    report = loaded[0]
     mpu = module.mpu()
     kept = {id(p) for p in module.parameters()}  # the caller's list may name pruned parameters
     params = [p for p in (model_parameters or module.parameters()) if id(p) in kept]
-    engine = FoldedPipelineEngine(dhelix=setup.dh, groups=groups, plan=plan, model=module, model_parameters=params,
-                                  mpu=mpu, config_class=DeepSpeedConfig(extra["config"], mpu), **extra)
-    engine.load_report = report
-    return engine
+    return FoldedPipelineEngine(dhelix=setup.dh, groups=groups, plan=plan, model=module, model_parameters=params,
+                                load_report=loaded[0], mpu=mpu, config_class=DeepSpeedConfig(extra["config"], mpu),
+                                **extra)
 
 
 def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, example_batch) -> SIPlan:

@@ -327,21 +327,30 @@ def document_positions(blocks: torch.Tensor, eos_id: int) -> dict[str, torch.Ten
     return {"labels": labels, "position_ids": index - last_start}
 
 
+def attention_mask(seq_len: int, position_ids: torch.Tensor | None = None, additive_dtype=None, device=None):
+    """The causal mask [b or 1, 1, s, s], block-diagonal over packed documents when
+    ``position_ids`` are given (a document starts where its position is 0): boolean (True: may
+    attend; sdpa), or additive in ``additive_dtype`` (eager attention adds it to the scores)."""
+    device = position_ids.device if position_ids is not None else device
+    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril().unsqueeze(0)
+    if position_ids is not None:
+        segment = (position_ids == 0).cumsum(dim=1)
+        allowed = (segment[:, :, None] == segment[:, None, :]) & allowed
+    allowed = allowed[:, None]
+    if additive_dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=additive_dtype, device=device).masked_fill(
+        ~allowed, torch.finfo(additive_dtype).min)
+
+
 def hf_model_inputs(batch: dict, eager_dtype: torch.dtype | None = None) -> dict:
     """The keyword arguments a plain HF causal LM takes for ``batch``: packed documents
-    (``position_ids``) also get the block-diagonal causal mask the op graph builds from them,
-    [b, 1, s, s]: boolean (sdpa), or additive in ``eager_dtype`` for eager attention (which adds
-    its mask to the scores)."""
+    (``position_ids``) also get the block-diagonal causal mask the op graph builds from them
+    (:func:`attention_mask`; additive in ``eager_dtype`` for eager attention)."""
     pos = batch.get("position_ids")
     if pos is None:
         return batch
-    segment = (pos == 0).cumsum(dim=1)
-    s = pos.shape[1]
-    allowed = (segment[:, :, None] == segment[:, None, :]) & torch.ones(s, s, dtype=torch.bool, device=pos.device).tril()
-    mask = allowed[:, None]
-    if eager_dtype is not None:
-        mask = torch.zeros(mask.shape, dtype=eager_dtype, device=pos.device).masked_fill(~mask, torch.finfo(eager_dtype).min)
-    return {**batch, "attention_mask": mask}
+    return {**batch, "attention_mask": attention_mask(pos.shape[1], pos, eager_dtype)}
 
 
 def _padded_documents(ids: torch.Tensor, seq_len: int, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -46,8 +46,10 @@ def few_microbatches_hint(num_microbatches: int, pair_ends: bool) -> str | None:
 class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
     """DeepSpeed engine + SI executor. Build it with :func:`ds_dhelix.initialize`."""
 
-    def __init__(self, *, dhelix: DhelixConfig, groups: ProcessGroups, graph, plan: SIPlan | None, **kwargs):
+    def __init__(self, *, dhelix: DhelixConfig, groups: ProcessGroups, graph, plan: SIPlan | None,
+                 load_report=None, **kwargs):
         super().__init__(**kwargs)
+        self.load_report = load_report
         self.setup_strands(dhelix, groups, graph, plan if dhelix.schedule == "si" else None,
                            defer_weight_grads=dhelix.defer_weight_grads, pair_ends=dhelix.pair_ends,
                            recompute=dhelix.recompute)

@@ -193,11 +193,12 @@ def _rank_main(rank, world, opts: ParityOptions):
         seq["first_step"] = first_step(opts, batches)
     if rank != 0:
         return None
-    hf = train_hf(opts, batches) if opts.dtype == "fp32" and not _is_moe(opts) else None
+    hf = train_hf(opts, batches) if opts.dtype == "fp32" and not _hf_cannot_take_the_mask(opts) else None
     return compare(opts, seq, other, hf, note=note)
 
 
-def _is_moe(opts: ParityOptions) -> bool:
+def _hf_cannot_take_the_mask(opts: ParityOptions) -> bool:
+    """Packed documents on an MoE model: HF's load-balancing loss cannot take a 4-D mask."""
     from hf_models.registry import load_config
     from hf_models.adapters import num_experts
     return opts.packing == "docs" and num_experts(load_config(opts.model)) > 0

@@ -284,23 +284,13 @@ def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None
     (packed documents: a document starts where its position is 0) a block-diagonal causal mask,
     boolean for sdpa and additive for eager, [b, 1, s, s]; else the additive causal mask eager
     attention needs [1, 1, s, s] (sdpa runs ``is_causal`` instead: nothing)."""
-    eager = (config._attn_implementation or "sdpa") == "eager"
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    if position_ids is not None:
-        if (config._attn_implementation or "sdpa") == "flash_attention_2":
-            raise ValueError("packed documents (position_ids) with flash_attention_2 are not supported; use sdpa or "
-                             "eager")
-        segment = (position_ids == 0).cumsum(dim=1)
-        allowed = (segment[:, :, None] == segment[:, None, :]) & causal
-    elif eager:
-        allowed = causal.unsqueeze(0)
-    else:
-        return {}
-    allowed = allowed[:, None]
-    if not eager:
-        return {"causal_mask": allowed}
-    return {"causal_mask": torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
-        ~allowed, torch.finfo(dtype).min)}
+    from ds_dhelix.data import attention_mask
+    impl = config._attn_implementation or "sdpa"
+    if position_ids is None and impl != "eager":
+        return {}  # sdpa's is_causal: nothing to build
+    if position_ids is not None and impl == "flash_attention_2":
+        raise ValueError("packed documents (position_ids) with flash_attention_2 are not supported; use sdpa or eager")
+    return {"causal_mask": attention_mask(seq_len, position_ids, dtype if impl == "eager" else None, device)}
 
 
 def side_positions(side: dict, device) -> torch.Tensor:

@@ -92,8 +92,9 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
     """DeepSpeed pipeline engine for a :class:`FoldedPipelineModule`. Build it with
     ``ds_dhelix.initialize`` (``pipeline.stages > 1``)."""
 
-    def __init__(self, *, dhelix, groups, plan, **kwargs):
+    def __init__(self, *, dhelix, groups, plan, load_report=None, **kwargs):
         super().__init__(**kwargs)
+        self.load_report = load_report
         self.setup_strands(dhelix, groups, self.module.graph, plan, recompute=dhelix.recompute)
         self.fold = self.module.fold
         self.schedule_name = dhelix.schedule

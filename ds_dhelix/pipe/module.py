@@ -154,7 +154,7 @@ def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int =
     by_stage = [None] * grid.get_pipe_parallel_world_size()
     dist.all_gather_object(by_stage, (module.stage_id, mine), group=pipe)
     root = dist.get_rank() == 0
-    in_root_pipeline = dist.get_rank() in dist.get_process_group_ranks(pipe) and grid.stage_to_global(0) == 0
+    in_root_pipeline = grid.stage_to_global(0) == 0  # this rank's pipeline is global rank 0's
     shapes = dtype = None
     if root:
         shapes = {n: p.shape for n, p in empty_model(None, config=module.hf_model.config).named_parameters()}
