@@ -198,14 +198,28 @@ def _run_bench(tmp_path, *extra):
 @pytest.mark.timeout(240)
 def test_bench_moe_expert_parallel(tmp_path):
     rows = _run_bench(tmp_path, "--model", "tiny-phimoe", "--tp", "1", "--ep", "2", "--num-layers", "1",
-                      "--micro-batches", "2", "--modes", "deepspeed", "autotp", "sequential", "si", "si-ends")
+                      "--micro-batches", "2", "--modes", "deepspeed", "autotp", "autoep", "sequential", "si", "si-ends")
     assert rows["autotp"]["status"] == "skipped" and "AutoTP" in rows["autotp"]["reason"]
+    assert rows["autoep"]["status"] == "skipped" and "no preset for model_type 'phimoe'" in rows["autoep"]["reason"]
     for mode in ("deepspeed", "sequential", "si", "si-ends"):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["tokens_per_s"] > 0
     assert rows["si"]["comm_s"] > 0 and rows["si"]["ideal_speedup"] >= 1.0  # dispatch/combine timed
     # pair_ends (F0xF1 | B0xB1 here) holds both micro-batches' activations at once
     assert rows["si-ends"]["peak_activation_bytes"] > rows["si"]["peak_activation_bytes"]
+
+
+@pytest.mark.timeout(240)
+def test_bench_autoep_peer_on_its_preset_family(tmp_path):
+    # DeepSpeed's own AutoEP (qwen3_moe preset) on the same model and tokens as ours: it must have
+    # replaced every MoE block (else the row would be plain data parallel under AutoEP's name)
+    rows = _run_bench(tmp_path, "--model", "tiny-qwen3-moe", "--tp", "1", "--ep", "2", "--num-layers", "2",
+                      "--micro-batches", "2", "--modes", "autoep", "sequential", "si")
+    autoep = rows["autoep"]
+    assert autoep["status"] == "ok", autoep
+    assert autoep["autoep_preset"] == "qwen3_moe" and autoep["autoep_layers"] == 2
+    assert autoep["tokens_per_s"] > 0 and autoep["speedup_vs_sequential"] > 0
+    assert rows["si"]["status"] == "ok" and rows["si"]["comm_s"] > 0
 
 
 @pytest.mark.timeout(240)

@@ -2,10 +2,12 @@
 optimizer step over the step's micro-batches and returns what the mode can measure.
 
 A runner picks its own share of the step: the TP modes (autotp, ds_dhelix) take every micro-batch
-on every rank; the data-parallel ``deepspeed`` mode takes ``1/world`` of them per rank. Every mode
+on every rank; the data-parallel ``deepspeed`` and ``autoep`` modes take ``1/world`` of them per rank. Every mode
 trains on the same tokens per step.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch.distributed as dist
 
@@ -53,28 +55,26 @@ class DhelixRunner:
 
 
 class DeepSpeedRunner:
-    """Plain DeepSpeed (``deepspeed``: data parallel) or AutoTP (``autotp``): forward, backward,
-    step per micro-batch; activation bytes counted with the same saved-tensor meter."""
+    """Plain DeepSpeed (``deepspeed``: data parallel), AutoTP (``autotp``) or AutoEP (``autoep``):
+    forward, backward, step per micro-batch; activation bytes counted with the same saved-tensor
+    meter."""
 
     def __init__(self, opts: BenchOptions, mode: str):
         import deepspeed
         from ds_dhelix.memory import ActivationMeter
         self.mode, self.world = mode, opts.world
-        if mode == "deepspeed":
-            if opts.step_micro_batches % opts.world:
-                raise SkipMode(f"{opts.step_micro_batches} micro-batches do not split over {opts.world} "
-                               f"data-parallel ranks; pass --micro-batches as a multiple of {opts.world}")
-            config = opts.deepspeed_ds_config()
-        else:
-            if opts.tp < 2 or opts.ep > 1:
-                raise SkipMode(f"AutoTP needs tensor parallelism over the whole world (tp {opts.tp}, "
-                               f"ep {opts.ep}); it applies to the dense --tp runs")
-            config = opts.autotp_ds_config()
         model = build_model(opts)
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=config)
+        config, self.info = _deepspeed_config(opts, mode, model), {}
+        with _autoep_registry_compat() if mode == "autoep" else contextlib.nullcontext():
+            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=config)
+        if mode == "autoep":
+            replaced = sum(type(m).__name__ == "AutoEPMoELayer" for m in self.engine.module.modules())
+            if not replaced:  # never report plain data parallel as AutoEP
+                raise RuntimeError("DeepSpeed AutoEP replaced no MoE block of this model")
+            self.info = {"autoep_preset": config["expert_parallel"]["preset_model"],
+                         "autoep_layers": replaced}
         self.meter = ActivationMeter(self.engine.module.parameters())
-        self.info = {}
 
     def my_batches(self, batches: list[dict]) -> list[dict]:
         if self.mode == "autotp":
@@ -125,6 +125,53 @@ class PipeRunner:
         self.engine.destroy()
 
 
+def _deepspeed_config(opts: BenchOptions, mode: str, model) -> dict:
+    """The ds_config of a DeepSpeed mode (``SkipMode`` where the mode does not apply)."""
+    if mode in ("deepspeed", "autoep") and opts.step_micro_batches % opts.world:
+        raise SkipMode(f"{opts.step_micro_batches} micro-batches do not split over {opts.world} "
+                       f"data-parallel ranks; pass --micro-batches as a multiple of {opts.world}")
+    if mode == "deepspeed":
+        return opts.deepspeed_ds_config()
+    if mode == "autotp":
+        if opts.tp < 2 or opts.ep > 1:
+            raise SkipMode(f"AutoTP needs tensor parallelism over the whole world (tp {opts.tp}, "
+                           f"ep {opts.ep}); it applies to the dense --tp runs")
+        return opts.autotp_ds_config()
+    from deepspeed.module_inject.auto_ep_presets.registry import available_preset_names
+    model_type = model.config.model_type
+    if opts.ep < 2:
+        raise SkipMode(f"AutoEP shards experts over --ep ranks (ep {opts.ep}); it applies to the MoE --ep runs")
+    if model_type not in available_preset_names():
+        raise SkipMode(f"DeepSpeed AutoEP has no preset for model_type {model_type!r} "
+                       f"(its presets: {', '.join(available_preset_names())})")
+    return opts.autoep_ds_config(model_type)
+
+
+@contextlib.contextmanager
+def _autoep_registry_compat():
+    """DeepSpeed 0.19.8's AutoEP calls ``registry.get(key, default)`` on transformers' output-capture
+    registry, whose ``get`` takes one argument since transformers 5 (``TypeError: _CanRecordRegistry.get()
+    takes 2 positional arguments but 3 were given``). While AutoEP replaces the MoE blocks, ``get``
+    also accepts a key and a default (plain dict lookup); the model's own one-argument calls are
+    unchanged. Nothing is patched when the installed transformers already accepts a default."""
+    import inspect
+    from transformers.utils import output_capturing
+    registry = getattr(output_capturing, "_CanRecordRegistry", None)
+    if registry is None or len(inspect.signature(registry.get).parameters) > 2:
+        yield
+        return
+    one_arg = registry.get
+
+    def get(self, key, *default):
+        return dict.get(self, key, *default) if default else one_arg(self, key)
+
+    registry.get = get
+    try:
+        yield
+    finally:
+        registry.get = one_arg
+
+
 def build_runner(opts: BenchOptions, mode: str, example_batch: dict, link_gbps: float | None = None):
     """The runner of ``mode`` (``SkipMode`` when it does not apply here). ``example_batch`` is one
     micro-batch (the planner profiles its shapes), ``link_gbps`` the emulated link rate."""
@@ -132,6 +179,6 @@ def build_runner(opts: BenchOptions, mode: str, example_batch: dict, link_gbps: 
         return PipeRunner(opts, mode, link_gbps)
     if split_mode(mode)[0] in DHELIX_MODES:
         return DhelixRunner(opts, mode, example_batch, link_gbps)
-    if mode in ("deepspeed", "autotp"):
+    if mode in ("deepspeed", "autotp", "autoep"):
         return DeepSpeedRunner(opts, mode)
     raise SkipMode(f"mode {mode!r} has no runner yet")  # pipeline modes: add a runner here

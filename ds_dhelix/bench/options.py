@@ -5,6 +5,9 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
 
     deepspeed   plain DeepSpeed engine, data parallel over the whole world (no TP, no overlap)
     autotp      DeepSpeed AutoTP ("tensor_parallel": {"autotp_size": tp}), collectives inside modules
+    autoep      DeepSpeed AutoEP ("expert_parallel": {"autoep_size": ep}) on MoE models with a DeepSpeed
+                preset (mixtral, qwen3_moe): data parallel over the world, experts sharded over ep ranks,
+                its own dispatch/combine all-to-alls inside the MoE blocks
     sequential  ds_dhelix TP/SP, micro-batches one after another, every comm waited at once
     si          ds_dhelix TP/SP with strand interleaving, reactive pairs (the default "si_execution")
     si-plan     SI run by the fixed default plan, a barrier after each plan round ("si_execution": "plan")
@@ -31,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from ..linkemu import DEFAULT_BURST_KB
 from ..recompute import MODES as RECOMPUTE_MODES
 
-MODES = ("deepspeed", "autotp", "sequential", "si", "si-ends", "si-plan", "si-planned")
+MODES = ("deepspeed", "autotp", "autoep", "sequential", "si", "si-ends", "si-plan", "si-planned")
 """Modes a run can measure, in table order."""
 
 DEFAULT_MODES = tuple(m for m in MODES if m != "si-ends")
@@ -213,6 +216,11 @@ class BenchOptions:
     def deepspeed_ds_config(self) -> dict:
         """Plain DeepSpeed, data parallel over the world: each rank takes 1/world of the step."""
         return self.base_ds_config(self.step_micro_batches // self.world)
+
+    def autoep_ds_config(self, preset: str) -> dict:
+        """DeepSpeed AutoEP: data parallel over the world like ``deepspeed``, experts over ``ep`` ranks."""
+        return {**self.deepspeed_ds_config(),
+                "expert_parallel": {"enabled": True, "autoep_size": self.ep, "preset_model": preset}}
 
     def autotp_ds_config(self) -> dict:
         """DeepSpeed AutoTP over the whole world: every rank sees all micro-batches."""
