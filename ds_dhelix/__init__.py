@@ -5,7 +5,12 @@ itself stays light (the planner, plans and schedules never import deepspeed or t
 """
 __version__ = "0.1.0"
 
-_LAZY = {"initialize": "build", "build_engine": "build", "check_setup": "build", "DhelixEngine": "engine"}
+from .guard import install as _install_guard
+
+_install_guard()  # a plain DeepSpeed engine built from an enabled dhelix config raises (guard.py)
+
+_LAZY = {"DhelixTrainer": "trainer", "initialize": "build", "build_engine": "build", "check_setup": "build",
+         "DhelixEngine": "engine"}
 _LAZY_HF = {"empty_model": "hf_models.loading"}
 
 

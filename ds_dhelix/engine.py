@@ -99,9 +99,9 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         return self.last_loss
 
     @torch.no_grad()
-    def eval_batch(self, data_iter) -> torch.Tensor:
-        """Mean loss over one step's worth of micro-batches, forward only."""
-        batches = self.pull_batches(data_iter)
+    def eval_batch(self, data_iter, num_microbatches: int | None = None) -> torch.Tensor:
+        """Mean loss over one step's worth of micro-batches (or ``num_microbatches``), forward only."""
+        batches = self.pull_batches(data_iter, num_microbatches)
         self.module.eval()
         self.watchdog.resume(step=self.global_steps)
         try:

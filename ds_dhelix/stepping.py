@@ -52,6 +52,9 @@ def check_attention_mask(batch: dict, k: int, moe: bool = False) -> None:
 class DhelixStepMixin:
     """Step logic shared by the ds_dhelix engines (mixed in before a ``DeepSpeedEngine`` class)."""
 
+    dhelix_engine = True
+    """Marks ds_dhelix's engines for ``guard`` (they remove the dhelix section before DeepSpeed reads it)."""
+
     load_report = None
     """``build.LoadReport`` when the build read this rank's shards from a checkpoint, else None."""
 
@@ -82,12 +85,12 @@ class DhelixStepMixin:
         finally:
             self.watchdog.pause()
 
-    def pull_batches(self, data_iter) -> list[dict]:
-        """The step's ``gradient_accumulation_steps`` micro-batches, on this engine's device; every
-        one must have the same shape."""
-        gas = self.gradient_accumulation_steps()
+    def pull_batches(self, data_iter, count: int | None = None) -> list[dict]:
+        """The step's ``gradient_accumulation_steps`` micro-batches (or ``count``), on this engine's
+        device; every one must have the same shape."""
+        count = self.gradient_accumulation_steps() if count is None else count
         batches = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iter).items()}
-                   for _ in range(gas)]
+                   for _ in range(count)]
         shape = tuple(batches[0]["input_ids"].shape)
         for k, b in enumerate(batches):
             got = tuple(b["input_ids"].shape)

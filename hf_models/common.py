@@ -83,6 +83,9 @@ def make_side_fn(tp: int, tp_rank: int, extra=None):
             "ids": ids[:, sl],
             "targets": targets[:, sl].t().contiguous(),  # [s/tp, b], sequence-first
             "num_valid": int((targets != -100).sum()),
+            # what the loss sum is divided by: the valid targets, or the caller's share of a step's
+            # count (DhelixTrainer: the Trainer's num_items_in_batch over the data-parallel ranks)
+            "loss_denominator": batch.get("loss_denominator"),
             "positions": (position_ids[:, sl] if position_ids is not None else
                           torch.arange(tp_rank * n, (tp_rank + 1) * n, device=ids.device).unsqueeze(0).expand(b, n)),
             "seq_len": s,
@@ -135,13 +138,20 @@ class Dropout:
         return self.draws.rng(device, side, self.layer, op) if self.module.training else contextlib.nullcontext()
 
 
+def loss_denominator(side: dict):
+    """The divisor of a micro-batch's summed loss: ``loss_denominator`` when the batch gave one,
+    else its valid target count (at least 1)."""
+    given = side.get("loss_denominator")
+    return given if given is not None else max(side["num_valid"], 1)
+
+
 def head_ops(norm: nn.Module, lm_head: nn.Module):
     """``head.norm``, ``head.logits``, ``head.loss``: this rank's share of the micro-batch loss."""
 
     def loss_fn(side, logits):
         loss = F.cross_entropy(logits.float().flatten(0, 1), side["targets"].flatten(),
                                ignore_index=-100, reduction="sum")
-        return (loss / max(side["num_valid"], 1),)
+        return (loss / loss_denominator(side),)
 
     return [
         comp("head.norm", ("h",), ("y",), lambda side, h: (norm(h),)),

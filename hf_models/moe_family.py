@@ -48,7 +48,7 @@ from ds_dhelix.moe.experts import expert_act, run_expert_down, run_expert_up, sh
 from ds_dhelix.moe.metrics import MoeMetrics
 from ds_dhelix.moe.router import aux_piece, combine_copies, load_balancing_loss, local_counts, route_tokens
 
-from .common import (Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout, embed_op, head_ops,
+from .common import (Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout, embed_op, head_ops, loss_denominator,
                      make_side_fn, mark_replicated, qkv_projections, rotary, shard_param, side_positions)
 
 
@@ -272,7 +272,7 @@ def loss_op(config, num_layers: int, coef: float, tp: int, tp_grad_group, metric
 
     def fn(side, logits, *pieces):
         ce = F.cross_entropy(logits.float().flatten(0, 1), side["targets"].flatten(),
-                             ignore_index=-100, reduction="sum") / max(side["num_valid"], 1)
+                             ignore_index=-100, reduction="sum") / loss_denominator(side)
         tokens = logits.shape[0] * logits.shape[1]
         aux = load_balancing_loss(pieces, tokens, num_experts, reduce if tp > 1 else None, tp)
         metrics.record_aux(aux)

@@ -1,0 +1,203 @@
+"""Fine-tune a causal LM with ``ds_dhelix.DhelixTrainer`` (a Hugging Face ``Trainer``): TP/EP and
+strand interleaving from the ds_config's "dhelix" section.
+
+    torchrun --nproc_per_node 2 examples/trainer_sft.py --deepspeed ds_configs/tiny_llama_cpu.json \\
+        --model tiny-llama --max-steps 20 --json-summary summary.json
+    deepspeed --num_gpus 2 examples/trainer_sft.py --deepspeed ds_configs/tiny_llama_cpu.json ...
+    accelerate launch --config_file ds_configs/accelerate_deepspeed.yaml examples/trainer_sft.py ...
+
+``--model``: a preset (random init) or a local HF checkpoint directory; ``--data``: a .txt or
+.jsonl file (default: the embedded corpus), cut into blocks of ``--seq-len`` tokens. The ds_config's
+numbers (micro-batch, accumulation, learning rate, betas, clipping, warmup) become the
+TrainingArguments, so a config written for train.py runs unchanged; "auto" values follow the
+TrainingArguments defaults. ``--plain`` trains the same run with ``transformers.Trainer`` and plain
+DeepSpeed data parallelism (the dhelix section removed, the same tokens per optimizer step), to
+compare. The trained model is written as an HF checkpoint to ``<output-dir>/final``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed", required=True, help="ds_config JSON with a \"dhelix\" section")
+    p.add_argument("--model", default="tiny-llama", help="preset name or local HF checkpoint directory")
+    p.add_argument("--data", default=None, help=".txt or .jsonl file (default: the embedded corpus)")
+    p.add_argument("--max-steps", type=int, default=20)
+    p.add_argument("--output-dir", default="runs/trainer_sft")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--resume-from-checkpoint", default=None,
+                   help="a checkpoint-N folder of an earlier run, or 'last' for the newest in --output-dir")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="end after N steps as if interrupted (the LR schedule still spans --max-steps)")
+    p.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoint every N steps (0: none)")
+    p.add_argument("--logging-steps", type=int, default=1)
+    p.add_argument("--eval-blocks", type=int, default=0, help="hold out N blocks and report eval_loss at the end")
+    p.add_argument("--json-summary", default=None, help="write engine, layout, losses and checkpoint path here")
+    p.add_argument("--plain", action="store_true", help="transformers.Trainer + plain DeepSpeed, for comparison")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = p.parse_args(argv)
+    for name in ("max_steps", "seq_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def _number(value):
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def training_arguments(args, ds_config: dict, world: int):
+    """TrainingArguments that agree with the ds_config's written numbers (HF refuses mismatches)."""
+    from transformers import TrainingArguments
+    opt = (ds_config.get("optimizer") or {}).get("params", {})
+    sched = (ds_config.get("scheduler") or {}).get("params", {})
+    values = {"per_device_train_batch_size": _number(ds_config.get("train_micro_batch_size_per_gpu")),
+              "gradient_accumulation_steps": _number(ds_config.get("gradient_accumulation_steps")),
+              "learning_rate": _number(opt.get("lr")), "weight_decay": _number(opt.get("weight_decay")),
+              "adam_epsilon": _number(opt.get("eps")), "max_grad_norm": _number(ds_config.get("gradient_clipping")),
+              "warmup_steps": _number(sched.get("warmup_num_steps"))}
+    betas = opt.get("betas")
+    if isinstance(betas, list) and all(_number(b) is not None for b in betas):
+        values.update(adam_beta1=betas[0], adam_beta2=betas[1])
+    values = {k: v for k, v in values.items() if v is not None}
+    precision = {"bf16": bool((ds_config.get("bf16") or {}).get("enabled")),
+                 "fp16": bool((ds_config.get("fp16") or {}).get("enabled"))}
+    max_steps = args.max_steps
+    if args.plain and _number(sched.get("total_num_steps")):
+        # HF refuses a written schedule length other than max_steps; the comparison keeps the
+        # schedule and stops after --max-steps (StopAfter)
+        max_steps = max(max_steps, sched["total_num_steps"])
+    return TrainingArguments(
+        output_dir=args.output_dir, max_steps=max_steps, seed=args.seed, data_seed=args.seed,
+        logging_steps=args.logging_steps, report_to=["tensorboard"],
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        deepspeed=ds_config, dataloader_drop_last=True, use_cpu=not _has_cuda(),
+        per_device_eval_batch_size=values.get("per_device_train_batch_size", 8),
+        **precision, **values)
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def plain_config(ds_config: dict, world: int) -> dict:
+    """The comparison run: no dhelix section; data parallel over the world with the accumulation cut
+    so one optimizer step trains the same tokens as the dhelix layout."""
+    from ds_dhelix.dims import ParallelDims
+    from ds_dhelix.config import DhelixConfig
+    plain = copy.deepcopy(ds_config)
+    dims = ParallelDims.from_config(DhelixConfig.from_ds_config(plain), world)
+    plain.pop("dhelix", None)
+    gas = plain.get("gradient_accumulation_steps")
+    if isinstance(gas, int):
+        if (gas * dims.dp) % world:
+            raise SystemExit(f"--plain: {gas} accumulation steps x {dims.dp} data-parallel ranks do not split "
+                             f"over {world} plain data-parallel ranks")
+        plain["gradient_accumulation_steps"] = gas * dims.dp // world
+    return plain
+
+
+def datasets(args, tokenizer):
+    from ds_dhelix.data import TokenDataset, build_embedded_corpus, encode_documents, load_text, split_documents
+    text = load_text(args.data) if args.data else build_embedded_corpus()
+    blocks = TokenDataset(encode_documents(tokenizer, split_documents(text)), args.seq_len)
+    if args.eval_blocks <= 0:
+        return blocks, None
+    import torch
+    n = len(blocks)
+    if args.eval_blocks >= n:
+        raise SystemExit(f"--eval-blocks {args.eval_blocks}: the data has only {n} blocks of {args.seq_len} tokens")
+    return (torch.utils.data.Subset(blocks, range(n - args.eval_blocks)),
+            torch.utils.data.Subset(blocks, range(n - args.eval_blocks, n)))
+
+
+def _stop_after(steps: int):
+    """Trainer callback ending training after ``steps`` optimizer steps."""
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= steps:
+                control.should_training_stop = True
+    return StopAfter()
+
+
+class _Losses:
+    """Trainer callback collecting the logged training loss of every step."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Losses(TrainerCallback):
+            def __init__(self):
+                self.losses = []
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs and "train_runtime" not in logs:
+                    self.losses.append((state.global_step, logs["loss"]))
+        return Losses()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from ds_dhelix.config import load_ds_config
+    from hf_models.registry import build_model, load_tokenizer_for
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ds_config = load_ds_config(args.deepspeed)
+    if args.plain:
+        ds_config = plain_config(ds_config, world)
+    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.join(args.output_dir, "tensorboard"))
+    targs = training_arguments(args, ds_config, world)
+    tokenizer = load_tokenizer_for(args.model)
+    model, _ = build_model(args.model, seed=args.seed)
+    train_set, eval_set = datasets(args, tokenizer)
+    losses = _Losses()
+    if args.plain:
+        from transformers import Trainer as trainer_class
+    else:
+        from ds_dhelix import DhelixTrainer as trainer_class
+    trainer = trainer_class(model=model, args=targs, train_dataset=train_set, eval_dataset=eval_set,
+                            processing_class=tokenizer, callbacks=[losses, _stop_after(min(args.stop_after or args.max_steps, args.max_steps))])
+    resume = args.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
+    metrics = trainer.evaluate() if eval_set is not None else {}
+    final = os.path.join(args.output_dir, "final")
+    trainer.save_model(final)
+    engine = trainer.model_wrapped
+    groups = getattr(engine, "groups", None)
+    summary = {"engine": type(engine).__name__,
+               "tp_size": groups.tp_size if groups else 1, "ep_size": groups.dims.ep if groups else 1,
+               "schedule": engine.dhelix.schedule if hasattr(engine, "dhelix") else "plain",
+               "losses": getattr(trainer, "step_losses", None) or [loss for _, loss in losses.losses],
+               "logged_losses": [loss for _, loss in losses.losses],
+               "eval_loss": metrics.get("eval_loss"), "hf_checkpoint": os.path.abspath(final)}
+    if args.json_summary and trainer.args.process_index == 0:
+        with open(args.json_summary, "w") as f:
+            json.dump(summary, f, indent=1)
+    if trainer.args.process_index == 0:
+        print(f"[trainer_sft] {summary['engine']} tp {summary['tp_size']} ep {summary['ep_size']} "
+              f"{summary['schedule']}: {len(summary['losses'])} steps, last loss "
+              f"{summary['losses'][-1] if summary['losses'] else None}; HF checkpoint {final}")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
