@@ -29,7 +29,9 @@ if ROOT not in sys.path:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed", required=True, help="ds_config JSON with a \"dhelix\" section")
+    p.add_argument("--deepspeed", default=None,
+                   help="ds_config JSON with a \"dhelix\" section (default under accelerate launch: the "
+                        "deepspeed_config_file of its config)")
     p.add_argument("--model", default="tiny-llama", help="preset name or local HF checkpoint directory")
     p.add_argument("--data", default=None, help=".txt or .jsonl file (default: the embedded corpus)")
     p.add_argument("--max-steps", type=int, default=20)
@@ -47,6 +49,14 @@ def parse_args(argv=None):
     p.add_argument("--plain", action="store_true", help="transformers.Trainer + plain DeepSpeed, for comparison")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
+    from_accelerate = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if args.deepspeed is None:
+        if not from_accelerate:
+            p.error("--deepspeed DS_CONFIG is required (or accelerate launch with a deepspeed_config_file)")
+        args.deepspeed = from_accelerate
+    elif from_accelerate and os.path.realpath(from_accelerate) != os.path.realpath(args.deepspeed):
+        p.error(f"--deepspeed {args.deepspeed} differs from accelerate's deepspeed_config_file {from_accelerate}; "
+                f"pass one of them")
     for name in ("max_steps", "seq_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
