@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from deepspeed.utils import logger
 
+from .comm import release_deepspeed_shm
 from .config import (ONE_STAGE_SCHEDULES, PIPELINE_SCHEDULES, BatchSizes, DhelixConfig, derive_batch,
                      load_ds_config)
 from .dims import ParallelDims
@@ -217,6 +218,7 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
         raise ValueError('ds_dhelix.initialize needs "dhelix": {"enabled": true}; use deepspeed.initialize otherwise')
     # wraps an existing torch.distributed world, or starts one from the launcher's environment
     deepspeed.init_distributed(dist_init_required=not dist.is_initialized())
+    release_deepspeed_shm()
     setup = check_setup(config, model.config, dist.get_world_size(), client_optimizer=optimizer is not None)
     check_model_settings(model)
     _warn_ignored_by_pipeline(config, setup)

@@ -23,6 +23,7 @@ over the TP group sum their gradients once per step (``ReplicatedGrads``).
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -233,3 +234,26 @@ class ReplicatedGrads:
                 offset += g.numel()
             total += flat.numel() * flat.element_size()
         return total
+
+
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
+"""DeepSpeed's CPU all-reduce buffers in /dev/shm: ``<prefix>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``."""
+
+
+def release_deepspeed_shm() -> None:
+    """Unlink this rank's DeepSpeed shared-memory all-reduce buffer name; collective (a barrier).
+
+    On CPU with every rank on one machine, ``deepspeed.init_distributed`` maps a ~69 MB file per
+    rank in /dev/shm (RAM), named by MASTER_ADDR and MASTER_PORT, and DeepSpeed never unlinks it:
+    each run on another port leaves world x 69 MB of memory behind until reboot. Once every rank
+    has mapped its peers' files (they have when init returned on all of them: the barrier), each
+    rank unlinks its own name; the mappings stay valid until the process ends."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    name = (f"{SHM_BUFFER_PREFIX}_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass  # no shm op (GPU, ranks on several machines) or already released

@@ -37,6 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--output-dir", default="runs/trainer_sft")
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--packing", default="concat", choices=["concat", "docs", "none"],
+                   help="concat: one token stream cut in blocks; docs: blocks with positions and attention "
+                        "restarting per document; none: one document per row, right-padded (attention_mask)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--resume-from-checkpoint", default=None,
                    help="a checkpoint-N folder of an earlier run, or 'last' for the newest in --output-dir")
@@ -122,7 +125,9 @@ def plain_config(ds_config: dict, world: int) -> dict:
 def datasets(args, tokenizer):
     from ds_dhelix.data import TokenDataset, build_embedded_corpus, encode_documents, load_text, split_documents
     text = load_text(args.data) if args.data else build_embedded_corpus()
-    blocks = TokenDataset(encode_documents(tokenizer, split_documents(text)), args.seq_len)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    blocks = TokenDataset(encode_documents(tokenizer, split_documents(text)), args.seq_len, packing=args.packing,
+                          eos_id=tokenizer.eos_token_id, pad_id=pad)
     if args.eval_blocks <= 0:
         return blocks, None
     import torch

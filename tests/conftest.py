@@ -6,15 +6,34 @@ Tests import helpers with ``from tests.conftest import ...``.
 from __future__ import annotations
 
 import copy
+import glob
+import os
 
 import pytest
 import torch
 
+from ds_dhelix.comm import SHM_BUFFER_PREFIX
 from ds_dhelix.spawn import free_port, run_ranks  # noqa: F401  (re-exported for the tests)
 from hf_models.common import gather_param
 from hf_models.registry import load_config
 
 SEED, BATCH, SEQ = 0, 2, 16
+
+
+@pytest.fixture(autouse=True)
+def _no_deepspeed_shm_left_behind():
+    """DeepSpeed's CPU all-reduce leaves a ~69 MB /dev/shm file per rank and port; ds_dhelix's
+    builds release theirs (``comm.release_deepspeed_shm``), plain ``deepspeed.initialize`` runs in
+    tests do not: what a test's processes left is removed after it (they have exited by then)."""
+    def ours():
+        return set(glob.glob(f"/dev/shm/{SHM_BUFFER_PREFIX}_{os.getuid()}_*"))
+    before = ours()
+    yield
+    for path in ours() - before:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,6 +11,7 @@ import contextlib
 
 import torch.distributed as dist
 
+from ..comm import release_deepspeed_shm
 from .options import DHELIX_MODES, BenchOptions, split_mode
 
 
@@ -68,6 +69,7 @@ class DeepSpeedRunner:
         with _autoep_registry_compat() if mode == "autoep" else contextlib.nullcontext():
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config=config)
+        release_deepspeed_shm()
         if mode == "autoep":
             replaced = sum(type(m).__name__ == "AutoEPMoELayer" for m in self.engine.module.modules())
             if not replaced:  # never report plain data parallel as AutoEP
@@ -106,6 +108,7 @@ class PipeRunner:
             from benchmarks.ds_pipelines import build_deepspeed_pipe
             self.engine = build_deepspeed_pipe(build_model(opts), opts.pp, mode.removeprefix("ds-"),
                                                opts.base_ds_config(opts.micro_batches))
+            release_deepspeed_shm()
         else:
             from ds_dhelix.build import build_engine
             self.engine = build_engine(build_model(opts), opts.dhelix_ds_config(mode, link_gbps))
