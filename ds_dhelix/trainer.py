@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 
 import torch
@@ -104,6 +105,7 @@ class DhelixTrainer(Trainer):
                              f"train a pipeline with train.py")
         self._dims = setup.dims
         self._engine = None
+        self._engine_steps = None  # the optimizer steps its LR schedule was built for
         self._step_batches: list[dict] = []
         self._step_loss = None
         self.step_losses: list[float] = []
@@ -172,9 +174,22 @@ class DhelixTrainer(Trainer):
         return loader
 
     # ------------------------------------------------------------------ engine
+    def _planned_steps(self) -> int:
+        """The run's optimizer steps as ``Trainer.train`` will compute them (``max_steps``, else the
+        epochs over the training set), for an engine built before training (``evaluate`` first)."""
+        if self.args.max_steps > 0 or self.train_dataset is None:
+            return max(self.args.max_steps, 1)
+        batches = len(self.get_train_dataloader())
+        gas = self.args.gradient_accumulation_steps
+        return math.ceil(self.args.num_train_epochs * max(batches // gas + int(batches % gas > 0), 1))
+
     def _build_engine(self, max_steps: int):
         if self._engine is not None:
+            if max_steps != self._engine_steps:
+                raise ValueError(f"the engine's LR schedule was built for {self._engine_steps} steps, this "
+                                 f"train() runs {max_steps}: build a new DhelixTrainer for another run length")
             return self._engine
+        self._engine_steps = max_steps
         from .build import initialize
         config = self._finalize_config(max_steps)
         optimizer = lr_scheduler = None
@@ -271,7 +286,7 @@ class DhelixTrainer(Trainer):
         if self.compute_metrics is not None:
             raise ValueError("DhelixTrainer.evaluate reports eval_loss only: compute_metrics needs the full "
                              "logits, which the tensor-parallel graph never gathers; drop compute_metrics")
-        engine = self._build_engine(max(self.args.max_steps, 1))
+        engine = self._build_engine(self._engine_steps or self._planned_steps())
         loader = self.get_eval_dataloader(eval_dataset)
         losses = [float(engine.eval_batch(iter([batch]), num_microbatches=1)) for batch in loader]
         if not losses:
