@@ -28,7 +28,8 @@ if ROOT not in sys.path:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed", default=None,
                    help="ds_config JSON with a \"dhelix\" section (default under accelerate launch: the "
                         "deepspeed_config_file of its config)")
@@ -70,7 +71,7 @@ def _number(value):
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def training_arguments(args, ds_config: dict, world: int):
+def training_arguments(args, ds_config: dict):
     """TrainingArguments that agree with the ds_config's written numbers (HF refuses mismatches)."""
     from transformers import TrainingArguments
     opt = (ds_config.get("optimizer") or {}).get("params", {})
@@ -149,20 +150,18 @@ def _stop_after(steps: int):
     return StopAfter()
 
 
-class _Losses:
-    """Trainer callback collecting the logged training loss of every step."""
+def _loss_log():
+    """Trainer callback collecting the logged training loss of every step (``.losses``)."""
+    from transformers import TrainerCallback
 
-    def __new__(cls):
-        from transformers import TrainerCallback
+    class LossLog(TrainerCallback):
+        def __init__(self):
+            self.losses = []
 
-        class Losses(TrainerCallback):
-            def __init__(self):
-                self.losses = []
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "loss" in logs and "train_runtime" not in logs:
-                    self.losses.append((state.global_step, logs["loss"]))
-        return Losses()
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs and "train_runtime" not in logs:
+                self.losses.append((state.global_step, logs["loss"]))
+    return LossLog()
 
 
 def main(argv=None) -> int:
@@ -175,17 +174,18 @@ def main(argv=None) -> int:
     if args.plain:
         ds_config = plain_config(ds_config, world)
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.join(args.output_dir, "tensorboard"))
-    targs = training_arguments(args, ds_config, world)
+    targs = training_arguments(args, ds_config)
     tokenizer = load_tokenizer_for(args.model)
     model, _ = build_model(args.model, seed=args.seed)
     train_set, eval_set = datasets(args, tokenizer)
-    losses = _Losses()
+    losses = _loss_log()
     if args.plain:
         from transformers import Trainer as trainer_class
     else:
         from ds_dhelix import DhelixTrainer as trainer_class
+    stop = _stop_after(min(args.stop_after or args.max_steps, args.max_steps))
     trainer = trainer_class(model=model, args=targs, train_dataset=train_set, eval_dataset=eval_set,
-                            processing_class=tokenizer, callbacks=[losses, _stop_after(min(args.stop_after or args.max_steps, args.max_steps))])
+                            processing_class=tokenizer, callbacks=[losses, stop])
     resume = args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     metrics = trainer.evaluate() if eval_set is not None else {}

@@ -48,8 +48,9 @@ from ds_dhelix.moe.experts import expert_act, run_expert_down, run_expert_up, sh
 from ds_dhelix.moe.metrics import MoeMetrics
 from ds_dhelix.moe.router import aux_piece, combine_copies, load_balancing_loss, local_counts, route_tokens
 
-from .common import (Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout, embed_op, head_ops, loss_denominator,
-                     make_side_fn, mark_replicated, qkv_projections, rotary, shard_param, side_positions)
+from .common import (Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout, embed_op, head_ops,
+                     loss_denominator, make_side_fn, mark_replicated, qkv_projections, rotary, shard_param,
+                     side_positions)
 
 
 @dataclass(frozen=True)
