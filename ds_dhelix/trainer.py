@@ -11,7 +11,7 @@ that step's loss. What changes against a plain Trainer, method by method:
                            TP ranks of a group read the same samples)
     _prepare_for_training  builds the ds_dhelix engine (and loads a checkpoint to resume)
     get_batch_samples      runs the step: loss normalised by the step's target count like the
-                           Trainer's ``num_items_in_batch``, counted over the data-parallel ranks
+                           Trainer's ``num_items_in_batch`` (its own count, not counted again)
     training_step          returns this micro-batch's share of the step loss
     evaluate               forward only through ``engine.eval_batch``; reports ``eval_loss``
     save_model             ``engine.export_hf``: shards gathered, an HF checkpoint
@@ -30,7 +30,6 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
 from transformers import Trainer
 
 from .guard import enabled_dhelix_section
@@ -75,12 +74,6 @@ def _original_config(source) -> dict:
         return copy.deepcopy(source)
     with open(source) as f:
         return json.load(f)
-
-
-def _target_count(batch: dict) -> int:
-    """Targets of a micro-batch as the Trainer counts them (shifted labels that are not -100)."""
-    labels = batch.get("labels", batch["input_ids"])
-    return int(labels[..., 1:].ne(-100).sum())
 
 
 class DhelixTrainer(Trainer):
@@ -228,13 +221,13 @@ class DhelixTrainer(Trainer):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._step_batches, self._step_loss = batches, None
         if batches:
-            self._step_loss = self._train_step(batches, normalise=num_items is not None)
+            self._step_loss = self._train_step(batches, num_items)
         return batches, num_items
 
-    def _train_step(self, batches: list[dict], normalise: bool) -> torch.Tensor:
-        """One optimizer step over the step's micro-batches. ``normalise``: like the Trainer with
-        ``num_items_in_batch``, the loss is the sum over the step's targets / their count (over the
-        data-parallel ranks when ``average_tokens_across_devices``), not a mean of micro-batch means."""
+    def _train_step(self, batches: list[dict], num_items) -> torch.Tensor:
+        """One optimizer step over the step's micro-batches. With the Trainer's ``num_items`` (its
+        ``num_items_in_batch``; None: a mean of micro-batch means, as the Trainer then does) the loss
+        is the sum over the step's targets / their count, like a plain Trainer's."""
         engine = self._engine
         gas = engine.gradient_accumulation_steps()
         if len(batches) != gas:
@@ -242,14 +235,14 @@ class DhelixTrainer(Trainer):
                              f"gradient_accumulation_steps = {gas}: the epoch's last step is short; use a "
                              f"dataset whose batch count is a multiple of {gas} per data-parallel rank, "
                              f"dataloader_drop_last=True with max_steps, or max_steps within the first epoch")
-        if normalise:
-            count = torch.tensor(float(sum(_target_count(b) for b in batches)))
-            dp = engine.groups.dp_size
-            if self.args.average_tokens_across_devices and dp > 1:
-                dist.all_reduce(count, group=engine.groups.dp_group)
-                denominator = float(count) / (gas * dp)
+        if num_items is not None:
+            # the Trainer's count is this rank's, or with average_tokens_across_devices summed over
+            # every process: each TP rank of a group counted the same samples, so it is tp times
+            # the data-parallel total; engine.train_batch averages micro-batches and DP ranks
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                denominator = float(num_items) / (self._dims.tp * gas * self._dims.dp)
             else:
-                denominator = float(count) / gas
+                denominator = float(num_items) / gas
             batches = [{**b, "loss_denominator": max(denominator, 1e-12)} for b in batches]
         loss = engine.train_batch(iter(batches))
         self.step_losses.append(float(loss))
