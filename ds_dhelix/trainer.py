@@ -125,7 +125,8 @@ class DhelixTrainer(Trainer):
     def _finalize_config(self, max_steps: int) -> dict:
         """HF's "auto" filling for the run (``trainer_config_finalize``); a schedule length written
         in the ds_config is kept (warned once when it differs from the run's steps), and the batch
-        arithmetic is checked against the data-parallel size, not the world."""
+        arithmetic is checked against the data-parallel size, not the world. ``dhelix.seed`` (the
+        base of every random draw) defaults to ``TrainingArguments.seed``."""
         hf = self._hf_config()
         hf.mismatches = [m for m in hf.mismatches if "train_batch_size" not in m]
         written = {}
@@ -141,7 +142,10 @@ class DhelixTrainer(Trainer):
                 logger.warning(f"ds_config {key} = {value} is kept (this run trains {max_steps} steps, which "
                                f"would give {node[leaf]}); write \"auto\" to follow TrainingArguments")
             node[leaf] = value
-        return self._config_for_check(hf.config)
+        config = self._config_for_check(hf.config)
+        # dropout masks and router noise follow TrainingArguments.seed, as train.py's --seed
+        config["dhelix"].setdefault("seed", self.args.seed)
+        return config
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self):

@@ -210,13 +210,14 @@ auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps":
                                                   "torch_adam": True}},
         "zero_optimization": {"stage": 1}, "dhelix": {"enabled": True, "schedule": "si"}}
 targs = TrainingArguments(output_dir=os.path.join(sys.argv[3], "auto"), max_steps=2, per_device_train_batch_size=2,
-                          gradient_accumulation_steps=3, learning_rate=2e-3, max_grad_norm=0.5, use_cpu=True,
+                          gradient_accumulation_steps=3, learning_rate=2e-3, max_grad_norm=0.5, seed=7, use_cpu=True,
                           report_to=[], deepspeed=auto)
 trainer = ds_dhelix.DhelixTrainer(model=build_model("tiny-llama", seed=0)[0], args=targs, train_dataset=data)
 trainer.train()
 engine = trainer.model_wrapped
 print("AUTO", type(engine).__name__, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
-      engine.gradient_clipping(), engine.optimizer.param_groups[0]["initial_lr"], trainer.state.global_step)
+      engine.gradient_clipping(), engine.optimizer.param_groups[0]["initial_lr"], trainer.state.global_step,
+      "seed", engine.dhelix.seed)
 engine.destroy()
 from accelerate.state import AcceleratorState, PartialState
 AcceleratorState._reset_state(True)  # the next Trainers bring their own DeepSpeed plugin
@@ -248,6 +249,7 @@ def test_no_silent_plain_trainer_and_refused_settings(tmp_path):
                 env={"PYTHONPATH": ROOT})
     _ok(proc)
     # the Trainer's LR schedule (no "scheduler" in the config) wraps DeepSpeed's optimizer
-    assert "AUTO DhelixEngine 2 3 0.5 0.002 2" in proc.stdout, proc.stdout[-3000:]
+    # ... and the draws' base seed follows TrainingArguments.seed
+    assert "AUTO DhelixEngine 2 3 0.5 0.002 2 seed 7" in proc.stdout, proc.stdout[-3000:]
     assert "PLAIN REFUSED:" in proc.stdout and "DhelixTrainer" in proc.stdout, proc.stdout[-3000:]
     assert "CHECKPOINTING REFUSED:" in proc.stdout and '"recompute": "full"' in proc.stdout, proc.stdout[-3000:]
