@@ -163,6 +163,9 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
         ep = dh.expert_parallel
         moe = {"ep_groups": groups.expert_groups(), "capacity_factor": ep.capacity_factor,
                "aux_loss_coef": ep.aux_loss_coef}
+    if dims.cp > 1:
+        from hf_models.common import ContextShards
+        moe["cp"] = ContextShards(dims.cp, groups.cp_rank, groups.cp)
     return adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, seed=dh.seed, **moe)
 
 
@@ -224,8 +227,7 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
     _warn_ignored_by_pipeline(config, setup)
     groups = ProcessGroups.create(setup.dims)
     graph = shard_model(model, setup.dh, setup.dims, groups)
-    ds_config = copy.deepcopy(config)
-    ds_config.pop("dhelix", None)
+    ds_config = deepspeed_view(config, setup)
     extra = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "config": ds_config}
     if setup.dims.pp > 1:
         return _pipeline_engine(model, setup, groups, graph, plan, model_parameters, extra, weights)
@@ -240,6 +242,19 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
     return engine_class(dhelix=dh, groups=groups, graph=graph, plan=plan, model=model, load_report=report,
                         model_parameters=model_parameters or model.parameters(), mpu=groups,
                         config_class=DeepSpeedConfig(ds_config, groups), **extra)
+
+
+def deepspeed_view(config: dict, setup: Setup) -> dict:
+    """The ds_config DeepSpeed reads: without the dhelix section; with context parallelism the batch
+    is counted over DeepSpeed's data-parallel group, DP x CP (CP ranks share each sample)."""
+    ds_config = copy.deepcopy(config)
+    ds_config.pop("dhelix", None)
+    if setup.dims.cp > 1:
+        b = setup.batch
+        ds_config.update({"train_batch_size": b.train_batch_size * setup.dims.cp,
+                          "train_micro_batch_size_per_gpu": b.micro_batch_size,
+                          "gradient_accumulation_steps": b.gradient_accumulation_steps})
+    return ds_config
 
 
 def initialize(args=None, model=None, config=None, model_parameters=None, optimizer=None,

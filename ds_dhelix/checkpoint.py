@@ -30,12 +30,15 @@ def full_state_dict(model, tp_group=None, tp_size: int = 1) -> dict[str, torch.T
 def full_grads(model, groups) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as its full HF tensor, averaged over the data-parallel replicas
     (DeepSpeed's convention: expert gradients summed over their expert-data-parallel group, then
-    divided by the whole DP size); no gradient counts as zeros. Collective over the TP, DP and EP
-    groups of ``groups`` (a ``ProcessGroups``)."""
+    divided by the whole DP size); no gradient counts as zeros. Collective over the TP, CP, DP and EP
+    groups of ``groups`` (a ``ProcessGroups``). With context parallelism each rank's gradient (the
+    loss seeded 1/m, as here) is its sequence shard's share: they are summed over the CP group."""
     from .moe.experts import gather_expert_param, is_expert_param
     dp, out = groups.dp_size, {}
     for name, p in model.named_parameters():
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        if groups.cp_size > 1:
+            dist.all_reduce(g, group=groups.cp_group)
         sharded_experts = is_expert_param(p) and p.ep_size > 1
         reduce_over = groups.edp_group if sharded_experts else groups.dp_group
         if dp > 1 and dist.get_world_size(reduce_over) > 1:

@@ -6,6 +6,7 @@ slice along dim 0 and all-gather / reduce-scatter need no copies.
     op      forward                         backward
     ag      all-gather  [s/t,b,h]->[s,b,h]  reduce-scatter of the gradient
     rs      reduce-scatter [s,b,h]->[s/t,b,h]  all-gather of the gradient
+    a2a     all-to-all of [cp, ...] chunks  all-to-all of the gradient (context parallelism)
 
 A COMM op's body is an object with ``forward(x, side, channel) -> Pending`` and ``backward(grad,
 side, channel) -> Pending`` (``side``: the micro-batch's side dict, where e.g. MoE split sizes are
@@ -149,6 +150,28 @@ class SeqReduceScatter(SeqAllGather):
 
     def backward(self, grad, side, channel: int = 1) -> Pending:
         return all_gather_seq(grad, self.groups.channel(channel), self.world)
+
+
+class ContextAllToAll(SeqAllGather):
+    """COMM op body of context parallelism (Ulysses): an all-to-all along dim 0 of a tensor laid
+    out ``[cp, ...]``, chunk ``j`` going to CP rank ``j``; the result's chunk ``i`` came from CP rank
+    ``i``. The same exchange is its own adjoint, so the backward is the all-to-all of the gradient.
+    The COMP ops on either side lay the chunks out (heads by destination before the attention core,
+    sequence by destination after it)."""
+
+    def forward(self, x, side, channel: int = 0) -> Pending:
+        return all_to_all_chunks(x, self.groups.channel(channel), self.world)
+
+    def backward(self, grad, side, channel: int = 1) -> Pending:
+        return all_to_all_chunks(grad, self.groups.channel(channel), self.world)
+
+
+def all_to_all_chunks(x: torch.Tensor, group, world: int) -> Pending:
+    if x.shape[0] != world:
+        raise ValueError(f"context-parallel all-to-all of a tensor with {x.shape[0]} chunks on {world} ranks")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    return Pending(dist.all_to_all_single(out, x, group=group, async_op=True), out)
 
 
 def _on_gloo(group) -> bool:

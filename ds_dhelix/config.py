@@ -230,6 +230,34 @@ class ExpertParallelConfig(_Section):
             raise self._fail("aux_loss_coef", "must be >= 0 (or null for the model's own coefficient)")
 
 
+CP_COMMS = ("ulysses",)
+"""Valid values of ``dhelix.context_parallel.comm``."""
+
+
+@dataclass(frozen=True)
+class ContextParallelConfig(_Section):
+    """Context parallelism: the sequence sharded over ``size`` ranks (on top of TP's sequence
+    shards); attention sees the whole sequence through explicit, schedulable all-to-alls."""
+
+    _path: ClassVar[str] = "dhelix.context_parallel"
+
+    size: int = 1
+    """Ranks per context-parallel group; heads and kv heads must divide by tensor_parallel.size x size,
+    the sequence length by it too."""
+    comm: str = "ulysses"
+    """"ulysses": all-to-alls from sequence shards to head shards before the attention core and back
+    after it (DeepSpeed-Ulysses' exchange, as COMM ops of the op graph)."""
+
+    def __post_init__(self):
+        self._check_types()
+        self._at_least("size", 1)
+        if self.comm == "ring":
+            raise self._fail("comm", "ring attention is not available yet; use 'ulysses' (heads and kv heads "
+                                     "must then divide by tensor_parallel.size x context_parallel.size)")
+        if self.comm not in CP_COMMS:
+            raise self._fail("comm", f"choose one of {', '.join(CP_COMMS)}")
+
+
 @dataclass(frozen=True)
 class PipelineConfig(_Section):
     """Pipeline parallelism. Folded schedules ("w", "dualpipev") cut the layers into 2 x stages chunks."""
@@ -353,6 +381,8 @@ class DhelixConfig(_Section):
     """Tensor/sequence parallelism."""
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     """MoE expert parallelism."""
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+    """Context parallelism (sequence shards, Ulysses all-to-alls around attention)."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline parallelism and layer split."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
@@ -492,12 +522,15 @@ def derive_batch(
     if isinstance(world_size, ParallelDims):
         dims = world_size
     else:
-        cfg = DhelixConfig.from_ds_config(ds_config) if None in (tp, pp, ep) else None
+        cfg = DhelixConfig.from_ds_config(ds_config)
         dims = ParallelDims(world_size, tp=cfg.tensor_parallel.size if tp is None else tp,
                             pp=cfg.pipeline.stages if pp is None else pp,
-                            ep=cfg.expert_parallel.size if ep is None else ep)
+                            ep=cfg.expert_parallel.size if ep is None else ep,
+                            cp=cfg.context_parallel.size if cfg.enabled else 1)
     ep_note = f"; ep {dims.ep} does not change it" if dims.ep > 1 else ""
-    tb, mb, ga = _batch_triple(ds_config, dims.dp, f"(world {dims.world} / tp {dims.tp} / pp {dims.pp}{ep_note})")
+    cp_note = f" / cp {dims.cp}" if dims.cp > 1 else ""
+    tb, mb, ga = _batch_triple(ds_config, dims.dp,
+                               f"(world {dims.world} / tp {dims.tp} / pp {dims.pp}{cp_note}{ep_note})")
     return BatchSizes(dims, mb, ga, tb)
 
 

@@ -5,8 +5,9 @@ and the model, in one place.
     ep shards the experts inside the data-parallel group (ep divides dp)
 
 Tensor parallelism is innermost (TP groups are consecutive ranks), the pipeline outermost, as
-DeepSpeed's pipe x data x model topology orders them. ``cp`` (context parallelism) has its place
-in the rank order but no implementation yet: it must be 1.
+DeepSpeed's pipe x data x model topology orders them. Context parallelism (``cp``) shards each
+sequence further: a CP group holds one data-parallel replica's sequence, ``cp`` consecutive TP
+groups; the weights are replicated over DP x CP (DeepSpeed reduces gradients over both).
 
 Plain data: no torch.distributed. ``ProcessGroups.create(dims)`` (``groups.py``) builds the groups.
 """
@@ -46,13 +47,18 @@ class ParallelDims:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel size {name} must be a positive integer, got {value!r}")
-        if self.cp != 1:
-            raise ValueError(f"context parallel size {self.cp}: context parallelism is not available yet; use 1")
         model = self.tp * self.pp * self.cp
         if self.world % model:
+            cp = f" x context_parallel.size {self.cp}" if self.cp > 1 else ""
             raise ValueError(f"world size {self.world} is not divisible by tensor_parallel.size {self.tp} x "
-                             f"pipeline.stages {self.pp} = {model}; tp x pp must be one of "
-                             f"{divisors(self.world)}")
+                             f"pipeline.stages {self.pp}{cp} = {model}; tp x pp{' x cp' if cp else ''} must be "
+                             f"one of {divisors(self.world)}")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"context_parallel.size {self.cp} with expert_parallel.size {self.ep} is not supported "
+                             f"yet; use one of them")
+        if self.cp > 1 and self.pp > 1:
+            raise ValueError(f"context_parallel.size {self.cp} with pipeline.stages {self.pp} is not supported yet; "
+                             f"use one of them")
         if self.dp % self.ep:
             raise ValueError(f"expert_parallel.size {self.ep} does not divide the data-parallel size {self.dp} "
                              f"(world {self.world} / tp {self.tp} / pp {self.pp}; experts are sharded inside "
@@ -63,12 +69,18 @@ class ParallelDims:
         """The degrees a ``DhelixConfig`` asks for on ``world`` ranks (a disabled section: pure DP)."""
         if not dh.enabled:
             return cls(world)
-        return cls(world, tp=dh.tensor_parallel.size, pp=dh.pipeline.stages, ep=dh.expert_parallel.size)
+        return cls(world, tp=dh.tensor_parallel.size, pp=dh.pipeline.stages, ep=dh.expert_parallel.size,
+                   cp=dh.context_parallel.size)
 
     @property
     def dp(self) -> int:
         """Data-parallel size: replicas of the dense parameters."""
         return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def shards(self) -> int:
+        """Sequence shards of one micro-batch: tp x cp (a rank holds 1/shards of every sequence)."""
+        return self.tp * self.cp
 
     @property
     def edp(self) -> int:
@@ -91,6 +103,11 @@ class ParallelDims:
         from hf_models.adapters import adapter_for
         adapter = adapter_for(model_config)
         adapter.check_tp(model_config, self.tp)
+        if self.cp > 1:
+            check_cp_heads(model_config, self.tp, self.cp)
+            if not getattr(adapter, "CONTEXT_PARALLEL", False):
+                raise ValueError(f"context_parallel.size {self.cp}: model_type {model_config.model_type!r} has no "
+                                 f"context-parallel attention yet; use 1")
         if hasattr(adapter, "check_ep"):
             adapter.check_ep(model_config, self.ep, self.dp)
         elif self.ep > 1:
@@ -99,4 +116,22 @@ class ParallelDims:
         return adapter
 
     def describe(self) -> str:
-        return f"world={self.world} dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"world={self.world} dp={self.dp} tp={self.tp}{cp} pp={self.pp} ep={self.ep}"
+
+
+def check_cp_heads(model_config, tp: int, cp: int) -> None:
+    """Ulysses gives each of the tp x cp ranks of a sequence whole heads: ``ValueError`` naming the
+    head counts that tp x cp does not divide and the context-parallel sizes that would fit."""
+    import math
+    heads = {"num_attention_heads": model_config.num_attention_heads}
+    kv = getattr(model_config, "num_key_value_heads", None)
+    if kv is not None:
+        heads["num_key_value_heads"] = kv
+    bad = {k: v for k, v in heads.items() if v % (tp * cp)}
+    if bad:
+        valid = [c for c in divisors(math.gcd(*heads.values())) if all(v % (tp * c) == 0 for v in heads.values())]
+        named = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ValueError(f"context_parallel.size {cp} x tensor_parallel.size {tp} = {tp * cp} does not divide {named} "
+                         f"(Ulysses gives every rank of a sequence whole heads); valid context_parallel.size "
+                         f"with tensor_parallel.size {tp}: {valid}")

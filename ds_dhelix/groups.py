@@ -11,8 +11,11 @@ grid (built from ``topology``) provides the data and pipe groups its engine uses
 The op graph's collectives get ``StrandGroups`` (two groups over the same ranks, one per strand
 of a pair: ``tp``, ``ep``, ``ep_counts``); the small blocking reductions get plain groups of their
 own (``tp_grad_group``, ``dp_group``, ``edp_group``). For one stage ``ProcessGroups`` also answers
-DeepSpeed's ``mpu`` protocol, so DeepSpeed reduces gradients over the DP group only and computes the
-global grad norm over the TP group.
+DeepSpeed's ``mpu`` protocol, so DeepSpeed reduces gradients over the DP group only (DP x CP with
+context parallelism) and computes the global grad norm over the TP group.
+
+With context parallelism (``cp`` > 1, TP=2, CP=2, 4 ranks): TP groups {0,1} {2,3}, CP groups
+{0,2} {1,3} (``cp``, ``cp_group``), DP x CP groups {0,2} {1,3} (``replica_group``).
 """
 from __future__ import annotations
 
@@ -45,6 +48,9 @@ class ProcessGroups:
     edp_group: object = None         # expert-data-parallel: reduces expert gradients
     p2p_group: object = None         # pipeline sends and receives (pp > 1)
     topology: object = None          # DeepSpeed's pipe x data x model topology (pp > 1)
+    cp: StrandGroups | None = None   # Ulysses all-to-alls of the op graph (cp > 1)
+    cp_group: object = None          # the loss sum over a sequence's CP shards (cp > 1)
+    replica_group: object = None     # DP x CP: ranks holding the same weights (cp > 1)
 
     @classmethod
     def create(cls, dims: ParallelDims) -> "ProcessGroups":
@@ -57,22 +63,42 @@ class ProcessGroups:
         me = dims.coords(out.rank)
         for stage in range(dims.pp):
             for d in range(dims.dp):
-                ranks = [dims.rank_of(stage, d, 0, t) for t in range(dims.tp)]
-                tp, grad = _strand_groups(ranks), dist.new_group(ranks)
-                if (stage, d) == (me.stage, me.dp_rank):
-                    out.tp, out.tp_grad_group = tp, grad
-            for t in range(dims.tp):
-                ranks = [dims.rank_of(stage, d, 0, t) for d in range(dims.dp)]
-                g = dist.new_group(ranks)
-                if (stage, t) == (me.stage, me.tp_rank):
-                    out.dp_group = g
-                if dims.ep > 1:
-                    out._create_expert_groups(ranks, stage, t)
+                for c in range(dims.cp):
+                    ranks = [dims.rank_of(stage, d, c, t) for t in range(dims.tp)]
+                    tp, grad = _strand_groups(ranks), dist.new_group(ranks)
+                    if (stage, d, c) == (me.stage, me.dp_rank, me.cp_rank):
+                        out.tp, out.tp_grad_group = tp, grad
+            for c in range(dims.cp):
+                for t in range(dims.tp):
+                    ranks = [dims.rank_of(stage, d, c, t) for d in range(dims.dp)]
+                    g = dist.new_group(ranks)
+                    if (stage, c, t) == (me.stage, me.cp_rank, me.tp_rank):
+                        out.dp_group = g
+                    if dims.ep > 1:
+                        out._create_expert_groups(ranks, stage, t)
+            if dims.cp > 1:
+                out._create_context_groups(stage, me)
         if dims.pp > 1:
             from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
             out.p2p_group = dist.new_group(list(range(dims.world)))
             out.topology = PipeModelDataParallelTopology(dims.pp, dims.tp, dims.dp)
         return out
+
+    def _create_context_groups(self, stage: int, me) -> None:
+        """CP groups (one sequence's CP shards: the Ulysses all-to-alls, the loss sum) and the
+        DP x CP groups the weights are replicated over (DeepSpeed's data-parallel group)."""
+        dims = self.dims
+        for d in range(dims.dp):
+            for t in range(dims.tp):
+                ranks = [dims.rank_of(stage, d, c, t) for c in range(dims.cp)]
+                cp, plain = _strand_groups(ranks), dist.new_group(ranks)
+                if (stage, d, t) == (me.stage, me.dp_rank, me.tp_rank):
+                    self.cp, self.cp_group = cp, plain
+        for t in range(dims.tp):
+            ranks = [dims.rank_of(stage, d, c, t) for d in range(dims.dp) for c in range(dims.cp)]
+            g = dist.new_group(ranks)
+            if (stage, t) == (me.stage, me.tp_rank):
+                self.replica_group = g
 
     def _create_expert_groups(self, peers: list[int], stage: int, tp_rank: int) -> None:
         """EP and EDP groups inside one DP group ``peers``."""
@@ -106,6 +132,14 @@ class ProcessGroups:
     @property
     def dp_size(self) -> int:
         return self.dims.dp
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.dims.coords(self.rank).cp_rank
 
     @property
     def ep_size(self) -> int:
@@ -150,18 +184,21 @@ class ProcessGroups:
     def get_tensor_model_parallel_src_rank(self):
         return self.rank - self.tp_rank
 
+    # DeepSpeed's data-parallel group is every rank holding the same weights: DP x CP (with CP,
+    # each CP rank's gradient is its sequence shard's share; the engine seeds the loss times cp,
+    # so DeepSpeed's mean over DP x CP is the sum over CP and the mean over DP)
     def get_data_parallel_rank(self):
-        return self.dp_rank
+        return self.dp_rank * self.dims.cp + self.cp_rank
 
     def get_data_parallel_world_size(self):
-        return self.dp_size
+        return self.dp_size * self.dims.cp
 
     def get_data_parallel_group(self):
-        return self.dp_group
+        return self.replica_group if self.dims.cp > 1 else self.dp_group
 
     def get_data_parallel_group_ranks(self):
         me = self.dims.coords(self.rank)
-        return [self.dims.rank_of(me.stage, d, me.cp_rank, me.tp_rank) for d in range(self.dp_size)]
+        return [self.dims.rank_of(me.stage, d, c, me.tp_rank) for d in range(self.dp_size) for c in range(self.dims.cp)]
 
     def get_pipeline_model_parallel_world_size(self):
         return self.dims.pp

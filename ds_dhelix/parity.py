@@ -45,10 +45,11 @@ class ParityOptions:
     dropout: float = 0.0  # every dropout rate of the model (HF is then compared with dropout off)
     recompute: str = "none"  # dhelix.recompute of the trained legs
     packing: str = "concat"  # "docs": random documents of random lengths (position_ids, block-diagonal mask)
+    cp: int = 1  # context-parallel size (Ulysses)
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.dp * self.pp * self.cp
 
     @property
     def ep(self) -> int:
@@ -74,6 +75,7 @@ class ParityOptions:
             "zero_optimization": {"stage": self.zero_stage},
             "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": self.tp}, "seed": self.seed,
                        **({"pipeline": {"stages": self.pp}} if self.pp > 1 else {}),
+                       **({"context_parallel": {"size": self.cp}} if self.cp > 1 else {}),
                        **({"recompute": self.recompute} if self.recompute != "none" else {}), **self.extra},
         }
 
@@ -140,7 +142,7 @@ def train_schedule(opts: ParityOptions, schedule: str, batches) -> dict:
 def first_step(opts: ParityOptions, batches) -> dict:
     """On every rank: the sharded model's first step (sequential, dropout off, before clipping and
     the optimizer) through the build path's sharding and the executor alone: its full gradients
-    and its loss (mean over the micro-batches, TP shares summed, DP averaged)."""
+    and its loss (mean over the micro-batches, TP and CP shares summed, DP averaged)."""
     import torch.distributed as dist
 
     from .build import check_setup, shard_model
@@ -154,7 +156,8 @@ def first_step(opts: ParityOptions, batches) -> dict:
     mine = _my_share(opts, batches[0], groups.dp_rank)
     mbs = Executor(graph).run_microbatches(mine, "sequential", 1.0 / len(mine))
     loss = torch.stack([mb.loss.detach().float() for mb in mbs]).mean()
-    for group, size in ((groups.tp_grad_group, groups.tp_size), (groups.dp_group, groups.dp_size)):
+    for group, size in ((groups.tp_grad_group, groups.tp_size), (groups.cp_group, groups.cp_size),
+                        (groups.dp_group, groups.dp_size)):
         if size > 1:
             dist.all_reduce(loss, group=group)
     return {"grads": full_grads(model, groups), "loss": float(loss) / groups.dp_size}

@@ -42,6 +42,9 @@ def force_fp16_capability() -> str:
 
 def loss_seed(engine, num_microbatches: int) -> float:
     """The gradient each micro-batch's loss is seeded with: ``loss_scale / m`` under fp16 (the
-    optimizer's current scale), ``1 / m`` otherwise."""
+    optimizer's current scale), ``1 / m`` otherwise; times the context-parallel size: DeepSpeed
+    averages gradients over DP x CP ranks, and each CP rank's gradient is its sequence shard's share
+    of the sum over CP (``groups.py``)."""
     scale = engine._get_optimizer_loss_scale() if engine.fp16_enabled() else None
-    return (1.0 if scale is None else float(scale)) / num_microbatches
+    cp = engine.groups.cp_size
+    return (1.0 if scale is None else float(scale)) * cp / num_microbatches

@@ -8,13 +8,14 @@ gradients summed over the TP group once per step (``mark_replicated``).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_dhelix.comm import ReplicatedGrads, SeqAllGather, SeqReduceScatter
+from ds_dhelix.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
 from ds_dhelix.graph import comm, comp
 
 
@@ -61,23 +62,39 @@ def mark_replicated(params, group) -> ReplicatedGrads:
     return ReplicatedGrads(params, group)
 
 
-def make_side_fn(tp: int, tp_rank: int, extra=None):
+@dataclass(frozen=True)
+class ContextShards:
+    """Context parallelism of a graph: ``size`` CP ranks per sequence, this rank's ``rank`` among
+    them, ``groups`` (``StrandGroups``) for the Ulysses all-to-alls. A rank's sequence shard is
+    number ``rank * tp + tp_rank`` of ``size * tp`` contiguous shards."""
+
+    size: int
+    rank: int
+    groups: object
+
+
+def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = None):
     """Side inputs of a micro-batch: this rank's sequence shard of ids and shifted targets, and
     ``serial``, the micro-batch's number in the run (random draws are seeded by it, so they do not
     depend on the schedule, and a resumed run draws what an uninterrupted one would).
 
     Targets follow HF's causal-LM loss: position t predicts labels[t+1]; the last position and
-    labels of -100 are ignored; the loss is the sum over valid targets / their count.
+    labels of -100 are ignored; the loss is the sum over valid targets / their count. The targets
+    are shifted on the whole sequence before it is cut into the tp x cp shards (``cp``: a
+    ``ContextShards``, None without context parallelism).
     """
+    shards, index = (tp, tp_rank) if cp is None else (tp * cp.size, cp.rank * tp + tp_rank)
 
     def make_side(batch: dict, serial: int = 0) -> dict:
         ids, labels = batch["input_ids"], batch.get("labels", batch["input_ids"])
         b, s = ids.shape
-        if s % tp:
-            raise ValueError(f"sequence length {s} is not divisible by tensor_parallel.size {tp}")
+        if s % shards:
+            how = f"tensor_parallel.size {tp}" if cp is None else \
+                f"tensor_parallel.size {tp} x context_parallel.size {cp.size} = {shards}"
+            raise ValueError(f"sequence length {s} is not divisible by {how}")
         targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
-        n = s // tp
-        sl = slice(tp_rank * n, (tp_rank + 1) * n)
+        n = s // shards
+        sl = slice(index * n, (index + 1) * n)
         position_ids = batch.get("position_ids")  # packed documents: positions restart per document
         side = {
             "ids": ids[:, sl],
@@ -87,7 +104,7 @@ def make_side_fn(tp: int, tp_rank: int, extra=None):
             # count (DhelixTrainer: the Trainer's num_items_in_batch over the data-parallel ranks)
             "loss_denominator": batch.get("loss_denominator"),
             "positions": (position_ids[:, sl] if position_ids is not None else
-                          torch.arange(tp_rank * n, (tp_rank + 1) * n, device=ids.device).unsqueeze(0).expand(b, n)),
+                          torch.arange(index * n, (index + 1) * n, device=ids.device).unsqueeze(0).expand(b, n)),
             "seq_len": s,
             "batch": b,
             "serial": serial,
@@ -182,7 +199,7 @@ def gather_param(p: torch.Tensor, group, tp: int, data: torch.Tensor | None = No
 
 # ---------------------------------------------------------------------------------- dense layers
 def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, residual, mlp_up, mlp_down,
-                    mlp_hidden=("act",)):
+                    mlp_hidden=("act",), cp: ContextShards | None = None, heads: tuple[int, int] | None = None):
     """The op list of a dense decoder layer, COMM ops included when ``tp > 1``.
 
     Each argument except ``attn_core`` (an Op) and ``residual`` is a COMP body ``fn(side, *inputs)``:
@@ -193,7 +210,8 @@ def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, r
     can defer both weight gradients; the projections and ``attn.qkv`` / ``attn.out`` are marked
     ``linear``). ``residual(ar, mr)`` returns the
     ``mlp.norm`` and ``mlp.add`` ops, which read the attention and MLP outputs under the keys given
-    (the reduce-scattered ones when sharded) and add the row-parallel biases.
+    (the reduce-scattered ones when sharded) and add the row-parallel biases. ``cp`` / ``heads``:
+    context parallelism (``context_attention``; ``heads``: this TP rank's query and kv heads).
     """
     sharded = tp > 1
     xin, x2in = ("xf", "x2f") if sharded else ("x", "x2")
@@ -207,9 +225,8 @@ def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, r
     return [
         comp("attn.norm", ("h",), ("x",), attn_norm),
         *when_sharded(comm("attn.ag", gather, "x", "xf")),
-        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv, linear=True),
-        attn_core,
-        comp("attn.out", ("o",), ("ao",), attn_out, linear=True),
+        *context_attention(cp, heads, comp("attn.qkv", (xin,), ("q", "k", "v"), qkv, linear=True), attn_core,
+                           comp("attn.out", ("o",), ("ao",), attn_out, linear=True)),
         *when_sharded(comm("attn.rs", scatter, "ao", "ar")),
         mlp_norm,
         *when_sharded(comm("mlp.ag", gather, "x2", "x2f")),
@@ -218,6 +235,49 @@ def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, r
         *when_sharded(comm("mlp.rs", scatter, "mo", "mr")),
         mlp_add,
     ]
+
+
+def context_attention(cp: ContextShards | None, heads, qkv, core, out) -> list:
+    """The attention ops ``qkv -> core -> out`` as they are, or with context parallelism (Ulysses)::
+
+        attn.qkv      COMP  xf[s/c] -> qkvs        projections; q, k, v heads cut into cp groups
+        attn.a2a_in   COMM  qkvs -> qkvf           all-to-all: head group j to CP rank j
+        attn.core     COMP  qkvf -> oc             whole sequence, 1/cp of the heads; output cut by sequence
+        attn.a2a_out  COMM  oc -> of               all-to-all: sequence chunk j back to CP rank j
+        attn.out      COMP  of -> ao[s/c]          all heads of this TP rank again, projection
+
+    ``heads``: (query heads, kv heads) of this TP rank. Packing and unpacking are views and a
+    concatenation, so ``attn.qkv`` and ``attn.out`` stay linear on the way to their weights."""
+    if cp is None or cp.size == 1:
+        return [qkv, core, out]
+    c, (nq, nk) = cp.size, heads
+    split = (nq // c, nk // c, nk // c)
+
+    def pack(side, xf):  # [b, n, s/c, d] each -> [c, b, (nq + 2 nk)/c, s/c, d], chunk j: head group j
+        q, k, v = qkv.fn(side, xf)
+        return (torch.cat([t.reshape(t.shape[0], c, t.shape[1] // c, *t.shape[2:]).transpose(0, 1)
+                           for t in (q, k, v)], dim=2),)
+
+    def attend(side, qkvf):  # [c (sequence chunk), b, H/c, s/c, d] -> the whole sequence's heads
+        full = qkvf.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [b, H/c, s, d]
+        (o,) = core.fn(side, *full.split(split, dim=1))  # [s, b, nq/c * d]
+        return (o.unflatten(0, (c, o.shape[0] // c)),)  # [c (sequence chunk), s/c, b, nq/c * d]
+
+    def project(side, of):  # [c (head group), s/c, b, nq/c * d] -> [s/c, b, nq * d]
+        return out.fn(side, of.permute(1, 2, 0, 3).flatten(2))
+
+    a2a = ContextAllToAll(cp.groups, c)
+    return [comp("attn.qkv", qkv.inputs, ("qkvs",), pack, linear=qkv.linear),
+            comm("attn.a2a_in", a2a, "qkvs", "qkvf"),
+            comp("attn.core", ("qkvf",), ("oc",), attend, selective=core.selective),
+            comm("attn.a2a_out", a2a, "oc", "of"),
+            comp("attn.out", ("of",), out.outputs, project, linear=out.linear)]
+
+
+def cp_heads(config, tp: int) -> tuple[int, int]:
+    """(query heads, kv heads) of one TP rank."""
+    heads = config.num_attention_heads
+    return heads // tp, (getattr(config, "num_key_value_heads", None) or heads) // tp
 
 
 def plus(x, bias):

@@ -37,8 +37,12 @@ from transformers.models.gpt2 import modeling_gpt2 as hf
 from ds_dhelix.draws import Draws
 from ds_dhelix.graph import ModelGraph, comp
 
-from .common import (Dropout, causal_mask_side, check_divisible, check_dropout, dense_layer_ops, embed_op,
-                     head_ops, make_side_fn, mark_replicated, sequential_residual, shard_param)
+from .common import (ContextShards, Dropout, causal_mask_side, check_divisible, check_dropout, cp_heads,
+                     dense_layer_ops, embed_op, head_ops, make_side_fn, mark_replicated, sequential_residual,
+                     shard_param)
+
+CONTEXT_PARALLEL = True
+"""Attention runs with context parallelism (Ulysses all-to-alls, ``common.context_attention``)."""
 
 DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
@@ -98,7 +102,7 @@ def attn_core_op(attn_module, config, drop=None):
     return comp("attn.core", ("q", "k", "v"), ("o",), fn, selective=True)
 
 
-def layer_ops(index: int, block, config, tp: int, tp_group, draws):
+def layer_ops(index: int, block, config, tp: int, tp_group, draws, cp=None):
     at, mlp = block.attn, block.mlp
     hd = at.head_dim
 
@@ -108,7 +112,7 @@ def layer_ops(index: int, block, config, tp: int, tp_group, draws):
         return tuple(p.view(s, b, -1, hd).permute(1, 2, 0, 3) for p in parts)  # [b, n/t, s, d]
 
     return dense_layer_ops(
-        tp, tp_group,
+        tp, tp_group, cp=cp, heads=cp_heads(config, tp),
         attn_norm=lambda side, h: (block.ln_1(h),),
         qkv=qkv,
         attn_core=attn_core_op(at, config, Dropout.make(draws, config.attn_pdrop, index, at)),
@@ -121,7 +125,7 @@ def layer_ops(index: int, block, config, tp: int, tp_group, draws):
 
 
 def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
-                seed: int | None = None) -> ModelGraph:
+                seed: int | None = None, cp: ContextShards | None = None) -> ModelGraph:
     """Shard ``model`` in place for this TP rank and return its op graph. Dropout (``embd_pdrop``,
     ``attn_pdrop``, ``resid_pdrop``) draws its masks from ``ds_dhelix.draws`` (``seed``: their base
     seed, None: ``torch.initial_seed()``), so every schedule draws the same ones."""
@@ -144,6 +148,6 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
                                 side.get("position_ids"))
 
     blocks = [[embed_op(tr.wte, pos_embed=tr.wpe, drop=Dropout.make(draws, config.embd_pdrop, -1, tr))]]
-    blocks += [layer_ops(i, block, config, tp, tp_group, draws) for i, block in enumerate(tr.h)]
+    blocks += [layer_ops(i, block, config, tp, tp_group, draws, cp) for i, block in enumerate(tr.h)]
     blocks.append(head_ops(tr.ln_f, model.lm_head))
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, eager_mask), family="gpt2", replicated=replicated)
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, eager_mask, cp), family="gpt2", replicated=replicated)

@@ -33,9 +33,12 @@ from transformers.models.gpt_neox import modeling_gpt_neox as hf
 from ds_dhelix.draws import Draws
 from ds_dhelix.graph import ModelGraph, comp
 
-from .common import (Dropout, attn_core_op, check_divisible, check_dropout, dense_layer_ops, dropped, embed_op,
-                     head_ops, make_side_fn, mark_replicated, plus, rotary, rotary_side_fn, sequential_residual,
-                     shard_param)
+from .common import (ContextShards, Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops,
+                     dropped, embed_op, head_ops, make_side_fn, mark_replicated, plus, rotary, rotary_side_fn,
+                     sequential_residual, shard_param)
+
+CONTEXT_PARALLEL = True
+"""Attention runs with context parallelism (Ulysses all-to-alls, ``common.context_attention``)."""
 
 DROPOUT_KEYS = ("hidden_dropout", "attention_dropout")
 
@@ -74,7 +77,7 @@ def residual(layer, drop=None):
     return make
 
 
-def layer_ops(index: int, layer, config, tp: int, tp_group, draws):
+def layer_ops(index: int, layer, config, tp: int, tp_group, draws, cp=None):
     at, mlp = layer.attention, layer.mlp
     hd = at.head_size
 
@@ -84,7 +87,7 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws):
         return fused.chunk(3, dim=-1)
 
     return dense_layer_ops(
-        tp, tp_group,
+        tp, tp_group, cp=cp, heads=cp_heads(config, tp),
         attn_norm=lambda side, h: (layer.input_layernorm(h),),
         qkv=qkv,
         attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb),
@@ -97,7 +100,7 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws):
 
 
 def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
-                seed: int | None = None) -> ModelGraph:
+                seed: int | None = None, cp: ContextShards | None = None) -> ModelGraph:
     """Shard ``model`` in place for this TP rank and return its op graph. Dropout
     (``attention_dropout``, ``hidden_dropout``) draws its masks from ``ds_dhelix.draws`` (``seed``:
     their base seed, None: ``torch.initial_seed()``)."""
@@ -118,7 +121,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
         replicated = mark_replicated(replicated, tp_grad_group)
 
     blocks = [[embed_op(inner.embed_in)]]
-    blocks += [layer_ops(i, layer, config, tp, tp_group, draws) for i, layer in enumerate(inner.layers)]
+    blocks += [layer_ops(i, layer, config, tp, tp_group, draws, cp) for i, layer in enumerate(inner.layers)]
     blocks.append(head_ops(inner.final_layer_norm, model.lm_head))
     side = rotary_side_fn(inner.rotary_emb, inner.embed_in, config)  # cos/sin: [1, s, rotary_ndims]
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="gpt_neox", replicated=replicated)
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side, cp), family="gpt_neox", replicated=replicated)

@@ -27,10 +27,13 @@ from ds_dhelix.graph import ModelGraph
 
 from ds_dhelix.draws import Draws
 
-from .common import (Dropout, attn_core_op, check_divisible, check_dropout, dense_layer_ops, embed_op, head_ops,
-                     make_side_fn, mark_replicated, qkv_projections, rotary, rotary_side_fn, sequential_residual,
-                     shard_param)
+from .common import (ContextShards, Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops,
+                     embed_op, head_ops, make_side_fn, mark_replicated, qkv_projections, rotary, rotary_side_fn,
+                     sequential_residual, shard_param)
 
+
+CONTEXT_PARALLEL = True
+"""Attention runs with context parallelism (Ulysses all-to-alls, ``common.context_attention``)."""
 
 DROPOUT_KEYS = ("attention_dropout",)
 
@@ -52,11 +55,11 @@ def shard(model, tp: int, tp_rank: int) -> None:
             shard_param(lin, "weight", 1, tp_rank, tp)
 
 
-def layer_ops(index: int, layer, config, tp: int, tp_group, draws: Draws):
+def layer_ops(index: int, layer, config, tp: int, tp_group, draws: Draws, cp=None):
     at, mlp = layer.self_attn, layer.mlp
     drop = Dropout.make(draws, config.attention_dropout, index, at)
     return dense_layer_ops(
-        tp, tp_group,
+        tp, tp_group, cp=cp, heads=cp_heads(config, tp),
         attn_norm=lambda side, h: (layer.input_layernorm(h),),
         qkv=qkv_projections(at),
         attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb),
@@ -70,7 +73,7 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws: Draws):
 
 
 def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
-                seed: int | None = None) -> ModelGraph:
+                seed: int | None = None, cp: ContextShards | None = None) -> ModelGraph:
     """Shard ``model`` in place for this TP rank and return its op graph; ``seed``: the base seed
     of its dropout masks (None: ``torch.initial_seed()``)."""
     config = model.config
@@ -88,7 +91,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
         replicated = mark_replicated(replicated, tp_grad_group)
 
     blocks = [[embed_op(inner.embed_tokens)]]
-    blocks += [layer_ops(i, layer, config, tp, tp_group, draws) for i, layer in enumerate(inner.layers)]
+    blocks += [layer_ops(i, layer, config, tp, tp_group, draws, cp) for i, layer in enumerate(inner.layers)]
     blocks.append(head_ops(inner.norm, model.lm_head))
     side = rotary_side_fn(inner.rotary_emb, inner.embed_tokens, config)
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side), family="llama", replicated=replicated)
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side, cp), family="llama", replicated=replicated)

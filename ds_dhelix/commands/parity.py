@@ -11,6 +11,9 @@ def register(sub) -> None:
                    help="tensor-parallel size (default 2; 1 with --pp > 1 or --ep > 1)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (world = tp x dp; default: --ep)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; shards experts inside DP)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size (Ulysses: sequence shards, all-to-alls around attention; "
+                        "world = tp x cp x dp)")
     p.add_argument("--schedule", default="si", choices=["si", "sequential", "w", "dualpipev"],
                    help="si/sequential: one stage; w/dualpipev (or sequential): the folded pipeline with --pp")
     p.add_argument("--pp", type=int, default=1,
@@ -45,13 +48,13 @@ def run(args) -> int:
         args.dp = args.ep
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout {args.dropout}: a rate in [0, 1)")
-    for name in ("tp", "dp", "ep", "pp", "steps", "micro_batches", "micro_batch_size", "seq_len"):
+    for name in ("tp", "dp", "ep", "pp", "cp", "steps", "micro_batches", "micro_batch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     opts = ParityOptions(model=args.model, tp=args.tp, dp=args.dp, schedule=args.schedule, steps=args.steps,
                          micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                          seq_len=args.seq_len, zero_stage=args.zero, pp=args.pp, clip=args.clip, dtype=args.dtype,
-                         dropout=args.dropout, recompute=args.recompute, packing=args.packing,
+                         dropout=args.dropout, recompute=args.recompute, packing=args.packing, cp=args.cp,
                          extra={"expert_parallel": {"size": args.ep}} if args.ep > 1 else {})
     _check_setup(opts)
     result = run_parity(opts, timeout=args.timeout)
@@ -60,7 +63,7 @@ def run(args) -> int:
     else:
         from ds_dhelix.parity import pipe_label
         s = args.schedule if args.pp == 1 else pipe_label(opts)
-        print(f"{args.model} pp={args.pp} tp={args.tp} dp={args.dp} ep={args.ep} zero={args.zero} {args.steps} steps x "
+        print(f"{args.model} pp={args.pp} tp={args.tp} cp={args.cp} dp={args.dp} ep={args.ep} zero={args.zero} {args.steps} steps x "
               f"{args.micro_batches} micro-batches")
         print(f"  losses sequential: {result['losses']['sequential']}")
         print(f"  losses {s}:{' ' * (10 - len(s))} {result['losses'][s]}")
