@@ -88,7 +88,7 @@ class Pending:
         if self.work is not None:
             t0 = time.perf_counter()
             self.work.wait()
-            self.waited_s = time.perf_counter() - t0
+            self.waited_s += time.perf_counter() - t0
             self.work = None
             if self.finish is not None:
                 self.out, self.finish = self.finish(self.out), None

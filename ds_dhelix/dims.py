@@ -121,17 +121,20 @@ class ParallelDims:
 
 
 def check_cp_heads(model_config, tp: int, cp: int) -> None:
-    """Ulysses gives each of the tp x cp ranks of a sequence whole heads: ``ValueError`` naming the
-    head counts that tp x cp does not divide and the context-parallel sizes that would fit."""
-    import math
-    heads = {"num_attention_heads": model_config.num_attention_heads}
-    kv = getattr(model_config, "num_key_value_heads", None)
-    if kv is not None:
-        heads["num_key_value_heads"] = kv
-    bad = {k: v for k, v in heads.items() if v % (tp * cp)}
-    if bad:
-        valid = [c for c in divisors(math.gcd(*heads.values())) if all(v % (tp * c) == 0 for v in heads.values())]
-        named = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise ValueError(f"context_parallel.size {cp} x tensor_parallel.size {tp} = {tp * cp} does not divide {named} "
-                         f"(Ulysses gives every rank of a sequence whole heads); valid context_parallel.size "
+    """Ulysses gives each of the tp x cp ranks of a sequence whole query heads, and each query-head
+    group its kv heads (``nk/cp`` of a TP rank's ``nk``, or the one head it shares when ``cp`` is a
+    multiple of ``nk``): ``ValueError`` naming the head counts that do not fit and the
+    context-parallel sizes that would."""
+    heads = model_config.num_attention_heads
+    kv = getattr(model_config, "num_key_value_heads", None) or heads
+
+    def fits(c: int) -> bool:
+        nk = kv // tp
+        return heads % (tp * c) == 0 and (nk % c == 0 or c % nk == 0)
+
+    if not fits(cp):
+        valid = [c for c in divisors(heads // tp) if fits(c)]
+        raise ValueError(f"context_parallel.size {cp} with tensor_parallel.size {tp}: num_attention_heads={heads}, "
+                         f"num_key_value_heads={kv} do not split into {cp} whole query-head groups per TP rank "
+                         f"(each with kv heads {kv // tp} / {cp} or one shared head); valid context_parallel.size "
                          f"with tensor_parallel.size {tp}: {valid}")

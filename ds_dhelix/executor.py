@@ -162,6 +162,10 @@ def _accumulate(grads: dict, key: str, g: torch.Tensor) -> None:
     grads[key] = g if key not in grads else grads[key] + g
 
 
+POLL_S = 50e-6
+"""How long a rank waiting on two strands' collectives sleeps between looking at them."""
+
+
 class _Round:
     """Two strands' task lists run together up to a barrier (either may be empty). Strand 0 is
     the backward strand of a mixed pair and wins ties; each strand has at most one collective in
@@ -171,7 +175,7 @@ class _Round:
         launch     every COMM op at the head of a strand that may go is launched
         compute    one COMP op from a strand that may go (reactive: nearest collective first)
         fill       else one deferred weight-gradient pass
-        wait       else wait for the oldest collective in flight
+        wait       else wait for a collective in flight (``wait_first``)
 
     Who may go: a strand with nothing in flight and tasks left, subject to ``gated`` (the forward
     strand stays within the backward strand's block depth, see ``_gate_open``) and ``trail`` (two
@@ -204,8 +208,8 @@ class _Round:
                 self.note_completions()
             elif ex.run_deferred():  # both strands wait: fill with a weight gradient
                 self.note_completions()
-            elif self.order:  # nothing to compute: wait for the oldest collective
-                self.finish(self.order[0])
+            elif self.order:  # nothing to compute: wait for a collective
+                self.wait_first()
 
     # ---- who may go
     def may_go(self, s: int) -> bool:
@@ -267,6 +271,25 @@ class _Round:
         self.pending[s] = None
         self.order.remove(s)
         self.ex.finish_comm(task, p)
+
+    def wait_first(self) -> None:
+        """Wait for a collective in flight. Reacting to completions with both strands' collectives in
+        flight: whichever completes first, polled. Blocking on one strand's collective would tie the
+        other strand's progress to its peers: with two kinds of groups (TP and CP, say) four ranks
+        can then each wait on one another's other strand, a cycle. Otherwise the oldest: the order
+        every rank issues (shared groups), or the only one (the other strand cannot go before it)."""
+        if not self.ex.reacts_to_completions or len(self.order) == 1:
+            self.finish(self.order[0])
+            return
+        t0 = time.perf_counter()
+        while True:
+            for s in self.order:
+                pending = self.pending[s][1]
+                if pending.work is None or pending.work.is_completed():
+                    pending.waited_s += time.perf_counter() - t0  # polled: exposed like a blocking wait
+                    self.finish(s)
+                    return
+            time.sleep(POLL_S)
 
     def note_completions(self) -> None:
         """Stamp the time a collective is first seen complete (its comm time ends there)."""

@@ -246,17 +246,22 @@ def context_attention(cp: ContextShards | None, heads, qkv, core, out) -> list:
         attn.a2a_out  COMM  oc -> of               all-to-all: sequence chunk j back to CP rank j
         attn.out      COMP  of -> ao[s/c]          all heads of this TP rank again, projection
 
-    ``heads``: (query heads, kv heads) of this TP rank. Packing and unpacking are views and a
-    concatenation, so ``attn.qkv`` and ``attn.out`` stay linear on the way to their weights."""
+    ``heads``: (query heads, kv heads) of this TP rank. With fewer kv heads than CP ranks each
+    group carries the one kv head its query heads use (``kv_heads_of_groups``); the copies'
+    gradients add up in ``attn.qkv``'s backward. Packing and unpacking are views, slices and
+    concatenations, so ``attn.qkv`` and ``attn.out`` stay linear on the way to their weights."""
     if cp is None or cp.size == 1:
         return [qkv, core, out]
     c, (nq, nk) = cp.size, heads
-    split = (nq // c, nk // c, nk // c)
+    kv = kv_heads_of_groups(nq, nk, c)
+    nkc = kv[0].stop - kv[0].start
+    split = (nq // c, nkc, nkc)
 
-    def pack(side, xf):  # [b, n, s/c, d] each -> [c, b, (nq + 2 nk)/c, s/c, d], chunk j: head group j
+    def pack(side, xf):  # [b, n, s/c, d] each -> [c, b, H/c, s/c, d], chunk j: head group j's q, k, v
         q, k, v = qkv.fn(side, xf)
-        return (torch.cat([t.reshape(t.shape[0], c, t.shape[1] // c, *t.shape[2:]).transpose(0, 1)
-                           for t in (q, k, v)], dim=2),)
+        qs = q.reshape(q.shape[0], c, nq // c, *q.shape[2:]).transpose(0, 1)
+        groups = [torch.cat([qs[j], k[:, kv[j]], v[:, kv[j]]], dim=1) for j in range(c)]
+        return (torch.stack(groups),)
 
     def attend(side, qkvf):  # [c (sequence chunk), b, H/c, s/c, d] -> the whole sequence's heads
         full = qkvf.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [b, H/c, s, d]
@@ -272,6 +277,26 @@ def context_attention(cp: ContextShards | None, heads, qkv, core, out) -> list:
             comp("attn.core", ("qkvf",), ("oc",), attend, selective=core.selective),
             comm("attn.a2a_out", a2a, "oc", "of"),
             comp("attn.out", ("of",), out.outputs, project, linear=out.linear)]
+
+
+def kv_heads_of_groups(nq: int, nk: int, cp: int) -> list[slice]:
+    """The kv heads (a slice) each of ``cp`` query-head groups attends with: ``nk/cp`` of their own,
+    or, with fewer kv heads than groups (``cp`` a multiple of ``nk``), the one their queries share."""
+    if nk % cp == 0:
+        return [slice(j * nk // cp, (j + 1) * nk // cp) for j in range(cp)]
+    per = cp // nk  # groups per kv head
+    return [slice(j // per, j // per + 1) for j in range(cp)]
+
+
+class HeadGroupView:
+    """An attention module as a group of its heads sees it: ``num_key_value_groups`` queries per kv
+    head (HF's attention functions read it), everything else the module's own."""
+
+    def __init__(self, module: nn.Module, kv_groups: int):
+        self._module, self.num_key_value_groups = module, kv_groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 def cp_heads(config, tp: int) -> tuple[int, int]:
@@ -342,8 +367,11 @@ def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None):
             q, k = rotary(q, k, side)
         mask = side.get("causal_mask")  # eager's causal mask, or packed documents' block mask
         p = drop.p if drop is not None and attn_module.training else 0.0
+        module = attn_module
+        if k.shape[1] * getattr(attn_module, "num_key_value_groups", 1) != q.shape[1]:
+            module = HeadGroupView(attn_module, q.shape[1] // k.shape[1])  # a CP group sharing one kv head
         with drop.rng(q.device, side, "attn.core") if p else contextlib.nullcontext():
-            o, _ = attend(attn_module, q, k, v, mask, dropout=p, scaling=attn_module.scaling)
+            o, _ = attend(module, q, k, v, mask, dropout=p, scaling=attn_module.scaling)
         return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
 
     return comp("attn.core", ("q", "k", "v"), ("o",), fn, selective=True)
