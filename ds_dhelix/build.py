@@ -164,8 +164,7 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
         moe = {"ep_groups": groups.expert_groups(), "capacity_factor": ep.capacity_factor,
                "aux_loss_coef": ep.aux_loss_coef}
     if dims.cp > 1:
-        from hf_models.common import ContextShards
-        moe["cp"] = ContextShards(dims.cp, groups.cp_rank, groups.cp)
+        moe["cp"] = groups.context_shards()
     return adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, seed=dh.seed, **moe)
 
 

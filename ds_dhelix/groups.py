@@ -51,6 +51,7 @@ class ProcessGroups:
     cp: StrandGroups | None = None   # Ulysses all-to-alls of the op graph (cp > 1)
     cp_group: object = None          # the loss sum over a sequence's CP shards (cp > 1)
     replica_group: object = None     # DP x CP: ranks holding the same weights (cp > 1)
+    sequence_group: object = None    # TP x CP: the ranks of one sequence (MoE aux loss; cp > 1)
 
     @classmethod
     def create(cls, dims: ParallelDims) -> "ProcessGroups":
@@ -85,8 +86,9 @@ class ProcessGroups:
         return out
 
     def _create_context_groups(self, stage: int, me) -> None:
-        """CP groups (one sequence's CP shards: the Ulysses all-to-alls, the loss sum) and the
-        DP x CP groups the weights are replicated over (DeepSpeed's data-parallel group)."""
+        """CP groups (one sequence's CP shards: the Ulysses all-to-alls, the loss sum), the DP x CP
+        groups the weights are replicated over (DeepSpeed's data-parallel group) and the TP x CP
+        groups of every shard of one sequence."""
         dims = self.dims
         for d in range(dims.dp):
             for t in range(dims.tp):
@@ -99,6 +101,11 @@ class ProcessGroups:
             g = dist.new_group(ranks)
             if (stage, t) == (me.stage, me.tp_rank):
                 self.replica_group = g
+        for d in range(dims.dp):
+            ranks = [dims.rank_of(stage, d, c, t) for c in range(dims.cp) for t in range(dims.tp)]
+            g = dist.new_group(ranks)
+            if (stage, d) == (me.stage, me.dp_rank):
+                self.sequence_group = g
 
     def _create_expert_groups(self, peers: list[int], stage: int, tp_rank: int) -> None:
         """EP and EDP groups inside one DP group ``peers``."""
@@ -160,6 +167,14 @@ class ProcessGroups:
     @property
     def ep_rank(self) -> int:
         return self.dp_rank % self.dims.ep
+
+    def context_shards(self):
+        """This rank's context parallelism for the op graph (``hf_models.common.ContextShards``),
+        None without it."""
+        if self.dims.cp == 1:
+            return None
+        from hf_models.common import ContextShards
+        return ContextShards(self.dims.cp, self.cp_rank, self.cp, self.sequence_group)
 
     def expert_groups(self):
         """This rank's EP groups for the MoE op graph (``ds_dhelix.moe.ExpertGroups``)."""

@@ -65,12 +65,14 @@ def mark_replicated(params, group) -> ReplicatedGrads:
 @dataclass(frozen=True)
 class ContextShards:
     """Context parallelism of a graph: ``size`` CP ranks per sequence, this rank's ``rank`` among
-    them, ``groups`` (``StrandGroups``) for the Ulysses all-to-alls. A rank's sequence shard is
-    number ``rank * tp + tp_rank`` of ``size * tp`` contiguous shards."""
+    them, ``groups`` (``StrandGroups``) for the Ulysses all-to-alls, ``sequence_group`` the TP x CP
+    ranks of one sequence (the MoE load-balancing sums). A rank's sequence shard is number
+    ``rank * tp + tp_rank`` of ``size * tp`` contiguous shards."""
 
     size: int
     rank: int
     groups: object
+    sequence_group: object = None
 
 
 def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = None):

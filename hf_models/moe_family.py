@@ -48,9 +48,9 @@ from ds_dhelix.moe.experts import expert_act, run_expert_down, run_expert_up, sh
 from ds_dhelix.moe.metrics import MoeMetrics
 from ds_dhelix.moe.router import aux_piece, combine_copies, load_balancing_loss, local_counts, route_tokens
 
-from .common import (Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout, embed_op, head_ops,
-                     loss_denominator, make_side_fn, mark_replicated, qkv_projections, rotary, shard_param,
-                     side_positions)
+from .common import (ContextShards, Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout,
+                     context_attention, cp_heads, embed_op, head_ops, loss_denominator, make_side_fn,
+                     mark_replicated, qkv_projections, rotary, shard_param, side_positions)
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,7 @@ class MoeAdapter:
     largest TP size its attention allows (None: any that divides the heads), with the reason."""
 
     DROPOUT_KEYS = ("attention_dropout",)
+    CONTEXT_PARALLEL = True
 
     def __init__(self, family: MoeFamily, check_moe, max_tp: tuple[int, str] | None = None):
         self.FAMILY, self.check_moe, self.max_tp = family, check_moe, max_tp
@@ -185,17 +186,19 @@ def qkv_op(at, qk_norm: str | None):
     return full
 
 
-def attention_ops(index: int, layer, config, tp: int, tp_group, draws, family: MoeFamily):
+def attention_ops(index: int, layer, config, tp: int, tp_group, draws, family: MoeFamily, cp=None):
     at = layer.self_attn
     drop = Dropout.make(draws, config.attention_dropout, index, at)
     xin, ar = ("xf", "ar") if tp > 1 else ("x", "ao")
     ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (layer.input_layernorm(h),))]
     if tp > 1:
         ops.append(comm("attn.ag", SeqAllGather(tp_group, tp), "x", "xf"))
-    ops += [comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_op(at, family.qk_norm), linear=family.qk_norm is None),
-            attn_core_op(at, config, family.hf.eager_attention_forward, rotary=rotary(family.hf.apply_rotary_pos_emb),
-                         drop=drop),
-            comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.o_proj.weight),), linear=True)]
+    ops += context_attention(
+        cp, cp_heads(config, tp),
+        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_op(at, family.qk_norm), linear=family.qk_norm is None),
+        attn_core_op(at, config, family.hf.eager_attention_forward, rotary=rotary(family.hf.apply_rotary_pos_emb),
+                     drop=drop),
+        comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.o_proj.weight),), linear=True))
     if tp > 1:
         ops.append(comm("attn.rs", SeqReduceScatter(tp_group, tp), "ao", "ar"))
 
@@ -264,7 +267,8 @@ def loss_op(config, num_layers: int, coef: float, tp: int, tp_grad_group, metric
     """``head.loss``: this rank's share of cross-entropy + ``coef`` x HF's load-balancing loss.
 
     With TP the pieces are summed over the TP group first (the loss is over all tokens of the
-    micro-batch) and each TP rank adds 1/t of the aux term, so the shares still sum to the loss."""
+    micro-batch) and each TP rank adds 1/t of the aux term, so the shares still sum to the loss.
+    With context parallelism ``tp`` / ``tp_grad_group`` are the tp x cp ranks of a sequence."""
     keys = tuple(f"aux.{i}" for i in range(num_layers))
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
@@ -285,7 +289,7 @@ def loss_op(config, num_layers: int, coef: float, tp: int, tp_grad_group, metric
 def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None, *,
                 ep_groups: ExpertGroups | None = None, capacity_factor: float | None = None,
                 aux_loss_coef: float | None = None, grouped_mm: bool | None = None,
-                seed: int | None = None, check_ep=None) -> ModelGraph:
+                seed: int | None = None, check_ep=None, cp: ContextShards | None = None) -> ModelGraph:
     """Shard ``model`` in place for this TP rank and EP rank and return its op graph.
 
     ``capacity_factor`` None = dropless; ``aux_loss_coef`` None = the config's
@@ -313,14 +317,20 @@ def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_grou
 
     blocks = [[embed_op(inner.embed_tokens)]]
     for i, layer in enumerate(inner.layers):
-        blocks.append(attention_ops(i, layer, config, tp, tp_group, draws, family)
+        blocks.append(attention_ops(i, layer, config, tp, tp_group, draws, family, cp)
                       + moe_ops(i, layer, ep_groups, settings, metrics, family))
     blocks.append(head_ops(inner.norm, model.lm_head)[:2]
-                  + [loss_op(config, num_layers, aux_loss_coef, tp, tp_grad_group, metrics, family.num_experts(config))])
+                  + [loss_op(config, num_layers, aux_loss_coef, *sequence_ranks(tp, tp_grad_group, cp), metrics,
+                             family.num_experts(config))])
     meta = {"moe_metrics": metrics, "expert_groups": ep_groups, "capacity_factor": capacity_factor,
             "aux_loss_coef": aux_loss_coef}
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side_inputs(model, family)), family=family.family, meta=meta,
-                      replicated=replicated)
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side_inputs(model, family), cp), family=family.family,
+                      meta=meta, replicated=replicated)
+
+
+def sequence_ranks(tp: int, tp_grad_group, cp: ContextShards | None):
+    """(count, group) of the ranks holding shards of one sequence: TP, or TP x CP."""
+    return (tp, tp_grad_group) if cp is None else (tp * cp.size, cp.sequence_group)
 
 
 def side_inputs(model, family: MoeFamily):

@@ -138,9 +138,11 @@ class DhelixMoeEngine(DhelixEngine):
         packed = torch.cat([load.flatten().to(dev, torch.float64),
                             torch.tensor([float(sum(m.dropped)), 0.0 if aux is None else float(aux)],
                                          dtype=torch.float64, device=dev)])
+        n = m.num_layers * m.num_experts
+        if self.groups.cp_size > 1:  # each CP rank routed its own tokens; the aux loss is the sequence's already
+            dist.all_reduce(packed[:n + 1], group=self.groups.cp_group)
         if self.groups.dp_size > 1:
             dist.all_reduce(packed, group=self.groups.dp_group)
-        n = m.num_layers * m.num_experts
         self.moe_expert_load = packed[:n].view(m.num_layers, m.num_experts).cpu()
         self.moe_dropped_tokens = int(packed[n])
         self.moe_aux_loss = None if aux is None else float(packed[n + 1]) / self.groups.dp_size
