@@ -139,9 +139,10 @@ def _check_packing(args, setup, model_config) -> None:
 
 def _check_lengths(args, setup, model_config) -> None:
     _check_packing(args, setup, model_config)
-    tp = setup.dims.tp
-    if args.seq_len % tp:
-        raise ValueError(f"--seq-len {args.seq_len} is not divisible by tensor_parallel.size {tp}")
+    d = setup.dims
+    if args.seq_len % d.shards:
+        by = f"tensor_parallel.size {d.tp}" + (f" x context_parallel.size {d.cp} = {d.shards}" if d.cp > 1 else "")
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by {by}")
     limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
     if limit and args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")
@@ -201,7 +202,7 @@ def run_state(args, ds_config, setup, num_tokens: int) -> dict:
                  "fp16": ds_config.get("fp16"), "bf16": ds_config.get("bf16")}
     return {"step": 0, "total_steps": args.steps, "lr_schedule": ds_config.get("scheduler"),
             "optimizer": ds_config.get("optimizer"), "precision": precision,
-            "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep,
+            "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, **({"cp": d.cp} if d.cp > 1 else {}),
                        "micro_batch_size": b.micro_batch_size, "gradient_accumulation_steps": b.gradient_accumulation_steps},
             "model": model, "data": {"source": data, "tokens": num_tokens, "seed": args.seed,
                                             "packing": args.packing},

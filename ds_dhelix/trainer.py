@@ -241,10 +241,10 @@ class DhelixTrainer(Trainer):
                              f"dataloader_drop_last=True with max_steps, or max_steps within the first epoch")
         if num_items is not None:
             # the Trainer's count is this rank's, or with average_tokens_across_devices summed over
-            # every process: each TP rank of a group counted the same samples, so it is tp times
-            # the data-parallel total; engine.train_batch averages micro-batches and DP ranks
+            # every process: each TP (and CP) rank of a sequence counted the same samples, so it is
+            # tp x cp times the data-parallel total; engine.train_batch averages micro-batches and DP ranks
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
-                denominator = float(num_items) / (self._dims.tp * gas * self._dims.dp)
+                denominator = float(num_items) / (self._dims.shards * gas * self._dims.dp)
             else:
                 denominator = float(num_items) / gas
             batches = [{**b, "loss_denominator": max(denominator, 1e-12)} for b in batches]

@@ -4,7 +4,7 @@ timeout):
     exact resume     a run left after step 10 (--stop-after) and resumed to 20 == a straight 20-step run:
                      losses of steps 11-20 and the exported parameters bitwise, the LR schedule
                      continues (TensorBoard's Train/lr too); tiny-llama TP=2 SI, tiny-phimoe EP=2 SI,
-                     PP=2 W. A resume that would change the run is refused naming both values.
+                     PP=2 W, CP=2 (Ulysses). A resume that would change the run is refused naming both values.
     checkpoints      --save-interval keeps the newest --keep-checkpoints, ``latest`` names the newest;
                      what an interrupted save left is removed at the next start
     stops            SIGTERM to the launcher: every rank gone within 20 s, non-zero exit, and with
@@ -31,7 +31,7 @@ from tests.conftest import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 LAYOUTS = {"llama-tp2-si": ("tiny_llama_cpu.json", "tiny-llama"), "phimoe-ep2-si": ("phimoe_ep2.json", "tiny-phimoe"),
-           "llama-pp2-w": ("tiny_llama_pp2_w.json", "tiny-llama")}
+           "llama-pp2-w": ("tiny_llama_pp2_w.json", "tiny-llama"), "llama-cp2-si": ("tiny_llama_cp2.json", "tiny-llama")}
 
 
 def _config(tmp, name: str, tb: bool = False, scheduler: bool = True) -> str:
