@@ -11,7 +11,7 @@ from hf_models.registry import PRESETS, build_model, is_preset, load_config, loa
 
 EXPECTED = {
     "tiny-llama": dict(model_type="llama", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, intermediate_size=352, max_position_embeddings=512,
+                       num_key_value_heads=2, intermediate_size=352, max_position_embeddings=4096,
                        tie_word_embeddings=False, rms_norm_eps=1e-5),
     "tiny-gpt2": dict(model_type="gpt2", n_embd=128, n_layer=4, n_head=4, n_positions=512, resid_pdrop=0.0,
                       embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0),

@@ -77,6 +77,9 @@ class BenchOptions:
     pp: int = 1
     """Pipeline stages (folded, two chunks per rank); with ``pp > 1`` the world is ``pp`` ranks
     (``tp = 1``) and the modes are ``PP_MODES``."""
+    cp: int = 1
+    """Context-parallel size (Ulysses) of the ds_dhelix modes: the world is ``tp x cp x ep``
+    ranks, each sequence sharded over tp x cp of them."""
     ep: int = 1
     """Expert-parallel size for MoE models (e.g. tiny-phimoe with ``tp=1, ep=2``): the ds_dhelix
     modes shard the experts over ``ep`` data-parallel ranks, each rank with its own micro-batches."""
@@ -143,27 +146,34 @@ class BenchOptions:
         if self.link_burst_kb < 65:
             raise ValueError(f"link-burst-kb {self.link_burst_kb} is below the loopback MTU (64 KiB): "
                              f"the token bucket would drop full-size packets; use >= 65")
-        for name in ("tp", "pp", "ep", "micro_batches", "micro_batch_size", "seq_len", "repeats"):
+        if self.cp > 1 and (self.pp > 1 or self.ep > 1):
+            raise ValueError(f"--cp {self.cp} with --pp {self.pp} --ep {self.ep}: context parallelism runs with "
+                             f"one stage and no expert parallelism; drop --pp / --ep")
+        cp_peers = [m for m in self.modes if m in ("autotp", "autoep")]
+        if self.cp > 1 and cp_peers:
+            raise ValueError(f"--cp {self.cp}: modes {cp_peers} have no context parallelism to compare; measure "
+                             f"deepspeed (plain data parallel), sequential and si")
+        for name in ("tp", "pp", "cp", "ep", "micro_batches", "micro_batch_size", "seq_len", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"num-layers must be >= 1, got {self.num_layers}")
-        if self.seq_len % self.tp:
-            raise ValueError(f"seq-len {self.seq_len} is not divisible by tp {self.tp} "
-                             f"(sequence parallelism splits the sequence over the TP group)")
+        if self.seq_len % (self.tp * self.cp):
+            raise ValueError(f"seq-len {self.seq_len} is not divisible by tp {self.tp} x cp {self.cp} "
+                             f"(sequence and context parallelism split the sequence over tp x cp ranks)")
         if self.zero_stage not in (0, 1, 2):
             raise ValueError(f"zero stage {self.zero_stage} not supported here; use 0, 1 or 2")
 
     @property
     def world(self) -> int:
-        return self.tp * self.ep * self.pp
+        return self.tp * self.cp * self.ep * self.pp
 
     @property
     def dp(self) -> int:
-        """Data-parallel size of the ds_dhelix modes (their TP group spans ``tp`` ranks)."""
-        return self.world // (self.tp * self.pp)
+        """Data-parallel size of the ds_dhelix modes (a sequence spans ``tp x cp`` ranks)."""
+        return self.world // (self.tp * self.cp * self.pp)
 
     @property
     def step_micro_batches(self) -> int:
@@ -204,6 +214,8 @@ class BenchOptions:
             section.update(schedule=PP_SCHEDULES[mode], pipeline={"stages": self.pp})
         if self.ep > 1:
             section["expert_parallel"] = {**section.get("expert_parallel", {}), "size": self.ep}
+        if self.cp > 1:
+            section["context_parallel"] = {**section.get("context_parallel", {}), "size": self.cp}
         section["benchmark"] = {**section.get("benchmark", {}), "link_gbps": link_gbps}
         if mode in ("si-plan", "si-planned"):
             section["si_execution"] = "plan"

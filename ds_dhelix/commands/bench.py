@@ -23,12 +23,15 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side throughput: DeepSpeed, AutoTP, sequential, SI (emulated links)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=f"preset or local HF checkpoint dir (default {d.model})")
-    p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size (default {d.tp}); world = tp x ep")
+    p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size (default {d.tp}); world = tp x cp x ep")
     p.add_argument("--pp", type=int, default=None,
                    help="pipeline stages: DeepSpeed 1F1B / DualPipeV vs our sequential fold, W and DualPipeV+SI "
                         "(one rank per stage; needs --tp 1)")
     p.add_argument("--ep", type=int, default=None,
                    help=f"expert-parallel size for MoE models (default {d.ep}); e.g. --model tiny-phimoe --tp 1 --ep 2")
+    p.add_argument("--cp", type=int, default=None,
+                   help=f"context-parallel size (Ulysses; default {d.cp}): each sequence over tp x cp ranks, e.g. "
+                        f"--tp 1 --cp 2 --seq-len 1024")
     p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                    help=f"modes to measure, of {' '.join(MODES)} (default: {' '.join(DEFAULT_MODES)}); with "
                         f"--pp: {' '.join(PP_MODES)}. A ds_dhelix mode takes its activation recompute after "
@@ -58,7 +61,7 @@ def register(sub) -> None:
 
 
 def options_from_args(args) -> BenchOptions:
-    given = {"model": args.model, "tp": args.tp, "pp": args.pp, "ep": args.ep, "modes": args.modes, "link_gbps": args.link_gbps,
+    given = {"model": args.model, "tp": args.tp, "pp": args.pp, "ep": args.ep, "cp": args.cp, "modes": args.modes, "link_gbps": args.link_gbps,
              "link_burst_kb": args.link_burst_kb,
              "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
              "seq_len": args.seq_len, "num_layers": args.num_layers, "warmup": args.warmup,
