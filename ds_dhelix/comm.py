@@ -159,6 +159,8 @@ class ContextAllToAll(SeqAllGather):
     The COMP ops on either side lay the chunks out (heads by destination before the attention core,
     sequence by destination after it)."""
 
+    lane = "comm:cp"  # trace lane
+
     def forward(self, x, side, channel: int = 0) -> Pending:
         return all_to_all_chunks(x, self.groups.channel(channel), self.world)
 

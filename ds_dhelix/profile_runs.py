@@ -25,14 +25,14 @@ from .profile import LayerProbe, profile_layer, run_meta, world_max
 from .spawn import run_ranks
 
 
-def build_sharded(model_name: str, tp: int, seed: int = 1234, ep: int = 1):
-    """On a running world of tp x ep ranks: the preset/checkpoint model, sharded for this rank
-    (TP slices; experts over the EP group for MoE models), and its graph."""
+def build_sharded(model_name: str, tp: int, seed: int = 1234, ep: int = 1, cp: int = 1):
+    """On a running world of tp x cp x ep ranks: the preset/checkpoint model, sharded for this rank
+    (TP slices, CP sequence shards; experts over the EP group for MoE models), and its graph."""
     from hf_models.registry import build_model
     model, _ = build_model(model_name, seed=seed)
     dh = DhelixConfig.from_dict({"enabled": True, "tensor_parallel": {"size": tp},
-                                 "expert_parallel": {"size": ep}})
-    dims = ParallelDims(dist.get_world_size(), tp=tp, ep=ep)
+                                 "expert_parallel": {"size": ep}, "context_parallel": {"size": cp}})
+    dims = ParallelDims(dist.get_world_size(), tp=tp, ep=ep, cp=cp)
     groups = ProcessGroups.create(dims)
     return model, shard_model(model, dh, dims, groups), groups
 
@@ -44,10 +44,10 @@ def example_batch(vocab: int, micro: int, seq_len: int, seed: int = 0) -> dict:
 
 
 def _profile_rank(rank, world, o: dict):
-    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1))
-    batch = example_batch(model.config.vocab_size, o["micro_batch_size"], o["seq_len"], seed=rank // o["tp"])
+    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1))
+    batch = example_batch(model.config.vocab_size, o["micro_batch_size"], o["seq_len"], seed=rank // (o["tp"] * o.get("cp", 1)))
     meta = run_meta(model.config, o["tp"], world, tuple(batch["input_ids"].shape),
-                    next(model.parameters()).dtype, o.get("link_gbps"), ep=o.get("ep", 1))
+                    next(model.parameters()).dtype, o.get("link_gbps"), ep=o.get("ep", 1), cp=o.get("cp", 1))
     t0 = time.perf_counter()
     table = profile_layer(graph, batch, meta, list(model.parameters()), o["warmup"], o["repeats"])
     seconds = time.perf_counter() - t0
@@ -55,17 +55,17 @@ def _profile_rank(rank, world, o: dict):
 
 
 def profile_world(o: dict, timeout: float = 900.0):
-    """Spawn a CPU gloo world of ``o["tp"] x o["ep"]`` ranks and profile; returns (table, seconds)."""
-    table, seconds = run_ranks(_profile_rank, o["tp"] * o.get("ep", 1), args=(o,), timeout=timeout)[0]
+    """Spawn a CPU gloo world of ``o["tp"] x o["cp"] x o["ep"]`` ranks and profile; returns (table, seconds)."""
+    table, seconds = run_ranks(_profile_rank, o["tp"] * o.get("cp", 1) * o.get("ep", 1), args=(o,), timeout=timeout)[0]
     return OverlapTable.from_dict(table), seconds
 
 
 def _validate_rank(rank, world, o: dict):
     table = OverlapTable.from_dict(o["table"])
-    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1))
+    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1))
     specs = graph.layer_specs()
     table.check_matches({}, specs, backward_order(specs))
-    batch = example_batch(model.config.vocab_size, *table.meta["batch_shape"], seed=rank // o["tp"])
+    batch = example_batch(model.config.vocab_size, *table.meta["batch_shape"], seed=rank // (o["tp"] * o.get("cp", 1)))
     rng = random.Random(o["seed"])
     plans = {"dp": plan_dp(table), "default": default_plan(table.fwd_ops, table.bwd_ops),
              "sequential": sequential_plan(table.fwd_ops, table.bwd_ops)}
@@ -89,7 +89,7 @@ def _validate_rank(rank, world, o: dict):
 
 def validate_world(o: dict, timeout: float = 900.0) -> dict:
     """Run the DP plan and alternatives for real; compare predicted and measured makespans."""
-    rows = run_ranks(_validate_rank, o["tp"] * o.get("ep", 1), args=(o,), timeout=timeout)[0]
+    rows = run_ranks(_validate_rank, o["tp"] * o.get("cp", 1) * o.get("ep", 1), args=(o,), timeout=timeout)[0]
     pred = [r["predicted_ms"] for r in rows]
     meas = [r["measured_ms"] for r in rows]
     for r in rows:

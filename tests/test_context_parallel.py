@@ -126,3 +126,34 @@ def test_cp2_parity(model):
 def test_tp2_cp2_on_four_ranks():
     # tiny-llama: 2 kv heads, 1 per TP rank: both CP query-head groups of a TP rank share it
     _assert_parity(_parity(model="tiny-llama", tp=2, micro_batches=4, steps=1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trace_has_the_cp_all_to_alls_on_their_lanes(tmp_path):
+    from ds_dhelix.bench.tracing import TraceOptions, record_trace
+    from ds_dhelix.trace import validate_trace
+    out = tmp_path / "trace.json"
+    record_trace(TraceOptions(out=str(out), model="tiny-llama", tp=1, cp=2, steps=1, micro_batches=3,
+                              micro_batch_size=1, seq_len=64, num_layers=2, timeout=200))
+    import json
+    trace = json.loads(out.read_text())
+    assert validate_trace(trace, lanes=("compute", "comm:cp:F", "comm:cp:B")) == []
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    spans = [(lanes[(e["pid"], e["tid"])], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    a2a = {name for lane, name in spans if lane.startswith("comm:cp")}
+    assert a2a == {"attn.a2a_in", "attn.a2a_out"}, a2a
+    # 2 layers x 2 all-to-alls x 3 micro-batches x (forward + backward) per rank, 2 ranks
+    assert sum(lane.startswith("comm:cp") for lane, _ in spans) == 2 * 2 * 3 * 2 * 2
+
+
+def test_bench_options_with_cp():
+    from ds_dhelix.bench.options import BenchOptions
+    opts = BenchOptions(tp=1, cp=2, modes=("deepspeed", "sequential", "si"), seq_len=1024)
+    assert opts.world == 2 and opts.dp == 1
+    assert opts.dhelix_ds_config("si")["dhelix"]["context_parallel"] == {"size": 2}
+    with pytest.raises(ValueError, match="no context parallelism to compare"):
+        BenchOptions(tp=1, cp=2, modes=("autotp", "si"))
+    with pytest.raises(ValueError, match="seq-len 250 is not divisible by tp 1 x cp 4"):
+        BenchOptions(tp=1, cp=4, modes=("si",), seq_len=250)

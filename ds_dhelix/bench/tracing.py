@@ -20,12 +20,13 @@ from .options import BenchOptions
 
 @dataclass(frozen=True)
 class TraceOptions:
-    """A traced run: ``steps`` optimizer steps of ``schedule`` on ``tp x ep`` ranks."""
+    """A traced run: ``steps`` optimizer steps of ``schedule`` on ``tp x cp x ep`` ranks."""
 
     out: str = "trace.json"
     model: str = "tiny-llama"
     tp: int = 2
     ep: int = 1
+    cp: int = 1
     schedule: str = "si"
     planned: bool = False
     """SI with the planner's plan (``planner.profile = "auto"``) instead of the default plan."""
@@ -52,7 +53,7 @@ class TraceOptions:
         self.bench_options()  # shape checks
 
     def bench_options(self) -> BenchOptions:
-        return BenchOptions(model=self.model, tp=self.tp, ep=self.ep, modes=(self.schedule,), link_gbps=(self.link_gbps,),
+        return BenchOptions(model=self.model, tp=self.tp, ep=self.ep, cp=self.cp, modes=(self.schedule,), link_gbps=(self.link_gbps,),
                             micro_batches=self.micro_batches, micro_batch_size=self.micro_batch_size,
                             seq_len=self.seq_len, num_layers=self.num_layers, timeout=self.timeout,
                             link_burst_kb=self.link_burst_kb)
@@ -88,7 +89,7 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
 
 def _link_main(opts: TraceOptions) -> list[dict]:
     from ds_dhelix.spawn import run_ranks
-    return run_ranks(_rank_main, opts.tp * opts.ep, args=(opts,), timeout=opts.timeout)
+    return run_ranks(_rank_main, opts.bench_options().world, args=(opts,), timeout=opts.timeout)
 
 
 def record_trace(opts: TraceOptions) -> dict:

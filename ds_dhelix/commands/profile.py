@@ -8,7 +8,8 @@ def register(sub) -> None:
     p = sub.add_parser("profile", help="profile operator overlap (segments alone and co-executed)")
     p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models); tp x ep ranks are spawned")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models); tp x cp x ep ranks are spawned")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (Ulysses)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
@@ -20,16 +21,16 @@ def register(sub) -> None:
 
 
 def options(args) -> dict:
-    if args.tp < 1 or args.micro_batch_size < 1 or args.seq_len < 1 or args.repeats < 1:
-        raise ValueError("--tp, --micro-batch-size, --seq-len and --repeats must be >= 1")
+    if min(args.tp, args.cp, args.micro_batch_size, args.seq_len, args.repeats) < 1:
+        raise ValueError("--tp, --cp, --micro-batch-size, --seq-len and --repeats must be >= 1")
     from ds_dhelix.dims import ParallelDims
     from hf_models.registry import load_config
-    ParallelDims(args.tp * args.ep, tp=args.tp, ep=args.ep).check_model(load_config(args.model))  # tp x ep ranks
-    if args.seq_len % args.tp:
-        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}")
+    ParallelDims(args.tp * args.cp * args.ep, tp=args.tp, ep=args.ep, cp=args.cp).check_model(load_config(args.model))
+    if args.seq_len % (args.tp * args.cp):
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp} x --cp {args.cp}")
     return {"model": args.model, "tp": args.tp, "micro_batch_size": args.micro_batch_size,
             "seq_len": args.seq_len, "warmup": args.warmup, "repeats": args.repeats,
-            "link_gbps": args.link_gbps, "ep": args.ep}
+            "link_gbps": args.link_gbps, "ep": args.ep, "cp": args.cp}
 
 
 def run(args) -> int:

@@ -22,7 +22,8 @@ def register(sub) -> None:
     p = sub.add_parser("trace", help="Chrome/Perfetto trace of a few SI steps (compute + comm lanes per rank)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (world = tp x ep)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (world = tp x cp x ep)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (Ulysses all-to-alls around attention)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size for MoE models (e.g. tiny-phimoe --tp 1 --ep 2)")
     p.add_argument("--schedule", default="si", choices=["si", "si-ends", "si-plan", "sequential"],
                    help="si: reactive pairs (default); si-ends: reactive, first two forwards and last two "
@@ -51,7 +52,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from ds_dhelix.bench.tracing import record_trace, summarize_trace
     from ds_dhelix.trace import validate_trace
-    opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, ep=args.ep, schedule=args.schedule,
+    opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, ep=args.ep, cp=args.cp, schedule=args.schedule,
                         planned=args.planned, planner_cache=args.planner_cache, steps=args.steps,
                         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                         seq_len=args.seq_len, num_layers=args.num_layers, link_gbps=args.link_gbps,
