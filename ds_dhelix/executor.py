@@ -56,6 +56,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .comm import CollectiveError, Pending, is_comm_failure
 from .graph import ModelGraph, Op
@@ -273,12 +274,13 @@ class _Round:
         self.ex.finish_comm(task, p)
 
     def wait_first(self) -> None:
-        """Wait for a collective in flight. Reacting to completions with both strands' collectives in
-        flight: whichever completes first, polled. Blocking on one strand's collective would tie the
-        other strand's progress to its peers: with two kinds of groups (TP and CP, say) four ranks
-        can then each wait on one another's other strand, a cycle. Otherwise the oldest: the order
-        every rank issues (shared groups), or the only one (the other strand cannot go before it)."""
-        if not self.ex.reacts_to_completions or len(self.order) == 1:
+        """Wait for a collective in flight: the oldest, as every rank issues them, unless both
+        strands have one in flight on groups of different ranks (TP and CP, TP and EP) while
+        reacting to completions: then whichever completes first, polled. Blocking there on one
+        strand's collective would tie the other strand's progress to the first one's peers, and
+        four ranks can each wait on one another's other strand: a cycle. (Over the same ranks the
+        oldest is kept: the backward strand then frees activations before the forward strand goes on.)"""
+        if not self.ex.reacts_to_completions or len(self.order) == 1 or not self._groups_differ():
             self.finish(self.order[0])
             return
         t0 = time.perf_counter()
@@ -290,6 +292,10 @@ class _Round:
                     self.finish(s)
                     return
             time.sleep(POLL_S)
+
+    def _groups_differ(self) -> bool:
+        a, b = (self.ex.comm_members(self.pending[s][0]) for s in self.order)
+        return a != b
 
     def note_completions(self) -> None:
         """Stamp the time a collective is first seen complete (its comm time ends there)."""
@@ -331,10 +337,29 @@ class Executor:
         self._deferred: deque = deque()  # (task, outputs, grads, op weights), oldest first
         self._deferred_params: dict[int, int] = {}  # id(param) -> deferred passes touching it
         self._op_weights: dict = {}  # (block, op index) -> _OpWeights, from the op's first forward
+        self._members: dict = {}  # id(process group) -> its global ranks (``comm_members``)
         # react to completed collectives at once when every COMM op keeps forward and backward
         # collectives on separate groups (timing may then reorder the two strands' launches)
         self.reacts_to_completions = self.reactive and all(
             getattr(op.comm, "strand_safe", False) for block in graph.blocks for op in block if op.is_comm)
+
+    def comm_members(self, t: Task) -> frozenset | None:
+        """The global ranks of the group ``t``'s collective runs on (None: not known)."""
+        body = t.op.comm
+        if hasattr(body, "process_group"):
+            group = body.process_group(t.channel)
+        else:
+            groups = getattr(body, "groups", None)
+            group = groups.channel(t.channel) if hasattr(groups, "channel") else None
+        if group is None:
+            return None
+        key = id(group)
+        if key not in self._members:
+            try:
+                self._members[key] = frozenset(dist.get_process_group_ranks(group))
+            except Exception:  # noqa: BLE001 -- not a process group of this world: unknown
+                self._members[key] = None
+        return self._members[key]
 
     def start_step(self) -> StepStats:
         """Begin a step: fresh ``StepStats`` (returned; ``self.stats`` until the next step)."""

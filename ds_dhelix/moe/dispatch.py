@@ -65,6 +65,10 @@ class CountExchange:
     def __init__(self, layer: int, groups: ExpertGroups, metrics=None):
         self.layer, self.groups, self.metrics = layer, groups, metrics
 
+    def process_group(self, channel: int):
+        """The group a launch on ``channel`` runs on."""
+        return self.groups.count_group.channel(channel)
+
     @property
     def strand_safe(self) -> bool:
         """Its backward launches nothing; two forward strands (``pair_ends``) need both channels."""
@@ -108,6 +112,10 @@ class ExpertAllToAll:
     lane = "comm:ep"  # trace lane
     def __init__(self, layer: int, groups: ExpertGroups, to_experts: bool, metrics=None):
         self.layer, self.groups, self.to_experts, self.metrics = layer, groups, to_experts, metrics
+
+    def process_group(self, channel: int):
+        """The group a launch on ``channel`` runs on."""
+        return self.groups.group.channel(channel)
 
     @property
     def strand_safe(self) -> bool:
