@@ -101,3 +101,27 @@ def process_groups(tp: int = 1, ep: int = 1):
     from ds_dhelix.dims import ParallelDims
     from ds_dhelix.groups import ProcessGroups
     return ProcessGroups.create(ParallelDims(dist.get_world_size(), tp=tp, ep=ep))
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory):
+    """``straight_run(layout)``: one uninterrupted ``train.py`` run per layout of
+    ``tests.test_long_job.LAYOUTS`` (TOTAL steps through the DeepSpeed launcher, a checkpoint every
+    STOP steps, the HF export), made the first time a test asks for it and shared by the tests that
+    compare against it (exact resume, training from a checkpoint directory, refused resumes).
+    Returns ``{"cfg", "ck", "summary", "weights"}``."""
+    from tests.test_long_job import LAYOUTS, STOP, TOTAL, _cmd, _config, _ok, _run, _summary, _weights
+    runs = {}
+
+    def get(layout: str) -> dict:
+        if layout not in runs:
+            name, model = LAYOUTS[layout]
+            tmp = tmp_path_factory.mktemp(f"straight-{layout}")
+            cfg, ck = _config(tmp, name), tmp / "ck"
+            _ok(_run(_cmd(cfg, model, tmp / "hf", "--steps", str(TOTAL), "--save-interval", str(STOP),
+                          "--ds-checkpoint", str(ck), "--json-summary", str(tmp / "summary.json"))))
+            runs[layout] = {"cfg": cfg, "ck": ck, "summary": _summary(tmp / "summary.json"),
+                            "weights": _weights(tmp / "hf")}
+        return runs[layout]
+
+    return get

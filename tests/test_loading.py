@@ -127,30 +127,28 @@ def _summary(path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", ["llama-tp2-si", "phimoe-ep2-si", "llama-pp2-w"])
-def test_train_from_a_checkpoint_dir_equals_the_preset_run(tmp_path, layout):
+def test_train_from_a_checkpoint_dir_equals_the_preset_run(tmp_path, layout, straight_run):
     """train.py on a saved checkpoint directory (each rank reads its TP / EP / stage shards) trains
-    bitwise like the preset it was saved from, and exports sharded files that load back equal."""
-    from tests.test_long_job import LAYOUTS, _cmd, _config, _ok, _run, _weights
-    cfg_name, preset = LAYOUTS[layout]
-    cfg = _config(tmp_path, cfg_name)
+    bitwise like the preset it was saved from (the shared straight run of ``conftest.straight_run``),
+    and exports sharded files that load back equal."""
+    from tests.test_long_job import LAYOUTS, TOTAL, _cmd, _ok, _run, _weights
+    _, preset = LAYOUTS[layout]
+    straight = straight_run(layout)
     model, _ = build_model(preset, seed=1234)  # train.py's default --seed
     ckpt = tmp_path / "ckpt"
     model.save_pretrained(ckpt, max_shard_size="300KB")  # an index checkpoint
-    runs = {}
-    for name, source in (("preset", preset), ("dir", str(ckpt))):
-        out = tmp_path / f"hf-{name}"
-        _ok(_run(_cmd(cfg, source, out, "--steps", "2", "--json-summary", str(tmp_path / f"{name}.json"),
-                      "--max-shard-size", "200KB")))
-        runs[name] = (_summary(tmp_path / f"{name}.json"), _weights(out), out)
-    assert runs["dir"][0]["losses"] == runs["preset"][0]["losses"]
-    a, b = runs["preset"][1], runs["dir"][1]
+    out = tmp_path / "hf-dir"
+    _ok(_run(_cmd(straight["cfg"], str(ckpt), out, "--steps", str(TOTAL), "--json-summary", str(tmp_path / "dir.json"),
+                  "--max-shard-size", "200KB")))
+    run = _summary(tmp_path / "dir.json")
+    assert run["losses"] == straight["summary"]["losses"]
+    a, b = straight["weights"], _weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    out = runs["dir"][2]
     assert os.path.isfile(out / "model.safetensors.index.json")  # 200KB shards: several files
     from transformers import AutoModelForCausalLM
     back = AutoModelForCausalLM.from_pretrained(out)
     assert {n for n, _ in back.named_parameters()} == {n for n, _ in model.named_parameters()}
-    for mark in runs["dir"][0]["memory"]:
+    for mark in run["memory"]:
         assert mark["load_peak_rss_mib"] - mark["baseline_rss_mib"] <= 1.25 * mark["shard_mib"] + 64, mark
 
 

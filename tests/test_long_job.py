@@ -79,19 +79,17 @@ TOTAL, STOP = 20, 10  # the resumed half runs in the cosine decay, after the con
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_stop_and_resume_equals_a_straight_run(tmp_path, layout):
+def test_stop_and_resume_equals_a_straight_run(tmp_path, layout, straight_run):
     """llama-tp2-si leaves after step 10 (--stop-after) and resumes with --resume auto; the other
     layouts resume from the straight run's own step-10 checkpoint (--save-interval): the same
-    save and load, one launch fewer."""
+    save and load, one launch fewer. The straight run is shared (``conftest.straight_run``)."""
     name, model = LAYOUTS[layout]
     stops = layout == "llama-tp2-si"
     cfg = _config(tmp_path, name, tb=stops)
-    ck = tmp_path / "ck"
-    saves = [] if stops else ["--save-interval", str(STOP), "--ds-checkpoint", str(ck)]
-    _ok(_run(_cmd(cfg, model, tmp_path / "full", "--steps", str(TOTAL), "--json-summary", str(tmp_path / "full.json"),
-                  *saves)))
-    full = _summary(tmp_path / "full.json")
+    straight = straight_run(layout)
+    full = straight["summary"]
     if stops:
+        ck = tmp_path / "ck"
         first = _run(_cmd(cfg, model, tmp_path / "a", "--steps", str(TOTAL), "--stop-after", str(STOP),
                           "--ds-checkpoint", str(ck), "--json-summary", str(tmp_path / "a.json")))
         _ok(first)
@@ -100,19 +98,20 @@ def test_stop_and_resume_equals_a_straight_run(tmp_path, layout):
         (ck / ".tmp-global_step99").mkdir()  # what an interrupted save would leave
         resume, before = ["--resume", "auto", "--ds-checkpoint", str(ck)], _summary(tmp_path / "a.json")
     else:
+        ck = straight["ck"]
         resume, before = ["--resume", str(ck / f"global_step{STOP}"), "--ds-checkpoint", str(tmp_path / "ck2")], None
     _ok(_run(_cmd(cfg, model, tmp_path / "b", "--steps", str(TOTAL), *resume, "--json-summary", str(tmp_path / "b.json"))))
     b = _summary(tmp_path / "b.json")
     assert b["start_step"] == STOP and len(b["losses"]) == TOTAL - STOP
     assert b["losses"] == full["losses"][STOP:] and b["lrs"] == full["lrs"][STOP:]  # bitwise: the same floats
     assert b["lrs"][0] > 0
-    want, got = _weights(tmp_path / "full"), _weights(tmp_path / "b")
+    want, got = straight["weights"], _weights(tmp_path / "b")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert {f"global_step{TOTAL}", f"global_step{STOP}", "latest"} <= set(os.listdir(ck))
     if stops:
         assert before["losses"] == full["losses"][:STOP] and before["lrs"] == full["lrs"][:STOP]
         assert not (ck / ".tmp-global_step99").exists()
-        _lr_continues_in_tensorboard(tmp_path / "tb", full["lrs"])
+        _lr_continues_in_tensorboard(tmp_path / "tb", full["lrs"])  # written by the stopped and the resumed run
 
 
 def _lr_continues_in_tensorboard(tb_dir, lrs) -> None:
@@ -129,15 +128,15 @@ def _lr_continues_in_tensorboard(tb_dir, lrs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_resume_that_changes_the_run_is_refused(tmp_path):
-    cfg = _config(tmp_path, "tiny_llama_cpu.json")
-    ck = tmp_path / "ck"
-    _ok(_run(_cmd(cfg, "tiny-llama", tmp_path / "a", "--steps", "6", "--stop-after", "2", "--ds-checkpoint", str(ck))))
+def test_resume_that_changes_the_run_is_refused(tmp_path, straight_run):
+    straight = straight_run("llama-tp2-si")  # a TOTAL-step run of tiny_llama_cpu.json at --seq-len 32
+    cfg, ck = straight["cfg"], straight["ck"]
     env = dict(os.environ, WORLD_SIZE="2")
-    for extra, words in ((["--steps", "8"], ["total_steps", "checkpoint 6, this run 8"]),
-                         (["--steps", "6", "--seq-len", "64"], ["seq_len", "checkpoint 32, this run 64"])):
+    for extra, words in ((["--steps", "30"], ["total_steps", f"checkpoint {TOTAL}, this run 30"]),
+                         (["--steps", str(TOTAL), "--seq-len", "64"], ["seq_len", "checkpoint 32, this run 64"])):
         argv = [sys.executable, os.path.join(ROOT, "train.py"), "--deepspeed", cfg, "--seq-len", "32",
-                "--resume", str(ck), "--ds-checkpoint", str(ck), "--output-dir", str(tmp_path / "b"), *extra]
+                "--resume", str(ck), "--ds-checkpoint", str(tmp_path / "ck"), "--output-dir", str(tmp_path / "b"),
+                *extra]
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         lines = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
