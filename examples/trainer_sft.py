@@ -195,6 +195,7 @@ def main(argv=None) -> int:
     groups = getattr(engine, "groups", None)
     summary = {"engine": type(engine).__name__,
                "tp_size": groups.tp_size if groups else 1, "ep_size": groups.dims.ep if groups else 1,
+               "cp_size": groups.dims.cp if groups else 1,
                "schedule": engine.dhelix.schedule if hasattr(engine, "dhelix") else "plain",
                "losses": getattr(trainer, "step_losses", None) or [loss for _, loss in losses.losses],
                "logged_losses": [loss for _, loss in losses.losses],
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
         with open(args.json_summary, "w") as f:
             json.dump(summary, f, indent=1)
     if trainer.args.process_index == 0:
-        print(f"[trainer_sft] {summary['engine']} tp {summary['tp_size']} ep {summary['ep_size']} "
+        print(f"[trainer_sft] {summary['engine']} tp {summary['tp_size']} cp {summary['cp_size']} ep {summary['ep_size']} "
               f"{summary['schedule']}: {len(summary['losses'])} steps, last loss "
               f"{summary['losses'][-1] if summary['losses'] else None}; HF checkpoint {final}")
     if torch.distributed.is_initialized():
