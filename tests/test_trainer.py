@@ -6,7 +6,8 @@
                       checkpoint loads with from_pretrained; TensorBoard has the loss and the
                       hidden-communication fraction; resume from checkpoint-10 to 20 == uninterrupted
     launchers         deepspeed --num_gpus 2 and accelerate launch (ds_configs/accelerate_deepspeed.yaml)
-                      give the torchrun losses; Phi-MoE EP=2 trains through DhelixTrainer
+                      give the torchrun losses; Phi-MoE EP=2 trains through DhelixTrainer; CP=2
+                      gives TP=2's losses
     two nodes         train.py as two DeepSpeed nodes on one machine (--hostfile, --no_ssh, --node_rank)
                       == the one-node 2-rank run; every global rank writes its checkpoint files
     no silent run     a plain Trainer given an enabled dhelix section raises DhelixConfigIgnored;
@@ -79,6 +80,20 @@ def si_run(tmp_path_factory):
     out = tmp / "si"
     _ok(_run(_sft(_torchrun(), _config(tmp), out, "--max-steps", str(STEPS), "--save-steps", "10")))
     return tmp, out, _summary(out)
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_through_the_trainer(si_run):
+    """CP=2 instead of TP=2 (one data-parallel replica in both, so the same samples per step, on the
+    right-padded documents): the Trainer's token count divided by tp x cp, losses as TP=2's."""
+    tmp, _, si = si_run
+    out = tmp / "cp"
+    _ok(_run(_sft(_torchrun(), _config(tmp, tensor_parallel={"size": 1}, context_parallel={"size": 2}), out,
+                  "--max-steps", str(STEPS))))
+    cp = _summary(out)
+    assert (cp["engine"], cp["tp_size"], cp["cp_size"], cp["schedule"]) == ("DhelixEngine", 1, 2, "si")
+    gap = max(abs(a - b) for a, b in zip(cp["losses"], si["losses"], strict=True))
+    assert gap < PLAIN_TOLERANCE, (gap, cp["losses"], si["losses"])  # sums in another order, as vs plain
 
 
 @pytest.mark.timeout(400)
