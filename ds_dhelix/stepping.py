@@ -120,10 +120,11 @@ class DhelixStepMixin:
     def mean_loss(self, mbs) -> torch.Tensor:
         """The step's loss: the micro-batches' mean, TP and CP shares summed, averaged over DP replicas."""
         loss = torch.stack([mb.loss.detach().float() for mb in mbs]).mean()
-        if self.groups.tp_size > 1:
-            dist.all_reduce(loss, group=self.groups.tp_grad_group)  # shares -> full loss
-        if self.groups.cp_size > 1:
-            dist.all_reduce(loss, group=self.groups.cp_group)
+        g = self.groups
+        if g.cp_size > 1:  # shares -> full loss, in one sum over the TP x CP ranks of a sequence
+            dist.all_reduce(loss, group=g.sequence_group)
+        elif g.tp_size > 1:
+            dist.all_reduce(loss, group=g.tp_grad_group)
         if self.groups.dp_size > 1:
             dist.all_reduce(loss, group=self.groups.dp_group)
             loss /= self.groups.dp_size
