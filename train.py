@@ -140,9 +140,7 @@ def _check_packing(args, setup, model_config) -> None:
 def _check_lengths(args, setup, model_config) -> None:
     _check_packing(args, setup, model_config)
     d = setup.dims
-    if args.seq_len % d.shards:
-        by = f"tensor_parallel.size {d.tp}" + (f" x context_parallel.size {d.cp} = {d.shards}" if d.cp > 1 else "")
-        raise ValueError(f"--seq-len {args.seq_len} is not divisible by {by}")
+    d.check_seq_len(args.seq_len, "--seq-len")
     limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
     if limit and args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")

@@ -311,7 +311,7 @@ def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, e
     shape = tuple(example_batch["input_ids"].shape) if example_batch is not None else (micro, None)
     dtype = next(model.parameters()).dtype
     meta = run_meta(model.config, groups.tp_size, groups.world_size, shape, dtype, dh.benchmark.link_gbps,
-                    ep=groups.ep_size, cp=groups.cp_size)
+                    ep=groups.ep_size, cp=groups.cp_size, cp_comm=groups.dims.cp_comm)
     log = (lambda msg: logger.info(msg)) if groups.rank == 0 else (lambda msg: None)
     plan, table = resolve_plan(dh.planner, graph, meta, example_batch, list(model.parameters()), log)
     log(f"ds_dhelix: SI plan '{plan.source}' (predicted {predict_ms(table, plan):.2f} ms per layer pair; "

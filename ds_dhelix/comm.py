@@ -7,6 +7,8 @@ slice along dim 0 and all-gather / reduce-scatter need no copies.
     ag      all-gather  [s/t,b,h]->[s,b,h]  reduce-scatter of the gradient
     rs      reduce-scatter [s,b,h]->[s/t,b,h]  all-gather of the gradient
     a2a     all-to-all of [cp, ...] chunks  all-to-all of the gradient (context parallelism)
+    ring    send to CP rank r+1, receive    send the gradient to r-1, receive from r+1
+            from r-1 (point to point)       (ring attention's key/value blocks)
 
 A COMM op's body is an object with ``forward(x, side, channel) -> Pending`` and ``backward(grad,
 side, channel) -> Pending`` (``side``: the micro-batch's side dict, where e.g. MoE split sizes are
@@ -166,6 +168,43 @@ class ContextAllToAll(SeqAllGather):
 
     def backward(self, grad, side, channel: int = 1) -> Pending:
         return all_to_all_chunks(grad, self.groups.channel(channel), self.world)
+
+
+class RingPass(SeqAllGather):
+    """COMM op body of ring attention: one step of the ring. Forward: send this rank's tensor to
+    the next CP rank and receive the previous one's (point-to-point, both at once); backward: the
+    gradient goes the other way, back to the rank the tensor came from."""
+
+    lane = "comm:cp"  # trace lane
+
+    def forward(self, x, side, channel: int = 0) -> Pending:
+        return ring_exchange(x, self.groups.channel(channel), self.world, +1)
+
+    def backward(self, grad, side, channel: int = 1) -> Pending:
+        return ring_exchange(grad, self.groups.channel(channel), self.world, -1)
+
+
+class _Works:
+    """Several in-flight works (a send and a receive) as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def ring_exchange(x: torch.Tensor, group, world: int, direction: int) -> Pending:
+    """Send ``x`` to the group rank ``direction`` steps on and receive from as many steps back."""
+    me = dist.get_rank(group)
+    to, frm = (dist.get_global_rank(group, (me + direction * k) % world) for k in (1, -1))
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    return Pending(_Works([dist.isend(x, to, group=group), dist.irecv(out, frm, group=group)]), out)
 
 
 def all_to_all_chunks(x: torch.Tensor, group, world: int) -> Pending:

@@ -230,30 +230,29 @@ class ExpertParallelConfig(_Section):
             raise self._fail("aux_loss_coef", "must be >= 0 (or null for the model's own coefficient)")
 
 
-CP_COMMS = ("ulysses",)
+CP_COMMS = ("ulysses", "ring")
 """Valid values of ``dhelix.context_parallel.comm``."""
 
 
 @dataclass(frozen=True)
 class ContextParallelConfig(_Section):
     """Context parallelism: the sequence sharded over ``size`` ranks (on top of TP's sequence
-    shards); attention sees the whole sequence through explicit, schedulable all-to-alls."""
+    shards); attention sees the whole sequence through explicit, schedulable COMM ops."""
 
     _path: ClassVar[str] = "dhelix.context_parallel"
 
     size: int = 1
-    """Ranks per context-parallel group; heads and kv heads must divide by tensor_parallel.size x size,
-    the sequence length by it too."""
+    """Ranks per context-parallel group; the sequence length must divide by tensor_parallel.size x size
+    ("ulysses") or by 2 x tensor_parallel.size x size ("ring": the zig-zag split)."""
     comm: str = "ulysses"
     """"ulysses": all-to-alls from sequence shards to head shards before the attention core and back
-    after it (DeepSpeed-Ulysses' exchange, as COMM ops of the op graph)."""
+    after it (DeepSpeed-Ulysses' exchange; query heads must divide by tensor_parallel.size x size).
+    "ring": ring attention, the key/value blocks passed around the CP ranks point to point, one COMM
+    op per ring step, zig-zag split for causal balance (any head count TP allows)."""
 
     def __post_init__(self):
         self._check_types()
         self._at_least("size", 1)
-        if self.comm == "ring":
-            raise self._fail("comm", "ring attention is not available yet; use 'ulysses' (heads and kv heads "
-                                     "must then divide by tensor_parallel.size x context_parallel.size)")
         if self.comm not in CP_COMMS:
             raise self._fail("comm", f"choose one of {', '.join(CP_COMMS)}")
 

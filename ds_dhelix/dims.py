@@ -41,6 +41,7 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     cp: int = 1
+    cp_comm: str = "ulysses"  # context parallelism's exchange: "ulysses" (all-to-alls) or "ring"
 
     def __post_init__(self):
         for name in ("world", "tp", "pp", "ep", "cp"):
@@ -53,6 +54,8 @@ class ParallelDims:
             raise ValueError(f"world size {self.world} is not divisible by tensor_parallel.size {self.tp} x "
                              f"pipeline.stages {self.pp}{cp} = {model}; tp x pp{' x cp' if cp else ''} must be "
                              f"one of {divisors(self.world)}")
+        if self.cp_comm not in ("ulysses", "ring"):
+            raise ValueError(f"context_parallel.comm {self.cp_comm!r}: choose ulysses or ring")
         if self.cp > 1 and self.ep > 1:
             raise ValueError(f"context_parallel.size {self.cp} with expert_parallel.size {self.ep} is not supported "
                              f"yet; use one of them")
@@ -70,7 +73,7 @@ class ParallelDims:
         if not dh.enabled:
             return cls(world)
         return cls(world, tp=dh.tensor_parallel.size, pp=dh.pipeline.stages, ep=dh.expert_parallel.size,
-                   cp=dh.context_parallel.size)
+                   cp=dh.context_parallel.size, cp_comm=dh.context_parallel.comm)
 
     @property
     def dp(self) -> int:
@@ -81,6 +84,27 @@ class ParallelDims:
     def shards(self) -> int:
         """Sequence shards of one micro-batch: tp x cp (a rank holds 1/shards of every sequence)."""
         return self.tp * self.cp
+
+    @property
+    def seq_multiple(self) -> int:
+        """What every sequence length must divide by: the shards, and with ring attention twice
+        that (each CP rank holds two chunks of the zig-zag split, each cut by TP)."""
+        return self.shards * (2 if self.cp > 1 and self.cp_comm == "ring" else 1)
+
+    def check_seq_len(self, seq_len: int, what: str = "sequence length") -> None:
+        """``ValueError`` naming the sizes when ``seq_len`` does not split over the shards."""
+        m = self.seq_multiple
+        if seq_len % m == 0:
+            return
+        if self.cp == 1:
+            how = f"tensor_parallel.size {self.tp}"
+        elif self.cp_comm == "ring":
+            how = (f"2 x tensor_parallel.size {self.tp} x context_parallel.size {self.cp} = {m} (ring attention's "
+                   f"zig-zag split: {2 * self.cp} chunks, each cut by TP)")
+        else:
+            how = f"tensor_parallel.size {self.tp} x context_parallel.size {self.cp} = {m}"
+        raise ValueError(f"{what} {seq_len} is not divisible by {how}; use a multiple of {m} "
+                         f"(e.g. {max(m, round(seq_len / m) * m)})")
 
     @property
     def edp(self) -> int:
@@ -103,8 +127,9 @@ class ParallelDims:
         from hf_models.adapters import adapter_for
         adapter = adapter_for(model_config)
         adapter.check_tp(model_config, self.tp)
-        if self.cp > 1:
+        if self.cp > 1 and self.cp_comm == "ulysses":
             check_cp_heads(model_config, self.tp, self.cp)
+        if self.cp > 1:
             if not getattr(adapter, "CONTEXT_PARALLEL", False):
                 raise ValueError(f"context_parallel.size {self.cp}: model_type {model_config.model_type!r} has no "
                                  f"context-parallel attention yet; use 1")
@@ -116,7 +141,7 @@ class ParallelDims:
         return adapter
 
     def describe(self) -> str:
-        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp = f" cp={self.cp}" + (" (ring)" if self.cp_comm == "ring" else "") if self.cp > 1 else ""
         return f"world={self.world} dp={self.dp} tp={self.tp}{cp} pp={self.pp} ep={self.ep}"
 
 
@@ -137,4 +162,5 @@ def check_cp_heads(model_config, tp: int, cp: int) -> None:
         raise ValueError(f"context_parallel.size {cp} with tensor_parallel.size {tp}: num_attention_heads={heads}, "
                          f"num_key_value_heads={kv} do not split into {cp} whole query-head groups per TP rank "
                          f"(each with kv heads {kv // tp} / {cp} or one shared head); valid context_parallel.size "
-                         f"with tensor_parallel.size {tp}: {valid}")
+                         f"with tensor_parallel.size {tp}: {valid}; or context_parallel.comm 'ring' (no head "
+                         f"condition beyond TP's)")

@@ -174,7 +174,7 @@ class ProcessGroups:
         if self.dims.cp == 1:
             return None
         from hf_models.common import ContextShards
-        return ContextShards(self.dims.cp, self.cp_rank, self.cp, self.sequence_group)
+        return ContextShards(self.dims.cp, self.cp_rank, self.cp, self.sequence_group, self.dims.cp_comm)
 
     def expert_groups(self):
         """This rank's EP groups for the MoE op graph (``ds_dhelix.moe.ExpertGroups``)."""

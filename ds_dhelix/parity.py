@@ -45,7 +45,8 @@ class ParityOptions:
     dropout: float = 0.0  # every dropout rate of the model (HF is then compared with dropout off)
     recompute: str = "none"  # dhelix.recompute of the trained legs
     packing: str = "concat"  # "docs": random documents of random lengths (position_ids, block-diagonal mask)
-    cp: int = 1  # context-parallel size (Ulysses)
+    cp: int = 1  # context-parallel size
+    cp_comm: str = "ulysses"  # its exchange: "ulysses" or "ring"
 
     @property
     def world(self) -> int:
@@ -75,7 +76,7 @@ class ParityOptions:
             "zero_optimization": {"stage": self.zero_stage},
             "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": self.tp}, "seed": self.seed,
                        **({"pipeline": {"stages": self.pp}} if self.pp > 1 else {}),
-                       **({"context_parallel": {"size": self.cp}} if self.cp > 1 else {}),
+                       **({"context_parallel": {"size": self.cp, "comm": self.cp_comm}} if self.cp > 1 else {}),
                        **({"recompute": self.recompute} if self.recompute != "none" else {}), **self.extra},
         }
 

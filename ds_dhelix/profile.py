@@ -40,7 +40,8 @@ OP_GRAPH_REVISION = 2
 change, so tables cached before no longer apply."""
 
 
-def run_meta(model_config, tp: int, world: int, batch_shape, dtype, link_gbps=None, ep: int = 1, cp: int = 1) -> dict:
+def run_meta(model_config, tp: int, world: int, batch_shape, dtype, link_gbps=None, ep: int = 1, cp: int = 1,
+             cp_comm: str = "ulysses") -> dict:
     """What a table is keyed by: device, model shape, dtype, parallel layout, batch shape, link,
     op-graph revision."""
     c = model_config
@@ -48,7 +49,8 @@ def run_meta(model_config, tp: int, world: int, batch_shape, dtype, link_gbps=No
                                                "num_attention_heads", "num_key_value_heads", "vocab_size",
                                                "num_local_experts", "num_experts", "num_experts_per_tok")}
     return {"device": device_name(), "model": json.dumps(shape, sort_keys=True),
-            "dtype": str(dtype).removeprefix("torch."), "layout": f"world={world},tp={tp},ep={ep}" + (f",cp={cp}" if cp > 1 else ""),
+            "dtype": str(dtype).removeprefix("torch."), "layout": f"world={world},tp={tp},ep={ep}" + (f",cp={cp}" if cp > 1 else "")
+            + (",ring" if cp > 1 and cp_comm == "ring" else ""),
             "batch_shape": list(batch_shape), "link_gbps": link_gbps, "op_graph": OP_GRAPH_REVISION}
 
 

@@ -25,14 +25,15 @@ from .profile import LayerProbe, profile_layer, run_meta, world_max
 from .spawn import run_ranks
 
 
-def build_sharded(model_name: str, tp: int, seed: int = 1234, ep: int = 1, cp: int = 1):
+def build_sharded(model_name: str, tp: int, seed: int = 1234, ep: int = 1, cp: int = 1, cp_comm: str = "ulysses"):
     """On a running world of tp x cp x ep ranks: the preset/checkpoint model, sharded for this rank
     (TP slices, CP sequence shards; experts over the EP group for MoE models), and its graph."""
     from hf_models.registry import build_model
     model, _ = build_model(model_name, seed=seed)
     dh = DhelixConfig.from_dict({"enabled": True, "tensor_parallel": {"size": tp},
-                                 "expert_parallel": {"size": ep}, "context_parallel": {"size": cp}})
-    dims = ParallelDims(dist.get_world_size(), tp=tp, ep=ep, cp=cp)
+                                 "expert_parallel": {"size": ep},
+                                 "context_parallel": {"size": cp, "comm": cp_comm}})
+    dims = ParallelDims(dist.get_world_size(), tp=tp, ep=ep, cp=cp, cp_comm=cp_comm)
     groups = ProcessGroups.create(dims)
     return model, shard_model(model, dh, dims, groups), groups
 
@@ -44,10 +45,12 @@ def example_batch(vocab: int, micro: int, seq_len: int, seed: int = 0) -> dict:
 
 
 def _profile_rank(rank, world, o: dict):
-    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1))
+    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1),
+                                    cp_comm=o.get("cp_comm", "ulysses"))
     batch = example_batch(model.config.vocab_size, o["micro_batch_size"], o["seq_len"], seed=rank // (o["tp"] * o.get("cp", 1)))
     meta = run_meta(model.config, o["tp"], world, tuple(batch["input_ids"].shape),
-                    next(model.parameters()).dtype, o.get("link_gbps"), ep=o.get("ep", 1), cp=o.get("cp", 1))
+                    next(model.parameters()).dtype, o.get("link_gbps"), ep=o.get("ep", 1), cp=o.get("cp", 1),
+                    cp_comm=o.get("cp_comm", "ulysses"))
     t0 = time.perf_counter()
     table = profile_layer(graph, batch, meta, list(model.parameters()), o["warmup"], o["repeats"])
     seconds = time.perf_counter() - t0
@@ -62,7 +65,8 @@ def profile_world(o: dict, timeout: float = 900.0):
 
 def _validate_rank(rank, world, o: dict):
     table = OverlapTable.from_dict(o["table"])
-    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1))
+    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1),
+                                    cp_comm=o.get("cp_comm", "ulysses"))
     specs = graph.layer_specs()
     table.check_matches({}, specs, backward_order(specs))
     batch = example_batch(model.config.vocab_size, *table.meta["batch_shape"], seed=rank // (o["tp"] * o.get("cp", 1)))

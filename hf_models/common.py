@@ -18,6 +18,8 @@ from torch import nn
 from ds_dhelix.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
 from ds_dhelix.graph import comm, comp
 
+from .ring import AttentionCore
+
 
 def check_divisible(tp: int, world: int | None = None, **dims: int) -> None:
     """``ValueError`` naming every dimension that ``tp`` does not divide, with the valid TP sizes."""
@@ -66,13 +68,15 @@ def mark_replicated(params, group) -> ReplicatedGrads:
 class ContextShards:
     """Context parallelism of a graph: ``size`` CP ranks per sequence, this rank's ``rank`` among
     them, ``groups`` (``StrandGroups``) for the Ulysses all-to-alls, ``sequence_group`` the TP x CP
-    ranks of one sequence (the MoE load-balancing sums). A rank's sequence shard is number
-    ``rank * tp + tp_rank`` of ``size * tp`` contiguous shards."""
+    ranks of one sequence (the MoE load-balancing sums), ``comm`` the exchange ("ulysses" or
+    "ring"). With Ulysses a rank's sequence shard is number ``rank * tp + tp_rank`` of ``size * tp``
+    contiguous shards; with ring attention see ``make_side_fn``."""
 
     size: int
     rank: int
     groups: object
     sequence_group: object = None
+    comm: str = "ulysses"
 
 
 def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = None):
@@ -83,20 +87,28 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
     Targets follow HF's causal-LM loss: position t predicts labels[t+1]; the last position and
     labels of -100 are ignored; the loss is the sum over valid targets / their count. The targets
     are shifted on the whole sequence before it is cut into the tp x cp shards (``cp``: a
-    ``ContextShards``, None without context parallelism).
+    ``ContextShards``, None without context parallelism). With ring attention a CP rank's tokens
+    are the two chunks of the zig-zag split (``ring.zigzag_index``), cut by TP; the side then
+    carries ``ring_index`` (the positions of the CP rank's tokens) and, for packed documents,
+    ``segments`` (each position's document number).
     """
     shards, index = (tp, tp_rank) if cp is None else (tp * cp.size, cp.rank * tp + tp_rank)
+    ring = cp is not None and cp.comm == "ring"
+    multiple = shards * (2 if ring else 1)
 
     def make_side(batch: dict, serial: int = 0) -> dict:
         ids, labels = batch["input_ids"], batch.get("labels", batch["input_ids"])
         b, s = ids.shape
-        if s % shards:
-            how = f"tensor_parallel.size {tp}" if cp is None else \
-                f"tensor_parallel.size {tp} x context_parallel.size {cp.size} = {shards}"
-            raise ValueError(f"sequence length {s} is not divisible by {how}")
+        if s % multiple:
+            from ds_dhelix.dims import ParallelDims
+            ParallelDims(shards, tp=tp, cp=shards // tp, cp_comm=cp.comm if cp else "ulysses").check_seq_len(s)
         targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
         n = s // shards
         sl = slice(index * n, (index + 1) * n)
+        if ring:  # this CP rank's two zig-zag chunks, then this TP rank's part of them
+            from .ring import zigzag_index
+            local = zigzag_index(s, cp.size, cp.rank, ids.device)
+            sl = local[tp_rank * n:(tp_rank + 1) * n]
         position_ids = batch.get("position_ids")  # packed documents: positions restart per document
         side = {
             "ids": ids[:, sl],
@@ -106,7 +118,7 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
             # count (DhelixTrainer: the Trainer's num_items_in_batch over the data-parallel ranks)
             "loss_denominator": batch.get("loss_denominator"),
             "positions": (position_ids[:, sl] if position_ids is not None else
-                          torch.arange(index * n, (index + 1) * n, device=ids.device).unsqueeze(0).expand(b, n)),
+                          torch.arange(s, device=ids.device)[sl].unsqueeze(0).expand(b, n)),
             "seq_len": s,
             "batch": b,
             "serial": serial,
@@ -115,6 +127,10 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
             if tuple(position_ids.shape) != (b, s):
                 raise ValueError(f"position_ids shape {tuple(position_ids.shape)} does not match input_ids {(b, s)}")
             side["position_ids"] = position_ids
+        if ring:
+            side["ring_index"] = local
+            if position_ids is not None:
+                side["segments"] = (position_ids == 0).cumsum(dim=1)
         if extra is not None:
             side.update(extra(batch, side))
         return side
@@ -251,9 +267,13 @@ def context_attention(cp: ContextShards | None, heads, qkv, core, out) -> list:
     ``heads``: (query heads, kv heads) of this TP rank. With fewer kv heads than CP ranks each
     group carries the one kv head its query heads use (``kv_heads_of_groups``); the copies'
     gradients add up in ``attn.qkv``'s backward. Packing and unpacking are views, slices and
-    concatenations, so ``attn.qkv`` and ``attn.out`` stay linear on the way to their weights."""
+    concatenations, so ``attn.qkv`` and ``attn.out`` stay linear on the way to their weights.
+    ``cp.comm == "ring"``: ring attention instead (``ring.ring_attention``)."""
     if cp is None or cp.size == 1:
         return [qkv, core, out]
+    if cp.comm == "ring":
+        from .ring import ring_attention
+        return ring_attention(cp, qkv, core, out)
     c, (nq, nk) = cp.size, heads
     kv = kv_heads_of_groups(nq, nk, c)
     nkc = kv[0].stop - kv[0].start
@@ -376,15 +396,18 @@ def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None):
             o, _ = attend(module, q, k, v, mask, dropout=p, scaling=attn_module.scaling)
         return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
 
-    return comp("attn.core", ("q", "k", "v"), ("o",), fn, selective=True)
+    return comp("attn.core", ("q", "k", "v"), ("o",), AttentionCore(fn, attn_module, rotary, drop), selective=True)
 
 
-def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None) -> dict:
+def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None, side=None) -> dict:
     """The attention mask a micro-batch needs, as ``{"causal_mask": ...}``: with ``position_ids``
     (packed documents: a document starts where its position is 0) a block-diagonal causal mask,
     boolean for sdpa and additive for eager, [b, 1, s, s]; else the additive causal mask eager
-    attention needs [1, 1, s, s] (sdpa runs ``is_causal`` instead: nothing)."""
+    attention needs [1, 1, s, s] (sdpa runs ``is_causal`` instead: nothing). ``side`` of a ring
+    attention micro-batch: nothing (each ring step masks its own block)."""
     from ds_dhelix.data import attention_mask
+    if side is not None and "ring_index" in side:
+        return {}
     impl = config._attn_implementation or "sdpa"
     if position_ids is None and impl != "eager":
         return {}  # sdpa's is_causal: nothing to build
@@ -408,7 +431,7 @@ def rotary_side_fn(rotary_emb: nn.Module, embed: nn.Module, config):
         s, dummy = side["seq_len"], embed.weight[:1].detach()
         cos, sin = rotary_emb(dummy, side_positions(side, dummy.device))
         return {"cos": cos, "sin": sin,
-                **causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"))}
+                **causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"), side)}
 
     return extra
 

@@ -40,6 +40,7 @@ from ds_dhelix.graph import ModelGraph, comp
 from .common import (ContextShards, Dropout, causal_mask_side, check_divisible, check_dropout, cp_heads,
                      dense_layer_ops, embed_op, head_ops, make_side_fn, mark_replicated, sequential_residual,
                      shard_param)
+from .ring import AttentionCore
 
 CONTEXT_PARALLEL = True
 """Attention runs with context parallelism (Ulysses all-to-alls, ``common.context_attention``)."""
@@ -99,7 +100,7 @@ def attn_core_op(attn_module, config, drop=None):
                 o, _ = attend(attn_module, q, k, v, mask, dropout=p, scaling=attn_module.scaling)
         return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
 
-    return comp("attn.core", ("q", "k", "v"), ("o",), fn, selective=True)
+    return comp("attn.core", ("q", "k", "v"), ("o",), AttentionCore(fn, attn_module, drop=drop), selective=True)
 
 
 def layer_ops(index: int, block, config, tp: int, tp_group, draws, cp=None):
@@ -145,7 +146,7 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
 
     def eager_mask(batch, side):
         return causal_mask_side(config, tr.wte.weight.dtype, side["seq_len"], tr.wte.weight.device,
-                                side.get("position_ids"))
+                                side.get("position_ids"), side)
 
     blocks = [[embed_op(tr.wte, pos_embed=tr.wpe, drop=Dropout.make(draws, config.embd_pdrop, -1, tr))]]
     blocks += [layer_ops(i, block, config, tp, tp_group, draws, cp) for i, block in enumerate(tr.h)]

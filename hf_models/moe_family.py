@@ -346,6 +346,6 @@ def side_inputs(model, family: MoeFamily):
         dummy = inner.embed_tokens.weight[:1]
         cos, sin = inner.rotary_emb(dummy, side_positions(side, dummy.device))
         return {"cos": cos, "sin": sin, "moe": {},
-                **causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"))}
+                **causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"), side)}
 
     return extra

@@ -5,7 +5,8 @@ all-to-alls (``attn.a2a_in`` / ``attn.a2a_out`` COMM ops).
                gradients and every loss): tiny-llama at seq 512, GPT-2, Phi-MoE (aux loss over the
                TP x CP ranks), TP=2 x CP=2 on 4 ranks (kv heads shared by two query-head groups)
     layout     ranks and groups of TP x CP, DeepSpeed's data-parallel group DP x CP
-    refused    heads that do not split, sequence lengths that do not divide, ring, CP with EP / PP
+    refused    heads that do not split, sequence lengths that do not divide, CP with EP / PP
+               (ring attention: test_ring_attention.py)
 """
 import pytest
 import torch
@@ -57,8 +58,7 @@ def test_heads_that_do_not_split_are_refused(world, tp, cp, model, words):
 
 
 @pytest.mark.parametrize("dhelix,words", [
-    ({"context_parallel": {"size": 2, "comm": "ring"}}, ["dhelix.context_parallel.comm = 'ring'", "ulysses"]),
-    ({"context_parallel": {"size": 2, "comm": "ulyses"}}, ["dhelix.context_parallel.comm", "ulysses"]),
+    ({"context_parallel": {"size": 2, "comm": "ulyses"}}, ["dhelix.context_parallel.comm", "ulysses, ring"]),
     ({"context_parallel": {"size": 0}}, ["dhelix.context_parallel.size = 0", ">= 1"]),
     ({"context_parallel": {"size": 2}, "expert_parallel": {"size": 2}}, ["context_parallel.size 2 with "
                                                                          "expert_parallel.size 2"]),
@@ -152,8 +152,12 @@ def test_bench_options_with_cp():
     from ds_dhelix.bench.options import BenchOptions
     opts = BenchOptions(tp=1, cp=2, modes=("deepspeed", "sequential", "si"), seq_len=1024)
     assert opts.world == 2 and opts.dp == 1
-    assert opts.dhelix_ds_config("si")["dhelix"]["context_parallel"] == {"size": 2}
+    assert opts.dhelix_ds_config("si")["dhelix"]["context_parallel"] == {"size": 2, "comm": "ulysses"}
     with pytest.raises(ValueError, match="no context parallelism to compare"):
         BenchOptions(tp=1, cp=2, modes=("autotp", "si"))
-    with pytest.raises(ValueError, match="seq-len 250 is not divisible by tp 1 x cp 4"):
+    with pytest.raises(ValueError, match="seq-len 250 is not divisible by tensor_parallel.size 1 x "
+                                         "context_parallel.size 4 = 4"):
         BenchOptions(tp=1, cp=4, modes=("si",), seq_len=250)
+    with pytest.raises(ValueError, match="seq-len 260 is not divisible by 2 x tensor_parallel.size 1 x "
+                                         "context_parallel.size 4 = 8"):
+        BenchOptions(tp=1, cp=4, cp_comm="ring", modes=("si",), seq_len=260)

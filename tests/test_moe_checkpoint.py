@@ -1,7 +1,6 @@
 """HF MoE checkpoint (every family) -> EP=2 training, each rank reading only its experts
 (``ds_dhelix.empty_model`` + ``weights=``) -> streamed HF checkpoint: plain transformers and an EP=1
 run both reproduce the trained model's loss."""
-import pytest
 import torch
 
 from ds_dhelix.spawn import run_ranks
@@ -26,7 +25,10 @@ def _batches(seed, n):
     return out
 
 
-def _train_and_export(rank, world, src, dst):
+PRESETS = ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe"]
+
+
+def _train_and_export(src, dst, rank):
     import ds_dhelix
     model = ds_dhelix.empty_model(src)
     engine, *_ = ds_dhelix.initialize(model=model, config=_cfg(2), weights=src)
@@ -40,7 +42,7 @@ def _train_and_export(rank, world, src, dst):
     return loss
 
 
-def _eval_ep1(rank, world, src):
+def _eval_ep1(src):
     import ds_dhelix
     from hf_models.registry import build_model
     model, _ = build_model(src, seed=0)
@@ -48,20 +50,32 @@ def _eval_ep1(rank, world, src):
     return float(engine.eval_batch(iter(_batches(99, 1) * 2)))
 
 
-@pytest.mark.parametrize("preset", ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe"])
-def test_hf_to_ep2_to_hf_and_ep1(tmp_path, preset):
+def _every_family(rank, world, root):
+    """One 2-rank world for all families (one world start instead of ten): each family trained at
+    EP=2 from its HF checkpoint and exported, then its export evaluated at EP=1."""
+    out = {}
+    for preset in PRESETS:
+        trained = _train_and_export(f"{root}/{preset}/in", f"{root}/{preset}/out", rank)
+        torch.distributed.barrier()  # rank 0 has written the export every rank reads next
+        out[preset] = (trained, _eval_ep1(f"{root}/{preset}/out"))
+    return out
+
+
+def test_hf_to_ep2_to_hf_and_ep1(tmp_path):
     from transformers import AutoModelForCausalLM
     from hf_models.registry import build_model
-    model, _ = build_model(preset, seed=3)
-    model.save_pretrained(tmp_path / "in")
-    trained = run_ranks(_train_and_export, 2, args=(str(tmp_path / "in"), str(tmp_path / "out")), timeout=240)
-    assert trained[0] == trained[1]  # the loss is averaged over both data-parallel ranks
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    hf.eval()
+    for preset in PRESETS:
+        model, _ = build_model(preset, seed=3)
+        model.save_pretrained(tmp_path / preset / "in")
+    ranks = run_ranks(_every_family, 2, args=(str(tmp_path),), timeout=600)
     probe = _batches(99, 1)[0]
-    with torch.no_grad():
-        hf_loss = hf(**probe).loss.item()
-    # fp32; the sharded run sums in another order (sequence-first tokens, per-expert batches)
-    assert abs(hf_loss - trained[0]) < 1e-5, (hf_loss, trained[0])
-    ep1 = run_ranks(_eval_ep1, 2, args=(str(tmp_path / "out"),), timeout=240)
-    assert abs(ep1[0] - trained[0]) < 1e-5, (ep1[0], trained[0])
+    for preset in PRESETS:
+        (trained, ep1), (other, _) = ranks[0][preset], ranks[1][preset]
+        assert trained == other, preset  # the loss is averaged over both data-parallel ranks
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / preset / "out")
+        hf.eval()
+        with torch.no_grad():
+            hf_loss = hf(**probe).loss.item()
+        # fp32; the sharded run sums in another order (sequence-first tokens, per-expert batches)
+        assert abs(hf_loss - trained) < 1e-5, (preset, hf_loss, trained)
+        assert abs(ep1 - trained) < 1e-5, (preset, ep1, trained)

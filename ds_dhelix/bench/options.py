@@ -78,8 +78,11 @@ class BenchOptions:
     """Pipeline stages (folded, two chunks per rank); with ``pp > 1`` the world is ``pp`` ranks
     (``tp = 1``) and the modes are ``PP_MODES``."""
     cp: int = 1
-    """Context-parallel size (Ulysses) of the ds_dhelix modes: the world is ``tp x cp x ep``
+    """Context-parallel size of the ds_dhelix modes: the world is ``tp x cp x ep``
     ranks, each sequence sharded over tp x cp of them."""
+    cp_comm: str = "ulysses"
+    """Context parallelism's exchange: "ulysses" (all-to-alls around the attention core) or "ring"
+    (ring attention, one point-to-point COMM op per ring step)."""
     ep: int = 1
     """Expert-parallel size for MoE models (e.g. tiny-phimoe with ``tp=1, ep=2``): the ds_dhelix
     modes shard the experts over ``ep`` data-parallel ranks, each rank with its own micro-batches."""
@@ -160,9 +163,11 @@ class BenchOptions:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"num-layers must be >= 1, got {self.num_layers}")
-        if self.seq_len % (self.tp * self.cp):
-            raise ValueError(f"seq-len {self.seq_len} is not divisible by tp {self.tp} x cp {self.cp} "
-                             f"(sequence and context parallelism split the sequence over tp x cp ranks)")
+        if self.cp_comm not in ("ulysses", "ring"):
+            raise ValueError(f"cp-comm {self.cp_comm!r}: choose ulysses or ring")
+        from ds_dhelix.dims import ParallelDims
+        ParallelDims(self.tp * self.cp, tp=self.tp, cp=self.cp, cp_comm=self.cp_comm).check_seq_len(self.seq_len,
+                                                                                                  "seq-len")
         if self.zero_stage not in (0, 1, 2):
             raise ValueError(f"zero stage {self.zero_stage} not supported here; use 0, 1 or 2")
 
@@ -215,7 +220,8 @@ class BenchOptions:
         if self.ep > 1:
             section["expert_parallel"] = {**section.get("expert_parallel", {}), "size": self.ep}
         if self.cp > 1:
-            section["context_parallel"] = {**section.get("context_parallel", {}), "size": self.cp}
+            section["context_parallel"] = {**section.get("context_parallel", {}), "size": self.cp,
+                                           "comm": self.cp_comm}
         section["benchmark"] = {**section.get("benchmark", {}), "link_gbps": link_gbps}
         if mode in ("si-plan", "si-planned"):
             section["si_execution"] = "plan"

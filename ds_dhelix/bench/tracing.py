@@ -27,6 +27,7 @@ class TraceOptions:
     tp: int = 2
     ep: int = 1
     cp: int = 1
+    cp_comm: str = "ulysses"
     schedule: str = "si"
     planned: bool = False
     """SI with the planner's plan (``planner.profile = "auto"``) instead of the default plan."""
@@ -53,7 +54,7 @@ class TraceOptions:
         self.bench_options()  # shape checks
 
     def bench_options(self) -> BenchOptions:
-        return BenchOptions(model=self.model, tp=self.tp, ep=self.ep, cp=self.cp, modes=(self.schedule,), link_gbps=(self.link_gbps,),
+        return BenchOptions(model=self.model, tp=self.tp, ep=self.ep, cp=self.cp, cp_comm=self.cp_comm, modes=(self.schedule,), link_gbps=(self.link_gbps,),
                             micro_batches=self.micro_batches, micro_batch_size=self.micro_batch_size,
                             seq_len=self.seq_len, num_layers=self.num_layers, timeout=self.timeout,
                             link_burst_kb=self.link_burst_kb)

@@ -30,8 +30,11 @@ def register(sub) -> None:
     p.add_argument("--ep", type=int, default=None,
                    help=f"expert-parallel size for MoE models (default {d.ep}); e.g. --model tiny-phimoe --tp 1 --ep 2")
     p.add_argument("--cp", type=int, default=None,
-                   help=f"context-parallel size (Ulysses; default {d.cp}): each sequence over tp x cp ranks, e.g. "
+                   help=f"context-parallel size (default {d.cp}): each sequence over tp x cp ranks, e.g. "
                         f"--tp 1 --cp 2 --seq-len 1024")
+    p.add_argument("--cp-comm", default=None, choices=["ulysses", "ring"],
+                   help=f"context parallelism's exchange (default {d.cp_comm}): ulysses (all-to-alls) or ring "
+                        f"(ring attention, one point-to-point COMM op per ring step)")
     p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                    help=f"modes to measure, of {' '.join(MODES)} (default: {' '.join(DEFAULT_MODES)}); with "
                         f"--pp: {' '.join(PP_MODES)}. A ds_dhelix mode takes its activation recompute after "
@@ -61,7 +64,8 @@ def register(sub) -> None:
 
 
 def options_from_args(args) -> BenchOptions:
-    given = {"model": args.model, "tp": args.tp, "pp": args.pp, "ep": args.ep, "cp": args.cp, "modes": args.modes, "link_gbps": args.link_gbps,
+    given = {"model": args.model, "tp": args.tp, "pp": args.pp, "ep": args.ep, "cp": args.cp, "cp_comm": args.cp_comm,
+             "modes": args.modes, "link_gbps": args.link_gbps,
              "link_burst_kb": args.link_burst_kb,
              "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
              "seq_len": args.seq_len, "num_layers": args.num_layers, "warmup": args.warmup,

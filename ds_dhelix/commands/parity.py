@@ -14,6 +14,9 @@ def register(sub) -> None:
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size (Ulysses: sequence shards, all-to-alls around attention; "
                         "world = tp x cp x dp)")
+    p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
+                   help="context parallelism's exchange: ulysses (all-to-alls, heads split over CP) or ring "
+                        "(ring attention: key/value blocks passed point to point, zig-zag split)")
     p.add_argument("--schedule", default="si", choices=["si", "sequential", "w", "dualpipev"],
                    help="si/sequential: one stage; w/dualpipev (or sequential): the folded pipeline with --pp")
     p.add_argument("--pp", type=int, default=1,
@@ -55,6 +58,7 @@ def run(args) -> int:
                          micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                          seq_len=args.seq_len, zero_stage=args.zero, pp=args.pp, clip=args.clip, dtype=args.dtype,
                          dropout=args.dropout, recompute=args.recompute, packing=args.packing, cp=args.cp,
+                         cp_comm=args.cp_comm,
                          extra={"expert_parallel": {"size": args.ep}} if args.ep > 1 else {})
     _check_setup(opts)
     result = run_parity(opts, timeout=args.timeout)
@@ -63,7 +67,7 @@ def run(args) -> int:
     else:
         from ds_dhelix.parity import pipe_label
         s = args.schedule if args.pp == 1 else pipe_label(opts)
-        print(f"{args.model} pp={args.pp} tp={args.tp} cp={args.cp} dp={args.dp} ep={args.ep} zero={args.zero} {args.steps} steps x "
+        print(f"{args.model} pp={args.pp} tp={args.tp} cp={args.cp}{' (ring)' if args.cp_comm == 'ring' else ''} dp={args.dp} ep={args.ep} zero={args.zero} {args.steps} steps x "
               f"{args.micro_batches} micro-batches")
         print(f"  losses sequential: {result['losses']['sequential']}")
         print(f"  losses {s}:{' ' * (10 - len(s))} {result['losses'][s]}")
@@ -95,4 +99,5 @@ def _check_setup(opts) -> None:
         raise ValueError("--pp > 1 runs a folded schedule: pass --schedule w, dualpipev or sequential")
     if opts.pp == 1 and opts.schedule in ("w", "dualpipev"):
         raise ValueError(f"--schedule {opts.schedule} folds the model over pipeline ranks: pass --pp 2 or more")
-    check_setup(opts.ds_config(opts.schedule), load_config(opts.model), opts.world)
+    setup = check_setup(opts.ds_config(opts.schedule), load_config(opts.model), opts.world)
+    setup.dims.check_seq_len(opts.seq_len, "--seq-len")

@@ -9,7 +9,9 @@ def register(sub) -> None:
     p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models); tp x cp x ep ranks are spawned")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (Ulysses)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
+                   help="context parallelism's exchange: ulysses (all-to-alls) or ring (ring attention)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
@@ -25,12 +27,12 @@ def options(args) -> dict:
         raise ValueError("--tp, --cp, --micro-batch-size, --seq-len and --repeats must be >= 1")
     from ds_dhelix.dims import ParallelDims
     from hf_models.registry import load_config
-    ParallelDims(args.tp * args.cp * args.ep, tp=args.tp, ep=args.ep, cp=args.cp).check_model(load_config(args.model))
-    if args.seq_len % (args.tp * args.cp):
-        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp} x --cp {args.cp}")
+    dims = ParallelDims(args.tp * args.cp * args.ep, tp=args.tp, ep=args.ep, cp=args.cp, cp_comm=args.cp_comm)
+    dims.check_model(load_config(args.model))
+    dims.check_seq_len(args.seq_len, "--seq-len")
     return {"model": args.model, "tp": args.tp, "micro_batch_size": args.micro_batch_size,
             "seq_len": args.seq_len, "warmup": args.warmup, "repeats": args.repeats,
-            "link_gbps": args.link_gbps, "ep": args.ep, "cp": args.cp}
+            "link_gbps": args.link_gbps, "ep": args.ep, "cp": args.cp, "cp_comm": args.cp_comm}
 
 
 def run(args) -> int:

@@ -23,7 +23,9 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (world = tp x cp x ep)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (Ulysses all-to-alls around attention)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (COMM ops around or inside attention)")
+    p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
+                   help="context parallelism's exchange: ulysses (all-to-alls) or ring (ring attention)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size for MoE models (e.g. tiny-phimoe --tp 1 --ep 2)")
     p.add_argument("--schedule", default="si", choices=["si", "si-ends", "si-plan", "sequential"],
                    help="si: reactive pairs (default); si-ends: reactive, first two forwards and last two "
@@ -52,7 +54,8 @@ def register(sub) -> None:
 def run(args) -> int:
     from ds_dhelix.bench.tracing import record_trace, summarize_trace
     from ds_dhelix.trace import validate_trace
-    opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, ep=args.ep, cp=args.cp, schedule=args.schedule,
+    opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, ep=args.ep, cp=args.cp, cp_comm=args.cp_comm,
+                        schedule=args.schedule,
                         planned=args.planned, planner_cache=args.planner_cache, steps=args.steps,
                         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                         seq_len=args.seq_len, num_layers=args.num_layers, link_gbps=args.link_gbps,

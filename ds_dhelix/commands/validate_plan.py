@@ -10,6 +10,8 @@ def register(sub) -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (as the table was profiled)")
+    p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
+                   help="context parallelism's exchange: ulysses (all-to-alls) or ring (ring attention)")
     p.add_argument("--table", required=True, help="overlap table from `dhelix profile`")
     p.add_argument("--alternatives", type=int, default=8, help="random valid plans to compare")
     p.add_argument("--warmup", type=int, default=2)
@@ -29,7 +31,8 @@ def run(args) -> int:
     if table.meta.get("link_gbps") != args.link_gbps:
         raise ValueError(f"the table was profiled at link_gbps={table.meta.get('link_gbps')}, "
                          f"this run has --link-gbps {args.link_gbps}: use the same link or re-profile")
-    o = {"model": args.model, "tp": args.tp, "ep": args.ep, "cp": args.cp, "table": table.to_dict(), "alternatives": args.alternatives,
+    o = {"model": args.model, "tp": args.tp, "ep": args.ep, "cp": args.cp, "cp_comm": args.cp_comm,
+         "table": table.to_dict(), "alternatives": args.alternatives,
          "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed}
     if args.link_gbps:
         res = run_in_link(validate_world, args.link_gbps, args=(o, args.timeout))
