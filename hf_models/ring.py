@@ -66,21 +66,71 @@ class AttentionCore:
         return self.fn(side, *inputs)
 
 
-def block_attention(q, k, v, scaling: float, allowed=None, drop=None, side=None, op: str = ""):
+def block_attention(q, k, v, scaling: float, allowed=None, drop=None, side=None, op: str = "", causal=False):
     """softmax(q k^T * scaling) v of one block, float32, with its log-sum-exp per query row.
     ``q`` [b, nq, sq, d], ``k`` / ``v`` [b, nk, sk, d] (nq a multiple of nk: grouped queries);
-    ``allowed`` (bool, broadcast to [b, 1, sq, sk]) or None for an unmasked block."""
+    ``allowed`` (bool, broadcast to [b, 1, sq, sk]) or None; ``causal``: the block is the rank's
+    own tokens in increasing position order, query i seeing keys 0..i (``allowed`` then carries
+    only the documents' mask, if any). On CPU without dropout a fused kernel (``_FusedBlock``) saves
+    only q, k, v, the output and its log-sum-exp; elsewhere the scores go through autograd."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
+    q, k, v = q.float(), k.float(), v.float()
+    if drop is None and q.device.type == "cpu" and _FUSED is not None:
+        bias = None
+        if allowed is not None:
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill(~allowed, _HIDDEN)
+            if causal:  # the documents' mask and causality in one bias
+                sq, sk = q.shape[2], k.shape[2]
+                bias = bias.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), _HIDDEN)
+        return _FusedBlock.apply(q, k, v, scaling, causal and bias is None, bias)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    if causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        allowed = keep if allowed is None else allowed & keep
     if allowed is not None:
         scores = scores.masked_fill(~allowed, _HIDDEN)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     if drop is not None:
         probs = drop(probs, side, op)
-    return torch.matmul(probs, v.float()), lse
+    return torch.matmul(probs, v), lse
+
+
+_FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _FusedBlock(torch.autograd.Function):
+    """One block's attention and log-sum-exp by torch's CPU flash-attention kernel, differentiable
+    in both outputs. The kernel's backward computes dS = P * (dO V^T - rowsum(dO * O)); the
+    log-sum-exp's gradient g adds P * g, which is the same formula with one more value column:
+    V gets a zero column, O a column of -1 and dO the column g (and q, k a zero column so all
+    head dims agree), so rowsum(dO * O) becomes rowsum(dO * O) - g. The extra columns of the
+    gradients are dropped."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scaling, causal, bias):
+        o, lse = _FUSED(q, k, v, 0.0, causal, attn_mask=bias, scale=scaling)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scaling, ctx.causal, ctx.bias = scaling, causal, bias
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, g_o, g_lse):
+        q, k, v, o, lse = ctx.saved_tensors
+        g_o = torch.zeros_like(o) if g_o is None else g_o
+        g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
+
+        def widen(t, fill=0.0):
+            return torch.cat([t, torch.full_like(t[..., :1], fill)], dim=-1)
+
+        dq, dk, dv = _FUSED_BACKWARD(torch.cat([g_o, g_lse.unsqueeze(-1)], dim=-1).contiguous(), widen(q),
+                                     widen(k), widen(v), widen(o, -1.0), lse, 0.0, ctx.causal,
+                                     attn_mask=ctx.bias, scale=ctx.scaling)
+        d = q.shape[-1]
+        return dq[..., :d], dk[..., :d], dv[..., :d], None, None, None
 
 
 def merge(o_a, lse_a, o_b, lse_b):
@@ -95,14 +145,10 @@ def _segments(side: dict, index: torch.Tensor):
     return None if seg is None else seg[:, index]
 
 
-def _allowed(side: dict, q_index, k_index, causal: bool):
-    """Which (query, key) pairs may attend, [b or 1, 1, sq, sk], or None when all may."""
-    allowed = (q_index[:, None] >= k_index[None, :]).unsqueeze(0) if causal else None
+def _documents(side: dict, q_index, k_index):
+    """Packed documents: which (query, key) pairs share a document, [b, 1, sq, sk]; else None."""
     qs, ks = _segments(side, q_index), _segments(side, k_index)
-    if qs is not None:
-        same = qs[:, :, None] == ks[:, None, :]
-        allowed = same if allowed is None else same & allowed
-    return None if allowed is None else allowed.unsqueeze(1)
+    return None if qs is None else (qs[:, :, None] == ks[:, None, :]).unsqueeze(1)
 
 
 def ring_attention(cp, qkv, core, out) -> list:
@@ -123,8 +169,8 @@ def ring_attention(cp, qkv, core, out) -> list:
         if body.rotary is not None:
             local = {**side, "cos": side["cos"][:, index], "sin": side["sin"][:, index]}
             q, k = body.rotary(q, k, local)
-        o, lse = block_attention(q, k, v, module.scaling, _allowed(side, index, index, True),
-                                 drop(), side, "attn.ring0")
+        o, lse = block_attention(q, k, v, module.scaling, _documents(side, index, index),
+                                 drop(), side, "attn.ring0", causal=True)
         return q, torch.stack([k, v]), o, lse
 
     def finished(o, lse, last: bool, dtype):
@@ -141,11 +187,11 @@ def ring_attention(cp, qkv, core, out) -> list:
             k_index = zigzag_index(side["seq_len"], c, src, index.device)
             if src < r:  # their early chunk, seen in full by every local query
                 ob, lb = block_attention(qr, kv[0][:, :, :n], kv[1][:, :, :n], module.scaling,
-                                         _allowed(side, index, k_index[:n], False), drop(), side, name)
+                                         _documents(side, index, k_index[:n]), drop(), side, name)
                 o, lse = merge(o, lse, ob, lb)
             else:  # all of theirs, seen in full by the local late chunk only
                 ob, lb = block_attention(qr[:, :, n:], kv[0], kv[1], module.scaling,
-                                         _allowed(side, index[n:], k_index, False), drop(), side, name)
+                                         _documents(side, index[n:], k_index), drop(), side, name)
                 late, late_lse = merge(o[:, :, n:], lse[:, :, n:], ob, lb)
                 o, lse = torch.cat([o[:, :, :n], late], dim=2), torch.cat([lse[:, :, :n], late_lse], dim=2)
             return finished(o, lse, last, qr.dtype)

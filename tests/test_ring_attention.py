@@ -78,7 +78,12 @@ def _reference(q, k, v, segments=None):
 
 @pytest.mark.parametrize("c", [2, 3, 4])
 @pytest.mark.parametrize("docs", [False, True])
-def test_ring_steps_give_causal_attention_and_its_gradients(c, docs):
+@pytest.mark.parametrize("fused", [True, False])
+def test_ring_steps_give_causal_attention_and_its_gradients(c, docs, fused, monkeypatch):
+    # fused: torch's CPU flash-attention kernel with the widened backward (ring._FusedBlock);
+    # else the scores through autograd (the path of attention dropout and of other devices)
+    if not fused:
+        monkeypatch.setattr("hf_models.ring._FUSED", None)
     torch.manual_seed(c)
     b, h, hk, s, d = 2, 4, 2, 8 * c, 8
     q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64, requires_grad=True) for n in (h, hk, hk))
