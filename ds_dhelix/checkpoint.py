@@ -37,11 +37,11 @@ def full_grads(model, groups) -> dict[str, torch.Tensor]:
     dp, out = groups.dp_size, {}
     for name, p in model.named_parameters():
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        if groups.cp_size > 1:
-            dist.all_reduce(g, group=groups.cp_group)
         sharded_experts = is_expert_param(p) and p.ep_size > 1
+        if groups.cp_size > 1 and not sharded_experts:  # (expert-data-parallel groups span CP already)
+            dist.all_reduce(g, group=groups.cp_group)
         reduce_over = groups.edp_group if sharded_experts else groups.dp_group
-        if dp > 1 and dist.get_world_size(reduce_over) > 1:
+        if dist.get_world_size(reduce_over) > 1:
             dist.all_reduce(g, group=reduce_over)
         g /= dp
         out[name] = gather_expert_param(p, g) if sharded_experts else \

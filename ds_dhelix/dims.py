@@ -56,12 +56,6 @@ class ParallelDims:
                              f"one of {divisors(self.world)}")
         if self.cp_comm not in ("ulysses", "ring"):
             raise ValueError(f"context_parallel.comm {self.cp_comm!r}: choose ulysses or ring")
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError(f"context_parallel.size {self.cp} with expert_parallel.size {self.ep} is not supported "
-                             f"yet; use one of them")
-        if self.cp > 1 and self.pp > 1:
-            raise ValueError(f"context_parallel.size {self.cp} with pipeline.stages {self.pp} is not supported yet; "
-                             f"use one of them")
         if self.dp % self.ep:
             raise ValueError(f"expert_parallel.size {self.ep} does not divide the data-parallel size {self.dp} "
                              f"(world {self.world} / tp {self.tp} / pp {self.pp}; experts are sharded inside "

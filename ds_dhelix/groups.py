@@ -77,12 +77,16 @@ class ProcessGroups:
                         out.dp_group = g
                     if dims.ep > 1:
                         out._create_expert_groups(ranks, stage, t)
+            if dims.ep > 1:
+                out._create_expert_data_groups(stage)
             if dims.cp > 1:
                 out._create_context_groups(stage, me)
         if dims.pp > 1:
             from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
             out.p2p_group = dist.new_group(list(range(dims.world)))
-            out.topology = PipeModelDataParallelTopology(dims.pp, dims.tp, dims.dp)
+            # DeepSpeed's data axis is DP x CP (the ranks holding the same weights): its rank order
+            # ((stage * dp + d) * cp + c) * tp + t is ours
+            out.topology = PipeModelDataParallelTopology(dims.pp, dims.tp, dims.dp * dims.cp)
         return out
 
     def _create_context_groups(self, stage: int, me) -> None:
@@ -108,9 +112,10 @@ class ProcessGroups:
                 self.sequence_group = g
 
     def _create_expert_groups(self, peers: list[int], stage: int, tp_rank: int) -> None:
-        """EP and EDP groups inside one DP group ``peers``."""
+        """EP groups inside one DP group ``peers`` (one CP rank's: each CP rank dispatches its own
+        tokens to the experts of its EP group)."""
         from deepspeed.utils import groups as ds_groups
-        ep, mine = self.dims.ep, self.rank in peers
+        ep = self.dims.ep
         name = expert_group_name(ep)
         for start in range(0, len(peers), ep):
             ranks = peers[start:start + ep]
@@ -119,13 +124,23 @@ class ProcessGroups:
                 self.ep, self.ep_counts = group, counts
                 ds_groups._EXPERT_PARALLEL_GROUP[name] = group.forward
                 ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ranks
-        for pos in range(ep):
-            ranks = peers[pos::ep]
-            g = dist.new_group(ranks)
-            if mine and self.rank in ranks:
-                self.edp_group = g
-                ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = g
-                ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = ranks
+
+    def _create_expert_data_groups(self, stage: int) -> None:
+        """EDP groups: the ranks holding the same experts, EP rank ``pos`` of every EP group of
+        the stage's DP groups at one TP rank, over every CP rank (an expert's replicas over CP
+        each hold their sequence shard's share of its gradient, as the dense weights do over DP x
+        CP). DeepSpeed reduces expert gradients over them."""
+        from deepspeed.utils import groups as ds_groups
+        dims, me = self.dims, self.dims.coords(self.rank)
+        name = expert_group_name(dims.ep)
+        for t in range(dims.tp):
+            for pos in range(dims.ep):
+                ranks = [dims.rank_of(stage, d, c, t) for d in range(pos, dims.dp, dims.ep) for c in range(dims.cp)]
+                g = dist.new_group(sorted(ranks))
+                if (stage, t) == (me.stage, me.tp_rank) and self.rank in ranks:
+                    self.edp_group = g
+                    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = g
+                    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = sorted(ranks)
 
     # --- coordinates ------------------------------------------------------------------------
     @property

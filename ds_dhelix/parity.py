@@ -312,12 +312,12 @@ def pipe_label(opts: ParityOptions) -> str:
 
 
 def run_pipe_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
-    """Two worlds: PP=1 sequential (TP x DP ranks, plus unsharded HF) and PP=p with
+    """Two worlds: PP=1 sequential (TP x CP x DP ranks, plus unsharded HF) and PP=p with
     ``opts.schedule`` (PP x TP x DP ranks); same data, same seed."""
     from dataclasses import replace
 
     from .spawn import run_ranks
-    ref = run_ranks(_rank_reference, opts.tp * opts.dp, args=(replace(opts, pp=1, schedule="sequential"),),
+    ref = run_ranks(_rank_reference, opts.tp * opts.dp * opts.cp, args=(replace(opts, pp=1, schedule="sequential"),),
                     timeout=timeout)[0]
     pipe = run_ranks(_rank_pipeline, opts.world, args=(opts,), timeout=timeout)[0]
     out = compare(opts, ref["sequential"], pipe, ref["hf"], label=pipe_label(opts), note=ref["note"])

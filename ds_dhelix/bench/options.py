@@ -149,9 +149,9 @@ class BenchOptions:
         if self.link_burst_kb < 65:
             raise ValueError(f"link-burst-kb {self.link_burst_kb} is below the loopback MTU (64 KiB): "
                              f"the token bucket would drop full-size packets; use >= 65")
-        if self.cp > 1 and (self.pp > 1 or self.ep > 1):
-            raise ValueError(f"--cp {self.cp} with --pp {self.pp} --ep {self.ep}: context parallelism runs with "
-                             f"one stage and no expert parallelism; drop --pp / --ep")
+        if self.cp > 1 and self.pp > 1:
+            raise ValueError(f"--cp {self.cp} with --pp {self.pp}: context parallelism runs with one stage; "
+                             f"drop --pp")
         cp_peers = [m for m in self.modes if m in ("autotp", "autoep")]
         if self.cp > 1 and cp_peers:
             raise ValueError(f"--cp {self.cp}: modes {cp_peers} have no context parallelism to compare; measure "

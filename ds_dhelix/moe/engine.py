@@ -73,7 +73,7 @@ class DhelixMoeEngine(DhelixEngine):
         out = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         if self.has_moe_layers:
             lay = self.groups
-            if lay.tp_rank == 0 and lay.dp_rank < lay.ep_size:  # one writer per EP rank
+            if lay.tp_rank == 0 and lay.cp_rank == 0 and lay.dp_rank < lay.ep_size:  # one writer per EP rank
                 shards = {n: {"expert_ids": list(p.expert_ids), "tensor": p.detach().cpu().clone()}
                           for n, p in self.module.named_parameters() if is_moe_param(p)}
                 path = self._expert_shard_path(save_dir, tag, lay.ep_rank)

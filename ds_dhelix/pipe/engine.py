@@ -210,7 +210,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
     # ------------------------------------------------------------------ p2p instructions
     def _spec(self, key: str, side: dict):
         if key == "h":
-            return (side["seq_len"] // self.groups.tp_size, side["batch"], self._hidden), self._dtype
+            return (side["seq_len"] // self.groups.dims.shards, side["batch"], self._hidden), self._dtype
         return (2, self._experts), torch.float32  # MoE aux piece (see hf_models/phimoe.py)
 
     def _tag(self, mb: int, boundary: int, kind: int, j: int) -> int:
