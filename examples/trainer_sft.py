@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     groups = getattr(engine, "groups", None)
     summary = {"engine": type(engine).__name__,
                "tp_size": groups.tp_size if groups else 1, "ep_size": groups.dims.ep if groups else 1,
-               "cp_size": groups.dims.cp if groups else 1,
+               "cp_size": groups.dims.cp if groups else 1, "cp_comm": groups.dims.cp_comm if groups else None,
                "schedule": engine.dhelix.schedule if hasattr(engine, "dhelix") else "plain",
                "losses": getattr(trainer, "step_losses", None) or [loss for _, loss in losses.losses],
                "logged_losses": [loss for _, loss in losses.losses],

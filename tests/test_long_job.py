@@ -179,6 +179,37 @@ def _ranks(proc, timeout=60.0) -> list:
     raise AssertionError("the ranks did not start")
 
 
+class _Stderr:
+    """The launcher's stderr, read by a thread (so the test can wait for training to be under
+    way instead of sleeping a fixed time); ``text()`` once the process is done."""
+
+    def __init__(self, proc):
+        import threading
+        self.chunks, self.thread = [], threading.Thread(target=self._read, args=(proc.stderr,), daemon=True)
+        self.thread.start()
+        # stdout drained too, so a full pipe never blocks the launcher
+        threading.Thread(target=lambda: proc.stdout.read(), daemon=True).start()
+
+    def _read(self, stream):
+        for chunk in iter(lambda: stream.read(256), ""):
+            self.chunks.append(chunk)
+
+    def wait_for_step(self, step: int, timeout: float = 120.0) -> None:
+        """Until rank 0's progress bar shows ``step`` steps done (the bar's "n/total")."""
+        import re
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done = [int(n) for n in re.findall(r"\b(\d+)/100000\b", "".join(self.chunks[-50:]))]
+            if done and max(done) >= step:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"no step {step} within {timeout:.0f} s: " + "".join(self.chunks)[-2000:])
+
+    def text(self) -> str:
+        self.thread.join(timeout=30)
+        return "".join(self.chunks)
+
+
 def _kill_group(proc) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -195,13 +226,14 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_saves(tmp_path):
     proc = _start(_cmd(cfg, "tiny-llama", tmp_path / "a", "--steps", "100000", "--ds-checkpoint", str(ck),
                        "--save-on-signal"))
     try:
-        ranks = _ranks(proc)
-        time.sleep(20)
+        ranks, stderr = _ranks(proc), _Stderr(proc)
+        stderr.wait_for_step(3)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)  # the launcher only: DeepSpeed's runner forwards nothing
         gone, alive = psutil.wait_procs(ranks, timeout=20)
         assert not alive, f"ranks still running {time.monotonic() - t0:.0f} s after SIGTERM"
-        out, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        err = stderr.text()
     finally:
         _kill_group(proc)
     assert proc.returncode != 0
@@ -224,13 +256,14 @@ def test_sigkill_of_one_rank_ends_the_other_with_one_line(tmp_path):
     cfg = _config(tmp_path, "tiny_llama_cpu.json")
     proc = _start(_cmd(cfg, "tiny-llama", tmp_path / "a", "--steps", "100000"))
     try:
-        rank0, rank1 = _ranks(proc)
-        time.sleep(15)
+        (rank0, rank1), stderr = _ranks(proc), _Stderr(proc)
+        stderr.wait_for_step(2)
         t0 = time.monotonic()
         rank1.kill()
         gone, alive = psutil.wait_procs([rank0], timeout=15)
         assert not alive, "rank 0 still running 15 s after its peer died"
-        out, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        err = stderr.text()
     finally:
         _kill_group(proc)
     assert time.monotonic() - t0 < 45 and proc.returncode != 0
