@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import sys
 
 # Subcommand modules, in the order `dhelix --help` lists them.
@@ -34,15 +35,32 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     # With --json, stdout carries only the JSON document (commands print it to ``args.stdout``);
-    # everything else, DeepSpeed's log lines included, goes to stderr.
-    args.stdout = sys.stdout
-    quiet = contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()
+    # everything else, DeepSpeed's log lines included, goes to stderr: at the file-descriptor level
+    # when stdout is the process's fd 1, so spawned ranks' import-time lines go there too.
+    args.stdout, quiet = sys.stdout, contextlib.nullcontext()
+    if getattr(args, "json", False):
+        if _is_fd1(sys.stdout):
+            from .commands.common import stdout_to_stderr
+            sys.stdout.flush()
+            args.stdout, quiet = os.fdopen(os.dup(1), "w"), stdout_to_stderr(True)
+        else:
+            quiet = contextlib.redirect_stdout(sys.stderr)
     try:
         with quiet:
             return int(args.func(args) or 0)
     except ValueError as err:  # user mistakes: one clear line, no traceback
         print(f"dhelix {args.command}: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if args.stdout is not sys.stdout:
+            args.stdout.close()
+
+
+def _is_fd1(stream) -> bool:
+    try:
+        return stream.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # a captured or replaced stream
+        return False
 
 
 if __name__ == "__main__":

@@ -149,11 +149,12 @@ def test_cp2_inside_pipeline_stages():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_trace_has_the_cp_all_to_alls_on_their_lanes(tmp_path):
+@pytest.mark.parametrize("comm,names", [("ulysses", {"attn.a2a_in", "attn.a2a_out"}), ("ring", {"attn.kv1"})])
+def test_trace_has_the_cp_exchanges_on_their_lanes(tmp_path, comm, names):
     from ds_dhelix.bench.tracing import TraceOptions, record_trace
     from ds_dhelix.trace import validate_trace
     out = tmp_path / "trace.json"
-    record_trace(TraceOptions(out=str(out), model="tiny-llama", tp=1, cp=2, steps=1, micro_batches=3,
+    record_trace(TraceOptions(out=str(out), model="tiny-llama", tp=1, cp=2, cp_comm=comm, steps=1, micro_batches=3,
                               micro_batch_size=1, seq_len=64, num_layers=2, timeout=200))
     import json
     trace = json.loads(out.read_text())
@@ -161,10 +162,10 @@ def test_trace_has_the_cp_all_to_alls_on_their_lanes(tmp_path):
     lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
              if e["ph"] == "M" and e["name"] == "thread_name"}
     spans = [(lanes[(e["pid"], e["tid"])], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
-    a2a = {name for lane, name in spans if lane.startswith("comm:cp")}
-    assert a2a == {"attn.a2a_in", "attn.a2a_out"}, a2a
-    # 2 layers x 2 all-to-alls x 3 micro-batches x (forward + backward) per rank, 2 ranks
-    assert sum(lane.startswith("comm:cp") for lane, _ in spans) == 2 * 2 * 3 * 2 * 2
+    seen = {name for lane, name in spans if lane.startswith("comm:cp")}
+    assert seen == names, seen
+    # 2 layers x (2 all-to-alls, or 1 ring step) x 3 micro-batches x (forward + backward) per rank, 2 ranks
+    assert sum(lane.startswith("comm:cp") for lane, _ in spans) == 2 * len(names) * 3 * 2 * 2
 
 
 def test_bench_options_with_cp():
