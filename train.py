@@ -200,7 +200,7 @@ def run_state(args, ds_config, setup, num_tokens: int) -> dict:
                  "fp16": ds_config.get("fp16"), "bf16": ds_config.get("bf16")}
     return {"step": 0, "total_steps": args.steps, "lr_schedule": ds_config.get("scheduler"),
             "optimizer": ds_config.get("optimizer"), "precision": precision,
-            "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, **({"cp": d.cp} if d.cp > 1 else {}),
+            "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, **({"cp": d.cp, "cp_comm": d.cp_comm} if d.cp > 1 else {}),
                        "micro_batch_size": b.micro_batch_size, "gradient_accumulation_steps": b.gradient_accumulation_steps},
             "model": model, "data": {"source": data, "tokens": num_tokens, "seed": args.seed,
                                             "packing": args.packing},

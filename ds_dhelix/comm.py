@@ -204,7 +204,9 @@ def ring_exchange(x: torch.Tensor, group, world: int, direction: int) -> Pending
     to, frm = (dist.get_global_rank(group, (me + direction * k) % world) for k in (1, -1))
     x = x.contiguous()
     out = torch.empty_like(x)
-    return Pending(_Works([dist.isend(x, to, group=group), dist.irecv(out, frm, group=group)]), out)
+    # one batch: NCCL needs a send and a receive with the same peer (CP = 2) issued together
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, out, frm, group)])
+    return Pending(_Works(works), out)
 
 
 def all_to_all_chunks(x: torch.Tensor, group, world: int) -> Pending:

@@ -381,7 +381,7 @@ class DhelixConfig(_Section):
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     """MoE expert parallelism."""
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
-    """Context parallelism (sequence shards, Ulysses all-to-alls around attention)."""
+    """Context parallelism (sequence shards; Ulysses all-to-alls around attention, or ring attention)."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline parallelism and layer split."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)

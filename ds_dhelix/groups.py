@@ -5,8 +5,9 @@ Ranks are laid out TP-innermost (``dims.py``): with TP=2 and 4 ranks, TP groups 
 DeepSpeed's way: EP groups are runs of ``ep`` consecutive DP peers, expert-data-parallel (EDP)
 groups the strided rest (TP=1, 4 ranks, EP=2: EP {0,1} {2,3}, EDP {0,2} {1,3}); they are
 registered in ``deepspeed.utils.groups`` under ``ep_size_<ep>`` so ZeRO reduces expert gradients
-over EDP. With a pipeline, stage s holds ranks ``[s*dp*tp, (s+1)*dp*tp)`` and DeepSpeed's own
-grid (built from ``topology``) provides the data and pipe groups its engine uses.
+over EDP; with context parallelism an EDP group spans the CP ranks too. With a pipeline, stage s
+holds ranks ``[s*dp*cp*tp, (s+1)*dp*cp*tp)`` and DeepSpeed's own grid (built from ``topology``,
+data axis DP x CP) provides the data and pipe groups its engine uses.
 
 The op graph's collectives get ``StrandGroups`` (two groups over the same ranks, one per strand
 of a pair: ``tp``, ``ep``, ``ep_counts``); the small blocking reductions get plain groups of their
@@ -48,7 +49,7 @@ class ProcessGroups:
     edp_group: object = None         # expert-data-parallel: reduces expert gradients
     p2p_group: object = None         # pipeline sends and receives (pp > 1)
     topology: object = None          # DeepSpeed's pipe x data x model topology (pp > 1)
-    cp: StrandGroups | None = None   # Ulysses all-to-alls of the op graph (cp > 1)
+    cp: StrandGroups | None = None   # CP exchanges of the op graph: all-to-alls or ring steps (cp > 1)
     cp_group: object = None          # the loss sum over a sequence's CP shards (cp > 1)
     replica_group: object = None     # DP x CP: ranks holding the same weights (cp > 1)
     sequence_group: object = None    # TP x CP: the ranks of one sequence (MoE aux loss; cp > 1)
@@ -90,7 +91,7 @@ class ProcessGroups:
         return out
 
     def _create_context_groups(self, stage: int, me) -> None:
-        """CP groups (one sequence's CP shards: the Ulysses all-to-alls, the loss sum), the DP x CP
+        """CP groups (one sequence's CP shards: the CP exchanges, the loss sum), the DP x CP
         groups the weights are replicated over (DeepSpeed's data-parallel group) and the TP x CP
         groups of every shard of one sequence."""
         dims = self.dims

@@ -43,7 +43,7 @@ from .common import (ContextShards, Dropout, causal_mask_side, check_divisible, 
 from .ring import AttentionCore
 
 CONTEXT_PARALLEL = True
-"""Attention runs with context parallelism (Ulysses all-to-alls, ``common.context_attention``)."""
+"""Attention runs with context parallelism (Ulysses or ring, ``common.context_attention``)."""
 
 DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 

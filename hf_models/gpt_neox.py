@@ -38,7 +38,7 @@ from .common import (ContextShards, Dropout, attn_core_op, check_divisible, chec
                      sequential_residual, shard_param)
 
 CONTEXT_PARALLEL = True
-"""Attention runs with context parallelism (Ulysses all-to-alls, ``common.context_attention``)."""
+"""Attention runs with context parallelism (Ulysses or ring, ``common.context_attention``)."""
 
 DROPOUT_KEYS = ("hidden_dropout", "attention_dropout")
 

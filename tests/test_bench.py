@@ -91,7 +91,7 @@ def test_failed_modes_become_rows():
     ({"modes": ("si", "fast")}, ["fast", "sequential"]),
     ({"modes": ("w",)}, ["pipeline"]),
     ({"link_gbps": (0.0,)}, ["0.0", "> 0"]),
-    ({"seq_len": 63}, ["63", "tp 2"]),
+    ({"seq_len": 63}, ["63", "tensor_parallel.size 2", "multiple of 2"]),
     ({"repeats": 0}, ["repeats"]),
     ({"link_burst_kb": 16}, ["16", "MTU"]),
     ({"pp": 2, "modes": ("si",)}, ["si", "drop --pp", "ds-1f1b"]),

@@ -82,8 +82,15 @@ def _reference(q, k, v, segments=None):
 def test_ring_steps_give_causal_attention_and_its_gradients(c, docs, fused, monkeypatch):
     # fused: torch's CPU flash-attention kernel with the widened backward (ring._FusedBlock);
     # else the scores through autograd (the path of attention dropout and of other devices)
+    import hf_models.ring as ring
+    calls = []
     if not fused:
-        monkeypatch.setattr("hf_models.ring._FUSED", None)
+        monkeypatch.setattr(ring, "_FUSED", None)
+    elif ring._FUSED is None:
+        pytest.skip("this torch has no CPU flash-attention kernel")
+    else:
+        apply = ring._FusedBlock.apply
+        monkeypatch.setattr(ring._FusedBlock, "apply", lambda *a: calls.append(1) or apply(*a))
     torch.manual_seed(c)
     b, h, hk, s, d = 2, 4, 2, 8 * c, 8
     q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64, requires_grad=True) for n in (h, hk, hk))
@@ -104,6 +111,25 @@ def test_ring_steps_give_causal_attention_and_its_gradients(c, docs, fused, monk
     for a, e in zip(g_ours, g_ref):
         assert torch.isfinite(a).all()
         assert torch.allclose(a, e, atol=1e-4), (a - e).abs().max()
+    assert (len(calls) == c * c) if fused else not calls  # every step of every rank took the chosen path
+
+
+def _exchange(rank, world):
+    from ds_dhelix.comm import RingPass, StrandGroups
+    import torch.distributed as dist
+    ring = RingPass(StrandGroups.of(dist.group.WORLD), world)
+    x = torch.full((2, 3), float(rank))
+    fwd = ring.forward(x, {}, 0).wait()
+    bwd = ring.backward(x, {}, 1).wait()
+    return fwd[0, 0].item(), bwd[0, 0].item()
+
+
+@pytest.mark.timeout(120)
+def test_ring_step_sends_forward_and_its_gradient_back():
+    from ds_dhelix.spawn import run_ranks
+    # 3 ranks, so r + 1 and r - 1 differ: forward receives from the previous rank, backward from the next
+    got = run_ranks(_exchange, 3, timeout=90)
+    assert got == [(2.0, 1.0), (0.0, 2.0), (1.0, 0.0)], got
 
 
 def test_ring_side_inputs_hold_the_zig_zag_tokens():

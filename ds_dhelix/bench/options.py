@@ -150,8 +150,9 @@ class BenchOptions:
             raise ValueError(f"link-burst-kb {self.link_burst_kb} is below the loopback MTU (64 KiB): "
                              f"the token bucket would drop full-size packets; use >= 65")
         if self.cp > 1 and self.pp > 1:
-            raise ValueError(f"--cp {self.cp} with --pp {self.pp}: context parallelism runs with one stage; "
-                             f"drop --pp")
+            raise ValueError(f"--cp {self.cp} with --pp {self.pp}: the pipeline bench measures DeepSpeed's 1F1B and "
+                             f"DualPipeV, which have no context parallelism; bench CP with one stage (training and "
+                             f"dhelix parity run CP inside pipeline stages)")
         cp_peers = [m for m in self.modes if m in ("autotp", "autoep")]
         if self.cp > 1 and cp_peers:
             raise ValueError(f"--cp {self.cp}: modes {cp_peers} have no context parallelism to compare; measure "

@@ -25,7 +25,8 @@ def check_model(opts) -> None:
     from ds_dhelix.dims import ParallelDims
     from hf_models.registry import load_config
     config = load_config(opts.model)
-    ParallelDims(opts.world, tp=opts.tp, pp=opts.pp, ep=opts.ep).check_model(config)
+    ParallelDims(opts.world, tp=opts.tp, pp=opts.pp, ep=opts.ep, cp=getattr(opts, "cp", 1),
+                 cp_comm=getattr(opts, "cp_comm", "ulysses")).check_model(config)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit and opts.seq_len > limit:
         raise ValueError(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions")

@@ -12,7 +12,7 @@ def register(sub) -> None:
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (world = tp x dp; default: --ep)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; shards experts inside DP)")
     p.add_argument("--cp", type=int, default=1,
-                   help="context-parallel size (Ulysses: sequence shards, all-to-alls around attention; "
+                   help="context-parallel size (sequence shards over CP ranks, exchange per --cp-comm; "
                         "world = tp x cp x dp)")
     p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
                    help="context parallelism's exchange: ulysses (all-to-alls, heads split over CP) or ring "
