@@ -230,3 +230,28 @@ def test_bench_pipeline_modes(tmp_path):
         assert row["status"] == "ok", row
         assert row["speedup_vs_sequential"] > 0 and row["ideal_speedup"] is None  # no comm bound for p2p
     assert rows["w"]["peak_activation_bytes"] > 0 and rows["ds-1f1b"]["peak_activation_bytes"] is None
+
+
+def test_matched_link_finds_the_rate_where_comm_equals_comp():
+    from ds_dhelix.bench import match_link
+
+    def ratio(comm_bits, latency=0.0, comp=4.0):  # a bandwidth-bound exchange: comm ~ 1/rate
+        return lambda g: (latency + comm_bits / g) / comp
+
+    rate, tried = match_link(ratio(40.0))  # 5.0 at 2 Gbit/s: one step to 10 Gbit/s
+    assert rate == pytest.approx(10.0) and [round(r, 3) for _, r in tried] == [5.0, 1.0]
+    rate, tried = match_link(ratio(8.0, latency=0.5))  # a latency share: still inside 0.9-1.1
+    assert 0.9 <= tried[-1][1] <= 1.1 and rate == tried[-1][0]
+    rate, tried = match_link(lambda g: 3.0 if g < 5 else 0.2, tries=3)  # never in range: the closest
+    assert len(tried) == 3 and rate == min(tried, key=lambda t: abs(t[1] - 1))[0]
+    with pytest.raises(ValueError, match="communicated nothing"):
+        match_link(lambda g: 0.0)
+
+
+def test_matched_is_a_bench_link_only():
+    import argparse
+    from ds_dhelix.commands.common import bench_link_rate, link_rate
+    assert bench_link_rate("matched") == "matched" and bench_link_rate("2") == 2.0
+    assert BenchOptions(link_gbps=("matched", 2.0)).link_gbps == ("matched", 2.0)
+    with pytest.raises(argparse.ArgumentTypeError):
+        link_rate("matched")  # dhelix trace / profile take a rate

@@ -34,6 +34,13 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None)
     emulation, how = link_emulation_available()
     rows, links, t0 = [], [], time.perf_counter()
     for gbps in opts.link_gbps:
+        matched = None
+        if gbps == "matched":
+            gbps, history = match_link(lambda g: _sequential_ratio(opts, g, say))
+            matched = {"target": list(MATCH_RANGE), "chosen_gbps": gbps,
+                       "calibration": [{"link_gbps": g, "comm_comp": r} for g, r in history]}
+            say(f"[bench] matched link: {gbps:.3g} Gbit/s (sequential comm/comp "
+                f"{', '.join(f'{r:.2f} at {g:.3g}' for g, r in history)})")
         say(f"[bench] {link_label(gbps)}: {', '.join(opts.modes)} "
             f"({opts.warmup} warm-up + {opts.repeats} timed steps each) ...")
         result = _measure(opts, gbps)
@@ -42,7 +49,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None)
         rows += link_rows
         links.append({"link_gbps": gbps, "shaped": result["shaped"], "wall_s": result["wall_s"],
                       "error": result.get("error"), "device": result.get("device"),
-                      "loadavg_1min": result.get("loadavg_1min")})
+                      "loadavg_1min": result.get("loadavg_1min"), **({"matched": matched} if matched else {})})
         for r in link_rows:
             say(f"[bench]   {_progress_line(r)}")
         busy = max((x for x in result.get("loadavg_1min") or [] if x is not None), default=0.0)
@@ -65,6 +72,43 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None)
         "wall_s": time.perf_counter() - t0,
         "command": " ".join(["dhelix", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
     }
+
+
+MATCH_RANGE = (0.9, 1.1)
+"""comm/comp of the sequential run that ``--link-gbps matched`` aims for."""
+
+
+def match_link(ratio_at: Callable[[float], float | None], start: float = 2.0, tries: int = 4,
+               target: tuple[float, float] = MATCH_RANGE) -> tuple[float, list[tuple[float, float]]]:
+    """The link rate at which ``ratio_at(rate)`` (the sequential run's comm/comp) falls in
+    ``target``, and every (rate, ratio) tried. The exchange is bandwidth-bound, comm ~ 1/rate, so
+    the next rate is rate x ratio; after ``tries`` the closest rate tried. The comm/comp regime then
+    depends on the model and the layout, not on how fast this machine computes."""
+    rate, history = start, []
+    for _ in range(tries):
+        ratio = ratio_at(rate)
+        if not ratio:
+            raise ValueError(f"--link-gbps matched: the sequential run communicated nothing at {rate:g} Gbit/s "
+                             f"(no TP, EP or CP collectives to match); pass a rate")
+        history.append((rate, ratio))
+        if target[0] <= ratio <= target[1]:
+            return rate, history
+        rate = min(max(rate * ratio, 0.01), 1000.0)
+    return min(history, key=lambda h: abs(h[1] - 1.0))[0], history
+
+
+def _sequential_ratio(opts: BenchOptions, gbps: float, say) -> float | None:
+    """comm/comp of a short sequential run (1 warm-up + 2 timed steps) at ``gbps``."""
+    from dataclasses import replace
+
+    from .metrics import summarize_link
+    probe = replace(opts, modes=("sequential",), warmup=1, repeats=2, link_gbps=(gbps,))
+    rows = summarize_link(probe, gbps, _measure(probe, gbps), None, None)
+    row = next((r for r in rows if r["mode"] == "sequential"), None)
+    if row is None or not row.get("compute_s"):
+        raise ValueError(f"--link-gbps matched: the calibration run at {gbps:g} Gbit/s failed: "
+                         f"{(row or {}).get('error') or 'no sequential row'}")
+    return (row.get("comm_s") or 0.0) / row["compute_s"]
 
 
 def _measure(opts, gbps):

@@ -144,7 +144,9 @@ class BenchOptions:
         if not self.link_gbps:
             raise ValueError("no link rates; pass e.g. --link-gbps 2 or --link-gbps unshaped")
         for g in self.link_gbps:
-            if g is not None and not g > 0:
+            if g == "matched":
+                continue
+            if g is not None and (isinstance(g, str) or not g > 0):
                 raise ValueError(f"link rate {g} Gbit/s must be > 0 (or 'unshaped')")
         if self.link_burst_kb < 65:
             raise ValueError(f"link-burst-kb {self.link_burst_kb} is below the loopback MTU (64 KiB): "

@@ -15,7 +15,7 @@ import sys
 
 from ds_dhelix.bench.options import DEFAULT_MODES, MODES, PP_MODES, BenchOptions, quick
 
-from .common import check_model, link_rate, stdout_to_stderr
+from .common import bench_link_rate, check_model, stdout_to_stderr
 
 
 def register(sub) -> None:
@@ -39,9 +39,10 @@ def register(sub) -> None:
                    help=f"modes to measure, of {' '.join(MODES)} (default: {' '.join(DEFAULT_MODES)}); with "
                         f"--pp: {' '.join(PP_MODES)}. A ds_dhelix mode takes its activation recompute after "
                         f"'+': si+full, sequential+selective")
-    p.add_argument("--link-gbps", nargs="+", type=link_rate, default=None, metavar="GBPS",
-                   help="emulated link rates in Gbit/s, 'unshaped' for plain loopback "
-                        "(default: 1 2 5 10 unshaped; --quick: 2)")
+    p.add_argument("--link-gbps", nargs="+", type=bench_link_rate, default=None, metavar="GBPS",
+                   help="emulated link rates in Gbit/s, 'unshaped' for plain loopback, 'matched' for the rate at "
+                        "which the sequential run's comm/comp is 0.9-1.1 (calibrated by short sequential runs, "
+                        "reported) (default: 1 2 5 10 unshaped; --quick: 2)")
     p.add_argument("--link-burst-kb", type=int, default=None, metavar="KB",
                    help=f"token-bucket burst of the emulated link (default {d.link_burst_kb}, just above the "
                         f"loopback MTU; larger lets an idle link bank credit)")

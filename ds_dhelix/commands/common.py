@@ -7,6 +7,15 @@ import os
 import sys
 
 
+MATCHED = "matched"
+"""The link rate ``dhelix bench`` chooses itself: the sequential run's comm/comp near 1."""
+
+
+def bench_link_rate(text: str) -> float | str | None:
+    """``link_rate``, or "matched": ``dhelix bench`` calibrates the rate (``ds_dhelix.bench.match_link``)."""
+    return MATCHED if text.lower() == MATCHED else link_rate(text)
+
+
 def link_rate(text: str) -> float | None:
     """argparse type of a link rate: Gbit/s (> 0), or None for "unshaped" / "none" / "loopback"."""
     if text.lower() in ("unshaped", "none", "loopback"):
