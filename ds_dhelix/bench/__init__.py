@@ -93,7 +93,7 @@ def match_link(ratio_at: Callable[[float], float | None], start: float = 2.0, tr
         history.append((rate, ratio))
         if target[0] <= ratio <= target[1]:
             return rate, history
-        rate = min(max(rate * ratio, 0.01), 1000.0)
+        rate = float(f"{min(max(rate * ratio, 0.01), 1000.0):.3g}")  # 3 significant digits: a readable label
     return min(history, key=lambda h: abs(h[1] - 1.0))[0], history
 
 
