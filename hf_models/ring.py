@@ -48,11 +48,6 @@ def zigzag_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
                       torch.arange(late * n, (late + 1) * n, device=device)])
 
 
-def split_multiple(tp: int, cp: int) -> int:
-    """What the sequence length must divide by for ring attention: 2 x cp chunks, each cut by TP."""
-    return 2 * cp * tp
-
-
 class AttentionCore:
     """An ``attn.core`` body that ring attention can take apart: ``module`` (the HF attention
     module: its ``scaling``, ``training``), ``rotary(q, k, side) -> q, k`` (None: no rotary),

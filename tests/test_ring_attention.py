@@ -17,10 +17,11 @@ import torch
 from ds_dhelix.build import check_setup
 from ds_dhelix.dims import ParallelDims
 from ds_dhelix.graph import comp
-from ds_dhelix.parity import ParityOptions, run_parity
 from hf_models.common import ContextShards, context_attention, make_side_fn
 from hf_models.registry import load_config
 from hf_models.ring import AttentionCore, zigzag_index
+from tests.test_context_parallel import _assert_parity
+from tests.test_context_parallel import _parity as cp_parity
 
 
 def _config(cp=2, tp=1):
@@ -179,19 +180,7 @@ def test_an_attention_core_without_ring_parts_is_refused():
 
 # ------------------------------------------------------------------ parity (real ranks)
 def _parity(**kw):
-    opts = ParityOptions(**{"tp": 1, "cp": 2, "cp_comm": "ring", "schedule": "si", "steps": 2, "micro_batches": 2,
-                            "num_layers": 2, **kw})
-    return run_parity(opts, timeout=400)
-
-
-def _assert_parity(res):
-    assert res["bitwise_equal"], res["losses"]
-    # fp32: the ring computes each block's scores and softmax itself and merges the blocks by
-    # log-sum-exp, HF runs one softmax over the row; rounding only, far below what a wrong mask,
-    # chunk order or merge weight would move (a chunk put back in the wrong place moves the loss
-    # by > 1e-2)
-    assert res["hf_close"], (res["max_abs_diff_vs_hf"], res["max_loss_diff_vs_hf"])
-    assert res["max_loss_diff_vs_hf"] < 1e-5 and res["max_abs_diff_vs_hf"] < 1e-5
+    return cp_parity(cp_comm="ring", **kw)
 
 
 @pytest.mark.slow
