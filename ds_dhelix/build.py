@@ -68,6 +68,14 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
                          f"dhelix.pipeline.stages >= 2, or use one of {list(ONE_STAGE_SCHEDULES)} with one stage")
     if dims.pp > 1:
         fold = _check_pipeline(dh, ds_config, dims, batch, model_config.num_hidden_layers)
+    if dh.schedule == "intra" and batch.micro_batch_size < 2:
+        raise ValueError(f"dhelix.schedule = 'intra' splits each micro-batch in two along the batch, but "
+                         f"train_micro_batch_size_per_gpu is {batch.micro_batch_size}; use a micro-batch of 2 or "
+                         f"more samples (e.g. 2 with half the gradient_accumulation_steps), or schedule 'si'")
+    if dh.schedule == "auto" and batch.micro_batch_size < 2 and len(set(dh.auto_candidates) - {"intra"}) < 2:
+        raise ValueError(f"dhelix.auto_candidates = {list(dh.auto_candidates)} with train_micro_batch_size_per_gpu "
+                         f"1: 'intra' needs 2 or more samples per micro-batch, which leaves one candidate; add "
+                         f"'sequential' or 'si', or use a micro-batch of 2")
     return Setup(dh, dims, batch, fold)
 
 
@@ -232,7 +240,7 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
         return _pipeline_engine(model, setup, groups, graph, plan, model_parameters, extra, weights)
     report = load_shards(model, weights, groups.rank)
     dh = setup.dh
-    if plan is None and dh.schedule == "si" and dh.si_execution == "plan":
+    if plan is None and dh.schedule in ("si", "auto") and dh.si_execution == "plan":
         plan = _configured_plan(dh, graph, model, groups, config, example_batch)
     if "expert_groups" in graph.meta:  # knows expert parameters, logs aux loss and expert load
         from .moe.engine import DhelixMoeEngine as engine_class

@@ -36,11 +36,14 @@ from typing import Any, ClassVar
 from .dims import ParallelDims
 from .recompute import MODES
 
-SCHEDULES = ("sequential", "si", "w", "dualpipev")
+SCHEDULES = ("sequential", "si", "intra", "auto", "w", "dualpipev")
 """Valid values of ``dhelix.schedule``."""
 
-ONE_STAGE_SCHEDULES = ("sequential", "si")
+ONE_STAGE_SCHEDULES = ("sequential", "si", "intra", "auto")
 """Schedules without a pipeline (``pipeline.stages`` 1)."""
+
+AUTO_CANDIDATES = ("sequential", "si", "intra")
+"""Schedules ``"schedule": "auto"`` may choose from (``dhelix.auto_candidates``)."""
 
 PIPELINE_SCHEDULES = ("sequential", "w", "dualpipev")
 """Schedules of a folded pipeline (``pipeline.stages`` > 1); "sequential" is the fold without SI."""
@@ -73,7 +76,7 @@ def _type_name(tp: Any) -> str:
     if isinstance(tp, type):
         return {"bool": "bool", "int": "int", "float": "number", "str": "string"}.get(tp.__name__, tp.__name__)
     if typing.get_origin(tp) is tuple:
-        return "list of int"
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     return str(tp)
@@ -359,9 +362,22 @@ class DhelixConfig(_Section):
     enabled: bool = False
     """Turn DHelix on; off = plain DeepSpeed behaviour."""
     schedule: str = "si"
-    """"sequential" (reference, no overlap), "si" (strand interleaving), "w" (folded W pipeline with SI),
-    "dualpipev" (folded pipeline in DualPipeV's order, each forward/backward pair co-executed by SI;
-    DeepSpeed's own DualPipeV runs the pairs one after the other)."""
+    """"sequential" (reference, no overlap), "si" (strand interleaving), "intra" (each micro-batch
+    split in two halves along the batch, one half's collectives hidden behind the other half's
+    compute in the same direction: Domino's intra-batch overlap), "auto" (the engine times the
+    ``auto_candidates`` on real training steps and keeps the fastest), "w" (folded W pipeline with
+    SI), "dualpipev" (folded pipeline in DualPipeV's order, each forward/backward pair co-executed by
+    SI; DeepSpeed's own DualPipeV runs the pairs one after the other)."""
+    auto_candidates: tuple[str, ...] = AUTO_CANDIDATES
+    """"auto" only: the schedules it times (any of "sequential", "si", "intra"; "intra" is left out
+    when a micro-batch has one sample). "sequential" and "si" are bitwise equal, so a run that
+    settles on one of them is bitwise a run with it from the start; "intra" sums the two halves'
+    gradients in another order (see "intra"), so its trial steps differ from those in the last bits."""
+    auto_trials: int = 3
+    """"auto" only: timed steps per candidate in a trial phase (alternated; the median is compared),
+    after one untimed warm-up step each in the first phase."""
+    auto_recheck_steps: int = 500
+    """"auto" only: after this many steps on the chosen schedule, time the candidates again; 0 = never."""
     si_execution: str = "reactive"
     """How an SI pair runs: "reactive" (both strands walk the whole model barrier-free, nearest
     collective first, reacting to completed collectives, deferred weight gradients) or "plan"
@@ -430,14 +446,22 @@ class DhelixConfig(_Section):
                 f"dhelix.planner.profile = {self.planner.profile!r} needs dhelix.si_execution = 'plan' "
                 f"(got {self.si_execution!r}): the planner's plan is only run in plan mode; set "
                 f"\"si_execution\": \"plan\" or \"planner\": {{\"profile\": \"off\"}}")
-        if self.pair_ends and (self.schedule != "si" or self.si_execution != "reactive"):
+        self._check_auto()
+        if self.schedule == "intra" and self.si_execution != "reactive":
             raise ValueError(
-                f"dhelix.pair_ends = true needs schedule 'si' with si_execution 'reactive' (got schedule "
+                f"dhelix.si_execution = {self.si_execution!r} with schedule 'intra': si_execution says how an SI "
+                f"pair runs, and intra pairs the two halves of one micro-batch, always reactively; remove "
+                f"\"si_execution\" or use \"schedule\": \"si\"")
+        if self.pair_ends and (self.schedule not in ("si", "auto") or self.si_execution != "reactive"):
+            raise ValueError(
+                f"dhelix.pair_ends = true needs schedule 'si' (or 'auto') with si_execution 'reactive' (got schedule "
                 f"{self.schedule!r}, si_execution {self.si_execution!r}): it pairs the first two forwards "
                 f"and the last two backwards of a non-pipelined SI step; set \"pair_ends\": false or use "
                 f"\"schedule\": \"si\", \"si_execution\": \"reactive\"")
         self._positive("watchdog_s")
         self._at_least("log_interval", 1)
+        self._at_least("auto_trials", 1)
+        self._at_least("auto_recheck_steps", 0)
         if self.recompute not in RECOMPUTE_MODES:
             close = difflib.get_close_matches(self.recompute, RECOMPUTE_MODES, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else ""
@@ -451,6 +475,17 @@ class DhelixConfig(_Section):
                 f"'{self.schedule}' with {self.pipeline.stages} stages needs {chunks}{folded}; "
                 f"give one layer count per chunk"
             )
+
+    def _check_auto(self) -> None:
+        bad = [c for c in self.auto_candidates if c not in AUTO_CANDIDATES]
+        if bad or len(set(self.auto_candidates)) != len(self.auto_candidates) or len(self.auto_candidates) < 2:
+            raise self._fail("auto_candidates", f"give two or more different schedules of {list(AUTO_CANDIDATES)}")
+        given = [k for k, v in (("auto_candidates", self.auto_candidates != AUTO_CANDIDATES),
+                                ("auto_trials", self.auto_trials != 3),
+                                ("auto_recheck_steps", self.auto_recheck_steps != 500)) if v]
+        if given and self.schedule != "auto":
+            raise ValueError(f"dhelix.{given[0]} is set but schedule is {self.schedule!r}: the auto_* keys apply to "
+                             f"\"schedule\": \"auto\" only; remove them or set the schedule to 'auto'")
 
     @classmethod
     def from_ds_config(cls, ds_config: dict) -> "DhelixConfig":

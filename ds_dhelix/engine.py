@@ -1,8 +1,9 @@
 """DhelixEngine: a DeepSpeed engine whose ``train_batch`` runs a whole step with strand
 interleaving. ``ds_dhelix.initialize`` (``build.py``) builds it like ``deepspeed.initialize``.
 
-A step of m micro-batches: the executor runs every forward and backward op by op (sequential or
-SI; each loss seeded with 1/m, times the fp16 loss scale), leaving gradients on the parameters;
+A step of m micro-batches: the executor runs every forward and backward op by op (sequential, SI
+or intra; under "auto" the schedule ``autoschedule.AutoSchedule`` names for the step; each loss
+seeded with 1/m, times the fp16 loss scale), leaving gradients on the parameters;
 then DeepSpeed does the rest with its own code paths (overflow checks and the loss scale's
 update under fp16 included):
 its data-parallel gradient reduction (ZeRO 1/2: ``coalesce_grad_reduction``; ZeRO 0: the buffered
@@ -11,9 +12,12 @@ all-reduce), gradient clipping over the model-parallel group, the optimizer and 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
+from .autoschedule import AutoSchedule
+from .autoschedule import describe as describe_decision
 from .config import DhelixConfig
 from .executor import MicroBatch
 from .groups import ProcessGroups
@@ -50,10 +54,28 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
                  load_report=None, **kwargs):
         super().__init__(**kwargs)
         self.load_report = load_report
-        self.setup_strands(dhelix, groups, graph, plan if dhelix.schedule == "si" else None,
+        self.setup_strands(dhelix, groups, graph, plan if dhelix.schedule in ("si", "auto") else None,
                            defer_weight_grads=dhelix.defer_weight_grads, pair_ends=dhelix.pair_ends,
                            recompute=dhelix.recompute)
         self._warned_few = False
+        self.auto = self._auto_schedule() if dhelix.schedule == "auto" else None
+        self.current_schedule = dhelix.schedule if self.auto is None else self.auto.schedule()
+
+    def _auto_schedule(self) -> AutoSchedule:
+        """``"schedule": "auto"``'s chooser over the configured candidates ("intra" left out, with a
+        warning, when a micro-batch has one sample: check_setup refused it if fewer than 2 remain)."""
+        candidates = [c for c in self.dhelix.auto_candidates
+                      if c != "intra" or self.train_micro_batch_size_per_gpu() >= 2]
+        if len(candidates) < len(self.dhelix.auto_candidates) and self.global_rank == 0:
+            logger.warning("ds_dhelix: schedule auto leaves out 'intra': it splits a micro-batch in two along the "
+                           "batch, and train_micro_batch_size_per_gpu is 1")
+
+        def reduce_max(values: list) -> list:
+            t = torch.tensor(values, dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return t.tolist()
+
+        return AutoSchedule(candidates, self.dhelix.auto_trials, self.dhelix.auto_recheck_steps, reduce_max)
 
     def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """Write an HF checkpoint (shards gathered) from global rank 0; collective on all ranks."""
@@ -68,7 +90,7 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         return self.no_sync()
 
     def _warn_few_once(self, num_microbatches: int) -> None:
-        if self.dhelix.schedule == "si" and not self._warned_few:
+        if self.dhelix.schedule in ("si", "auto") and not self._warned_few:
             hint = few_microbatches_hint(num_microbatches, self.dhelix.pair_ends)
             if hint:
                 logger.warning(hint)
@@ -83,8 +105,9 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         self.module.train()
         stats = self.begin_step()  # the watchdog covers the micro-batches and the optimizer step
         try:
+            self.current_schedule = self.dhelix.schedule if self.auto is None else self.auto.schedule()
             with self._reduction_context():
-                mbs = self.executor.run_microbatches(batches, self.dhelix.schedule, loss_seed(self, len(batches)),
+                mbs = self.executor.run_microbatches(batches, self.current_schedule, loss_seed(self, len(batches)),
                                                      first_serial=self.global_steps * len(batches))
             self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
             self._is_gradient_accumulation_boundary = True
@@ -96,6 +119,10 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         finally:
             self.watchdog.pause()
         self.end_step(stats, self.mean_loss(mbs), batches)
+        if self.auto is not None:
+            decision = self.auto.record(self.global_steps, stats.step_s)
+            if decision is not None and self.global_rank == 0:
+                logger.info(describe_decision(decision))
         return self.last_loss
 
     @torch.no_grad()

@@ -7,6 +7,18 @@ Schedules for a step of m micro-batches (F = forward, B = backward, k = micro-ba
     sequential:  F0 B0 F1 B1 ... F(m-1) B(m-1)           (each comm waited at once)
     si:          F0 | F1(x)B0 | F2(x)B1 | ... | B(m-1)   (x = co-executed pair)
     si, pair_ends:  F0(x)F1 | F2(x)B0 | ... | F(m-1)(x)B(m-3) | B(m-2)(x)B(m-1)
+    intra:       F0a(x)F0b | B0a(x)B0b | F1a(x)F1b | ...   (a, b = the halves of a micro-batch)
+
+``intra`` is Domino's intra-batch overlap on the same op graph and collectives: each micro-batch
+is cut in two halves along the batch (``half_batches``) and the halves run as a same-direction
+pair, forward beside forward, then backward beside backward (the second half trailing the first
+op by op, as ``pair_ends``' backwards do). Each half's loss is its sum over the whole micro-batch's
+target count, so the two add up to the micro-batch's loss; the weight gradients are the halves'
+sums added, so results match ``sequential`` up to float rounding. They are bitwise those of
+``sequential`` over half-size micro-batches, twice as many per step, wherever the halves count as
+many targets each (even rows, no ignored labels spread unevenly): the halves draw that run's
+dropout masks and router noise (``half_serial``), and an MoE router's load-balancing loss is
+each half's own, weighted by its share of the rows, as it is there.
 
 ``pair_ends`` leaves no strand alone (reactive execution): the first two forwards and the last two
 backwards are pairs too (the second of two backwards trails the first op by op, so weight
@@ -161,6 +173,35 @@ def _until_comm(queue) -> int:
 
 def _accumulate(grads: dict, key: str, g: torch.Tensor) -> None:
     grads[key] = g if key not in grads else grads[key] + g
+
+
+def half_serial(serial: int, half: int) -> int:
+    """The random-draw number of half ``half`` (0 or 1) of micro-batch ``serial`` under ``intra``:
+    the number that half has in a run of half-size micro-batches (twice as many per step)."""
+    return 2 * serial + half
+
+
+def half_batches(batch: dict) -> tuple[dict, dict]:
+    """A micro-batch cut in two along the batch (the first half takes the extra row of an odd
+    batch). Each half carries ``loss_denominator`` (the whole micro-batch's: its own, or its valid
+    shifted-target count as ``make_side_fn`` counts them) and ``loss_share`` (its rows / all rows),
+    so the halves' losses add up to the whole one's."""
+    ids = batch["input_ids"]
+    rows = ids.shape[0]
+    if rows < 2:
+        raise ValueError(f"schedule 'intra' splits a micro-batch along the batch; this one has {rows} row")
+    denominator = batch.get("loss_denominator")
+    if denominator is None:
+        labels = batch.get("labels", ids)
+        denominator = max(int((labels[:, 1:] != -100).sum()), 1)
+    cut = (rows + 1) // 2
+    halves = []
+    for lo, hi in ((0, cut), (cut, rows)):
+        half = {k: v[lo:hi] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v
+                for k, v in batch.items()}
+        half.update(loss_denominator=denominator, loss_share=(hi - lo) / rows)
+        halves.append(half)
+    return halves[0], halves[1]
 
 
 POLL_S = 50e-6
@@ -654,8 +695,10 @@ class Executor:
 
     def run_microbatches(self, batches: list[dict], schedule: str, seed: float,
                          first_serial: int = 0) -> list[MicroBatch]:
-        """Forward and backward of every micro-batch under ``schedule`` ("sequential" or "si");
-        micro-batch k is number ``first_serial + k`` of the run (what seeds its random draws)."""
+        """Forward and backward of every micro-batch under ``schedule`` ("sequential", "si" or
+        "intra"); micro-batch k is number ``first_serial + k`` of the run (what seeds its random draws)."""
+        if schedule == "intra":
+            return self._run_intra(batches, seed, first_serial)
         mbs = [MicroBatch(k, self.graph.make_side(b, first_serial + k)) for k, b in enumerate(batches)]
         if schedule == "sequential" or len(mbs) == 1:
             for mb in mbs:
@@ -680,13 +723,34 @@ class Executor:
             finally:
                 self._deferring = False
         else:
-            raise ValueError(f"unknown schedule {schedule!r}; expected 'sequential' or 'si'")
+            raise ValueError(f"unknown schedule {schedule!r}; expected 'sequential', 'si' or 'intra'")
+        self._end_microbatches(mbs)
+        return mbs
+
+    def _run_intra(self, batches: list[dict], seed: float, first_serial: int) -> list[MicroBatch]:
+        """``intra``: each micro-batch's halves forward as a pair, then backward as a pair; returns
+        one ``MicroBatch`` per micro-batch whose loss is its halves' sum."""
+        wholes, halves = [], []
+        self._deferring = self.defer_weight_grads
+        try:
+            for k, batch in enumerate(batches):
+                a, b = (MicroBatch(k, self.graph.make_side(h, half_serial(first_serial + k, i)))
+                        for i, h in enumerate(half_batches(batch)))
+                self.pair_forwards(a, b)
+                self.pair_backwards(a, b, seed)
+                halves += [a, b]
+                wholes.append(MicroBatch(k, a.side, loss=a.loss + b.loss))
+        finally:
+            self._deferring = False
+        self._end_microbatches(halves)
+        return wholes
+
+    def _end_microbatches(self, mbs: list[MicroBatch]) -> None:
         for mb in mbs:
             assert not mb.saved, "op contexts left after backward"
             mb.env.clear()
             mb.grads.clear()
         self.reduce_replicated_grads(mbs[-1].index)
-        return mbs
 
     def reduce_replicated_grads(self, after_microbatch: int = -1) -> None:
         """Sum the step's gradients of TP-replicated weights over the TP group (one blocking

@@ -152,6 +152,9 @@ class DhelixStepMixin:
                   ("Train/peak_activation_bytes", float(s.peak_activation_bytes), step)]
         if norm is not None:
             events.append(("Train/grad_norm", float(norm), step))
+        auto = getattr(self, "auto", None)
+        if auto is not None:  # which candidate ran the step (its index in auto_candidates)
+            events.append(("Train/auto_schedule", float(auto.candidates.index(self.current_schedule)), step))
         if self.fp16_enabled():
             events.append(("Train/loss_scale", float(self._get_optimizer_loss_scale()), step))
         self.monitor.write_events(events)

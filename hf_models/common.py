@@ -117,6 +117,9 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
             # what the loss sum is divided by: the valid targets, or the caller's share of a step's
             # count (DhelixTrainer: the Trainer's num_items_in_batch over the data-parallel ranks)
             "loss_denominator": batch.get("loss_denominator"),
+            # this micro-batch's share of the rows of the one it was cut from (the intra schedule's
+            # halves, ``executor.half_batches``): weighs a per-micro-batch loss term (MoE balance)
+            "loss_share": batch.get("loss_share", 1.0),
             "positions": (position_ids[:, sl] if position_ids is not None else
                           torch.arange(s, device=ids.device)[sl].unsqueeze(0).expand(b, n)),
             "seq_len": s,

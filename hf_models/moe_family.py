@@ -268,7 +268,8 @@ def loss_op(config, num_layers: int, coef: float, tp: int, tp_grad_group, metric
 
     With TP the pieces are summed over the TP group first (the loss is over all tokens of the
     micro-batch) and each TP rank adds 1/t of the aux term, so the shares still sum to the loss.
-    With context parallelism ``tp`` / ``tp_grad_group`` are the tp x cp ranks of a sequence."""
+    With context parallelism ``tp`` / ``tp_grad_group`` are the tp x cp ranks of a sequence. A half
+    micro-batch of the intra schedule weighs its aux term by its share of the rows."""
     keys = tuple(f"aux.{i}" for i in range(num_layers))
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
@@ -281,7 +282,7 @@ def loss_op(config, num_layers: int, coef: float, tp: int, tp_grad_group, metric
         tokens = logits.shape[0] * logits.shape[1]
         aux = load_balancing_loss(pieces, tokens, num_experts, reduce if tp > 1 else None, tp)
         metrics.record_aux(aux)
-        return (ce + coef * aux / tp,)
+        return (ce + coef * side["loss_share"] * aux / tp,)
 
     return comp("head.loss", ("logits",) + keys, ("loss",), fn)
 

@@ -142,6 +142,8 @@ def _progress_line(r: dict) -> str:
     if r.get("comm_s") is not None:
         parts.append(f"comp {r['compute_s'] * 1e3:.0f} comm {r['comm_s'] * 1e3:.0f} "
                      f"exposed {r['exposed_comm_s'] * 1e3:.0f} ms")
+    if r.get("auto_chosen"):
+        parts.append(f"chose {r['auto_chosen']} after {r['auto_trial_steps']} trial steps")
     return ", ".join(parts)
 
 

@@ -43,6 +43,22 @@ class DhelixRunner:
                          "plan_is_default": plan.fingerprint() == default.fingerprint(),
                          "plan_rounds": len(plan.rounds)}
 
+    @property
+    def settling_steps(self) -> int:
+        """Steps the engine needs before its measured steps are its steady state: ``auto``'s trial
+        phase (run as warm-up), else none."""
+        auto = getattr(self.engine, "auto", None)
+        return auto.trial_steps_left if auto is not None and auto.chosen is None else 0
+
+    def settled_info(self) -> dict:
+        """What the row reports once settled: ``auto``'s choice and the figures it chose by."""
+        auto = getattr(self.engine, "auto", None)
+        if auto is None or not auto.decisions:
+            return {}
+        last = auto.decisions[-1]
+        return {"auto_chosen": last["chosen"], "auto_trial_steps": last["step"],
+                "auto_figures": last["figures"]}
+
     def step(self, batches: list[dict]) -> dict:
         share = len(batches) // self.engine.groups.dp_size  # this data-parallel group's micro-batches
         dp_rank = self.engine.groups.dp_rank

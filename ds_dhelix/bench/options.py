@@ -14,6 +14,11 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
     si-planned  SI run by the plan the planner makes from a profile ("planner.profile": "auto")
     si-ends     reactive SI with "pair_ends": the first two forwards and the last two backwards paired
                 too (no strand alone; one more micro-batch of activations)
+    intra       Domino's intra-batch overlap ("schedule": "intra"): each micro-batch in two halves along
+                the batch, one half's collectives behind the other's compute, same direction
+    auto        "schedule": "auto": the engine times sequential, si and intra on its first steps and
+                keeps the fastest; its row is timed after that decision (the trial steps run in its
+                warm-up and are reported in the row: auto_trial_steps, auto_chosen, auto_figures)
 
 A ds_dhelix mode may name its activation recompute after a ``+``: ``si+full``, ``sequential+selective``
 (``dhelix.recompute``; plain ``si`` is ``si+none``), so the modes' step times sit side by side.
@@ -34,13 +39,13 @@ from dataclasses import asdict, dataclass, field
 from ..linkemu import DEFAULT_BURST_KB
 from ..recompute import MODES as RECOMPUTE_MODES
 
-MODES = ("deepspeed", "autotp", "autoep", "sequential", "si", "si-ends", "si-plan", "si-planned")
+MODES = ("deepspeed", "autotp", "autoep", "sequential", "si", "si-ends", "si-plan", "si-planned", "intra", "auto")
 """Modes a run can measure, in table order."""
 
-DEFAULT_MODES = tuple(m for m in MODES if m != "si-ends")
-"""Modes measured unless ``--modes`` says otherwise (``si-ends`` is asked for by name)."""
+DEFAULT_MODES = tuple(m for m in MODES if m not in ("si-ends", "auto"))
+"""Modes measured unless ``--modes`` says otherwise (``si-ends`` and ``auto`` are asked for by name)."""
 
-DHELIX_MODES = ("sequential", "si", "si-ends", "si-plan", "si-planned", "w", "dualpipev-si")
+DHELIX_MODES = ("sequential", "si", "si-ends", "si-plan", "si-planned", "intra", "auto", "w", "dualpipev-si")
 """Modes that run the ds_dhelix executor (they report compute / comm / exposed time)."""
 
 PP_MODES = ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si")
@@ -216,7 +221,7 @@ class BenchOptions:
         if recompute is not None:
             section["recompute"] = recompute
         section.setdefault("seed", self.seed)
-        section.update(enabled=True, schedule="sequential" if mode == "sequential" else "si",
+        section.update(enabled=True, schedule=mode if mode in ("sequential", "intra", "auto") else "si",
                        tensor_parallel={"size": self.tp})
         if self.pp > 1:
             section.update(schedule=PP_SCHEDULES[mode], pipeline={"stages": self.pp})

@@ -67,6 +67,14 @@ def _timed_step(runner, batches) -> dict:
     return record
 
 
+def _warm_up(runner, batches, steps: int) -> None:
+    """``steps`` untimed steps, then any the runner needs to settle (``auto``'s trial phase)."""
+    for _ in range(steps):
+        _timed_step(runner, batches)
+    while getattr(runner, "settling_steps", 0):
+        _timed_step(runner, batches)
+
+
 def build_runners(opts: BenchOptions, batches: list[dict], gbps: float | None) -> tuple[dict, dict]:
     """``(runners, outcome)``: runners that built and warmed up on every rank; per mode its status."""
     runners, outcome = {}, {}
@@ -88,11 +96,13 @@ def rank_main(rank: int, world: int, opts: BenchOptions, gbps: float | None):
     from hf_models.registry import load_config
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     runners, outcome = build_runners(opts, batches, gbps)
-    for mode, runner in list(runners.items()):  # warm-up; a mode failing here is dropped
-        _, failure = _guarded(lambda: [_timed_step(runner, batches) for _ in range(opts.warmup)])
+    for mode, runner in list(runners.items()):  # warm-up (and auto's trials); a mode failing here is dropped
+        _, failure = _guarded(lambda: _warm_up(runner, batches, opts.warmup))
         if failure is not None:
             outcome[mode].update(status=failure[0], reason=f"warm-up step failed: {failure[1]}")
             runners.pop(mode)
+        elif hasattr(runner, "settled_info"):
+            outcome[mode]["info"] = {**outcome[mode].get("info", {}), **runner.settled_info()}
     records = {mode: [] for mode in runners}
     order = list(runners)
     for rep in range(opts.repeats if order else 0):

@@ -17,8 +17,9 @@ def register(sub) -> None:
     p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
                    help="context parallelism's exchange: ulysses (all-to-alls, heads split over CP) or ring "
                         "(ring attention: key/value blocks passed point to point, zig-zag split)")
-    p.add_argument("--schedule", default="si", choices=["si", "sequential", "w", "dualpipev"],
-                   help="si/sequential: one stage; w/dualpipev (or sequential): the folded pipeline with --pp")
+    p.add_argument("--schedule", default="si", choices=["si", "sequential", "intra", "w", "dualpipev"],
+                   help="si/sequential/intra: one stage (intra is held to sequential within tolerances, not "
+                        "bitwise); w/dualpipev (or sequential): the folded pipeline with --pp")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages; > 1 compares the folded pipeline with PP=1 sequential (world = pp x tp x dp)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0 = off)")
@@ -75,7 +76,15 @@ def run(args) -> int:
             print(f"  losses hf:         {result['losses']['hf']}")
         ref = "PP=1 sequential" if args.pp > 1 else "sequential"
         same = "BITWISE EQUAL" if result["bitwise_equal"] else "DIFFERENT"
-        print(f"  {s} vs {ref}: {same} (max |diff| {result['max_abs_diff_vs_sequential']:.3g})")
+        print(f"  {s} vs {ref}: {same} (max |param diff| {result['max_abs_diff_vs_sequential']:.3g})")
+        if "intra_tolerance" in result:
+            grads = result.get("max_grad_diff_vs_sequential")
+            print(f"  intra vs sequential: max |loss diff| {result['max_loss_diff_vs_sequential']:.3g}"
+                  + (f", max |first-step grad diff| {grads:.3g}" if grads is not None else "")
+                  + f" (held to: {result['intra_tolerance']})")
+        if "bitwise_equal_to_half_microbatches" in result:
+            same = "BITWISE EQUAL" if result["bitwise_equal_to_half_microbatches"] else "DIFFERENT"
+            print(f"  intra vs sequential over half-size micro-batches (2x as many): {same}")
         if result["hf_close"] is None:
             print(f"  vs unsharded HF: {result['hf_comparison']}")
         else:
