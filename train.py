@@ -538,6 +538,12 @@ def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, pro
         else:  # pipeline transfers only: no collective to hide inside a stage
             line += f"; schedule {dh.schedule}: {exposed / n * 1e3:.0f} ms/step waiting on transfers"
     print(line)
+    auto = getattr(engine, "auto", None)
+    if auto is not None:  # "schedule": "auto": what it chose, from which figures
+        from ds_dhelix.autoschedule import describe
+        summary["auto_decisions"] = auto.decisions
+        print("\n".join(describe(d) for d in auto.decisions) if auto.decisions else
+              f"ds_dhelix: schedule auto still timing its candidates ({auto.trial_steps_left} trial steps left)")
     if path:
         print(f"HF checkpoint: {path}")
     summary.update(probe)
