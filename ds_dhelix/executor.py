@@ -125,11 +125,23 @@ class StepStats:
     peak_activation_bytes: int = 0
     step_s: float = 0.0
     tokens_per_s: float = 0.0
+    # CUDA: the same from CUDA events (``comm.DeviceEvents``): collective launch to completion, and
+    # the time the compute stream stalled waiting on one (None on CPU, where the host waits)
+    device_comm_s: float | None = None
+    device_exposed_s: float | None = None
 
     @property
     def hidden_fraction(self) -> float:
-        """Share of this step's own communication time that did not block compute."""
-        return 0.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_s / self.comm_s)
+        """Share of this step's own communication time that did not block compute (device-true on CUDA)."""
+        comm, exposed = self.comm_and_exposed
+        return 0.0 if comm <= 0 else max(0.0, 1.0 - exposed / comm)
+
+    @property
+    def comm_and_exposed(self) -> tuple[float, float]:
+        """(comm, exposed) seconds: from CUDA events where measured, else the host's."""
+        if self.device_comm_s is not None:
+            return self.device_comm_s, self.device_exposed_s
+        return self.comm_s, self.exposed_s
 
 
 @dataclass(frozen=True)
@@ -380,9 +392,16 @@ class Executor:
         self._op_weights: dict = {}  # (block, op index) -> _OpWeights, from the op's first forward
         self._members: dict = {}  # id(process group) -> its global ranks (``comm_members``)
         # react to completed collectives at once when every COMM op keeps forward and backward
-        # collectives on separate groups (timing may then reorder the two strands' launches)
-        self.reacts_to_completions = self.reactive and all(
+        # collectives on separate groups (timing may then reorder the two strands' launches);
+        # never on CUDA, where the host's view of completion lags the device (``_cuda``)
+        self._reacts = self.reactive and all(
             getattr(op.comm, "strand_safe", False) for block in graph.blocks for op in block if op.is_comm)
+        self._cuda = False  # set by the first collective launched on a CUDA tensor
+        self._device_events: list = []  # this step's ``comm.DeviceEvents`` (CUDA)
+
+    @property
+    def reacts_to_completions(self) -> bool:
+        return self._reacts and not self._cuda
 
     def comm_members(self, t: Task) -> frozenset | None:
         """The global ranks of the group ``t``'s collective runs on (None: not known)."""
@@ -405,7 +424,21 @@ class Executor:
     def start_step(self) -> StepStats:
         """Begin a step: fresh ``StepStats`` (returned; ``self.stats`` until the next step)."""
         self.stats = StepStats()
+        self._device_events = []
         return self.stats
+
+    def finish_device_times(self) -> None:
+        """CUDA: fill the step's ``device_comm_s`` / ``device_exposed_s`` from its collectives'
+        events (synchronizes the device; call once the step's work is launched)."""
+        if not self._device_events:
+            return
+        torch.cuda.synchronize()
+        busy = exposed = 0.0
+        for events in self._device_events:
+            b, e = events.times_s()
+            busy, exposed = busy + b, exposed + e
+        self.stats.device_comm_s, self.stats.device_exposed_s = busy, exposed
+        self._device_events = []
 
     @contextlib.contextmanager
     def inference(self):
@@ -567,6 +600,8 @@ class Executor:
             else:
                 pending = op.comm.forward(mb.env[op.inputs[0]], mb.side, t.channel)
         self.stats.num_comms += 1
+        if pending.device_events is not None:
+            self._cuda = True
         return pending
 
     @contextlib.contextmanager
@@ -588,6 +623,8 @@ class Executor:
         with self._collective(t):
             out = pending.wait()
         done = time.perf_counter()
+        if pending.device_events is not None:
+            self._device_events.append(pending.device_events)
         self.stats.exposed_s += pending.waited_s
         self.stats.comm_s += done - pending.launched_at if pending.done_at is None \
             else pending.done_at - pending.launched_at

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import logger
 
+from .comm import cuda_connections_warning
 from .executor import Executor, StepStats
 from .memory import ActivationMeter
 from .trace import TraceRecorder, merge_traces
@@ -68,6 +69,9 @@ class DhelixStepMixin:
         self.executor = Executor(graph, plan, meter=self.meter, recorder=self.recorder,
                                  watchdog=self.watchdog, **executor_options)
         self.last_stats, self.last_loss = StepStats(), None
+        warning = cuda_connections_warning(torch.device(self.device))
+        if warning and self.global_rank == 0:
+            logger.warning(warning)
         self._step_t0 = 0.0
         self.steps_run = 0  # steps of this process (a resumed engine's global_steps starts higher)
 
@@ -110,6 +114,7 @@ class DhelixStepMixin:
     def end_step(self, stats: StepStats, loss, batches: list[dict]) -> None:
         """After the optimizer step (watchdog paused): record the step's numbers, log them, write
         the trace when due."""
+        self.executor.finish_device_times()
         stats.peak_activation_bytes = self.meter.peak
         stats.step_s = time.perf_counter() - self._step_t0
         self.last_stats, self.last_loss = stats, loss
@@ -146,8 +151,8 @@ class DhelixStepMixin:
                   ("Train/lr", self.get_lr()[0], step),
                   ("Train/tokens_per_s", s.tokens_per_s, step),
                   ("Train/step_time_s", s.step_s, step),
-                  ("Train/comm_ms", s.comm_s * 1e3, step),
-                  ("Train/exposed_comm_ms", s.exposed_s * 1e3, step),
+                  ("Train/comm_ms", s.comm_and_exposed[0] * 1e3, step),
+                  ("Train/exposed_comm_ms", s.comm_and_exposed[1] * 1e3, step),
                   ("Train/hidden_comm_fraction", s.hidden_fraction, step),
                   ("Train/peak_activation_bytes", float(s.peak_activation_bytes), step)]
         if norm is not None:

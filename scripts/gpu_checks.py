@@ -24,6 +24,11 @@ go to ``<out>/gpu_checks.json``.
 5. ``stream_overlap`` (CUDA only): a matmul chain on the compute stream while pinned host<->device
    copies run on a side stream: time of both together against each alone. SI on a GPU relies on
    communication (NCCL, copy engines) progressing beside compute like this.
+6. ``device_events`` (CUDA only): the executor's CUDA-event timing of a collective (``comm.Pending``
+   on a one-rank NCCL world): waited at once its exposed time is ~its busy time, launched before a
+   longer matmul chain ~0; the host wait is ~0 in both (what host timers would report).
+7. ``connections`` (CUDA only): ``CUDA_DEVICE_MAX_CONNECTIONS`` and the warning the engines give
+   when it serializes kernels.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from ds_dhelix.comm import cuda_connections_warning  # noqa: E402
 from ds_dhelix.executor import Executor  # noqa: E402
 from ds_dhelix.trace import TraceRecorder  # noqa: E402
 from hf_models.adapters import adapter_for  # noqa: E402
@@ -186,6 +192,50 @@ def check_stream_overlap(device, reps: int = 20) -> dict:
             "overlap": round((alone_c + alone_x - both) / min(alone_c, alone_x), 3)}
 
 
+def check_device_events(device, size_mib: int = 512, reps: int = 40) -> dict:
+    """``comm.Pending``'s CUDA events on a one-rank NCCL world: a collective waited at once is
+    exposed for about its whole duration; one launched before a matmul chain longer than itself
+    is hidden (exposed ~ 0). The host never blocks in either case."""
+    import torch.distributed as dist
+
+    from ds_dhelix.comm import Pending
+    from ds_dhelix.spawn import free_port
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                device_id=device)
+    try:
+        x = torch.ones(size_mib * 2 ** 18, device=device)
+        out = torch.empty_like(x)
+        a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+
+        def one(hidden: bool) -> tuple[float, float, float]:
+            _sync(device)
+            p = Pending(dist.all_to_all_single(out, x, async_op=True), out)
+            if hidden:
+                y = a
+                for _ in range(reps):
+                    y = y @ a
+            p.wait()
+            host_wait = p.waited_s
+            _sync(device)
+            busy, exposed = p.device_events.times_s()
+            return busy * 1e3, exposed * 1e3, host_wait * 1e3
+
+        one(False)  # warm-up (NCCL's first call sets up the communicator)
+        busy_a, exposed_a, host_a = one(False)
+        busy_b, exposed_b, host_b = one(True)
+        return {"waited_at_once": {"busy_ms": round(busy_a, 3), "exposed_ms": round(exposed_a, 3),
+                                   "host_wait_ms": round(host_a, 3)},
+                "behind_compute": {"busy_ms": round(busy_b, 3), "exposed_ms": round(exposed_b, 3),
+                                   "host_wait_ms": round(host_b, 3)},
+                "exposed_share_at_once": round(exposed_a / max(busy_a, 1e-9), 3),
+                "exposed_share_hidden": round(exposed_b / max(busy_b, 1e-9), 3)}
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -218,6 +268,9 @@ def main(argv=None) -> int:
     report("profiler", lambda: check_profiler(ref, batches, device, args.out))
     if device.type == "cuda":
         report("stream_overlap", lambda: check_stream_overlap(device))
+        report("device_events", lambda: check_device_events(device))
+        report("connections", lambda: {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+                                       "warning": cuda_connections_warning(device)})
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_checks.json"), "w") as f:

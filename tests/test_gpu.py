@@ -29,3 +29,15 @@ def test_copy_stream_overlaps_compute_on_cuda():
     # measured 0.985; below one half the device serializes the streams, and SI could hide nothing.
     out = check_stream_overlap(torch.device("cuda"))
     assert out["overlap"] > 0.5, out
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_exposed_time_from_cuda_events():
+    """With NCCL the host never waits, so exposed time must come from CUDA events: a collective
+    waited at once stalls the compute stream for most of its duration, one behind a longer matmul
+    chain for (almost) none of it."""
+    from scripts.gpu_checks import check_device_events
+    out = check_device_events(torch.device("cuda"))
+    assert out["exposed_share_at_once"] > 0.5, out
+    assert out["exposed_share_hidden"] < 0.2, out

@@ -22,3 +22,14 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
     assert (tmp_path / "profiler_trace.json.gz").stat().st_size > 0
     lines = [l for l in capsys.readouterr().out.strip().splitlines() if l.startswith("{")]
     assert len(lines) == 4  # one JSON line per check
+
+
+def test_cuda_connections_warning_names_the_setting():
+    import torch
+
+    from ds_dhelix.comm import cuda_connections_warning
+    cuda = torch.device("cuda")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in cuda_connections_warning(cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert cuda_connections_warning(cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) is None
+    assert cuda_connections_warning(cuda, {}) is None
+    assert cuda_connections_warning(torch.device("cpu"), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) is None

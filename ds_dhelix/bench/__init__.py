@@ -57,7 +57,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None)
             say(f"[bench]   note: load average {busy:.1f} on {_cpus()} CPUs during this link: other jobs "
                 f"shared the cores, timings are noisy")
     return {
-        "title": f"{opts.model} TP={opts.tp}{f' CP={opts.cp}' if opts.cp > 1 else ''}{' (ring)' if opts.cp > 1 and opts.cp_comm == 'ring' else ''}{f' EP={opts.ep}' if opts.ep > 1 else ''}"
+        "title": f"{opts.model} TP={opts.tp}{f' CP={opts.cp}' if opts.cp > 1 else ''}{' (ring)' if opts.cp > 1 and opts.cp_comm == 'ring' else ''}{f' EP={opts.ep}' if opts.ep > 1 else ''}{f' DP={opts.dp}' if opts.dp > 1 and opts.dp != opts.ep else ''}"
                  f"{f' PP={opts.pp}' if opts.pp > 1 else ''}, "
                  f"{opts.step_micro_batches}x{opts.micro_batch_size}x"
                  f"{opts.seq_len} tokens/step, {opts.world} CPU ranks x 1 thread, "

@@ -91,6 +91,10 @@ class BenchOptions:
     ep: int = 1
     """Expert-parallel size for MoE models (e.g. tiny-phimoe with ``tp=1, ep=2``): the ds_dhelix
     modes shard the experts over ``ep`` data-parallel ranks, each rank with its own micro-batches."""
+    data_parallel: int | None = None
+    """Data-parallel size of the ds_dhelix modes (None: ``ep``, the MoE runs' data-parallel ranks);
+    the world is ``tp x cp x pp x data_parallel`` ranks, and a multiple of ``ep``. E.g.
+    ``--tp 1 --dp 2``: our executor against plain DeepSpeed on the same two data-parallel ranks."""
     modes: tuple[str, ...] = DEFAULT_MODES
     """Modes to measure (subset of ``MODES``)."""
     link_gbps: tuple[float | None, ...] = (1.0, 2.0, 5.0, 10.0, None)
@@ -146,6 +150,13 @@ class BenchOptions:
                              f"pass --tp 1 (and no --ep)")
         if not self.modes:
             raise ValueError("no modes to measure; pass e.g. --modes sequential si")
+        if self.data_parallel is not None:
+            if self.data_parallel < 1 or self.data_parallel % self.ep:
+                raise ValueError(f"--dp {self.data_parallel} must be >= 1 and a multiple of --ep {self.ep} (expert "
+                                 f"parallelism shards experts inside the data-parallel ranks)")
+            if self.pp > 1 and self.data_parallel > 1:
+                raise ValueError(f"--dp {self.data_parallel} with --pp {self.pp}: the pipeline bench runs one rank "
+                                 f"per stage; drop --dp")
         if not self.link_gbps:
             raise ValueError("no link rates; pass e.g. --link-gbps 2 or --link-gbps unshaped")
         for g in self.link_gbps:
@@ -181,7 +192,7 @@ class BenchOptions:
 
     @property
     def world(self) -> int:
-        return self.tp * self.cp * self.ep * self.pp
+        return self.tp * self.cp * self.pp * (self.ep if self.data_parallel is None else self.data_parallel)
 
     @property
     def dp(self) -> int:

@@ -29,6 +29,9 @@ def register(sub) -> None:
                         "(one rank per stage; needs --tp 1)")
     p.add_argument("--ep", type=int, default=None,
                    help=f"expert-parallel size for MoE models (default {d.ep}); e.g. --model tiny-phimoe --tp 1 --ep 2")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel size of the ds_dhelix modes (default: --ep); world = tp x cp x pp x dp, e.g. "
+                        "--tp 1 --dp 2 for the executor's overhead against plain DeepSpeed")
     p.add_argument("--cp", type=int, default=None,
                    help=f"context-parallel size (default {d.cp}): each sequence over tp x cp ranks, e.g. "
                         f"--tp 1 --cp 2 --seq-len 1024")
@@ -66,6 +69,7 @@ def register(sub) -> None:
 
 def options_from_args(args) -> BenchOptions:
     given = {"model": args.model, "tp": args.tp, "pp": args.pp, "ep": args.ep, "cp": args.cp, "cp_comm": args.cp_comm,
+             "data_parallel": args.dp,
              "modes": args.modes, "link_gbps": args.link_gbps,
              "link_burst_kb": args.link_burst_kb,
              "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
