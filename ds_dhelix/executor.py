@@ -383,7 +383,11 @@ class Executor:
             raise ValueError("Executor: pair_ends needs reactive execution (a plan pairs a forward with a backward)")
         self.recorder, self.watchdog = recorder, watchdog
         self.stats = StepStats()
-        self.defer_weight_grads = defer_weight_grads and self.reactive
+        # deferring a weight gradient costs a second autograd pass; it pays only where it fills the
+        # time the strands wait on collectives, so a graph without COMM ops (TP = CP = EP = 1) runs
+        # each backward op whole (the same matmuls either way: results do not change)
+        self.defer_weight_grads = defer_weight_grads and self.reactive and any(
+            op.is_comm for block in graph.blocks for op in block)
         self.pair_ends = pair_ends
         self._grad = True  # False inside ``inference()``
         self._deferring = False  # on inside SI pairs and the last lone backward (reactive)

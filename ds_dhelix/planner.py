@@ -16,6 +16,14 @@ and answers ``T(Nf, Nb)``: the exact optimum over every segmentation of both lis
 interleaving, in O(Nf * Nb * moves) time. ``plan_exhaustive`` enumerates the same plans one by one
 (no memoization) and is the reference the DP is tested against.
 
+Noise: a profiled entry is the median of a few runs, and a plan that takes the minimum over
+hundreds of them favours entries measured low by chance (the winner's curse). Entries carry their
+run-to-run spread and sample count (``spread_ms``, ``samples``); ``plan_dp`` then prices each
+entry at an upper bound of its median, ``ms + risk x standard error`` (``noise_aware``), so a
+pair that only looks fast because of one lucky sample does not win, and reports the plan's
+prediction from the medians with its error bar (``predicted_spread_ms``). ``profile.profile_layer``
+re-measures noisy entries and the chosen plan's own entries until the plan stops changing.
+
 Plain data: no torch, no torch.distributed, no deepspeed.
 """
 from __future__ import annotations
@@ -33,8 +41,14 @@ from .plan import Round, SIPlan, segment_has_comm
 Segment = tuple[int, int]  # half-open range of op indices
 
 TABLE_FORMAT = "dhelix.overlap_table"
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: entries carry spread_ms and samples (version 1 tables load with none)
 REPROFILE_HINT = "re-profile (dhelix profile ...) or use planner.profile=off"
+EMPTY: Segment = (0, 0)
+"""The absent side of an alone entry's key: ``(seg, EMPTY)`` forward alone, ``(EMPTY, seg)`` backward."""
+NOISE_RISK = 1.0
+"""Standard errors added to each entry's median in the DP's cost (about an 84% upper bound)."""
+MEDIAN_SE = 1.2533
+"""The standard error of a median of n normal samples is about 1.2533 x sigma / sqrt(n)."""
 
 
 def candidate_segments(ops: Sequence[OpSpec]) -> list[Segment]:
@@ -75,6 +89,13 @@ class OverlapTable:
     fwd_alone_ms: dict[Segment, float] = field(default_factory=dict)
     bwd_alone_ms: dict[Segment, float] = field(default_factory=dict)
     pair_ms: dict[tuple[Segment, Segment], float] = field(default_factory=dict)
+    spread_ms: dict[tuple[Segment, Segment], float] = field(default_factory=dict)
+    """Run-to-run spread of an entry (robust sigma: 1.4826 x the median absolute deviation), keyed
+    ``(fwd, bwd)`` with ``EMPTY`` for the absent side of an alone entry; missing: not known."""
+    samples: dict[tuple[Segment, Segment], int] = field(default_factory=dict)
+    """Runs each entry's median is taken over (same keys as ``spread_ms``)."""
+    info: dict = field(default_factory=dict)
+    """How the table was measured (repeats, re-measured entries, seconds); not compared."""
 
     def __post_init__(self):
         self.fwd_ops, self.bwd_ops = tuple(self.fwd_ops), tuple(self.bwd_ops)
@@ -92,6 +113,34 @@ class OverlapTable:
                                  "never co-executed and must not be in the table")
             _check_ms(ms, f"pair {fseg} x {bseg}")
 
+    def entry_ms(self, key: tuple[Segment, Segment]) -> float | None:
+        """The median of entry ``key`` (``(fwd, EMPTY)``, ``(EMPTY, bwd)`` or a pair), or None."""
+        fseg, bseg = key
+        if bseg == EMPTY:
+            return self.fwd_alone_ms.get(fseg)
+        if fseg == EMPTY:
+            return self.bwd_alone_ms.get(bseg)
+        return self.pair_ms.get(key)
+
+    def set_entry(self, key: tuple[Segment, Segment], ms: float, spread: float | None = None,
+                  samples: int | None = None) -> None:
+        fseg, bseg = key
+        if bseg == EMPTY:
+            self.fwd_alone_ms[fseg] = ms
+        elif fseg == EMPTY:
+            self.bwd_alone_ms[bseg] = ms
+        else:
+            self.pair_ms[key] = ms
+        if spread is not None:
+            self.spread_ms[key] = spread
+        if samples is not None:
+            self.samples[key] = samples
+
+    def standard_error(self, key) -> float:
+        """The standard error of entry ``key``'s median (0 when its spread is not known)."""
+        spread, n = self.spread_ms.get(key), self.samples.get(key)
+        return MEDIAN_SE * spread / math.sqrt(n) if spread and n else 0.0
+
     def check_matches(self, expected_meta: dict, fwd_ops: Sequence[OpSpec] | None = None,
                       bwd_ops: Sequence[OpSpec] | None = None) -> None:
         """Raise ValueError naming every key of ``expected_meta`` whose value differs in this table
@@ -108,29 +157,37 @@ class OverlapTable:
 
     # ---- JSON ----
 
+    def _noise(self, key) -> dict:
+        out = {}
+        if key in self.spread_ms:
+            out["spread_ms"] = self.spread_ms[key]
+        if key in self.samples:
+            out["samples"] = self.samples[key]
+        return out
+
     def to_dict(self) -> dict:
         """JSON-ready dict; segments appear as ranges and as op names (for people reading it)."""
-        def alone(ops, entries):
-            return [{"seg": list(seg), "ops": op_names(ops, seg), "ms": ms}
+        def alone(ops, entries, key):
+            return [{"seg": list(seg), "ops": op_names(ops, seg), "ms": ms, **self._noise(key(seg))}
                     for seg, ms in sorted(entries.items())]
         pairs = []
         for (fseg, bseg), ms in sorted(self.pair_ms.items()):
             entry = {"fwd": list(fseg), "bwd": list(bseg), "fwd_ops": op_names(self.fwd_ops, fseg),
-                     "bwd_ops": op_names(self.bwd_ops, bseg), "ms": ms}
+                     "bwd_ops": op_names(self.bwd_ops, bseg), "ms": ms, **self._noise((fseg, bseg))}
             a, b = self.fwd_alone_ms.get(fseg), self.bwd_alone_ms.get(bseg)
             if a is not None and b is not None:  # the paper's columns, for reading only
                 entry["sequential_ms"] = a + b
                 entry["ratio"] = ms / (a + b) if a + b > 0 else None
             pairs.append(entry)
-        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "meta": self.meta,
+        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "meta": self.meta, "info": self.info,
                 "fwd_ops": ops_to_json(self.fwd_ops), "bwd_ops": ops_to_json(self.bwd_ops),
-                "fwd_alone": alone(self.fwd_ops, self.fwd_alone_ms),
-                "bwd_alone": alone(self.bwd_ops, self.bwd_alone_ms), "pairs": pairs}
+                "fwd_alone": alone(self.fwd_ops, self.fwd_alone_ms, lambda seg: (seg, EMPTY)),
+                "bwd_alone": alone(self.bwd_ops, self.bwd_alone_ms, lambda seg: (EMPTY, seg)), "pairs": pairs}
 
     @classmethod
     def from_dict(cls, data: dict) -> "OverlapTable":
         """Inverse of ``to_dict``; ValueError when op names disagree with the ranges."""
-        check_format(data, TABLE_FORMAT, (TABLE_VERSION,), "overlap table")
+        check_format(data, TABLE_FORMAT, (1, TABLE_VERSION), "overlap table")
         fwd_ops, bwd_ops = ops_from_json(data["fwd_ops"]), ops_from_json(data["bwd_ops"])
 
         def seg_of(entry, key, names_key, ops):
@@ -144,7 +201,17 @@ class OverlapTable:
         bwd = {seg_of(e, "seg", "ops", bwd_ops): float(e["ms"]) for e in data["bwd_alone"]}
         pairs = {(seg_of(e, "fwd", "fwd_ops", fwd_ops), seg_of(e, "bwd", "bwd_ops", bwd_ops)): float(e["ms"])
                  for e in data["pairs"]}
-        return cls(dict(data.get("meta") or {}), fwd_ops, bwd_ops, fwd, bwd, pairs)
+        table = cls(dict(data.get("meta") or {}), fwd_ops, bwd_ops, fwd, bwd, pairs, info=dict(data.get("info") or {}))
+        keyed = [((parse_range(e["seg"]), EMPTY), e) for e in data["fwd_alone"]]
+        keyed += [((EMPTY, parse_range(e["seg"])), e) for e in data["bwd_alone"]]
+        keyed += [((parse_range(e["fwd"]), parse_range(e["bwd"])), e) for e in data["pairs"]]
+        for key, e in keyed:
+            if "spread_ms" in e:
+                _check_ms(e["spread_ms"], f"spread of entry {key}")
+                table.spread_ms[key] = float(e["spread_ms"])
+            if "samples" in e:
+                table.samples[key] = int(e["samples"])
+        return table
 
     def save(self, path: str) -> None:
         write_atomic(path, json.dumps(self.to_dict(), indent=1))
@@ -213,6 +280,37 @@ def predict_ms(table: OverlapTable, plan: SIPlan) -> float:
     return total
 
 
+def round_keys(table: OverlapTable, fwd: Segment, bwd: Segment) -> list[tuple[Segment, Segment]]:
+    """The table entries one round is priced from (``round_ms``): its pair, or its alone pieces."""
+    if fwd[0] != fwd[1] and bwd[0] != bwd[1]:
+        return [(fwd, bwd)]
+    if bwd[0] == bwd[1]:
+        return [(piece, EMPTY) for piece in split_at_runs(table.fwd_ops, fwd)]
+    return [(EMPTY, piece) for piece in split_at_runs(table.bwd_ops, bwd)]
+
+
+def plan_keys(table: OverlapTable, plan: SIPlan) -> list[tuple[Segment, Segment]]:
+    """Every table entry ``plan``'s prediction uses, in round order."""
+    return [k for r in plan.rounds for k in round_keys(table, r.fwd, r.bwd)]
+
+
+def predicted_spread_ms(table: OverlapTable, plan: SIPlan) -> float:
+    """The prediction's error bar for one run of ``plan``: the entries' run-to-run spreads added
+    in quadrature (rounds are timed apart, so their noise is taken as independent)."""
+    return math.sqrt(sum(table.spread_ms.get(k, 0.0) ** 2 for k in plan_keys(table, plan)))
+
+
+def noise_aware(table: OverlapTable, risk: float = NOISE_RISK) -> OverlapTable:
+    """The table with each entry priced at ``median + risk x standard error`` (entries without a
+    known spread unchanged): what the DP minimises, so entries measured low by chance lose their edge."""
+    def bump(entries, key):
+        return {seg: ms + risk * table.standard_error(key(seg)) for seg, ms in entries.items()}
+    return OverlapTable(table.meta, table.fwd_ops, table.bwd_ops,
+                        bump(table.fwd_alone_ms, lambda seg: (seg, EMPTY)),
+                        bump(table.bwd_alone_ms, lambda seg: (EMPTY, seg)),
+                        bump(table.pair_ms, lambda key: key))
+
+
 # ---- search ------------------------------------------------------------------------------
 
 Move = tuple[int, int, float]  # (next i, next j, cost)
@@ -253,8 +351,21 @@ def _no_plan(table: OverlapTable) -> ValueError:
                       f"pair covering it. {REPROFILE_HINT}")
 
 
-def plan_dp(table: OverlapTable) -> SIPlan:
-    """The optimal plan under ``table`` (exact DP over states (i, j), see the module docstring)."""
+def plan_dp(table: OverlapTable, risk: float = NOISE_RISK) -> SIPlan:
+    """The optimal plan under ``table`` (exact DP over states (i, j), see the module docstring),
+    each entry priced ``noise_aware`` with ``risk`` (0: the medians alone). Its ``predicted_ms`` is
+    from the medians; ``meta["predicted_spread_ms"]`` is its error bar when spreads are known."""
+    if risk and table.spread_ms:
+        plan = _plan_dp(noise_aware(table, risk))
+        rounds = plan.rounds
+        plan = SIPlan(table.fwd_ops, table.bwd_ops, rounds, predicted_ms=predict_ms(table, plan), source="dp",
+                      meta={"table_meta": dict(table.meta), "risk": risk,
+                            "predicted_spread_ms": predicted_spread_ms(table, plan)})
+        return plan
+    return _plan_dp(table)
+
+
+def _plan_dp(table: OverlapTable) -> SIPlan:
     nf, nb = len(table.fwd_ops), len(table.bwd_ops)
     moves = _moves(table)
     best = [[math.inf] * (nb + 1) for _ in range(nf + 1)]

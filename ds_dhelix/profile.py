@@ -9,6 +9,17 @@ untimed, so every measurement is the real executor on real shapes, groups and de
 
 All ranks run the same measurements in the same order (the collectives match); each entry is the
 median over repeats, then the max over ranks, so every rank holds the same table and plans alike.
+
+A profile runs in three passes (``profile_layer``), all choices made from world-reduced numbers so
+every rank re-measures the same entries in the same order:
+
+    1. every entry: ``warmup`` untimed runs, ``repeats`` timed (median, robust spread)
+    2. noisy entries: whose median's standard error exceeds ``NOISE_TARGET`` of the median get
+       ``repeats`` more runs, pass after pass, within ``NOISE_BUDGET`` x the first pass's time
+    3. the plan's own entries: the DP plan (noise-aware, ``planner.plan_dp``) has every entry it is
+       priced from re-measured with ``repeats`` more runs, interleaved, and the plan re-searched,
+       until it stops changing and none of its entries is noisy (at most ``REFINE_ROUNDS`` times):
+       a pair that won by lucky samples is measured again before the plan is kept
 """
 from __future__ import annotations
 
@@ -24,7 +35,7 @@ import torch.distributed as dist
 
 from .executor import Executor, MicroBatch
 from .ops import backward_order
-from .planner import OverlapTable, candidate_segments, plan_dp
+from .planner import EMPTY, OverlapTable, candidate_segments, plan_dp
 from .plan import segment_has_comm
 
 
@@ -116,36 +127,119 @@ def world_max(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+NOISE_TARGET = 0.02
+"""Pass 2 re-measures an entry while its median's standard error exceeds this share of the median."""
+NOISE_BUDGET = 0.5
+"""Pass 2 may take at most this many times the first pass's seconds."""
+REFINE_ROUNDS = 4
+"""Pass 3 re-measures the plan's entries and re-searches at most this many times."""
+
+
+def robust_spread(values: list[float]) -> float:
+    """Run-to-run sigma, robust to one outlier: 1.4826 x the median absolute deviation."""
+    med = statistics.median(values)
+    return 1.4826 * statistics.median(abs(v - med) for v in values)
+
+
+class _Samples:
+    """Every entry's timed runs (ms), and the table they make, reduced over the ranks."""
+
+    def __init__(self, probe: LayerProbe, meta: dict, fwd, bwd):
+        self.probe, self.meta, self.fwd, self.bwd = probe, meta, fwd, bwd
+        self.runs: dict = {}
+        self.timed = 0  # timed runs in all
+
+    def measure(self, key, times: int, warmup: int = 0) -> None:
+        for _ in range(warmup):
+            self.probe.time_round(*key)
+        self.runs.setdefault(key, []).extend(self.probe.time_round(*key) * 1e3 for _ in range(times))
+        self.timed += times
+
+    def table(self) -> OverlapTable:
+        keys = list(self.runs)
+        medians = world_max([statistics.median(self.runs[k]) for k in keys])
+        spreads = world_max([robust_spread(self.runs[k]) for k in keys])
+        table = OverlapTable(self.meta, self.fwd, self.bwd)
+        for key, ms, spread in zip(keys, medians, spreads):
+            table.set_entry(key, ms, spread, len(self.runs[key]))
+        return table
+
+
 def profile_layer(graph, batch: dict, meta: dict, params=(), warmup: int = 2, repeats: int = 5,
                   progress: bool = True) -> OverlapTable:
-    """Measure every candidate segment alone and every allowed pair; returns the overlap table."""
+    """Measure every candidate segment alone and every allowed pair, then re-measure the noisy
+    entries and the plan's own (see the module docstring); returns the overlap table, with
+    ``info`` saying what each pass did."""
     from tqdm import tqdm
     specs = graph.layer_specs()
     fwd, bwd = specs, backward_order(specs)
     fc, bc = candidate_segments(fwd), candidate_segments(bwd)
-    empty_f, empty_b = (0, 0), (0, 0)
-    jobs = [(s, empty_b) for s in fc] + [(empty_f, s) for s in bc]
+    jobs = [(s, EMPTY) for s in fc] + [(EMPTY, s) for s in bc]
     jobs += [(a, b) for a in fc for b in bc
              if not (segment_has_comm(fwd, a) and segment_has_comm(bwd, b))]
-    probe = LayerProbe(graph, batch)
+    samples = _Samples(LayerProbe(graph, batch), meta, fwd, bwd)
     show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
-    medians = []
-    for fseg, bseg in tqdm(jobs, desc="profile", disable=not show, dynamic_ncols=True):
-        for _ in range(warmup):
-            probe.time_round(fseg, bseg)
-        medians.append(statistics.median(probe.time_round(fseg, bseg) for _ in range(repeats)) * 1e3)
-    medians = world_max(medians)
+    t0 = time.perf_counter()
+    for key in tqdm(jobs, desc="profile", disable=not show, dynamic_ncols=True):
+        samples.measure(key, repeats, warmup)
+    first_s = time.perf_counter() - t0
+    table = samples.table()
+    noisy_runs = _remeasure_noisy(samples, table, repeats, first_s * NOISE_BUDGET, show)
+    table = samples.table() if noisy_runs else table
+    table, refined = _refine_plan(samples, table, repeats, show)
     for p in params:
         p.grad = None  # profiling must leave no gradients behind
-    table = OverlapTable(meta, fwd, bwd)
-    for (fseg, bseg), ms in zip(jobs, medians):
-        if bseg == empty_b:
-            table.fwd_alone_ms[fseg] = ms
-        elif fseg == empty_f:
-            table.bwd_alone_ms[bseg] = ms
-        else:
-            table.pair_ms[(fseg, bseg)] = ms
+    table.info = {"warmup": warmup, "repeats": repeats, "entries": len(jobs), "timed_runs": samples.timed,
+                  "noisy_remeasured_runs": noisy_runs, "plan_refinements": refined,
+                  "noise_target": NOISE_TARGET, "first_pass_s": round(first_s, 2),
+                  "seconds": round(time.perf_counter() - t0, 2)}
     return table
+
+
+def _noisy(table: OverlapTable, keys) -> list:
+    return [k for k in keys if table.standard_error(k) > NOISE_TARGET * table.entry_ms(k)]
+
+
+def _remeasure_noisy(samples: _Samples, table: OverlapTable, repeats: int, budget_s: float, show: bool) -> int:
+    """Pass 2: ``repeats`` more runs of every noisy entry, pass after pass, within ``budget_s``;
+    returns the runs added. Which entries are noisy is read from the world-reduced table, so all
+    ranks agree."""
+    added, t0 = 0, time.perf_counter()
+    keys = _noisy(table, samples.runs)
+    while keys:
+        for key in keys:
+            samples.measure(key, repeats)
+            added += repeats
+        spent = world_max([time.perf_counter() - t0])[0]
+        if spent >= budget_s:
+            break
+        keys = _noisy(samples.table(), keys)
+    if show and added:
+        print(f"ds_dhelix: profile re-measured noisy entries: {added} runs in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    return added
+
+
+def _refine_plan(samples: _Samples, table: OverlapTable, repeats: int, show: bool) -> tuple[OverlapTable, int]:
+    """Pass 3: re-measure the DP plan's entries (interleaved) and re-search until the plan stays."""
+    from .planner import plan_keys
+    plan = plan_dp(table)
+    for k in range(REFINE_ROUNDS):
+        keys = list(dict.fromkeys(plan_keys(table, plan)))
+        for _ in range(repeats):  # interleaved: a drift in machine load hits every entry alike
+            for key in keys:
+                samples.measure(key, 1)
+        table = samples.table()
+        again = plan_dp(table)
+        if show:
+            print(f"ds_dhelix: profile refinement {k + 1}: re-measured the plan's {len(keys)} entries; plan "
+                  f"predicted {again.predicted_ms:.3f} ms "
+                  f"(+-{again.meta.get('predicted_spread_ms', 0.0):.3f}){', kept' if again.fingerprint() == plan.fingerprint() else ', changed'}",
+                  flush=True)
+        if again.fingerprint() == plan.fingerprint() and not _noisy(table, keys):
+            return table, k + 1
+        plan = again
+    return table, REFINE_ROUNDS
 
 
 def cached_table_path(cache_dir: str, meta: dict) -> str:

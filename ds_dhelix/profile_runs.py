@@ -20,8 +20,8 @@ from .dims import ParallelDims
 from .groups import ProcessGroups
 from .ops import backward_order
 from .plan import default_plan, sequential_plan
-from .planner import OverlapTable, plan_dp, predict_ms, random_plan
-from .profile import LayerProbe, profile_layer, run_meta, world_max
+from .planner import OverlapTable, plan_dp, predict_ms, predicted_spread_ms, random_plan
+from .profile import LayerProbe, profile_layer, robust_spread, run_meta, world_max
 from .spawn import run_ranks
 
 
@@ -84,11 +84,16 @@ def _validate_rank(rank, world, o: dict):
     for _ in range(o["repeats"]):  # alternate plans within each repetition
         for n in names:
             samples[n].append(probe.time_plan(plans[n]) * 1e3)
-    measured = world_max([statistics.median(samples[n]) for n in names])
+    k = len(names)
+    reduced = world_max([statistics.median(samples[n]) for n in names] + [robust_spread(samples[n]) for n in names]
+                        + [min(samples[n]) for n in names] + [max(samples[n]) for n in names])
     if rank != 0:
         return None
     return [{"plan": n, "rounds": len(plans[n].rounds), "predicted_ms": predict_ms(table, plans[n]),
-             "measured_ms": m} for n, m in zip(names, measured)]
+             "predicted_spread_ms": predicted_spread_ms(table, plans[n]), "measured_ms": reduced[i],
+             "measured_spread_ms": reduced[k + i], "measured_min_ms": reduced[2 * k + i],
+             "measured_max_ms": reduced[3 * k + i]}
+            for i, n in enumerate(names)]
 
 
 def validate_world(o: dict, timeout: float = 900.0) -> dict:
@@ -105,7 +110,9 @@ def validate_world(o: dict, timeout: float = 900.0) -> dict:
         "spearman": spearman(pred, meas),
         "mean_abs_error_pct": statistics.mean(abs(r["error_pct"]) for r in rows),
         "dp_predicted_ms": dp["predicted_ms"],
+        "dp_error_bar_ms": dp["predicted_spread_ms"],  # one run's, from the table's spreads
         "dp_measured_ms": dp["measured_ms"],
+        "dp_measured_spread_ms": dp["measured_spread_ms"],
         "best_measured_ms": ranked[0]["measured_ms"],
         "best_measured_plan": ranked[0]["plan"],
         "dp_rank": 1 + ranked.index(dp),

@@ -47,6 +47,9 @@ def run(args) -> int:
     table.save(args.out)
     print(f"profiled {len(table.fwd_alone_ms)} forward + {len(table.bwd_alone_ms)} backward segments and "
           f"{len(table.pair_ms)} pairs in {seconds:.1f} s -> {args.out}")
+    i = table.info
+    print(f"timed runs {i['timed_runs']} ({i['repeats']} per entry, then {i['noisy_remeasured_runs']} more of noisy "
+          f"entries and {i['plan_refinements']} re-measurement(s) of the plan's entries)")
     print(json.dumps(table.meta))
     OverlapTable.load(args.out)  # round trip check
     return 0

@@ -42,9 +42,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(res, indent=1), file=args.stdout)
         return 0
-    print(f"{'plan':<12}{'rounds':>7}{'predicted ms':>14}{'measured ms':>13}{'error %':>9}")
+    print(f"{'plan':<12}{'rounds':>7}{'predicted ms':>20}{'measured ms':>20}{'error %':>9}")
     for r in sorted(res["rows"], key=lambda r: r["measured_ms"]):
-        print(f"{r['plan']:<12}{r['rounds']:>7}{r['predicted_ms']:>14.3f}{r['measured_ms']:>13.3f}{r['error_pct']:>9.1f}")
+        pred = f"{r['predicted_ms']:.3f} +-{r['predicted_spread_ms']:.3f}"
+        meas = f"{r['measured_ms']:.3f} +-{r['measured_spread_ms']:.3f}"
+        print(f"{r['plan']:<12}{r['rounds']:>7}{pred:>20}{meas:>20}{r['error_pct']:>9.1f}")
+    print("(+-: one run's spread; predicted: the table's entries' spreads in quadrature, measured: robust sigma "
+          "of the timed runs)")
     print(f"spearman(predicted, measured) = {res['spearman']:.3f}; mean |error| = {res['mean_abs_error_pct']:.1f}%")
     print(f"DP plan: measured {res['dp_measured_ms']:.3f} ms, rank {res['dp_rank']}/{res['num_plans']}, "
           f"{res['dp_vs_best_pct']:+.1f}% vs best measured ({res['best_measured_plan']})")
