@@ -18,7 +18,8 @@ every rank re-measures the same entries in the same order:
        ``repeats`` more runs, pass after pass, within ``NOISE_BUDGET`` x the first pass's time
     3. the plan's own entries: the DP plan (noise-aware, ``planner.plan_dp``) has every entry it is
        priced from re-measured with ``repeats`` more runs, interleaved, and the plan re-searched,
-       until it stops changing and none of its entries is noisy (at most ``REFINE_ROUNDS`` times):
+       until it comes out the same twice, or once with none of its entries noisy (at most
+       ``REFINE_ROUNDS`` times):
        a pair that won by lucky samples is measured again before the plan is kept
 """
 from __future__ import annotations
@@ -129,10 +130,12 @@ def world_max(values: list[float]) -> list[float]:
 
 NOISE_TARGET = 0.02
 """Pass 2 re-measures an entry while its median's standard error exceeds this share of the median."""
-NOISE_BUDGET = 0.5
+NOISE_BUDGET = 0.3
 """Pass 2 may take at most this many times the first pass's seconds."""
 REFINE_ROUNDS = 4
 """Pass 3 re-measures the plan's entries and re-searches at most this many times."""
+BUDGET_CHECK_EVERY = 16
+"""Pass 2 compares the time spent with its budget after every this many entries (one all-reduce)."""
 
 
 def robust_spread(values: list[float]) -> float:
@@ -207,13 +210,14 @@ def _remeasure_noisy(samples: _Samples, table: OverlapTable, repeats: int, budge
     added, t0 = 0, time.perf_counter()
     keys = _noisy(table, samples.runs)
     while keys:
-        for key in keys:
+        for i, key in enumerate(keys):
             samples.measure(key, repeats)
             added += repeats
-        spent = world_max([time.perf_counter() - t0])[0]
-        if spent >= budget_s:
-            break
-        keys = _noisy(samples.table(), keys)
+            if i % BUDGET_CHECK_EVERY == BUDGET_CHECK_EVERY - 1 and world_max([time.perf_counter() - t0])[0] >= budget_s:
+                keys = []  # out of time (every rank sees the slowest rank's clock: all stop together)
+                break
+        else:
+            keys = _noisy(samples.table(), keys) if world_max([time.perf_counter() - t0])[0] < budget_s else []
     if show and added:
         print(f"ds_dhelix: profile re-measured noisy entries: {added} runs in {time.perf_counter() - t0:.1f} s",
               flush=True)
@@ -223,7 +227,7 @@ def _remeasure_noisy(samples: _Samples, table: OverlapTable, repeats: int, budge
 def _refine_plan(samples: _Samples, table: OverlapTable, repeats: int, show: bool) -> tuple[OverlapTable, int]:
     """Pass 3: re-measure the DP plan's entries (interleaved) and re-search until the plan stays."""
     from .planner import plan_keys
-    plan = plan_dp(table)
+    plan, kept = plan_dp(table), 0
     for k in range(REFINE_ROUNDS):
         keys = list(dict.fromkeys(plan_keys(table, plan)))
         for _ in range(repeats):  # interleaved: a drift in machine load hits every entry alike
@@ -236,7 +240,8 @@ def _refine_plan(samples: _Samples, table: OverlapTable, repeats: int, show: boo
                   f"predicted {again.predicted_ms:.3f} ms "
                   f"(+-{again.meta.get('predicted_spread_ms', 0.0):.3f}){', kept' if again.fingerprint() == plan.fingerprint() else ', changed'}",
                   flush=True)
-        if again.fingerprint() == plan.fingerprint() and not _noisy(table, keys):
+        kept = kept + 1 if again.fingerprint() == plan.fingerprint() else 0
+        if kept and (kept == 2 or not _noisy(table, keys)):  # the same plan twice, or once with quiet entries
             return table, k + 1
         plan = again
     return table, REFINE_ROUNDS

@@ -79,6 +79,18 @@ def test_cpu_bound_on_cpu_devices():
     assert all(r["cpu_bound_speedup"] is None for r in summarize_link(opts, 2.0, cuda))
 
 
+def test_rows_carry_spread_and_flag_fewer_than_five_repeats():
+    opts = BenchOptions(modes=("sequential", "si"), link_gbps=(2.0,), seq_len=64)
+    result = {"shaped": True, "modes": {
+        "sequential": {"status": "ok", "steps": _steps([1.0, 1.3, 1.1, 0.9, 1.2], 0.6, 0.4, 0.4)},
+        "si": {"status": "ok", "steps": _steps([0.8, 0.7, 0.75], 0.62, 0.5, 0.1)}}}
+    rows = {r["mode"]: r for r in summarize_link(opts, 2.0, result)}
+    assert (rows["sequential"]["step_time_min_s"], rows["sequential"]["step_time_max_s"]) == (0.9, 1.3)
+    assert not rows["sequential"]["repeats_below_minimum"] and rows["si"]["repeats_below_minimum"]
+    table = markdown_table({"results": list(rows.values())})
+    assert "| 1100 [900–1300] |" in table and "750 [700–800] (n=3 < 5)" in table
+
+
 def test_failed_modes_become_rows():
     opts = BenchOptions(modes=("autotp", "sequential"), link_gbps=(None,), seq_len=64)
     rows = summarize_link(opts, None, {"error": "TimeoutError: hang", "modes": {

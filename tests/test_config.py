@@ -163,8 +163,8 @@ def test_section_must_be_object():
 @pytest.mark.parametrize(
     "section, path, expect",
     [
-        ({"schedule": "dualpipe"}, "dhelix.schedule", "sequential, si, w, dualpipev; did you mean 'dualpipev'"),
-        ({"schedule": "1f1b"}, "dhelix.schedule", "sequential, si, w, dualpipev"),
+        ({"schedule": "dualpipe"}, "dhelix.schedule", "sequential, si, intra, auto, w, dualpipev; did you mean 'dualpipev'"),
+        ({"schedule": "1f1b"}, "dhelix.schedule", "sequential, si, intra, auto, w, dualpipev"),
         ({"si_execution": "streaming"}, "dhelix.si_execution", "reactive, plan; did you mean 'reactive'? (formerly 'stream')"),
         ({"si_execution": "reactiv"}, "dhelix.si_execution", "did you mean 'reactive'?"),
         ({"planner": {"profile": "auto"}}, "dhelix.planner.profile", "needs dhelix.si_execution = 'plan'"),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import statistics
 
-from .options import DHELIX_MODES, REFERENCE_GBPS, BenchOptions, split_mode
+from .options import DHELIX_MODES, MIN_REPEATS, REFERENCE_GBPS, BenchOptions, split_mode
 
 # Dense peak FLOP/s of devices by name (fp32 without tensor cores); MFU is null elsewhere (CPU).
 PEAK_FLOPS_FP32 = {"A100": 19.5e12, "A40": 37.4e12, "A800": 19.5e12, "H100": 67e12, "H200": 67e12}
@@ -82,7 +82,8 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, core
     med = mode_medians(steps)
     step_s = med["step_s"]
     times = [s["step_s"] for s in steps]
-    row = {"steps": len(steps), "step_times_s": times, "step_time_s": step_s, "step_time_min_s": min(times),
+    row = {"steps": len(steps), "repeats_below_minimum": len(steps) < MIN_REPEATS,
+           "step_times_s": times, "step_time_s": step_s, "step_time_min_s": min(times),
            "step_time_max_s": max(times), "tokens_per_s": opts.tokens_per_step / step_s,
            "compute_s": med["compute_s"], "comm_s": med["comm_s"], "exposed_comm_s": med["exposed_s"],
            "cpu_s": med["cpu_s"], "other_threads_cpu_s": None,

@@ -60,6 +60,10 @@ def split_mode(mode: str) -> tuple[str, str | None]:
     return base, (recompute or None) if "+" in mode else None
 
 
+MIN_REPEATS = 5
+"""Timed steps a row needs to be reported: fewer are measured (quick looks, tests) but marked
+``repeats_below_minimum`` and flagged in the tables."""
+
 REFERENCE_GBPS = 2.0
 """The link whose sequential comm/comp ratio the run reports (the paper's A40-like regime)."""
 

@@ -10,6 +10,8 @@ import os
 
 from ds_dhelix.plan import write_atomic
 
+from .options import MIN_REPEATS
+
 CSV_COLUMNS = ("mode", "link_gbps", "link", "shaped", "status", "steps", "step_time_s", "tokens_per_s",
                "speedup_vs_sequential", "ideal_speedup", "achieved_over_ideal", "step_bound_speedup",
                "cpu_bound_speedup", "cpu_bound_over_ideal",
@@ -31,7 +33,7 @@ def _fmt(value, spec: str) -> str:
 
 def markdown_table(report: dict) -> str:
     """The rows as a markdown table, one block per link rate, plus the comm/comp ratio line."""
-    lines = ["| link | mode | step ms | tokens/s | vs seq | ideal | achieved/ideal | CPU bound | comp ms | "
+    lines = ["| link | mode | step ms [min–max] | tokens/s | vs seq | ideal | achieved/ideal | CPU bound | comp ms | "
              "comm ms | exposed ms | hidden | comm-thread CPU ms | peak act MiB |",
              "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in report["results"]:
@@ -41,8 +43,11 @@ def markdown_table(report: dict) -> str:
                          f"|  |  |  |  |  |  |  |  |  |  |  |")
             continue
         ms = lambda v: _fmt(v * 1e3 if v is not None else None, ".0f")  # noqa: E731
+        step = f"{ms(r['step_time_s'])} [{ms(r.get('step_time_min_s'))}–{ms(r.get('step_time_max_s'))}]"
+        if r.get("repeats_below_minimum"):
+            step += f" (n={r['steps']} < {MIN_REPEATS})"
         lines.append(
-            f"| {link} | {r['mode']} | {ms(r['step_time_s'])} | {_fmt(r['tokens_per_s'], '.0f')} | "
+            f"| {link} | {r['mode']} | {step} | {_fmt(r['tokens_per_s'], '.0f')} | "
             f"{_times(r['speedup_vs_sequential'])} | {_times(r['ideal_speedup'])} | "
             f"{_fmt(r['achieved_over_ideal'], '.2f')} | {_times(r.get('cpu_bound_speedup'))} | "
             f"{ms(r['compute_s'])} | {ms(r['comm_s'])} | "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ds_dhelix.bench.options import DEFAULT_MODES, MODES, PP_MODES, BenchOptions, quick
+from ds_dhelix.bench.options import DEFAULT_MODES, MIN_REPEATS, MODES, PP_MODES, BenchOptions, quick
 
 from .common import bench_link_rate, check_model, stdout_to_stderr
 
@@ -89,6 +89,9 @@ def run(args) -> int:
     opts = options_from_args(args)
     check_model(opts)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    if opts.repeats < MIN_REPEATS:
+        log(f"[bench] note: {opts.repeats} timed steps per mode, fewer than the {MIN_REPEATS} a reported row needs: "
+            f"the rows are marked repeats_below_minimum (n={opts.repeats} in the table)")
     with stdout_to_stderr(args.json):  # --json: stdout carries the JSON and nothing else
         report = run_bench(opts, progress=log)
     if args.out:
