@@ -525,8 +525,8 @@ def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, pro
     line = (f"done: steps {start + 1}-{start + len(losses)}, loss {first:.3f} -> {last:.3f}, "
             f"median step {med * 1e3:.0f} ms, {tokens / med:.0f} tokens/s")
     if stats:
-        comm = sum(s.comm_s for s in stats[1:] or stats)
-        exposed = sum(s.exposed_s for s in stats[1:] or stats)
+        comm = sum(s.comm_and_exposed[0] for s in stats[1:] or stats)  # CUDA: from CUDA events
+        exposed = sum(s.comm_and_exposed[1] for s in stats[1:] or stats)
         frac = max(0.0, 1 - exposed / comm) if comm > 0 else 0.0
         n = len(stats[1:] or stats)
         summary.update(schedule=dh.schedule, comm_ms_per_step=comm / n * 1e3,

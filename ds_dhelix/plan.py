@@ -53,7 +53,7 @@ class SIPlan:
     bwd_ops: tuple[OpSpec, ...]
     rounds: tuple[Round, ...]
     predicted_ms: float | None = None
-    source: str = "default"  # "default", "dp", "sequential", "random", "exhaustive"
+    source: str = "default"  # "default", "dp", "default-within-noise", "sequential", "random", "exhaustive"
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):

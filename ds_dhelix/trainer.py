@@ -268,8 +268,8 @@ class DhelixTrainer(Trainer):
         stats = getattr(self._engine, "last_stats", None)
         if stats is not None and "loss" in logs:
             logs = {**logs,
-                    "dhelix/comm_ms": stats.comm_s * 1e3,
-                    "dhelix/exposed_comm_ms": stats.exposed_s * 1e3,
+                    "dhelix/comm_ms": stats.comm_and_exposed[0] * 1e3,  # CUDA: from CUDA events
+                    "dhelix/exposed_comm_ms": stats.comm_and_exposed[1] * 1e3,
                     "dhelix/hidden_comm_fraction": stats.hidden_fraction,
                     "dhelix/peak_activation_bytes": float(stats.peak_activation_bytes),
                     "dhelix/tokens_per_s": stats.tokens_per_s}

@@ -40,7 +40,7 @@ def test_noise_aware_prices_the_median_plus_risk_standard_errors():
 def test_a_pair_low_by_chance_does_not_win():
     """One pair measured far below everything else but with a wide spread over 3 runs: the median
     DP takes it, the noise-aware DP does not (it costs more than the plan it displaced once its
-    error is counted); with many runs at that spread it would be trusted again."""
+    error is counted); measured as steady as the others it is trusted again."""
     t = _table(1)
     base = plan_dp(t, risk=0)
     for k in _all_keys(t):
@@ -50,7 +50,7 @@ def test_a_pair_low_by_chance_does_not_win():
     t.spread_ms[lucky], t.samples[lucky] = 50.0, 3
     assert lucky in plan_keys(t, plan_dp(t, risk=0))
     assert lucky not in plan_keys(t, plan_dp(t))
-    t.samples[lucky] = 10 ** 9
+    t.spread_ms[lucky], t.samples[lucky] = 0.01 * t.pair_ms[lucky], 5
     assert lucky in plan_keys(t, plan_dp(t))
 
 
@@ -132,3 +132,19 @@ def test_noisy_entries_get_more_runs_within_the_budget():
     assert all(len(samples.runs[k]) > 5 for k in noisy)
     assert all(len(samples.runs[k]) == 5 for k in samples.runs if k not in noisy)
     assert _remeasure_noisy(samples, samples.table(), repeats=5, budget_s=0.0, show=False) <= 5 * len(noisy)
+
+
+def test_dp_keeps_the_default_plan_unless_it_wins_by_more_than_the_noise():
+    t = _table(6)
+    found = plan_dp(t, risk=0)
+    default = default_plan(FWD, BWD)
+    gain = predict_ms(t, default) - predict_ms(t, found)
+    assert gain > 0 and found.fingerprint() != default.fingerprint()
+    for k in _all_keys(t):  # every entry as noisy as the gain: within the noise
+        t.spread_ms[k], t.samples[k] = gain, 5
+    kept = plan_dp(t)
+    assert kept.source == "default-within-noise" and kept.fingerprint() == default.fingerprint()
+    assert kept.meta["dp_plan_predicted_ms"] == pytest.approx(predict_ms(t, found)) and kept.meta["margin_ms"] > gain
+    for k in _all_keys(t):  # quiet entries: the DP plan's gain is real
+        t.spread_ms[k] = gain / 100
+    assert plan_dp(t).source == "dp" and plan_dp(t).fingerprint() == found.fingerprint()

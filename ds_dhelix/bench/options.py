@@ -133,6 +133,34 @@ class BenchOptions:
     def __post_init__(self):
         if self.pp > 1 and self.modes == DEFAULT_MODES:  # the default list: the pipeline's
             object.__setattr__(self, "modes", PP_MODES)
+        self._check_modes()
+        self._check_layout()
+        if not self.link_gbps:
+            raise ValueError("no link rates; pass e.g. --link-gbps 2 or --link-gbps unshaped")
+        for g in self.link_gbps:
+            if g == "matched":
+                continue
+            if g is not None and (isinstance(g, str) or not g > 0):
+                raise ValueError(f"link rate {g} Gbit/s must be > 0 (or 'unshaped')")
+        if self.link_burst_kb < 65:
+            raise ValueError(f"link-burst-kb {self.link_burst_kb} is below the loopback MTU (64 KiB): "
+                             f"the token bucket would drop full-size packets; use >= 65")
+        for name in ("tp", "pp", "cp", "ep", "micro_batches", "micro_batch_size", "seq_len", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num-layers must be >= 1, got {self.num_layers}")
+        if self.cp_comm not in ("ulysses", "ring"):
+            raise ValueError(f"cp-comm {self.cp_comm!r}: choose ulysses or ring")
+        from ds_dhelix.dims import ParallelDims
+        ParallelDims(self.tp * self.cp, tp=self.tp, cp=self.cp, cp_comm=self.cp_comm).check_seq_len(self.seq_len,
+                                                                                                  "seq-len")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero stage {self.zero_stage} not supported here; use 0, 1 or 2")
+
+    def _check_modes(self) -> None:
         allowed = PP_MODES if self.pp > 1 else MODES
         unknown = [m for m in self.modes if split_mode(m)[0] not in allowed]
         if unknown:
@@ -148,12 +176,14 @@ class BenchOptions:
                                  f"takes '+' and a recompute mode ({', '.join(RECOMPUTE_MODES)}), e.g. si+full")
         if len(set(self.modes)) != len(self.modes):
             raise ValueError(f"bench modes {list(self.modes)} name a mode twice")
+        if not self.modes:
+            raise ValueError("no modes to measure; pass e.g. --modes sequential si")
+
+    def _check_layout(self) -> None:
         if self.pp > 1 and (self.tp != 1 or self.ep != 1):
             raise ValueError(f"--pp {self.pp} with --tp {self.tp} --ep {self.ep}: the pipeline benchmark runs "
                              f"one rank per stage (DeepSpeed's pipelines here have no TP/EP to match); "
                              f"pass --tp 1 (and no --ep)")
-        if not self.modes:
-            raise ValueError("no modes to measure; pass e.g. --modes sequential si")
         if self.data_parallel is not None:
             if self.data_parallel < 1 or self.data_parallel % self.ep:
                 raise ValueError(f"--dp {self.data_parallel} must be >= 1 and a multiple of --ep {self.ep} (expert "
@@ -161,16 +191,6 @@ class BenchOptions:
             if self.pp > 1 and self.data_parallel > 1:
                 raise ValueError(f"--dp {self.data_parallel} with --pp {self.pp}: the pipeline bench runs one rank "
                                  f"per stage; drop --dp")
-        if not self.link_gbps:
-            raise ValueError("no link rates; pass e.g. --link-gbps 2 or --link-gbps unshaped")
-        for g in self.link_gbps:
-            if g == "matched":
-                continue
-            if g is not None and (isinstance(g, str) or not g > 0):
-                raise ValueError(f"link rate {g} Gbit/s must be > 0 (or 'unshaped')")
-        if self.link_burst_kb < 65:
-            raise ValueError(f"link-burst-kb {self.link_burst_kb} is below the loopback MTU (64 KiB): "
-                             f"the token bucket would drop full-size packets; use >= 65")
         if self.cp > 1 and self.pp > 1:
             raise ValueError(f"--cp {self.cp} with --pp {self.pp}: the pipeline bench measures DeepSpeed's 1F1B and "
                              f"DualPipeV, which have no context parallelism; bench CP with one stage (training and "
@@ -179,20 +199,6 @@ class BenchOptions:
         if self.cp > 1 and cp_peers:
             raise ValueError(f"--cp {self.cp}: modes {cp_peers} have no context parallelism to compare; measure "
                              f"deepspeed (plain data parallel), sequential and si")
-        for name in ("tp", "pp", "cp", "ep", "micro_batches", "micro_batch_size", "seq_len", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.num_layers is not None and self.num_layers < 1:
-            raise ValueError(f"num-layers must be >= 1, got {self.num_layers}")
-        if self.cp_comm not in ("ulysses", "ring"):
-            raise ValueError(f"cp-comm {self.cp_comm!r}: choose ulysses or ring")
-        from ds_dhelix.dims import ParallelDims
-        ParallelDims(self.tp * self.cp, tp=self.tp, cp=self.cp, cp_comm=self.cp_comm).check_seq_len(self.seq_len,
-                                                                                                  "seq-len")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero stage {self.zero_stage} not supported here; use 0, 1 or 2")
 
     @property
     def world(self) -> int:

@@ -82,8 +82,9 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
     for _ in range(opts.steps):
         engine.train_batch(iter(mine))
         s = engine.last_stats
-        steps.append({"step_s": s.step_s, "compute_s": s.compute_s, "comm_s": s.comm_s,
-                      "exposed_s": s.exposed_s, "num_comms": s.num_comms})
+        comm, exposed = s.comm_and_exposed  # CUDA: from CUDA events
+        steps.append({"step_s": s.step_s, "compute_s": s.compute_s, "comm_s": comm,
+                      "exposed_s": exposed, "num_comms": s.num_comms})
     engine.destroy()
     return {"rank": rank, "steps": steps}
 

@@ -50,6 +50,8 @@ def run(args) -> int:
     print("(+-: one run's spread; predicted: the table's entries' spreads in quadrature, measured: robust sigma "
           "of the timed runs)")
     print(f"spearman(predicted, measured) = {res['spearman']:.3f}; mean |error| = {res['mean_abs_error_pct']:.1f}%")
+    if res["dp_source"] != "dp":
+        print("the planner kept the default plan: its DP plan was not faster by more than the error bars")
     print(f"DP plan: measured {res['dp_measured_ms']:.3f} ms, rank {res['dp_rank']}/{res['num_plans']}, "
           f"{res['dp_vs_best_pct']:+.1f}% vs best measured ({res['best_measured_plan']})")
     return 0
