@@ -8,7 +8,9 @@ every rank then makes the same choice), the fastest is kept and the decision log
 figures. After ``auto_recheck_steps`` steps on it a new phase (no warm-up) times them again.
 
 Every step, trial or not, is a real training step with the math of the schedule it ran:
-``sequential`` and ``si`` are bitwise equal, ``intra`` differs from them in float rounding only.
+``sequential`` and ``si`` are bitwise equal; ``intra`` trains as half-size micro-batches do (float
+rounding of the split sums; with dropout or router noise other draws; an MoE balance loss and
+expert capacity per half), see ``executor``.
 
     auto = AutoSchedule(("sequential", "si", "intra"), trials=3, recheck_steps=500, reduce_max=fn)
     schedule = auto.schedule()        # this step's schedule

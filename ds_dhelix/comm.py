@@ -78,55 +78,48 @@ def _peer_ranks(group) -> str | None:
 def cuda_connections_warning(device: torch.device, env=None) -> str | None:
     """The warning for a CUDA setting that serializes kernels, or None. ``CUDA_DEVICE_MAX_CONNECTIONS=1``
     (Megatron sets it so its TP collectives launch in order) gives all streams one hardware queue:
-    a collective's kernel then holds back the compute kernels launched after it, and SI hides nothing."""
+    a collective's kernel then holds back the compute kernels launched after it."""
     env = os.environ if env is None else env
     if device.type != "cuda" or env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
         return None
-    return ("ds_dhelix: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware queue, so NCCL's kernels "
-            "serialize with compute and SI cannot overlap them; unset it (or set 8 or more) for ds_dhelix runs")
-
-
-_SIDE_STREAMS: dict = {}  # device index -> the stream that records collectives' completion events
+    return ("ds_dhelix: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware queue: a collective's "
+            "kernel holds back the compute kernels launched after it, which limits what SI can overlap to the "
+            "launch order; unset it (or set 8 or more) for ds_dhelix runs")
 
 
 @dataclass
 class DeviceEvents:
     """CUDA events of one collective, for device-true timing (with NCCL the host never blocks, so
-    host wait times say nothing): ``launched`` on the compute stream at launch, ``done`` on a side
-    stream made to wait for the collective (the host does not), ``reached`` on the compute stream
-    where the result is first needed, just before the compute stream is made to wait for ``done``.
-    After a synchronize: busy = launched -> done; exposed = reached -> done when positive (the time
-    the compute stream stalled on it)."""
+    host wait times say nothing): ``launched`` on the compute stream at launch; at the point the
+    result is first needed ``reached``, then the compute stream is made to wait for the collective
+    (``work.wait()``, NCCL's own stream ordering, which also keeps its inputs alive until then),
+    then ``resumed``. After a synchronize: exposed = reached -> resumed (the time the compute stream
+    stalled on it), busy = launched -> resumed (launch to observed completion, as the host measures
+    it on CPU: a collective that finished long before it was needed counts until it was needed)."""
 
     launched: object
-    done: object
     reached: object = None
+    resumed: object = None
 
     @classmethod
-    def start(cls, work, device: torch.device) -> "DeviceEvents":
+    def start(cls) -> "DeviceEvents":
         launched = torch.cuda.Event(enable_timing=True)
         launched.record()
-        side = _SIDE_STREAMS.get(device.index)
-        if side is None:
-            side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        done = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side):
-            work.wait()  # makes the side stream (the current one here) wait for the collective
-            done.record(side)
-        return cls(launched, done)
+        return cls(launched)
 
-    def join(self) -> None:
-        """The compute stream needs the result now: mark the point, then make it wait."""
+    def join(self, work) -> None:
+        """The compute stream needs the result now: mark the point, make it wait, mark again."""
         self.reached = torch.cuda.Event(enable_timing=True)
+        self.resumed = torch.cuda.Event(enable_timing=True)
         self.reached.record()
-        torch.cuda.current_stream().wait_event(self.done)
+        work.wait()
+        self.resumed.record()
 
     def times_s(self) -> tuple[float, float]:
         """(busy, exposed) seconds; call after the device has finished the step."""
-        busy = self.launched.elapsed_time(self.done) / 1e3
-        exposed = max(0.0, self.reached.elapsed_time(self.done) / 1e3) if self.reached is not None else 0.0
-        return busy, exposed
+        if self.resumed is None:
+            return 0.0, 0.0
+        return self.launched.elapsed_time(self.resumed) / 1e3, self.reached.elapsed_time(self.resumed) / 1e3
 
 
 @dataclass
@@ -144,13 +137,13 @@ class Pending:
 
     def __post_init__(self):
         if self.work is not None and self.out.is_cuda and self.device_events is None:
-            self.device_events = DeviceEvents.start(self.work, self.out.device)
+            self.device_events = DeviceEvents.start()
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             t0 = time.perf_counter()
             if self.device_events is not None:
-                self.device_events.join()
+                self.device_events.join(self.work)
             else:
                 self.work.wait()
             self.waited_s += time.perf_counter() - t0

@@ -371,8 +371,9 @@ class DhelixConfig(_Section):
     auto_candidates: tuple[str, ...] = AUTO_CANDIDATES
     """"auto" only: the schedules it times (any of "sequential", "si", "intra"; "intra" is left out
     when a micro-batch has one sample). "sequential" and "si" are bitwise equal, so a run that
-    settles on one of them is bitwise a run with it from the start; "intra" sums the two halves'
-    gradients in another order (see "intra"), so its trial steps differ from those in the last bits."""
+    settles on one of them is bitwise a run with it from the start; "intra" trains as half-size
+    micro-batches do (other rounding; with dropout, router noise, an MoE balance loss or expert
+    capacity also other draws / per-half terms), so its trial steps differ from theirs."""
     auto_trials: int = 3
     """"auto" only: timed steps per candidate in a trial phase (alternated; the median is compared),
     after one untimed warm-up step each in the first phase."""
@@ -452,6 +453,11 @@ class DhelixConfig(_Section):
                 f"dhelix.si_execution = {self.si_execution!r} with schedule 'intra': si_execution says how an SI "
                 f"pair runs, and intra pairs the two halves of one micro-batch, always reactively; remove "
                 f"\"si_execution\" or use \"schedule\": \"si\"")
+        if self.schedule == "auto" and self.si_execution != "reactive" and "intra" in self.auto_candidates:
+            raise ValueError(
+                f"dhelix.auto_candidates includes 'intra' with si_execution {self.si_execution!r}: auto would time "
+                f"intra on the plan executor (no deferred weight gradients), not as \"schedule\": \"intra\" runs it; "
+                f"drop 'intra' from auto_candidates or use si_execution 'reactive'")
         if self.pair_ends and (self.schedule not in ("si", "auto") or self.si_execution != "reactive"):
             raise ValueError(
                 f"dhelix.pair_ends = true needs schedule 'si' (or 'auto') with si_execution 'reactive' (got schedule "

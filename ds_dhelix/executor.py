@@ -14,11 +14,14 @@ is cut in two halves along the batch (``half_batches``) and the halves run as a 
 pair, forward beside forward, then backward beside backward (the second half trailing the first
 op by op, as ``pair_ends``' backwards do). Each half's loss is its sum over the whole micro-batch's
 target count, so the two add up to the micro-batch's loss; the weight gradients are the halves'
-sums added, so results match ``sequential`` up to float rounding. They are bitwise those of
-``sequential`` over half-size micro-batches, twice as many per step, wherever the halves count as
-many targets each (even rows, no ignored labels spread unevenly): the halves draw that run's
-dropout masks and router noise (``half_serial``), and an MoE router's load-balancing loss is
-each half's own, weighted by its share of the rows, as it is there.
+sums added, so a dense model without dropout matches ``sequential`` up to float rounding. Intra
+is bitwise ``sequential`` over half-size micro-batches, twice as many per step, wherever the
+halves count as many targets each (even rows, no ignored labels spread unevenly): the halves draw
+that run's dropout masks and router noise (``half_serial``; so not the whole micro-batch's), an
+MoE router's load-balancing loss is each half's own, weighted by its share of the rows, and an
+expert capacity applies per half, all as there. (Under ``auto`` an intra step's draw numbers
+are those a whole-micro-batch step twice as far into the run would use: two steps of different
+data may then share masks.)
 
 ``pair_ends`` leaves no strand alone (reactive execution): the first two forwards and the last two
 backwards are pairs too (the second of two backwards trails the first op by op, so weight

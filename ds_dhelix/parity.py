@@ -213,11 +213,23 @@ def _rank_main(rank, world, opts: ParityOptions):
         return None
     hf = train_hf(opts, batches) if opts.dtype == "fp32" and not _hf_cannot_take_the_mask(opts) else None
     out = compare(opts, seq, other, hf, note=note)
+    return judge_halves(out, other, halves) if opts.schedule == "intra" else out
+
+
+def judge_halves(out: dict, intra: dict, halves: dict | None) -> dict:
+    """``intra`` against sequential over half-size micro-batches (``halves``: that run, or None
+    where there is none): bitwise required; where nothing else held intra to anything (MoE balance
+    loss, dropout in bf16/fp16) and there is no such run, the result is not judged and not ok."""
     if halves is not None:
-        out["bitwise_equal_to_half_microbatches"] = all(torch.equal(halves["params"][k], other["params"][k])
-                                                        for k in other["params"])
+        out["bitwise_equal_to_half_microbatches"] = all(torch.equal(halves["params"][k], intra["params"][k])
+                                                        for k in intra["params"])
         out["losses"]["sequential-halves"] = halves["losses"]
         out["ok"] = out["ok"] and out["bitwise_equal_to_half_microbatches"]
+    elif out.pop("intra_needs_halves", False):
+        out["ok"] = False
+        out["intra_tolerance"] += ("; NOT JUDGED: no half-size reference here (it needs an even --micro-batch-size "
+                                   "and --packing concat)")
+    out.pop("intra_needs_halves", None)
     return out
 
 
@@ -324,21 +336,27 @@ def _judge_intra(opts: ParityOptions, out: dict, seq: dict, intra: dict, grad_sc
     if aux:
         out["intra_tolerance"] = ("not compared with sequential: each half's own load-balancing loss (held to the "
                                   "half-size micro-batches' run)")
-        out["ok"] = True
+        out["ok"], out["intra_needs_halves"] = True, True
         if out.get("hf_close") is not None:
             out["hf_close"] = None
             out["hf_comparison"] = "skipped: HF's load-balancing loss is over whole micro-batches"
         return
-    if "first_step" not in intra:  # bf16 / fp16: losses only
-        out["ok"] = loss_diff <= INTRA_LOSS_TOLERANCE_LOW_PRECISION or bool(opts.dropout)
+    if "first_step" not in intra:  # bf16 / fp16: losses only (with dropout not even those)
+        if opts.dropout:
+            out["ok"], out["intra_needs_halves"] = True, True
+            out["intra_tolerance"] = "not compared with sequential: other dropout masks (held to the half-size run)"
+            return
+        out["ok"] = loss_diff <= INTRA_LOSS_TOLERANCE_LOW_PRECISION
         out["intra_tolerance"] = f"losses within {INTRA_LOSS_TOLERANCE_LOW_PRECISION:g} of sequential"
         return
+    if grad_scale is None:  # no HF reference: scale by sequential's own gradients
+        grad_scale = max(1.0, max(float(g.abs().max()) for g in seq["first_step"]["grads"].values()))
     grad_diff = max_diff(intra["first_step"]["grads"], seq["first_step"]["grads"])
     out["max_grad_diff_vs_sequential"] = grad_diff
     out["intra_tolerance"] = f"first-step gradients within {HF_GRAD_TOLERANCE * grad_scale:.3g}" + (
         f" (dropout off; the trained legs draw other masks)" if opts.dropout else
         f" and losses within {HF_LOSS_TOLERANCE:g}") + " of sequential"
-    out["ok"] = bool(out["hf_close"]) and grad_diff <= HF_GRAD_TOLERANCE * grad_scale \
+    out["ok"] = out["hf_close"] is not False and grad_diff <= HF_GRAD_TOLERANCE * grad_scale \
         and (bool(opts.dropout) or loss_diff <= HF_LOSS_TOLERANCE)
 
 

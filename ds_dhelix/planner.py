@@ -357,9 +357,11 @@ def plan_dp(table: OverlapTable, risk: float = NOISE_RISK) -> SIPlan:
     each entry priced ``noise_aware`` with ``risk`` (0: the medians alone, and no fallback). Its
     ``predicted_ms`` is from the medians; ``meta["predicted_spread_ms"]`` is its error bar when
     spreads are known. With spreads, the default plan is kept instead (``source``
-    "default-within-noise") unless the DP plan is predicted faster by more than the two error bars
-    in quadrature: a plan picked from hundreds of noisy entries that wins by less than the noise has
-    measured slower than predicted (7-10% on this machine's tiny-llama layer), the default has not."""
+    "default-within-noise") unless the DP plan is predicted faster by more than the two plans'
+    one-run spreads in quadrature. That margin is deliberately one run's noise, not the medians'
+    standard errors (which shrink with samples): a plan picked from hundreds of noisy entries that
+    wins by less than that has measured 7-10% slower than predicted on this machine's tiny-llama
+    layer in every run, the default plan within 4% of its prediction."""
     if not (risk and table.spread_ms):
         return _plan_dp(table)
     found = _plan_dp(noise_aware(table, risk))

@@ -185,7 +185,7 @@ def profile_layer(graph, batch: dict, meta: dict, params=(), warmup: int = 2, re
     t0 = time.perf_counter()
     for key in tqdm(jobs, desc="profile", disable=not show, dynamic_ncols=True):
         samples.measure(key, repeats, warmup)
-    first_s = time.perf_counter() - t0
+    first_s = world_max([time.perf_counter() - t0])[0]  # the slowest rank's: every rank's budget alike
     table = samples.table()
     noisy_runs = _remeasure_noisy(samples, table, repeats, first_s * NOISE_BUDGET, show)
     table = samples.table() if noisy_runs else table

@@ -115,6 +115,8 @@ class DhelixStepMixin:
         """After the optimizer step (watchdog paused): record the step's numbers, log them, write
         the trace when due."""
         self.executor.finish_device_times()
+        if getattr(self, "auto", None) is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize()  # auto times steps: none may leave device work to the next
         stats.peak_activation_bytes = self.meter.peak
         stats.step_s = time.perf_counter() - self._step_t0
         self.last_stats, self.last_loss = stats, loss
@@ -158,7 +160,8 @@ class DhelixStepMixin:
         if norm is not None:
             events.append(("Train/grad_norm", float(norm), step))
         auto = getattr(self, "auto", None)
-        if auto is not None:  # which candidate ran the step (its index in auto_candidates)
+        if auto is not None:  # which candidate ran the step (its index in auto.candidates: intra left out
+            # for one-sample micro-batches)
             events.append(("Train/auto_schedule", float(auto.candidates.index(self.current_schedule)), step))
         if self.fp16_enabled():
             events.append(("Train/loss_scale", float(self._get_optimizer_loss_scale()), step))

@@ -60,6 +60,20 @@ def test_intra_moe_balance_loss_per_half_is_bitwise_the_half_microbatches_run():
     _assert_intra(r)
 
 
+def test_intra_parity_is_not_passed_when_nothing_judged_it():
+    """MoE balance loss (not comparable with sequential) and no half-size run (odd micro-batch):
+    the result says NOT JUDGED and is not ok; with the half-size run it is judged by it."""
+    from ds_dhelix.parity import compare, judge_halves
+    opts = ParityOptions(model="tiny-phimoe", tp=1, schedule="intra", micro_batch_size=3, dtype="bf16")
+    params = {"w": torch.ones(2)}
+    seq = {"losses": [1.0], "params": params, "peak_activation_bytes": 1}
+    intra = {"losses": [1.1], "params": {"w": torch.ones(2) * 1.5}, "peak_activation_bytes": 1}
+    out = judge_halves(compare(opts, seq, intra, None), intra, None)
+    assert out["ok"] is False and "NOT JUDGED" in out["intra_tolerance"]
+    out = judge_halves(compare(opts, seq, intra, None), intra, {"losses": [1.1], "params": intra["params"]})
+    assert out["ok"] is True and out["bitwise_equal_to_half_microbatches"]
+
+
 # ---------------------------------------------------------------- refusals
 
 
@@ -79,6 +93,7 @@ def _setup(section, micro=2, world=2):
     ({"schedule": "auto", "auto_trials": 0}, 2, "auto_trials"),
     ({"schedule": "intra", "pipeline": {"stages": 2}}, 2, "a pipeline runs one of"),
     ({"schedule": "auto", "pipeline": {"stages": 2}}, 2, "a pipeline runs one of"),
+    ({"schedule": "auto", "si_execution": "plan"}, 2, "includes 'intra' with si_execution 'plan'"),
 ])
 def test_intra_and_auto_refusals(section, micro, match):
     with pytest.raises(ValueError, match=match):
@@ -136,7 +151,7 @@ def test_auto_decides_by_the_slowest_ranks_medians():
 
 def test_auto_median_resists_one_slow_step():
     auto = AutoSchedule(("sequential", "si"), trials=3, recheck_steps=0)
-    times = iter([1, 1] + [1.0, 5.0, 0.9, 1.0, 1.0, 0.9])  # warm-up, then si's second timed step is slow
+    times = iter([1, 1] + [1.0, 5.0, 0.9, 1.0, 1.0, 0.9])  # warm-up, then si's first timed step is slow
     decided = None
     while decided is None:
         auto.schedule()
