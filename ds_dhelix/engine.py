@@ -55,7 +55,8 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         super().__init__(**kwargs)
         self.load_report = load_report
         self.setup_strands(dhelix, groups, graph, plan if dhelix.schedule in ("si", "auto") else None,
-                           defer_weight_grads=dhelix.defer_weight_grads, pair_ends=dhelix.pair_ends,
+                           defer_weight_grads=None if dhelix.defer_weight_grads else False,  # None: where useful
+                           pair_ends=dhelix.pair_ends,
                            recompute=dhelix.recompute)
         self._warned_few = False
         self.auto = self._auto_schedule() if dhelix.schedule == "auto" else None

@@ -366,7 +366,8 @@ class Executor:
     """Runs forward/backward of ``graph`` ops for micro-batches.
 
     ``plan`` None (default): SI pairs run reactively (see the module docstring), with weight
-    gradients of linear ops deferred when ``defer_weight_grads``; with a plan (or
+    gradients of linear ops deferred when ``defer_weight_grads`` (None: when the graph has
+    collectives); with a plan (or
     ``reactive=False``) pairs run the plan's rounds with barriers (no plan: one round per block),
     backward compute first. Collaborators, all optional: ``meter`` (``ActivationMeter``),
     ``recorder`` (``TraceRecorder``: spans and profiler labels), ``watchdog`` (``beat(**where)``).
@@ -375,7 +376,7 @@ class Executor:
     MAX_DEFERRED = 2  # weight-gradient passes waiting at once (each keeps its op's saved tensors)
 
     def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, *, meter=None, recorder=None,
-                 watchdog=None, defer_weight_grads: bool = True, reactive: bool | None = None,
+                 watchdog=None, defer_weight_grads: bool | None = None, reactive: bool | None = None,
                  pair_ends: bool = False, recompute: str = "none"):
         self.graph, self.plan, self.meter = graph, plan, meter
         self.recompute = RecomputePolicy(recompute, graph)
@@ -387,10 +388,12 @@ class Executor:
         self.recorder, self.watchdog = recorder, watchdog
         self.stats = StepStats()
         # deferring a weight gradient costs a second autograd pass; it pays only where it fills the
-        # time the strands wait on collectives, so a graph without COMM ops (TP = CP = EP = 1) runs
-        # each backward op whole (the same matmuls either way: results do not change)
-        self.defer_weight_grads = defer_weight_grads and self.reactive and any(
-            op.is_comm for block in graph.blocks for op in block)
+        # time the strands wait on collectives, so by default (None) a graph without COMM ops
+        # (TP = CP = EP = 1) runs each backward op whole; True defers anyway (the same matmuls
+        # either way: results do not change)
+        if defer_weight_grads is None:
+            defer_weight_grads = any(op.is_comm for block in graph.blocks for op in block)
+        self.defer_weight_grads = defer_weight_grads and self.reactive
         self.pair_ends = pair_ends
         self._grad = True  # False inside ``inference()``
         self._deferring = False  # on inside SI pairs and the last lone backward (reactive)

@@ -159,7 +159,9 @@ def test_tied_weight_keeps_accumulation_order(monkeypatch):
         model = copy.deepcopy(ref)
         graph = adapter_for(config).build_graph(model)
         rec = TraceRecorder(0)
-        Executor(graph, None, recorder=rec).run_microbatches(list(batches), schedule, 0.25)
+        # no collectives at TP=1: the executor would not defer on its own; forced to test the rule
+        ex = Executor(graph, None, recorder=rec, defer_weight_grads=True)
+        ex.run_microbatches(list(batches), schedule, 0.25)
         grads[schedule] = {n: p.grad for n, p in model.named_parameters()}
         if schedule == "si":
             assert "head.logits.wgrad" in {e.get("name") for e in rec.events()}
@@ -185,7 +187,8 @@ def test_pair_ends_keeps_accumulation_order(monkeypatch, preset, tied):
         model = copy.deepcopy(ref)
         graph = adapter_for(config).build_graph(model)
         rec = TraceRecorder(0)
-        mbs = Executor(graph, None, recorder=rec, pair_ends=True).run_microbatches(list(batches), schedule, 1 / 3)
+        mbs = Executor(graph, None, recorder=rec, pair_ends=True,  # TP=1: deferral forced (see above)
+                       defer_weight_grads=True).run_microbatches(list(batches), schedule, 1 / 3)
         grads[schedule] = {n: p.grad for n, p in model.named_parameters()}
         losses[schedule] = [mb.loss for mb in mbs]
     assert all(torch.equal(a, b) for a, b in zip(losses["si"], losses["sequential"]))

@@ -95,7 +95,7 @@ def test_executor_ops_are_profiler_ranges():
     config = make_config("tiny-llama")
     model = make_model(config)
     rec = TraceRecorder(0, record_function=True)
-    executor = Executor(adapter_for(config).build_graph(model), None, recorder=rec)
+    executor = Executor(adapter_for(config).build_graph(model), None, recorder=rec, defer_weight_grads=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         executor.run_microbatches(list(make_batches(config.vocab_size, 4)), "si", 0.25)
     spans = {e["name"] for e in rec.events() if e["ph"] == "X"}
