@@ -387,7 +387,8 @@ class DhelixConfig(_Section):
     defer_weight_grads: bool = True
     """"reactive" only: ops the adapter marks linear on the way to their weights (attn.qkv,
     attn.out, mlp.up, mlp.down, head.logits, moe.experts.up / .down) compute their input gradient
-    first and their weight gradient later, filling the time both strands wait on collectives."""
+    first and their weight gradient later, filling the time both strands wait on collectives (in
+    graphs that have collectives: TP, CP or EP > 1)."""
     pair_ends: bool = False
     """"si" + "reactive" only: co-execute the step's first two forwards and its last two backwards
     too (F0xF1 | F2xB0 | ... | B(m-2)xB(m-1)), so no strand runs alone and their collectives are
