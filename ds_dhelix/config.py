@@ -45,6 +45,9 @@ ONE_STAGE_SCHEDULES = ("sequential", "si", "intra", "auto")
 AUTO_CANDIDATES = ("sequential", "si", "intra")
 """Schedules ``"schedule": "auto"`` may choose from (``dhelix.auto_candidates``)."""
 
+AUTO_KEYS = ("auto_candidates", "auto_trials", "auto_recheck_steps")
+"""Keys of ``"schedule": "auto"`` only: refused with any other schedule, even at their defaults."""
+
 PIPELINE_SCHEDULES = ("sequential", "w", "dualpipev")
 """Schedules of a folded pipeline (``pipeline.stages`` > 1); "sequential" is the fold without SI."""
 
@@ -487,12 +490,22 @@ class DhelixConfig(_Section):
         bad = [c for c in self.auto_candidates if c not in AUTO_CANDIDATES]
         if bad or len(set(self.auto_candidates)) != len(self.auto_candidates) or len(self.auto_candidates) < 2:
             raise self._fail("auto_candidates", f"give two or more different schedules of {list(AUTO_CANDIDATES)}")
-        given = [k for k, v in (("auto_candidates", self.auto_candidates != AUTO_CANDIDATES),
-                                ("auto_trials", self.auto_trials != 3),
-                                ("auto_recheck_steps", self.auto_recheck_steps != 500)) if v]
-        if given and self.schedule != "auto":
-            raise ValueError(f"dhelix.{given[0]} is set but schedule is {self.schedule!r}: the auto_* keys apply to "
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        if self.schedule != "auto":  # they would be refused on the way back (``from_dict``)
+            for key in AUTO_KEYS:
+                out.pop(key)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any):
+        config = super().from_dict(d)
+        given = [k for k in AUTO_KEYS if k in (d or {})]
+        if given and config.schedule != "auto":
+            raise ValueError(f"dhelix.{given[0]} is set but schedule is {config.schedule!r}: the auto_* keys apply to "
                              f"\"schedule\": \"auto\" only; remove them or set the schedule to 'auto'")
+        return config
 
     @classmethod
     def from_ds_config(cls, ds_config: dict) -> "DhelixConfig":

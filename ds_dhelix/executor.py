@@ -198,8 +198,8 @@ def half_serial(serial: int, half: int) -> int:
 
 def half_batches(batch: dict) -> tuple[dict, dict]:
     """A micro-batch cut in two along the batch (the first half takes the extra row of an odd
-    batch). Each half carries ``loss_denominator`` (the whole micro-batch's: its own, or its valid
-    shifted-target count as ``make_side_fn`` counts them) and ``loss_share`` (its rows / all rows),
+    batch). Each half carries ``loss_denominator`` (the whole micro-batch's: its own, or its
+    ``valid_targets``, as ``make_side_fn`` counts them) and ``loss_share`` (its rows / all rows),
     so the halves' losses add up to the whole one's."""
     ids = batch["input_ids"]
     rows = ids.shape[0]
@@ -207,8 +207,8 @@ def half_batches(batch: dict) -> tuple[dict, dict]:
         raise ValueError(f"schedule 'intra' splits a micro-batch along the batch; this one has {rows} row")
     denominator = batch.get("loss_denominator")
     if denominator is None:
-        labels = batch.get("labels", ids)
-        denominator = max(int((labels[:, 1:] != -100).sum()), 1)
+        from hf_models.common import valid_targets
+        denominator = max(valid_targets(batch.get("labels", ids)), 1)
     cut = (rows + 1) // 2
     halves = []
     for lo, hi in ((0, cut), (cut, rows)):

@@ -327,10 +327,11 @@ def _judge_intra(opts: ParityOptions, out: dict, seq: dict, intra: dict, grad_sc
     adds that): with dropout (other masks: the losses are not compared, the first step runs
     without it) and with an MoE balance loss (each half's own)."""
     from hf_models.adapters import num_experts
+    from hf_models.moe_family import default_aux_loss_coef
     from hf_models.registry import load_config
     config = load_config(opts.model)
-    aux = num_experts(config) > 0 and getattr(config, "output_router_logits", False) \
-        and getattr(config, "router_aux_loss_coef", 0.0) > 0
+    coef = opts.extra.get("expert_parallel", {}).get("aux_loss_coef")
+    aux = num_experts(config) > 0 and (default_aux_loss_coef(config) if coef is None else coef) > 0
     loss_diff = max(abs(a - b) for a, b in zip(seq["losses"], intra["losses"]))
     out["max_loss_diff_vs_sequential"] = loss_diff
     if aux:

@@ -29,6 +29,7 @@ Plain data: no torch, no torch.distributed, no deepspeed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -37,7 +38,7 @@ from typing import Sequence
 
 from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
 from .ops import OpSpec, comm_runs, op_specs
-from .plan import Round, SIPlan, segment_has_comm
+from .plan import Round, SIPlan, default_plan, segment_has_comm
 
 Segment = tuple[int, int]  # half-open range of op indices
 
@@ -364,11 +365,9 @@ def plan_dp(table: OverlapTable, risk: float = NOISE_RISK) -> SIPlan:
     layer in every run, the default plan within 4% of its prediction."""
     if not (risk and table.spread_ms):
         return _plan_dp(table)
-    found = _plan_dp(noise_aware(table, risk))
-    plan = _annotated(table, found.rounds, "dp", risk)
-    from .plan import default_plan
+    plan = _annotated(table, _plan_dp(noise_aware(table, risk)), "dp", risk)
     try:
-        default = _annotated(table, default_plan(table.fwd_ops, table.bwd_ops).rounds, "default-within-noise", risk)
+        default = _annotated(table, default_plan(table.fwd_ops, table.bwd_ops), "default-within-noise", risk)
     except ValueError:  # the table cannot price the default plan: nothing to fall back on
         return plan
     margin = math.hypot(plan.meta["predicted_spread_ms"], default.meta["predicted_spread_ms"])
@@ -379,11 +378,11 @@ def plan_dp(table: OverlapTable, risk: float = NOISE_RISK) -> SIPlan:
     return default
 
 
-def _annotated(table: OverlapTable, rounds, source: str, risk: float) -> SIPlan:
-    plan = SIPlan(table.fwd_ops, table.bwd_ops, tuple(rounds), source=source)
-    return SIPlan(table.fwd_ops, table.bwd_ops, plan.rounds, predicted_ms=predict_ms(table, plan), source=source,
-                  meta={"table_meta": dict(table.meta), "risk": risk,
-                        "predicted_spread_ms": predicted_spread_ms(table, plan)})
+def _annotated(table: OverlapTable, plan: SIPlan, source: str, risk: float) -> SIPlan:
+    """``plan`` priced by ``table``'s medians, with its error bar."""
+    return dataclasses.replace(plan, predicted_ms=predict_ms(table, plan), source=source,
+                               meta={"table_meta": dict(table.meta), "risk": risk,
+                                     "predicted_spread_ms": predicted_spread_ms(table, plan)})
 
 
 def _plan_dp(table: OverlapTable) -> SIPlan:

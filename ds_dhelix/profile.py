@@ -160,8 +160,8 @@ class _Samples:
 
     def table(self) -> OverlapTable:
         keys = list(self.runs)
-        medians = world_max([statistics.median(self.runs[k]) for k in keys])
-        spreads = world_max([robust_spread(self.runs[k]) for k in keys])
+        reduced = world_max([statistics.median(self.runs[k]) for k in keys] + [robust_spread(self.runs[k]) for k in keys])
+        medians, spreads = reduced[:len(keys)], reduced[len(keys):]  # one all-reduce for both
         table = OverlapTable(self.meta, self.fwd, self.bwd)
         for key, ms, spread in zip(keys, medians, spreads):
             table.set_entry(key, ms, spread, len(self.runs[key]))

@@ -79,6 +79,17 @@ class ContextShards:
     comm: str = "ulysses"
 
 
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """HF's causal-LM targets of ``[b, s]`` labels: position t predicts labels[t+1], the last
+    position predicts nothing (-100)."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+
+
+def valid_targets(labels: torch.Tensor) -> int:
+    """How many targets of ``labels`` the loss counts (``shifted_targets`` other than -100)."""
+    return int((labels[:, 1:] != -100).sum())
+
+
 def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = None):
     """Side inputs of a micro-batch: this rank's sequence shard of ids and shifted targets, and
     ``serial``, the micro-batch's number in the run (random draws are seeded by it, so they do not
@@ -102,7 +113,7 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
         if s % multiple:
             from ds_dhelix.dims import ParallelDims
             ParallelDims(shards, tp=tp, cp=shards // tp, cp_comm=cp.comm if cp else "ulysses").check_seq_len(s)
-        targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+        targets = shifted_targets(labels)
         n = s // shards
         sl = slice(index * n, (index + 1) * n)
         if ring:  # this CP rank's two zig-zag chunks, then this TP rank's part of them
@@ -113,7 +124,7 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
         side = {
             "ids": ids[:, sl],
             "targets": targets[:, sl].t().contiguous(),  # [s/tp, b], sequence-first
-            "num_valid": int((targets != -100).sum()),
+            "num_valid": valid_targets(labels),
             # what the loss sum is divided by: the valid targets, or the caller's share of a step's
             # count (DhelixTrainer: the Trainer's num_items_in_batch over the data-parallel ranks)
             "loss_denominator": batch.get("loss_denominator"),

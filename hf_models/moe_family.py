@@ -309,7 +309,7 @@ def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_grou
         replicated = mark_replicated([p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)],
                                      tp_grad_group)
     if aux_loss_coef is None:
-        aux_loss_coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
+        aux_loss_coef = default_aux_loss_coef(config)
     num_layers = len(inner.layers)
     metrics = MoeMetrics(num_layers, family.num_experts(config))
     draws = Draws(seed)  # router noise and attention dropout
@@ -327,6 +327,12 @@ def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_grou
             "aux_loss_coef": aux_loss_coef}
     return ModelGraph(blocks, make_side_fn(tp, tp_rank, side_inputs(model, family), cp), family=family.family,
                       meta=meta, replicated=replicated)
+
+
+def default_aux_loss_coef(config) -> float:
+    """The load-balancing loss coefficient HF trains with: ``router_aux_loss_coef`` when the config
+    has ``output_router_logits`` on, else 0."""
+    return config.router_aux_loss_coef if getattr(config, "output_router_logits", False) else 0.0
 
 
 def sequence_ranks(tp: int, tp_grad_group, cp: ContextShards | None):

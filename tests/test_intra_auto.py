@@ -87,6 +87,7 @@ def _setup(section, micro=2, world=2):
     ({"schedule": "intra"}, 1, "train_micro_batch_size_per_gpu is 1"),
     ({"schedule": "intra", "si_execution": "plan"}, 2, "intra pairs the two halves"),
     ({"schedule": "si", "auto_trials": 5}, 2, "auto_trials is set but schedule is 'si'"),
+    ({"auto_recheck_steps": 500}, 2, "auto_recheck_steps is set but schedule is 'si'"),  # its default: still refused
     ({"schedule": "auto", "auto_candidates": ["si", "w"]}, 2, "auto_candidates"),
     ({"schedule": "auto", "auto_candidates": ["si"]}, 2, "two or more different"),
     ({"schedule": "auto", "auto_candidates": ["intra", "si"]}, 1, "leaves one candidate"),
