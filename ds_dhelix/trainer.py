@@ -273,6 +273,9 @@ class DhelixTrainer(Trainer):
                     "dhelix/hidden_comm_fraction": stats.hidden_fraction,
                     "dhelix/peak_activation_bytes": float(stats.peak_activation_bytes),
                     "dhelix/tokens_per_s": stats.tokens_per_s}
+            auto = getattr(self._engine, "auto", None)
+            if auto is not None:  # "schedule": "auto": the logged step's schedule, its index in auto.candidates
+                logs["dhelix/auto_schedule"] = float(auto.candidates.index(self._engine.current_schedule))
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ evaluation and saving
