@@ -94,7 +94,9 @@ def test_engine_uses_table_and_refuses_mismatch(table, tmp_path):
     path = str(tmp_path / "t.json")
     table.save(path)
     ok = run_ranks(_engine_with_table, 2, args=(path, False), timeout=180)
-    assert ok[0][0] in ("dp", "default") and ok[0][2]  # DP plan, confirmed by measurement against the default
+    # the DP plan confirmed by measurement against the default, or the default (measured slower,
+    # or the DP plan's gain within the table's noise: planner.plan_dp)
+    assert ok[0][0] in ("dp", "default", "default-within-noise") and ok[0][2]
     bad = run_ranks(_engine_with_table, 2, args=(path, True), timeout=180)
     assert bad[0].startswith("ValueError") and "batch_shape" in bad[0], bad[0]
 
