@@ -72,8 +72,8 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
         raise ValueError(f"dhelix.schedule = 'intra' splits each micro-batch in two along the batch, but "
                          f"train_micro_batch_size_per_gpu is {batch.micro_batch_size}; use a micro-batch of 2 or "
                          f"more samples (e.g. 2 with half the gradient_accumulation_steps), or schedule 'si'")
-    if dh.schedule == "auto" and batch.micro_batch_size < 2 and len(set(dh.auto_candidates) - {"intra"}) < 2:
-        raise ValueError(f"dhelix.auto_candidates = {list(dh.auto_candidates)} with train_micro_batch_size_per_gpu "
+    if dh.schedule == "auto" and batch.micro_batch_size < 2 and len(set(dh.auto_schedules) - {"intra"}) < 2:
+        raise ValueError(f"dhelix.auto_candidates = {list(dh.auto_schedules)} with train_micro_batch_size_per_gpu "
                          f"1: 'intra' needs 2 or more samples per micro-batch, which leaves one candidate; add "
                          f"'sequential' or 'si', or use a micro-batch of 2")
     return Setup(dh, dims, batch, fold)
@@ -158,7 +158,14 @@ def _check_pipeline(dh, ds_config: dict, dims: ParallelDims, batch: BatchSizes, 
         raise ValueError(f"dhelix.planner.profile = {dh.planner.profile!r} with a pipeline is not supported yet: "
                          f"the pipeline uses the default SI plan; set planner.profile to 'off' (or pass plan=...)")
     fold = fold_layers(num_layers, p, list(dh.pipeline.split) if dh.pipeline.split else None)
-    check_pipeline_microbatches(dh.schedule, p, batch.gradient_accumulation_steps)
+    for name in dh.auto_schedules if dh.schedule == "auto" else (dh.schedule,):
+        try:
+            check_pipeline_microbatches(name, p, batch.gradient_accumulation_steps)
+        except ValueError as err:
+            if dh.schedule != "auto":
+                raise
+            raise ValueError(f"schedule 'auto' times {list(dh.auto_schedules)}: the {err}, or drop {name!r} from "
+                             f"dhelix.auto_candidates") from None
     return fold
 
 

@@ -43,16 +43,18 @@ ONE_STAGE_SCHEDULES = ("sequential", "si", "intra", "auto")
 """Schedules without a pipeline (``pipeline.stages`` 1)."""
 
 AUTO_CANDIDATES = ("sequential", "si", "intra")
-"""Schedules ``"schedule": "auto"`` may choose from (``dhelix.auto_candidates``)."""
+"""Schedules ``"schedule": "auto"`` may choose from on one stage (``dhelix.auto_candidates``)."""
 
 AUTO_KEYS = ("auto_candidates", "auto_trials", "auto_recheck_steps")
 """Keys of ``"schedule": "auto"`` only: refused with any other schedule, even at their defaults."""
 
-PIPELINE_SCHEDULES = ("sequential", "w", "dualpipev")
-"""Schedules of a folded pipeline (``pipeline.stages`` > 1); "sequential" is the fold without SI."""
+PIPELINE_SCHEDULES = ("sequential", "w", "dualpipev", "auto")
+"""Schedules of a folded pipeline (``pipeline.stages`` > 1); "sequential" is the fold without SI.
+Every one folds the layer list into 2 x stages chunks (rank r holds chunks r and 2p-1-r)."""
 
-FOLDED_SCHEDULES = ("w", "dualpipev")
-"""Schedules that fold the layer list into 2 x stages chunks (rank r holds chunks r and 2p-1-r)."""
+PIPELINE_AUTO_CANDIDATES = ("sequential", "w", "dualpipev")
+"""Schedules ``"schedule": "auto"`` may choose from in a pipeline: all run on the same fold, so a
+step may take any of them."""
 
 RECOMPUTE_MODES = MODES
 """Valid values of ``dhelix.recompute`` (``recompute.py``)."""
@@ -265,14 +267,15 @@ class ContextParallelConfig(_Section):
 
 @dataclass(frozen=True)
 class PipelineConfig(_Section):
-    """Pipeline parallelism. Folded schedules ("w", "dualpipev") cut the layers into 2 x stages chunks."""
+    """Pipeline parallelism. Every pipeline schedule (the sequential fold, "w", "dualpipev") cuts the
+    layers into 2 x stages chunks, rank r holding chunks r and 2 x stages - 1 - r."""
 
     _path: ClassVar[str] = "dhelix.pipeline"
 
     stages: int = 1
     """Number of pipeline ranks p."""
     split: tuple[int, ...] | None = None
-    """Layers per chunk, in layer order (stages entries, or 2 x stages for folded schedules); null = even."""
+    """Layers per chunk, in layer order (2 x stages entries); null = even. Pipelines only."""
 
     def __post_init__(self):
         self._check_types()
@@ -283,10 +286,13 @@ class PipelineConfig(_Section):
                     f"{self._path}.split = {list(self.split)} is invalid: every chunk needs at least 1 layer "
                     f"(layers are never dropped); give one positive layer count per chunk or null for an even split"
                 )
+            if self.stages == 1:
+                raise ValueError(f"{self._path}.split = {list(self.split)} with stages = 1: a split cuts the layers "
+                                 f"of a pipeline into its chunks; remove it, or set stages >= 2")
 
-    def num_chunks(self, schedule: str) -> int:
-        """Layer chunks the schedule cuts the model into: 2 x stages when folded, else stages."""
-        return self.stages * (2 if schedule in FOLDED_SCHEDULES else 1)
+    def num_chunks(self) -> int:
+        """Layer chunks of the pipeline: 2 x stages (every pipeline schedule runs on the fold)."""
+        return 2 * self.stages
 
 
 @dataclass(frozen=True)
@@ -371,12 +377,14 @@ class DhelixConfig(_Section):
     ``auto_candidates`` on real training steps and keeps the fastest), "w" (folded W pipeline with
     SI), "dualpipev" (folded pipeline in DualPipeV's order, each forward/backward pair co-executed by
     SI; DeepSpeed's own DualPipeV runs the pairs one after the other)."""
-    auto_candidates: tuple[str, ...] = AUTO_CANDIDATES
-    """"auto" only: the schedules it times (any of "sequential", "si", "intra"; "intra" is left out
-    when a micro-batch has one sample). "sequential" and "si" are bitwise equal, so a run that
-    settles on one of them is bitwise a run with it from the start; "intra" trains as half-size
-    micro-batches do (other rounding; with dropout, router noise, an MoE balance loss or expert
-    capacity also other draws / per-half terms), so its trial steps differ from theirs."""
+    auto_candidates: tuple[str, ...] | None = None
+    """"auto" only: the schedules it times. One stage: any of "sequential", "si", "intra" (default
+    all three; "intra" is left out when a micro-batch has one sample). "sequential" and "si" are
+    bitwise equal, so a run that settles on one of them is bitwise a run with it from the start;
+    "intra" trains as half-size micro-batches do (other rounding; with dropout, router noise, an MoE
+    balance loss or expert capacity also other draws / per-half terms), so its trial steps differ
+    from theirs. A pipeline (``pipeline.stages`` > 1): any of "sequential", "w", "dualpipev"
+    (default all three), bitwise equal to one another. None: the default of the layout."""
     auto_trials: int = 3
     """"auto" only: timed steps per candidate in a trial phase (alternated; the median is compared),
     after one untimed warm-up step each in the first phase."""
@@ -457,7 +465,7 @@ class DhelixConfig(_Section):
                 f"dhelix.si_execution = {self.si_execution!r} with schedule 'intra': si_execution says how an SI "
                 f"pair runs, and intra pairs the two halves of one micro-batch, always reactively; remove "
                 f"\"si_execution\" or use \"schedule\": \"si\"")
-        if self.schedule == "auto" and self.si_execution != "reactive" and "intra" in self.auto_candidates:
+        if self.schedule == "auto" and self.si_execution != "reactive" and "intra" in self.auto_schedules:
             raise ValueError(
                 f"dhelix.auto_candidates includes 'intra' with si_execution {self.si_execution!r}: auto would time "
                 f"intra on the plan executor (no deferred weight gradients), not as \"schedule\": \"intra\" runs it; "
@@ -477,19 +485,34 @@ class DhelixConfig(_Section):
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise self._fail("recompute", f"choose one of {', '.join(RECOMPUTE_MODES)}{hint}")
         split = self.pipeline.split
-        chunks = self.pipeline.num_chunks(self.schedule)
+        chunks = self.pipeline.num_chunks()
         if split is not None and len(split) != chunks:
-            folded = " (2 x stages: the folded schedule)" if self.schedule in FOLDED_SCHEDULES else ""
             raise ValueError(
-                f"dhelix.pipeline.split = {list(split)} has {len(split)} entries but schedule "
-                f"'{self.schedule}' with {self.pipeline.stages} stages needs {chunks}{folded}; "
-                f"give one layer count per chunk"
+                f"dhelix.pipeline.split = {list(split)} has {len(split)} entries but {self.pipeline.stages} "
+                f"stages fold the layers into {chunks} chunks (2 x stages); give one layer count per chunk"
             )
 
+    @property
+    def auto_schedules(self) -> tuple[str, ...]:
+        """The schedules "auto" times: ``auto_candidates``, or the layout's default (one stage:
+        sequential, si, intra; a pipeline: sequential, w, dualpipev)."""
+        if self.auto_candidates is not None:
+            return self.auto_candidates
+        return PIPELINE_AUTO_CANDIDATES if self.pipeline.stages > 1 else AUTO_CANDIDATES
+
     def _check_auto(self) -> None:
-        bad = [c for c in self.auto_candidates if c not in AUTO_CANDIDATES]
+        if self.auto_candidates is None:
+            return
+        allowed, where = ((PIPELINE_AUTO_CANDIDATES, f"with pipeline.stages = {self.pipeline.stages}")
+                          if self.pipeline.stages > 1 else (AUTO_CANDIDATES, "on one stage"))
+        bad = [c for c in self.auto_candidates if c not in allowed]
         if bad or len(set(self.auto_candidates)) != len(self.auto_candidates) or len(self.auto_candidates) < 2:
-            raise self._fail("auto_candidates", f"give two or more different schedules of {list(AUTO_CANDIDATES)}")
+            other = AUTO_CANDIDATES if self.pipeline.stages > 1 else PIPELINE_AUTO_CANDIDATES
+            kind = "one-stage" if self.pipeline.stages > 1 else "pipeline"
+            hint = (f" ({', '.join(map(repr, bad))}: {kind} schedule{'s' if len(bad) > 1 else ''})"
+                    if bad and all(b in other for b in bad) else "")
+            raise self._fail("auto_candidates", f"give two or more different schedules of {list(allowed)} "
+                                                f"{where}{hint}")
 
     def to_dict(self) -> dict:
         out = super().to_dict()

@@ -17,7 +17,6 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
 from .autoschedule import AutoSchedule
-from .autoschedule import describe as describe_decision
 from .config import DhelixConfig
 from .executor import MicroBatch
 from .groups import ProcessGroups
@@ -65,18 +64,13 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
     def _auto_schedule(self) -> AutoSchedule:
         """``"schedule": "auto"``'s chooser over the configured candidates ("intra" left out, with a
         warning, when a micro-batch has one sample: check_setup refused it if fewer than 2 remain)."""
-        candidates = [c for c in self.dhelix.auto_candidates
+        candidates = [c for c in self.dhelix.auto_schedules
                       if c != "intra" or self.train_micro_batch_size_per_gpu() >= 2]
-        if len(candidates) < len(self.dhelix.auto_candidates) and self.global_rank == 0:
+        if len(candidates) < len(self.dhelix.auto_schedules) and self.global_rank == 0:
             logger.warning("ds_dhelix: schedule auto leaves out 'intra': it splits a micro-batch in two along the "
                            "batch, and train_micro_batch_size_per_gpu is 1")
 
-        def reduce_max(values: list) -> list:
-            t = torch.tensor(values, dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return t.tolist()
-
-        return AutoSchedule(candidates, self.dhelix.auto_trials, self.dhelix.auto_recheck_steps, reduce_max)
+        return self.make_auto(candidates)
 
     def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """Write an HF checkpoint (shards gathered) from global rank 0; collective on all ranks."""
@@ -106,9 +100,8 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         self.module.train()
         stats = self.begin_step()  # the watchdog covers the micro-batches and the optimizer step
         try:
-            self.current_schedule = self.dhelix.schedule if self.auto is None else self.auto.schedule()
             with self._reduction_context():
-                mbs = self.executor.run_microbatches(batches, self.current_schedule, loss_seed(self, len(batches)),
+                mbs = self.executor.run_microbatches(batches, self.step_schedule(), loss_seed(self, len(batches)),
                                                      first_serial=self.global_steps * len(batches))
             self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
             self._is_gradient_accumulation_boundary = True
@@ -121,9 +114,7 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
             self.watchdog.pause()
         self.end_step(stats, self.mean_loss(mbs), batches)
         if self.auto is not None:
-            decision = self.auto.record(self.global_steps, stats.step_s)
-            if decision is not None and self.global_rank == 0:
-                logger.info(describe_decision(decision))
+            self.record_auto()
         return self.last_loss
 
     @torch.no_grad()

@@ -3,6 +3,8 @@
 this in before their DeepSpeed base class.
 
     setup_strands   executor, activation meter, watchdog, trace recorder
+    make_auto       "schedule": "auto"'s chooser (``autoschedule.AutoSchedule``) over given candidates
+    step_schedule   the schedule of the next step (auto's pick, else the configured one)
     watched         the watchdog armed around work between steps (checkpoint saves, the HF export)
     pull_batches    a step's micro-batches from the data iterator, shapes checked
     begin_step      fresh StepStats, meter peak reset, watchdog armed
@@ -18,6 +20,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import logger
 
+from .autoschedule import AutoSchedule
+from .autoschedule import describe as describe_decision
 from .comm import cuda_connections_warning
 from .executor import Executor, StepStats
 from .memory import ActivationMeter
@@ -74,6 +78,29 @@ class DhelixStepMixin:
             logger.warning(warning)
         self._step_t0 = 0.0
         self.steps_run = 0  # steps of this process (a resumed engine's global_steps starts higher)
+
+    def make_auto(self, candidates) -> AutoSchedule:
+        """``"schedule": "auto"``'s chooser over ``candidates``; every rank decides on the slowest
+        rank's figures (an all-reduce of them), so all ranks take the same schedule."""
+
+        def reduce_max(values: list) -> list:
+            t = torch.tensor(values, dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return t.tolist()
+
+        return AutoSchedule(candidates, self.dhelix.auto_trials, self.dhelix.auto_recheck_steps, reduce_max)
+
+    def step_schedule(self) -> str:
+        """The schedule the next step runs (and ``current_schedule`` from then on)."""
+        auto = getattr(self, "auto", None)
+        self.current_schedule = self.dhelix.schedule if auto is None else auto.schedule()
+        return self.current_schedule
+
+    def record_auto(self) -> None:
+        """After a step under auto: give it the step's time; log a decision when it made one."""
+        decision = self.auto.record(self.global_steps, self.last_stats.step_s)
+        if decision is not None and self.global_rank == 0:
+            logger.info(describe_decision(decision))
 
     def destroy(self):
         self.watchdog.stop()

@@ -107,8 +107,7 @@ def test_failed_modes_become_rows():
     ({"repeats": 0}, ["repeats"]),
     ({"link_burst_kb": 16}, ["16", "MTU"]),
     ({"pp": 2, "modes": ("si",)}, ["si", "drop --pp", "ds-1f1b"]),
-    ({"pp": 2}, ["--pp 2", "--tp 2", "--tp 1"]),
-    ({"pp": 2, "tp": 1, "ep": 2}, ["--ep 2", "--tp 1"]),
+    ({"pp": 2, "tp": 1, "ep": 2}, ["--pp 2", "--ep 2", "drop --ep"]),
     ({"ep": 0}, ["ep must be >= 1"]),
     ({"modes": ("si+fast",)}, ["si+fast", "none, selective, full"]),
     ({"modes": ("autotp+full",)}, ["autotp+full", "ds_dhelix mode"]),
@@ -130,6 +129,9 @@ def test_layouts_world_and_tokens():
     assert pp.modes == ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si") and pp.world == 2
     section = pp.dhelix_ds_config("dualpipev-si")["dhelix"]
     assert section["schedule"] == "dualpipev" and section["pipeline"] == {"stages": 2}
+    pptp = BenchOptions(tp=2, pp=2)  # TP inside the stages: 4 ranks, one data-parallel group
+    assert pptp.world == 4 and pptp.dp == 1 and pptp.step_micro_batches == pptp.micro_batches
+    assert pptp.dhelix_ds_config("w")["dhelix"]["tensor_parallel"] == {"size": 2}
 
 
 def test_recompute_modes_side_by_side():
@@ -236,12 +238,16 @@ def test_bench_autoep_peer_on_its_preset_family(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_bench_pipeline_modes(tmp_path):
-    rows = _run_bench(tmp_path, "--pp", "2", "--tp", "1", "--num-layers", "4", "--micro-batches", "4")
-    assert list(rows) == ["ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si"]
+    # PP=2 x TP=2: DeepSpeed's pipelines on our TP layers, our fold, W and auto (4 ranks)
+    rows = _run_bench(tmp_path, "--pp", "2", "--tp", "2", "--num-layers", "4", "--micro-batches", "4",
+                      "--modes", "ds-1f1b", "ds-dualpipev", "sequential", "w", "auto")
+    assert list(rows) == ["ds-1f1b", "ds-dualpipev", "sequential", "w", "auto"]
     for mode, row in rows.items():
         assert row["status"] == "ok", row
         assert row["speedup_vs_sequential"] > 0 and row["ideal_speedup"] is None  # no comm bound for p2p
     assert rows["w"]["peak_activation_bytes"] > 0 and rows["ds-1f1b"]["peak_activation_bytes"] is None
+    assert rows["w"]["comm_s"] > 0  # TP collectives inside the stages
+    assert rows["auto"]["auto_chosen"] in ("sequential", "w", "dualpipev") and rows["auto"]["auto_trial_steps"] > 0
 
 
 def test_matched_link_finds_the_rate_where_comm_equals_comp():

@@ -199,16 +199,24 @@ def test_bad_value_names_field_value_and_choices(section, path, expect):
 
 @pytest.mark.parametrize(
     "schedule, stages, split, needed",
-    [("w", 2, [2, 2], 4), ("dualpipev", 1, [4], 2), ("sequential", 2, [1, 1, 1, 1], 2), ("si", 1, [1, 3], 1)],
+    [("w", 2, [2, 2], 4), ("dualpipev", 3, [4], 6), ("sequential", 2, [2, 2], 4), ("auto", 2, [1, 1, 2], 4)],
 )
 def test_split_length_must_match_chunks(schedule, stages, split, needed):
-    with pytest.raises(ValueError, match=rf"dhelix\.pipeline\.split = .* needs {needed}"):
+    # every pipeline schedule runs on the fold: 2 x stages chunks, the sequential fold too
+    with pytest.raises(ValueError, match=rf"dhelix\.pipeline\.split = .* into {needed} chunks"):
         parse({"schedule": schedule, "pipeline": {"stages": stages, "split": split}})
 
 
-def test_valid_split_for_folded_schedule():
-    cfg = parse({"schedule": "w", "pipeline": {"stages": 2, "split": [1, 1, 1, 1]}})
-    assert cfg.pipeline.num_chunks(cfg.schedule) == 4
+@pytest.mark.parametrize("schedule", ["si", "dualpipev"])
+def test_split_without_a_pipeline_is_refused(schedule):
+    with pytest.raises(ValueError, match=r"dhelix\.pipeline\.split = \[1, 3\] with stages = 1"):
+        parse({"schedule": schedule, "pipeline": {"stages": 1, "split": [1, 3]}})
+
+
+@pytest.mark.parametrize("schedule", ["w", "sequential"])
+def test_valid_split_for_a_pipeline(schedule):
+    cfg = parse({"schedule": schedule, "pipeline": {"stages": 2, "split": [1, 1, 1, 1]}})
+    assert cfg.pipeline.num_chunks() == 4
 
 
 # ---------------------------------------------------------------- batch arithmetic

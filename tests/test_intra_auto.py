@@ -88,12 +88,13 @@ def _setup(section, micro=2, world=2):
     ({"schedule": "intra", "si_execution": "plan"}, 2, "intra pairs the two halves"),
     ({"schedule": "si", "auto_trials": 5}, 2, "auto_trials is set but schedule is 'si'"),
     ({"auto_recheck_steps": 500}, 2, "auto_recheck_steps is set but schedule is 'si'"),  # its default: still refused
-    ({"schedule": "auto", "auto_candidates": ["si", "w"]}, 2, "auto_candidates"),
+    ({"schedule": "auto", "auto_candidates": ["si", "w"]}, 2, r"of \['sequential', 'si', 'intra'\] on one stage \('w'"),
+    ({"schedule": "auto", "pipeline": {"stages": 2}, "auto_candidates": ["w", "si"]}, 2,
+     r"of \['sequential', 'w', 'dualpipev'\] with pipeline.stages = 2 \('si': one-stage schedule\)"),
     ({"schedule": "auto", "auto_candidates": ["si"]}, 2, "two or more different"),
     ({"schedule": "auto", "auto_candidates": ["intra", "si"]}, 1, "leaves one candidate"),
     ({"schedule": "auto", "auto_trials": 0}, 2, "auto_trials"),
     ({"schedule": "intra", "pipeline": {"stages": 2}}, 2, "a pipeline runs one of"),
-    ({"schedule": "auto", "pipeline": {"stages": 2}}, 2, "a pipeline runs one of"),
     ({"schedule": "auto", "si_execution": "plan"}, 2, "includes 'intra' with si_execution 'plan'"),
 ])
 def test_intra_and_auto_refusals(section, micro, match):
@@ -103,7 +104,10 @@ def test_intra_and_auto_refusals(section, micro, match):
 
 def test_auto_defaults_and_pair_ends_with_auto():
     cfg = DhelixConfig.from_dict({"enabled": True, "schedule": "auto", "pair_ends": True})
-    assert cfg.auto_candidates == ("sequential", "si", "intra") and cfg.auto_trials == 3
+    assert cfg.auto_schedules == ("sequential", "si", "intra") and cfg.auto_trials == 3
+    piped = DhelixConfig.from_dict({"enabled": True, "schedule": "auto", "pipeline": {"stages": 2}})
+    assert piped.auto_schedules == ("sequential", "w", "dualpipev")  # the pipeline's default
+    assert DhelixConfig.from_dict(piped.to_dict()) == piped
     assert cfg.auto_recheck_steps == 500
     _setup({"schedule": "auto"}, micro=1)  # intra left out (the engine warns), two remain
 
@@ -163,11 +167,12 @@ def test_auto_median_resists_one_slow_step():
 # ---------------------------------------------------------------- real engines
 
 
-def _auto_rank(rank, world, candidates):
+def _auto_rank(rank, world, candidates, layout):
     from ds_dhelix.build import build_engine
     from ds_dhelix.checkpoint import full_state_dict
-    opts = ParityOptions(model="tiny-llama", tp=2, num_layers=2, seq_len=32, micro_batches=2, steps=7)
     from ds_dhelix.parity import build, make_batches
+    from ds_dhelix.pipe.module import gather_hf_state_dict
+    opts = ParityOptions(model="tiny-llama", seq_len=32, **layout)
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     out = {}
     for name, extra in (("auto", {"schedule": "auto", "auto_candidates": candidates, "auto_trials": 1,
@@ -182,7 +187,8 @@ def _auto_rank(rank, world, candidates):
         for step in batches:
             ran.append(engine.current_schedule if engine.auto is None else engine.auto.schedule())
             engine.train_batch(iter(step))
-        out[name] = {"params": full_state_dict(engine.module, engine.groups.tp_grad_group, engine.groups.tp_size),
+        gather = gather_hf_state_dict if opts.pp > 1 else full_state_dict
+        out[name] = {"params": gather(engine.module, engine.groups.tp_grad_group, engine.groups.tp_size),
                      "ran": ran, "decisions": engine.auto.decisions if engine.auto is not None else None}
         engine.destroy()
     return out if rank == 0 else None
@@ -192,10 +198,26 @@ def test_auto_trial_steps_train_bitwise_as_the_chosen_schedule():
     """Candidates sequential and si (bitwise equal schedules): 2 warm-up + 2 timed steps, the
     choice for 2 steps, then a re-check phase; the weights are bitwise those of a run with the
     chosen schedule from the start."""
-    out = run_ranks(_auto_rank, 2, args=(["sequential", "si"],), timeout=240)[0]
+    layout = dict(tp=2, num_layers=2, micro_batches=2, steps=7)
+    out = run_ranks(_auto_rank, 2, args=(["sequential", "si"], layout), timeout=240)[0]
     auto = out["auto"]
     assert len(auto["decisions"]) == 1 and auto["decisions"][0]["step"] == 4
     chosen = auto["decisions"][0]["chosen"]
     assert auto["ran"][:4] == ["sequential", "si", "sequential", "si"]
     assert auto["ran"][4:6] == [chosen] * 2 and auto["ran"][6] == "sequential"  # re-check begins
+    assert all(torch.equal(auto["params"][k], out["chosen"]["params"][k]) for k in auto["params"])
+
+
+def test_pipeline_auto_trial_steps_train_bitwise_as_the_chosen_schedule():
+    """A folded pipeline (PP=2): the sequential fold, w and dualpipev run on one fold and are
+    bitwise equal, so auto may switch between them step by step: 3 warm-up + 3 timed steps, the
+    choice for 2 steps, then the re-check phase begins; weights bitwise those of the chosen
+    schedule from the start."""
+    layout = dict(tp=1, pp=2, micro_batches=4, steps=9)
+    out = run_ranks(_auto_rank, 2, args=(None, layout), timeout=240)[0]
+    auto = out["auto"]
+    assert len(auto["decisions"]) == 1 and auto["decisions"][0]["step"] == 6
+    chosen = auto["decisions"][0]["chosen"]
+    assert auto["ran"][:6] == ["sequential", "w", "dualpipev"] * 2
+    assert auto["ran"][6:8] == [chosen] * 2 and auto["ran"][8] == "sequential"  # re-check begins
     assert all(torch.equal(auto["params"][k], out["chosen"]["params"][k]) for k in auto["params"])

@@ -114,6 +114,8 @@ def test_valid_pipeline_passes():
 @pytest.mark.parametrize("kw, words", [
     (dict(m=2), ["num_microbatches >= p + 1 = 3", "got 2"]),
     (dict(m=2, schedule="dualpipev"), ["2 * p - 1 = 3", "got 2"]),
+    (dict(m=2, schedule="auto"), ["schedule 'auto' times ['sequential', 'w', 'dualpipev']", "p + 1 = 3",
+                                  "drop 'w' from dhelix.auto_candidates"]),
     (dict(layers=3), ["num_layers=3", "2*2=4"]),
     (dict(zero=2), ["zero_optimization.stage = 2", "ZeRO-2/3"]),
     (dict(zero=3), ["zero_optimization.stage = 3"]),

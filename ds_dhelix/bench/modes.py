@@ -25,23 +25,10 @@ def build_model(opts: BenchOptions):
     return build(opts.model, seed=opts.seed, num_layers=opts.num_layers)[0]
 
 
-class DhelixRunner:
-    """``sequential``, ``si``, ``si-planned``: the ds_dhelix engine with its executor stats."""
+class _Settling:
+    """What a runner whose ``engine`` may run ``"schedule": "auto"`` tells the measurement loop."""
 
-    def __init__(self, opts: BenchOptions, mode: str, example_batch: dict, link_gbps: float | None):
-        from ds_dhelix.build import build_engine
-        from ds_dhelix.ops import backward_order
-        from ds_dhelix.plan import default_plan
-        self.mode = mode
-        self.engine = build_engine(build_model(opts), opts.dhelix_ds_config(mode, link_gbps), example_batch=example_batch)
-        plan = self.engine.plan
-        self.info = {}
-        if plan is not None:
-            specs = self.engine.graph.layer_specs()
-            default = default_plan(specs, backward_order(specs))
-            self.info = {"plan_source": plan.source, "plan_fingerprint": plan.fingerprint()[:12],
-                         "plan_is_default": plan.fingerprint() == default.fingerprint(),
-                         "plan_rounds": len(plan.rounds)}
+    engine: object
 
     @property
     def settling_steps(self) -> int:
@@ -58,6 +45,25 @@ class DhelixRunner:
         last = auto.decisions[-1]
         return {"auto_chosen": last["chosen"], "auto_trial_steps": last["step"],
                 "auto_figures": last["figures"]}
+
+
+class DhelixRunner(_Settling):
+    """``sequential``, ``si``, ``si-planned``: the ds_dhelix engine with its executor stats."""
+
+    def __init__(self, opts: BenchOptions, mode: str, example_batch: dict, link_gbps: float | None):
+        from ds_dhelix.build import build_engine
+        from ds_dhelix.ops import backward_order
+        from ds_dhelix.plan import default_plan
+        self.mode = mode
+        self.engine = build_engine(build_model(opts), opts.dhelix_ds_config(mode, link_gbps), example_batch=example_batch)
+        plan = self.engine.plan
+        self.info = {}
+        if plan is not None:
+            specs = self.engine.graph.layer_specs()
+            default = default_plan(specs, backward_order(specs))
+            self.info = {"plan_source": plan.source, "plan_fingerprint": plan.fingerprint()[:12],
+                         "plan_is_default": plan.fingerprint() == default.fingerprint(),
+                         "plan_rounds": len(plan.rounds)}
 
     def step(self, batches: list[dict]) -> dict:
         share = len(batches) // self.engine.groups.dp_size  # this data-parallel group's micro-batches
@@ -115,16 +121,17 @@ class DeepSpeedRunner:
         self.engine.destroy()
 
 
-class PipeRunner:
+class PipeRunner(_Settling):
     """``pp > 1``: DeepSpeed's pipelines (``ds-1f1b``, ``ds-dualpipev``) and ours (``sequential``,
-    ``w``, ``dualpipev-si``) on the same HF model and micro-batches; ours report executor stats."""
+    ``w``, ``dualpipev-si``, ``auto``) on the same HF model and micro-batches; ours report executor
+    stats."""
 
     def __init__(self, opts: BenchOptions, mode: str, link_gbps: float | None):
         self.mode, self.info = mode, {}
         if mode.startswith("ds-"):
             from benchmarks.ds_pipelines import build_deepspeed_pipe
             self.engine = build_deepspeed_pipe(build_model(opts), opts.pp, mode.removeprefix("ds-"),
-                                               opts.base_ds_config(opts.micro_batches))
+                                               opts.base_ds_config(opts.micro_batches), tp=opts.tp, seed=opts.seed)
             release_deepspeed_shm()
         else:
             from ds_dhelix.build import build_engine

@@ -23,13 +23,15 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
 A ds_dhelix mode may name its activation recompute after a ``+``: ``si+full``, ``sequential+selective``
 (``dhelix.recompute``; plain ``si`` is ``si+none``), so the modes' step times sit side by side.
 
-With ``pp > 1`` (folded pipeline over ``pp`` ranks, ``tp = 1``) the modes are ``PP_MODES``::
+With ``pp > 1`` (folded pipeline over ``pp`` stages of ``tp`` ranks each) the modes are ``PP_MODES``::
 
-    ds-1f1b       DeepSpeed PipelineEngine, its 1F1B schedule, on the HF decoder layers
+    ds-1f1b       DeepSpeed PipelineEngine, its 1F1B schedule, on the HF decoder layers (tp 1) or on
+                  our op graph's TP layers run op after op (tp > 1; benchmarks/ds_pipelines.py)
     ds-dualpipev  DeepSpeed DualPipeVEngine (V-folded, forward/backward pairs one after the other)
     sequential    ds_dhelix folded pipeline, pairs run one after the other (the reference)
     w             ds_dhelix W schedule: folded pipeline, pairs co-executed by SI
     dualpipev-si  ds_dhelix DualPipeV order with SI pairs
+    auto          "schedule": "auto" over sequential, w, dualpipev (on request; timed after its trials)
 """
 from __future__ import annotations
 
@@ -48,10 +50,13 @@ DEFAULT_MODES = tuple(m for m in MODES if m not in ("si-ends", "auto"))
 DHELIX_MODES = ("sequential", "si", "si-ends", "si-plan", "si-planned", "intra", "auto", "w", "dualpipev-si")
 """Modes that run the ds_dhelix executor (they report compute / comm / exposed time)."""
 
-PP_MODES = ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si")
+PP_MODES = ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si", "auto")
 """Modes of a pipeline run (pp > 1), in table order."""
 
-PP_SCHEDULES = {"sequential": "sequential", "w": "w", "dualpipev-si": "dualpipev"}
+PP_DEFAULT_MODES = tuple(m for m in PP_MODES if m != "auto")
+"""Modes of a pipeline run unless ``--modes`` says otherwise (``auto`` is asked for by name)."""
+
+PP_SCHEDULES = {"sequential": "sequential", "w": "w", "dualpipev-si": "dualpipev", "auto": "auto"}
 """ds_dhelix pipeline modes -> their ``dhelix.schedule``."""
 
 def split_mode(mode: str) -> tuple[str, str | None]:
@@ -84,8 +89,8 @@ class BenchOptions:
     tp: int = 2
     """Tensor-parallel size; the world is ``tp x ep`` ranks (deepspeed mode: data parallel over them)."""
     pp: int = 1
-    """Pipeline stages (folded, two chunks per rank); with ``pp > 1`` the world is ``pp`` ranks
-    (``tp = 1``) and the modes are ``PP_MODES``."""
+    """Pipeline stages (folded, two chunks per rank); with ``pp > 1`` the world is ``pp x tp`` ranks
+    and the modes are ``PP_MODES``."""
     cp: int = 1
     """Context-parallel size of the ds_dhelix modes: the world is ``tp x cp x ep``
     ranks, each sequence sharded over tp x cp of them."""
@@ -132,7 +137,7 @@ class BenchOptions:
 
     def __post_init__(self):
         if self.pp > 1 and self.modes == DEFAULT_MODES:  # the default list: the pipeline's
-            object.__setattr__(self, "modes", PP_MODES)
+            object.__setattr__(self, "modes", PP_DEFAULT_MODES)
         self._check_modes()
         self._check_layout()
         if not self.link_gbps:
@@ -180,10 +185,9 @@ class BenchOptions:
             raise ValueError("no modes to measure; pass e.g. --modes sequential si")
 
     def _check_layout(self) -> None:
-        if self.pp > 1 and (self.tp != 1 or self.ep != 1):
-            raise ValueError(f"--pp {self.pp} with --tp {self.tp} --ep {self.ep}: the pipeline benchmark runs "
-                             f"one rank per stage (DeepSpeed's pipelines here have no TP/EP to match); "
-                             f"pass --tp 1 (and no --ep)")
+        if self.pp > 1 and self.ep != 1:
+            raise ValueError(f"--pp {self.pp} with --ep {self.ep}: the pipeline benchmark has no expert "
+                             f"parallelism inside stages (ds_dhelix pipelines refuse it too); drop --ep")
         if self.data_parallel is not None:
             if self.data_parallel < 1 or self.data_parallel % self.ep:
                 raise ValueError(f"--dp {self.data_parallel} must be >= 1 and a multiple of --ep {self.ep} (expert "

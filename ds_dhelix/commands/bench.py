@@ -40,7 +40,7 @@ def register(sub) -> None:
                         f"(ring attention, one point-to-point COMM op per ring step)")
     p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                    help=f"modes to measure, of {' '.join(MODES)} (default: {' '.join(DEFAULT_MODES)}); with "
-                        f"--pp: {' '.join(PP_MODES)}. A ds_dhelix mode takes its activation recompute after "
+                        f"--pp: {' '.join(PP_MODES)} (default: all but auto). A ds_dhelix mode takes its activation recompute after "
                         f"'+': si+full, sequential+selective")
     p.add_argument("--link-gbps", nargs="+", type=bench_link_rate, default=None, metavar="GBPS",
                    help="emulated link rates in Gbit/s, 'unshaped' for plain loopback, 'matched' for the rate at "

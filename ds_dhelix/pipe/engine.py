@@ -97,7 +97,8 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         self.load_report = load_report
         self.setup_strands(dhelix, groups, self.module.graph, plan, recompute=dhelix.recompute)
         self.fold = self.module.fold
-        self.schedule_name = dhelix.schedule
+        self.auto = self.make_auto(dhelix.auto_schedules) if dhelix.schedule == "auto" else None
+        self.current_schedule = dhelix.schedule if self.auto is None else self.auto.schedule()
         self.blocks = [self.module.chunk_blocks(0), self.module.chunk_blocks(1)]
         self.carried = boundary_keys(self.graph, self.fold)
         cfg = self.module.hf_model.config
@@ -129,10 +130,12 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         self.module.train()
         stats = self.begin_step()
         try:
-            mbs = self._run(batches, self._rank_schedule(self.schedule_name, len(batches)))
+            mbs = self._run(batches, self._rank_schedule(self.step_schedule(), len(batches)))
         finally:
             self.watchdog.pause()
         self.end_step(stats, self._pipeline_loss(mbs), batches)
+        if self.auto is not None:
+            self.record_auto()
         return self.last_loss
 
     @torch.no_grad()
