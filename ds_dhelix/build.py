@@ -154,6 +154,10 @@ def _check_pipeline(dh, ds_config: dict, dims: ParallelDims, batch: BatchSizes, 
     if dims.ep > 1:
         raise ValueError(f"expert_parallel.size = {dims.ep} with pipeline.stages = {p} is not supported yet; "
                          f"use expert_parallel.size 1 (experts replicated inside each stage)")
+    if dh.pair_ends:
+        raise ValueError(f"dhelix.pair_ends = true with pipeline.stages = {p}: it pairs the first two forwards and "
+                         f"the last two backwards of a one-stage SI step, and a pipeline's schedule places every "
+                         f"pair itself; remove \"pair_ends\"")
     if dh.planner.profile != "off":
         raise ValueError(f"dhelix.planner.profile = {dh.planner.profile!r} with a pipeline is not supported yet: "
                          f"the pipeline uses the default SI plan; set planner.profile to 'off' (or pass plan=...)")

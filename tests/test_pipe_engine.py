@@ -116,6 +116,7 @@ def test_valid_pipeline_passes():
     (dict(m=2, schedule="dualpipev"), ["2 * p - 1 = 3", "got 2"]),
     (dict(m=2, schedule="auto"), ["schedule 'auto' times ['sequential', 'w', 'dualpipev']", "p + 1 = 3",
                                   "drop 'w' from dhelix.auto_candidates"]),
+    (dict(schedule="auto", pair_ends=True), ["dhelix.pair_ends = true with pipeline.stages = 2"]),
     (dict(layers=3), ["num_layers=3", "2*2=4"]),
     (dict(zero=2), ["zero_optimization.stage = 2", "ZeRO-2/3"]),
     (dict(zero=3), ["zero_optimization.stage = 3"]),
