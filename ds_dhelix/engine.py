@@ -16,7 +16,6 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
-from .autoschedule import AutoSchedule
 from .config import DhelixConfig
 from .executor import MicroBatch
 from .groups import ProcessGroups
@@ -58,19 +57,6 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
                            pair_ends=dhelix.pair_ends,
                            recompute=dhelix.recompute)
         self._warned_few = False
-        self.auto = self._auto_schedule() if dhelix.schedule == "auto" else None
-        self.current_schedule = dhelix.schedule if self.auto is None else self.auto.schedule()
-
-    def _auto_schedule(self) -> AutoSchedule:
-        """``"schedule": "auto"``'s chooser over the configured candidates ("intra" left out, with a
-        warning, when a micro-batch has one sample: check_setup refused it if fewer than 2 remain)."""
-        candidates = [c for c in self.dhelix.auto_schedules
-                      if c != "intra" or self.train_micro_batch_size_per_gpu() >= 2]
-        if len(candidates) < len(self.dhelix.auto_schedules) and self.global_rank == 0:
-            logger.warning("ds_dhelix: schedule auto leaves out 'intra': it splits a micro-batch in two along the "
-                           "batch, and train_micro_batch_size_per_gpu is 1")
-
-        return self.make_auto(candidates)
 
     def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """Write an HF checkpoint (shards gathered) from global rank 0; collective on all ranks."""
@@ -113,8 +99,6 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         finally:
             self.watchdog.pause()
         self.end_step(stats, self.mean_loss(mbs), batches)
-        if self.auto is not None:
-            self.record_auto()
         return self.last_loss
 
     @torch.no_grad()

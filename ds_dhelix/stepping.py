@@ -2,8 +2,7 @@
 ``DhelixEngine`` (``engine.py``) and the folded ``FoldedPipelineEngine`` (``pipe/engine.py``) mix
 this in before their DeepSpeed base class.
 
-    setup_strands   executor, activation meter, watchdog, trace recorder
-    make_auto       "schedule": "auto"'s chooser (``autoschedule.AutoSchedule``) over given candidates
+    setup_strands   executor, activation meter, watchdog, trace recorder; "schedule": "auto"'s chooser
     step_schedule   the schedule of the next step (auto's pick, else the configured one)
     watched         the watchdog armed around work between steps (checkpoint saves, the HF export)
     pull_batches    a step's micro-batches from the data iterator, shapes checked
@@ -78,10 +77,19 @@ class DhelixStepMixin:
             logger.warning(warning)
         self._step_t0 = 0.0
         self.steps_run = 0  # steps of this process (a resumed engine's global_steps starts higher)
+        self.auto = self._make_auto() if dhelix.schedule == "auto" else None
+        self.step_schedule()
 
-    def make_auto(self, candidates) -> AutoSchedule:
-        """``"schedule": "auto"``'s chooser over ``candidates``; every rank decides on the slowest
-        rank's figures (an all-reduce of them), so all ranks take the same schedule."""
+    def _make_auto(self) -> AutoSchedule:
+        """``"schedule": "auto"``'s chooser over the layout's candidates (``auto_schedules``; "intra" left
+        out, with a warning, when a micro-batch has one sample: check_setup refused it if fewer than 2
+        remain). Every rank decides on the slowest rank's figures (an all-reduce of them), so all
+        ranks take the same schedule."""
+        candidates = [c for c in self.dhelix.auto_schedules
+                      if c != "intra" or self.train_micro_batch_size_per_gpu() >= 2]
+        if len(candidates) < len(self.dhelix.auto_schedules) and self.global_rank == 0:
+            logger.warning("ds_dhelix: schedule auto leaves out 'intra': it splits a micro-batch in two along the "
+                           "batch, and train_micro_batch_size_per_gpu is 1")
 
         def reduce_max(values: list) -> list:
             t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -95,12 +103,6 @@ class DhelixStepMixin:
         auto = getattr(self, "auto", None)
         self.current_schedule = self.dhelix.schedule if auto is None else auto.schedule()
         return self.current_schedule
-
-    def record_auto(self) -> None:
-        """After a step under auto: give it the step's time; log a decision when it made one."""
-        decision = self.auto.record(self.global_steps, self.last_stats.step_s)
-        if decision is not None and self.global_rank == 0:
-            logger.info(describe_decision(decision))
 
     def destroy(self):
         self.watchdog.stop()
@@ -149,6 +151,11 @@ class DhelixStepMixin:
         self.last_stats, self.last_loss = stats, loss
         self.steps_run += 1
         self.log_step(batches)
+        auto = getattr(self, "auto", None)
+        if auto is not None:  # the step's time to auto's chooser; its decision logged when it made one
+            decision = auto.record(self.global_steps, stats.step_s)
+            if decision is not None and self.global_rank == 0:
+                logger.info(describe_decision(decision))
         self.maybe_dump_trace()
 
     def mean_loss(self, mbs) -> torch.Tensor:

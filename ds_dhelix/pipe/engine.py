@@ -97,8 +97,6 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         self.load_report = load_report
         self.setup_strands(dhelix, groups, self.module.graph, plan, recompute=dhelix.recompute)
         self.fold = self.module.fold
-        self.auto = self.make_auto(dhelix.auto_schedules) if dhelix.schedule == "auto" else None
-        self.current_schedule = dhelix.schedule if self.auto is None else self.auto.schedule()
         self.blocks = [self.module.chunk_blocks(0), self.module.chunk_blocks(1)]
         self.carried = boundary_keys(self.graph, self.fold)
         cfg = self.module.hf_model.config
@@ -134,8 +132,6 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         finally:
             self.watchdog.pause()
         self.end_step(stats, self._pipeline_loss(mbs), batches)
-        if self.auto is not None:
-            self.record_auto()
         return self.last_loss
 
     @torch.no_grad()
