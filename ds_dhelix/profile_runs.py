@@ -81,9 +81,15 @@ def _validate_rank(rank, world, o: dict):
     for _ in range(o["warmup"]):
         for n in names:
             probe.time_plan(plans[n])
-    for rep in range(o["repeats"]):  # alternate plans within each repetition, starting one later each time
-        k = rep % len(names)  # (a fixed order measured the plan after the slowest one 2-5% slower)
-        for n in names[k:] + names[:k]:
+    # Each repetition times every plan once, in an order shuffled anew (the same on every rank:
+    # one seed). A fixed order measured the plan after the slowest one 2-5% slower; a rotating
+    # order still gave each plan the same predecessor, and the DP plan measured 0.5-3% slower
+    # than the identical default plan that it preceded in all seven runs.
+    order_rng = random.Random(o["seed"] + 1)
+    order = list(names)
+    for _ in range(o["repeats"]):
+        order_rng.shuffle(order)
+        for n in order:
             samples[n].append(probe.time_plan(plans[n]) * 1e3)
     k = len(names)
     reduced = world_max([statistics.median(samples[n]) for n in names] + [robust_spread(samples[n]) for n in names]
@@ -91,6 +97,7 @@ def _validate_rank(rank, world, o: dict):
     if rank != 0:
         return None
     return [{"plan": n, "source": plans[n].source, "rounds": len(plans[n].rounds),
+             "same_as_dp": plans[n].rounds == plans["dp"].rounds,
              "predicted_ms": predict_ms(table, plans[n]),
              "predicted_spread_ms": predicted_spread_ms(table, plans[n]), "measured_ms": reduced[i],
              "measured_spread_ms": reduced[k + i], "measured_min_ms": reduced[2 * k + i],
@@ -108,6 +115,7 @@ def validate_world(o: dict, timeout: float = 900.0) -> dict:
     ranked = sorted(rows, key=lambda r: r["measured_ms"])
     dp = next(r for r in rows if r["plan"] == "dp")
     default = next(r for r in rows if r["plan"] == "default")
+    others = [r for r in ranked if not r["same_as_dp"]]  # plans with other rounds than the DP plan's
     return {
         "rows": rows,
         "spearman": spearman(pred, meas),
@@ -121,10 +129,15 @@ def validate_world(o: dict, timeout: float = 900.0) -> dict:
         "best_measured_plan": ranked[0]["plan"],
         "dp_rank": 1 + ranked.index(dp),
         "dp_vs_best_pct": 100.0 * (dp["measured_ms"] / ranked[0]["measured_ms"] - 1.0),
-        # the planner kept the default plan: the same plan measured twice, in one run, which is how
-        # far apart this machine puts identical plans (the resolution of dp_vs_best_pct)
+        # against the fastest plan that differs from it (negative: the DP plan is faster); where the
+        # best measured row is the DP plan under another name, dp_vs_best_pct is only noise
+        "best_other_plan": others[0]["plan"] if others else None,
+        "dp_vs_best_other_pct": 100.0 * (dp["measured_ms"] / others[0]["measured_ms"] - 1.0) if others else None,
+        # the DP plan is the default one (kept within noise, or found by the DP): the same plan
+        # measured twice, in one run, which is how far apart this machine puts identical plans
+        # (the resolution of dp_vs_best_pct)
         "same_plan_gap_pct": 100.0 * abs(dp["measured_ms"] / default["measured_ms"] - 1.0)
-        if dp["source"] == "default-within-noise" else None,
+        if default["same_as_dp"] else None,
         "num_plans": len(rows),
     }
 

@@ -51,6 +51,7 @@ def test_validate_reports_prediction_quality(table):
     for name, plan in fixed.items():
         assert rows[name]["predicted_ms"] == pytest.approx(predict_ms(table, plan))
         assert rows[name]["rounds"] == len(plan.rounds)
+        assert rows[name]["same_as_dp"] == (plan.rounds == fixed["dp"].rounds)
     for r in rows.values():
         assert r["measured_ms"] > 0
         assert r["error_pct"] == pytest.approx(100 * (r["predicted_ms"] / r["measured_ms"] - 1))
@@ -58,6 +59,19 @@ def test_validate_reports_prediction_quality(table):
     assert res["best_measured_plan"] == ranked[0]["plan"] and res["best_measured_ms"] == ranked[0]["measured_ms"]
     assert res["dp_rank"] == 1 + [r["plan"] for r in ranked].index("dp")
     assert res["dp_measured_ms"] == rows["dp"]["measured_ms"]
+    others = [r for r in ranked if not r["same_as_dp"]]
+    assert rows["dp"] not in others
+    if others:
+        assert res["best_other_plan"] == others[0]["plan"]
+        assert res["dp_vs_best_other_pct"] == pytest.approx(
+            100 * (rows["dp"]["measured_ms"] / others[0]["measured_ms"] - 1))
+    else:
+        assert res["best_other_plan"] is None and res["dp_vs_best_other_pct"] is None
+    if rows["default"]["same_as_dp"]:  # one plan timed twice: how far apart the machine puts it
+        assert res["same_plan_gap_pct"] == pytest.approx(
+            100 * abs(rows["dp"]["measured_ms"] / rows["default"]["measured_ms"] - 1))
+    else:
+        assert res["same_plan_gap_pct"] is None
     assert res["spearman"] == pytest.approx(spearman([r["predicted_ms"] for r in res["rows"]],
                                                      [r["measured_ms"] for r in res["rows"]]))
     json.dumps(res)
