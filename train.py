@@ -272,8 +272,9 @@ def run(args, prep: Prepared) -> int:
     except RuntimeError as err:
         if not is_comm_failure(err):
             raise
-        where = f" (step {engine.global_steps + 1})" if isinstance(err, CollectiveError) else _position(engine)
-        print(f"train.py: error: rank {dist.get_rank()}: {err}{where}", file=sys.stderr, flush=True)
+        if not isinstance(err, CollectiveError):  # a collective outside the engine's named ones
+            err = CollectiveError(_position(engine), err, group=dist.group.WORLD)
+        print(f"train.py: error: rank {dist.get_rank()}: {err} (step {_step(engine)})", file=sys.stderr, flush=True)
         os._exit(1)  # a peer is gone: no clean teardown of the process group is possible
 
 
@@ -287,12 +288,18 @@ def teardown(engine) -> None:
     dist.destroy_process_group()
 
 
+def _step(engine) -> int | str:
+    """The step that failed: the watchdog's (it knows a step between two of DeepSpeed's), else the
+    engine's next one."""
+    wd = getattr(engine, "watchdog", None)
+    step = wd.step if wd is not None and wd.step is not None else engine.global_steps
+    return step + 1 if isinstance(step, int) else step
+
+
 def _position(engine) -> str:
     """Where a failure outside the executor's own collectives happened (the watchdog's last beat)."""
     wd = getattr(engine, "watchdog", None)
-    if wd is None:
-        return f" (step {engine.global_steps + 1})"
-    return f" (step {wd.step + 1 if isinstance(wd.step, int) else wd.step}, during {wd.op})"
+    return f"during {wd.op}" if wd is not None and wd.op else "outside the engine's steps"
 
 
 def run_dtype(ds_config: dict):

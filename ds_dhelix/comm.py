@@ -26,6 +26,7 @@ over the TP group sum their gradients once per step (``ReplicatedGrads``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -64,6 +65,19 @@ class CollectiveError(RuntimeError):
         reason = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[-1] if text else type(cause).__name__)
         reason = reason.split(". This is typically")[0]  # gloo's boilerplate advice
         super().__init__(f"collective {where} failed" + (f" (peer {self.peer})" if self.peer else "") + f": {reason}")
+
+
+@contextlib.contextmanager
+def collective_failures(where: str, group=None):
+    """Report a backend failure inside the block (a peer gone during DeepSpeed's own collectives:
+    the gradient reduction, the optimizer step) as a ``CollectiveError`` naming ``where`` and the
+    other ranks of ``group``, as the executor's own collectives do."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, CollectiveError) or not is_comm_failure(err):
+            raise
+        raise CollectiveError(where, err, group=group) from err
 
 
 def _peer_ranks(group) -> str | None:

@@ -12,10 +12,10 @@ all-reduce), gradient clipping over the model-parallel group, the optimizer and 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
+from .comm import collective_failures
 from .config import DhelixConfig
 from .executor import MicroBatch
 from .groups import ProcessGroups
@@ -90,12 +90,13 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
                 mbs = self.executor.run_microbatches(batches, self.step_schedule(), loss_seed(self, len(batches)),
                                                      first_serial=self.global_steps * len(batches))
             self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
-            self._is_gradient_accumulation_boundary = True
-            if self.zero_optimization_stage() == 0:
-                self.allreduce_gradients()
-            self.micro_steps += len(batches) - 1
-            self.step()
-            self._is_gradient_accumulation_boundary = None
+            with collective_failures("of the gradient reduction and optimizer step", self.data_parallel_group):
+                self._is_gradient_accumulation_boundary = True
+                if self.zero_optimization_stage() == 0:
+                    self.allreduce_gradients()
+                self.micro_steps += len(batches) - 1
+                self.step()
+                self._is_gradient_accumulation_boundary = None
         finally:
             self.watchdog.pause()
         self.end_step(stats, self.mean_loss(mbs), batches)

@@ -81,14 +81,7 @@ def _validate_rank(rank, world, o: dict):
     for _ in range(o["warmup"]):
         for n in names:
             probe.time_plan(plans[n])
-    # Each repetition times every plan once, in an order shuffled anew (the same on every rank:
-    # one seed). A fixed order measured the plan after the slowest one 2-5% slower; a rotating
-    # order still gave each plan the same predecessor, and the DP plan measured 0.5-3% slower
-    # than the identical default plan that it preceded in all seven runs.
-    order_rng = random.Random(o["seed"] + 1)
-    order = list(names)
-    for _ in range(o["repeats"]):
-        order_rng.shuffle(order)
+    for order in plan_orders(names, o["repeats"], o["seed"]):
         for n in order:
             samples[n].append(probe.time_plan(plans[n]) * 1e3)
     k = len(names)
@@ -105,9 +98,31 @@ def _validate_rank(rank, world, o: dict):
             for i, n in enumerate(names)]
 
 
+def plan_orders(names: list[str], repeats: int, seed: int) -> list[list[str]]:
+    """The order of the plans in each timed repetition: shuffled anew each time, from ``seed``
+    alone (every rank must time the same plan at the same moment: plans run collectives). A fixed
+    order measured the plan after the slowest one 2-5% slower; a rotating order still gave each
+    plan the same predecessor, and the DP plan measured 0.5-3% slower than the identical default
+    plan that it preceded, in all seven runs."""
+    rng = random.Random(f"validate-plan order {seed}")  # apart from the random plans' Random(seed)
+    order, orders = list(names), []
+    for _ in range(repeats):
+        rng.shuffle(order)
+        orders.append(list(order))
+    return orders
+
+
 def validate_world(o: dict, timeout: float = 900.0) -> dict:
     """Run the DP plan and alternatives for real; compare predicted and measured makespans."""
     rows = run_ranks(_validate_rank, o["tp"] * o.get("cp", 1) * o.get("ep", 1), args=(o,), timeout=timeout)[0]
+    res = summarize_validation(rows)
+    res.update({k: o[k] for k in ("alternatives", "warmup", "repeats", "seed")})
+    return res
+
+
+def summarize_validation(rows: list[dict]) -> dict:
+    """validate-plan's report from its rows (``plan``, ``source``, ``same_as_dp``, ``predicted_ms``,
+    ``measured_ms``, ...; the rows gain ``error_pct``)."""
     pred = [r["predicted_ms"] for r in rows]
     meas = [r["measured_ms"] for r in rows]
     for r in rows:

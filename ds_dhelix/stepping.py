@@ -7,7 +7,8 @@ this in before their DeepSpeed base class.
     watched         the watchdog armed around work between steps (checkpoint saves, the HF export)
     pull_batches    a step's micro-batches from the data iterator, shapes checked
     begin_step      fresh StepStats, meter peak reset, watchdog armed
-    end_step        stats filled, TensorBoard scalars, trace written
+    end_step        stats filled, TensorBoard scalars, the step's time to auto (its decisions
+                    logged), trace written
 """
 from __future__ import annotations
 
@@ -141,19 +142,19 @@ class DhelixStepMixin:
         return stats
 
     def end_step(self, stats: StepStats, loss, batches: list[dict]) -> None:
-        """After the optimizer step (watchdog paused): record the step's numbers, log them, write
-        the trace when due."""
+        """After the optimizer step (watchdog paused): record the step's numbers, log them, give
+        auto's chooser the step's time (logging a decision when it makes one), write the trace when
+        due."""
         self.executor.finish_device_times()
-        if getattr(self, "auto", None) is not None and torch.device(self.device).type == "cuda":
+        if self.auto is not None and torch.device(self.device).type == "cuda":
             torch.cuda.synchronize()  # auto times steps: none may leave device work to the next
         stats.peak_activation_bytes = self.meter.peak
         stats.step_s = time.perf_counter() - self._step_t0
         self.last_stats, self.last_loss = stats, loss
         self.steps_run += 1
         self.log_step(batches)
-        auto = getattr(self, "auto", None)
-        if auto is not None:  # the step's time to auto's chooser; its decision logged when it made one
-            decision = auto.record(self.global_steps, stats.step_s)
+        if self.auto is not None:
+            decision = self.auto.record(self.global_steps, stats.step_s)
             if decision is not None and self.global_rank == 0:
                 logger.info(describe_decision(decision))
         self.maybe_dump_trace()

@@ -75,3 +75,25 @@ def test_world_timeout_shows_the_rank_that_failed_first():
     with pytest.raises(TimeoutError) as err:
         run_ranks(_one_rank_fails, 2, timeout=20)
     assert "rank 0 failed first" in str(err.value) and "rank zero broke first" in str(err.value)
+
+
+def test_collective_failures_names_deepspeeds_own_collectives():
+    # a backend error inside DeepSpeed's reduction / optimizer step reads like the executor's own
+    from ds_dhelix.comm import CollectiveError, collective_failures
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:28572: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging")
+    with pytest.raises(CollectiveError) as info:
+        with collective_failures("of the gradient reduction and optimizer step"):
+            raise gloo
+    assert str(info.value) == ("collective of the gradient reduction and optimizer step failed "
+                               "(peer 127.0.0.1:28572): Read error [127.0.0.1]:28572: Connection reset by peer")
+    assert info.value.__cause__ is gloo
+    ours = CollectiveError("attn.ag (F strand, micro-batch 0, block 1)", gloo)
+    with pytest.raises(CollectiveError) as info:  # already named: left as it is
+        with collective_failures("of the optimizer step"):
+            raise ours
+    assert info.value is ours
+    with pytest.raises(RuntimeError, match="shape mismatch") as info:  # not a backend failure
+        with collective_failures("of the optimizer step"):
+            raise RuntimeError("shape mismatch")
+    assert not isinstance(info.value, CollectiveError)

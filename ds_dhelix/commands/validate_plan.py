@@ -16,8 +16,8 @@ def register(sub) -> None:
     p.add_argument("--alternatives", type=int, default=8, help="random valid plans to compare")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=60,
-                   help="timed runs of every plan, alternated (9 left identical plans 4-8%% apart on a "
-                        "2-core machine; 60 take ~30 s for tiny-llama's layer)")
+                   help="timed runs of every plan, in an order shuffled each repetition (9 left one plan "
+                        "timed 4-8%% apart on a 2-core machine; 60 take ~30 s for tiny-llama's layer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this bandwidth")
     p.add_argument("--timeout", type=float, default=900.0)

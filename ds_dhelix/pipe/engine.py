@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..comm import collective_failures
 from ..executor import MicroBatch
 from ..precision import loss_seed
 from ..stepping import DhelixStepMixin
@@ -281,10 +282,12 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
 
     def _exec_reduce(self, ins: S.ReduceGrads) -> None:
         self.executor.reduce_replicated_grads()  # TP first, then DeepSpeed's data-parallel reduction
-        PipelineEngine._exec_reduce_grads(self)
+        with collective_failures("of the gradient reduction", self.data_parallel_group):
+            PipelineEngine._exec_reduce_grads(self)
 
     def _exec_step(self, ins: S.OptimizerStep) -> None:
-        PipelineEngine._exec_optimizer_step(self)
+        with collective_failures("of the optimizer step", self.data_parallel_group):
+            PipelineEngine._exec_optimizer_step(self)
 
     _INSTRUCTION_MAP = {
         S.LoadMicroBatch: _exec_load,
