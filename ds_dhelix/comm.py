@@ -71,7 +71,9 @@ class CollectiveError(RuntimeError):
 def collective_failures(where: str, group=None):
     """Report a backend failure inside the block (a peer gone during DeepSpeed's own collectives:
     the gradient reduction, the optimizer step) as a ``CollectiveError`` naming ``where`` and the
-    other ranks of ``group``, as the executor's own collectives do."""
+    other ranks of ``group``, as the executor's own collectives do. Give the world group where the
+    block's collectives span several groups (the optimizer step's gradient-norm all-reduce runs
+    over the model-parallel ranks, its reduction over the data-parallel ones)."""
     try:
         yield
     except RuntimeError as err:

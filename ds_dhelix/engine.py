@@ -12,6 +12,7 @@ all-reduce), gradient clipping over the model-parallel group, the optimizer and 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
@@ -90,7 +91,7 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
                 mbs = self.executor.run_microbatches(batches, self.step_schedule(), loss_seed(self, len(batches)),
                                                      first_serial=self.global_steps * len(batches))
             self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
-            with collective_failures("of the gradient reduction and optimizer step", self.data_parallel_group):
+            with collective_failures("of the gradient reduction and optimizer step", dist.group.WORLD):
                 self._is_gradient_accumulation_boundary = True
                 if self.zero_optimization_stage() == 0:
                     self.allreduce_gradients()

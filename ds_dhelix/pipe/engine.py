@@ -282,11 +282,11 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
 
     def _exec_reduce(self, ins: S.ReduceGrads) -> None:
         self.executor.reduce_replicated_grads()  # TP first, then DeepSpeed's data-parallel reduction
-        with collective_failures("of the gradient reduction", self.data_parallel_group):
+        with collective_failures("of the gradient reduction", dist.group.WORLD):
             PipelineEngine._exec_reduce_grads(self)
 
     def _exec_step(self, ins: S.OptimizerStep) -> None:
-        with collective_failures("of the optimizer step", self.data_parallel_group):
+        with collective_failures("of the optimizer step", dist.group.WORLD):
             PipelineEngine._exec_optimizer_step(self)
 
     _INSTRUCTION_MAP = {
