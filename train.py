@@ -272,8 +272,9 @@ def run(args, prep: Prepared) -> int:
     except RuntimeError as err:
         if not is_comm_failure(err):
             raise
-        if not isinstance(err, CollectiveError):  # a collective outside the engine's named ones
-            err = CollectiveError(_position(engine), err, group=dist.group.WORLD)
+        if not isinstance(err, CollectiveError):  # outside a step (a stop agreement, a save, the export)
+            where = getattr(engine, "failure_position", lambda: "in plain DeepSpeed's engine")()
+            err = CollectiveError(where, err, group=dist.group.WORLD)
         print(f"train.py: error: rank {dist.get_rank()}: {err} (step {_step(engine)})", file=sys.stderr, flush=True)
         os._exit(1)  # a peer is gone: no clean teardown of the process group is possible
 
@@ -294,12 +295,6 @@ def _step(engine) -> int | str:
     wd = getattr(engine, "watchdog", None)
     step = wd.step if wd is not None and wd.step is not None else engine.global_steps
     return step + 1 if isinstance(step, int) else step
-
-
-def _position(engine) -> str:
-    """Where a failure outside the executor's own collectives happened (the watchdog's last beat)."""
-    wd = getattr(engine, "watchdog", None)
-    return f"during {wd.op}" if wd is not None and wd.op else "outside the engine's steps"
 
 
 def run_dtype(ds_config: dict):

@@ -68,18 +68,19 @@ class CollectiveError(RuntimeError):
 
 
 @contextlib.contextmanager
-def collective_failures(where: str, group=None):
+def collective_failures(where: str | Callable[[], str], group=None):
     """Report a backend failure inside the block (a peer gone during DeepSpeed's own collectives:
-    the gradient reduction, the optimizer step) as a ``CollectiveError`` naming ``where`` and the
-    other ranks of ``group``, as the executor's own collectives do. Give the world group where the
-    block's collectives span several groups (the optimizer step's gradient-norm all-reduce runs
-    over the model-parallel ranks, its reduction over the data-parallel ones)."""
+    the gradient reduction, the optimizer step, the step's loss) as a ``CollectiveError`` naming
+    ``where`` (or what ``where()`` says when it fails) and the other ranks of ``group``, as the
+    executor's own collectives do. Give the world group where the block's collectives span
+    several groups (the optimizer step's gradient-norm all-reduce runs over the model-parallel
+    ranks, its reduction over the data-parallel ones)."""
     try:
         yield
     except RuntimeError as err:
         if isinstance(err, CollectiveError) or not is_comm_failure(err):
             raise
-        raise CollectiveError(where, err, group=group) from err
+        raise CollectiveError(where() if callable(where) else where, err, group=group) from err
 
 
 def _peer_ranks(group) -> str | None:

@@ -22,7 +22,7 @@ from .executor import MicroBatch
 from .groups import ProcessGroups
 from .plan import SIPlan
 from .precision import loss_seed
-from .stepping import DhelixStepMixin
+from .stepping import STEP_END, DhelixStepMixin
 
 FEW_MICROBATCHES = 3
 """At or below this many micro-batches per step, SI's unpaired ends are a large share of the step."""
@@ -86,21 +86,22 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         self._warn_few_once(len(batches))
         self.module.train()
         stats = self.begin_step()  # the watchdog covers the micro-batches and the optimizer step
-        try:
-            with self._reduction_context():
-                mbs = self.executor.run_microbatches(batches, self.step_schedule(), loss_seed(self, len(batches)),
-                                                     first_serial=self.global_steps * len(batches))
-            self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
-            with collective_failures("of the gradient reduction and optimizer step", dist.group.WORLD):
+        with collective_failures(self.failure_position, dist.group.WORLD):  # DeepSpeed's collectives too
+            try:
+                with self._reduction_context():
+                    mbs = self.executor.run_microbatches(batches, self.step_schedule(), loss_seed(self, len(batches)),
+                                                         first_serial=self.global_steps * len(batches))
+                self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
                 self._is_gradient_accumulation_boundary = True
                 if self.zero_optimization_stage() == 0:
                     self.allreduce_gradients()
                 self.micro_steps += len(batches) - 1
                 self.step()
                 self._is_gradient_accumulation_boundary = None
-        finally:
-            self.watchdog.pause()
-        self.end_step(stats, self.mean_loss(mbs), batches)
+            finally:
+                self.watchdog.pause()
+            self.watchdog.beat(op=STEP_END)
+            self.end_step(stats, self.mean_loss(mbs), batches)
         return self.last_loss
 
     @torch.no_grad()

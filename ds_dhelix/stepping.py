@@ -9,6 +9,7 @@ this in before their DeepSpeed base class.
     begin_step      fresh StepStats, meter peak reset, watchdog armed
     end_step        stats filled, TensorBoard scalars, the step's time to auto (its decisions
                     logged), trace written
+    failure_position  where the rank was, for a failed collective (the watchdog's last op)
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from .executor import Executor, StepStats
 from .memory import ActivationMeter
 from .trace import TraceRecorder, merge_traces
 from .watchdog import Watchdog
+
+STEP_END = "the step's end (its loss, logs and trace)"  # the watchdog's op after the optimizer step
 
 
 def check_attention_mask(batch: dict, k: int, moe: bool = False) -> None:
@@ -118,6 +121,12 @@ class DhelixStepMixin:
             yield
         finally:
             self.watchdog.pause()
+
+    def failure_position(self) -> str:
+        """Where this rank was when a collective outside the executor's own failed (DeepSpeed's
+        gradient reduction, the optimizer step, a checkpoint save): the watchdog's last op."""
+        op = self.watchdog.op
+        return f"during {op}" if op else "before the first step"
 
     def pull_batches(self, data_iter, count: int | None = None) -> list[dict]:
         """The step's ``gradient_accumulation_steps`` micro-batches (or ``count``), on this engine's

@@ -88,6 +88,9 @@ def test_collective_failures_names_deepspeeds_own_collectives():
     assert str(info.value) == ("collective of the gradient reduction and optimizer step failed "
                                "(peer 127.0.0.1:28572): Read error [127.0.0.1]:28572: Connection reset by peer")
     assert info.value.__cause__ is gloo
+    with pytest.raises(CollectiveError, match="^collective during optimizer step failed"):
+        with collective_failures(lambda: "during optimizer step"):  # a position read when it fails
+            raise gloo
     ours = CollectiveError("attn.ag (F strand, micro-batch 0, block 1)", gloo)
     with pytest.raises(CollectiveError) as info:  # already named: left as it is
         with collective_failures("of the optimizer step"):

@@ -43,7 +43,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ..comm import collective_failures
 from ..executor import MicroBatch
 from ..precision import loss_seed
-from ..stepping import DhelixStepMixin
+from ..stepping import STEP_END, DhelixStepMixin
 from hf_models.adapters import num_experts
 from . import schedule as S
 from .folding import LayerFold, chunk_index
@@ -128,11 +128,13 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         batches = self.pull_batches(data_iter or self.data_iterator)
         self.module.train()
         stats = self.begin_step()
-        try:
-            mbs = self._run(batches, self._rank_schedule(self.step_schedule(), len(batches)))
-        finally:
-            self.watchdog.pause()
-        self.end_step(stats, self._pipeline_loss(mbs), batches)
+        with collective_failures(self.failure_position, dist.group.WORLD):  # DeepSpeed's collectives too
+            try:
+                mbs = self._run(batches, self._rank_schedule(self.step_schedule(), len(batches)))
+            finally:
+                self.watchdog.pause()
+            self.watchdog.beat(op=STEP_END)
+            self.end_step(stats, self._pipeline_loss(mbs), batches)
         return self.last_loss
 
     @torch.no_grad()
@@ -281,13 +283,13 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         assert not self._state.recvs, f"receives posted but never waited: {sorted(self._state.recvs)}"
 
     def _exec_reduce(self, ins: S.ReduceGrads) -> None:
+        self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction")
         self.executor.reduce_replicated_grads()  # TP first, then DeepSpeed's data-parallel reduction
-        with collective_failures("of the gradient reduction", dist.group.WORLD):
-            PipelineEngine._exec_reduce_grads(self)
+        PipelineEngine._exec_reduce_grads(self)
 
     def _exec_step(self, ins: S.OptimizerStep) -> None:
-        with collective_failures("of the optimizer step", dist.group.WORLD):
-            PipelineEngine._exec_optimizer_step(self)
+        self.watchdog.beat(microbatch="-", strand="-", op="optimizer step")
+        PipelineEngine._exec_optimizer_step(self)
 
     _INSTRUCTION_MAP = {
         S.LoadMicroBatch: _exec_load,
