@@ -6,7 +6,7 @@ CONFIG ?= ds_configs/tiny_llama_cpu.json
 NUM_RANKS ?= 2
 ARGS ?=
 
-.PHONY: venv run test
+.PHONY: venv run test docs docs-serve
 venv:
 	@bash scripts/bootstrap.sh
 
@@ -15,3 +15,9 @@ run: venv
 
 test: venv
 	.venv/bin/python -m pytest -q -x --timeout=900 tests
+
+docs: venv
+	.venv/bin/mkdocs build --strict
+
+docs-serve: venv
+	.venv/bin/mkdocs serve

@@ -17,7 +17,12 @@ from dataclasses import dataclass
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """train.py's flags (the CLI reference in the docs is generated from this parser)."""
+    p = argparse.ArgumentParser(prog="train.py", description=__doc__.splitlines()[0])
     p.add_argument("--deepspeed", "--deepspeed_config", dest="deepspeed", required=True,
                    help="ds_config JSON (with an optional \"dhelix\" section)")
     p.add_argument("--model", default="tiny-llama",
@@ -33,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--overwrite-output-dir", action="store_true",
                    help="replace a regular file or a foreign non-empty directory at --output-dir; let checkpoints "
                         "go into a non-empty directory at --ds-checkpoint")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234,
+                   help="model init, data order, and dhelix.seed (dropout masks) unless the section sets it")
     p.add_argument("--ds-checkpoint", default=None, metavar="DIR",
                    help="DeepSpeed checkpoints go here (at the end, every --save-interval steps, on a stop)")
     p.add_argument("--save-interval", type=int, default=0, metavar="K", help="save a checkpoint every K steps (0: off)")
@@ -56,9 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors file of the HF export (e.g. 500MB, 5GB); bigger models get shards "
                         "and an index file")
-    p.add_argument("--json-summary", default=None, help="write the run summary (losses, timings, memory) as JSON")
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    return p.parse_args(argv)
+    p.add_argument("--json-summary", default=None, help="write the run summary as JSON (start_step, per-step losses and lrs, timings, probe "
+                        "loss, per-rank memory)")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                   help="set by the DeepSpeed launcher (default: $LOCAL_RANK, else 0)")
+    return p
 
 
 @dataclass
@@ -66,7 +74,7 @@ class Prepared:
     """What the checks before any model is built established."""
 
     ds_config: dict
-    setup: object  # ds_dhelix.build.Setup
+    setup: object  # ds_dhelix.engine.build.Setup
     tokenizer: object
     ids: object  # the training tokens (1-D LongTensor)
     run_state: dict  # what a checkpoint of this run records
@@ -76,8 +84,8 @@ class Prepared:
 
 def check_inputs(args) -> Prepared:
     """Everything that can be checked without a model: one ValueError line per mistake."""
-    from ds_dhelix.build import check_setup
-    from ds_dhelix.config import load_ds_config
+    from ds_dhelix.engine.build import check_setup
+    from ds_dhelix.config.section import load_ds_config
     from hf_models.registry import check_weight_files, is_preset, load_config
     _check_flags(args)
     ds_config = load_ds_config(args.deepspeed)
@@ -96,7 +104,7 @@ def check_inputs(args) -> Prepared:
             CheckpointFiles(os.path.expanduser(args.model))  # each rank reads its shards: safetensors only
     from hf_models.registry import resolve_attn_implementation
     args.attn_implementation = resolve_attn_implementation(args.attn_implementation, args.model)
-    from ds_dhelix.checkpoint import parse_size
+    from ds_dhelix.engine.checkpoint import parse_size
     parse_size(args.max_shard_size, "--max-shard-size")
     setup = check_setup(ds_config, model_config, int(os.environ.get("WORLD_SIZE", 1)))
     if "optimizer" not in ds_config:
@@ -147,8 +155,8 @@ def _check_lengths(args, setup, model_config) -> None:
 
 
 def _check_outputs(args) -> None:
-    from ds_dhelix.checkpoint import check_output_dir, is_export
-    from ds_dhelix.resume import is_checkpoint_dir
+    from ds_dhelix.engine.checkpoint import check_output_dir, is_export
+    from ds_dhelix.engine.resume import is_checkpoint_dir
     check_output_dir(args.output_dir, "--output-dir", args.overwrite_output_dir, ours=is_export)
     if args.ds_checkpoint:
         ckpt, out = (os.path.abspath(os.path.expanduser(p)) for p in (args.ds_checkpoint, args.output_dir))
@@ -191,8 +199,8 @@ def data_options(args, tokenizer) -> dict:
 
 
 def run_state(args, ds_config, setup, num_tokens: int) -> dict:
-    """What a checkpoint of this run records, and a resume must match (``ds_dhelix.resume``)."""
-    from ds_dhelix.build import zero_stage
+    """What a checkpoint of this run records, and a resume must match (``ds_dhelix.engine.resume``)."""
+    from ds_dhelix.engine.build import zero_stage
     d, b = setup.dims, setup.batch
     data = os.path.abspath(os.path.expanduser(args.data)) if args.data else "embedded corpus"
     model = args.model if not os.path.isdir(os.path.expanduser(args.model)) else os.path.abspath(args.model)
@@ -209,7 +217,7 @@ def run_state(args, ds_config, setup, num_tokens: int) -> dict:
 
 def _check_resume(args, state: dict) -> tuple[str, str] | None:
     """The checkpoint to continue from, checked against this run before any model is built."""
-    from ds_dhelix.resume import check_resume, complete_tags, locate, read_run_state
+    from ds_dhelix.engine.resume import check_resume, complete_tags, locate, read_run_state
     if not args.resume:
         return None
     if args.resume == "auto":
@@ -256,13 +264,13 @@ def run(args, prep: Prepared) -> int:
     import torch
     import torch.distributed as dist
 
-    from ds_dhelix.comm import CollectiveError, is_comm_failure
+    from ds_dhelix.runtime.comm import CollectiveError, is_comm_failure
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed()
     if dist.get_rank() == 0:
         print(prep.setup.batch.table())
     if args.ds_checkpoint and dist.get_rank() == 0:
-        from ds_dhelix.resume import remove_leftovers
+        from ds_dhelix.engine.resume import remove_leftovers
         remove_leftovers(os.path.abspath(args.ds_checkpoint))
     engine = build(args, prep)
     try:
@@ -323,7 +331,7 @@ def build(args, prep: Prepared):
     """The model, the engine (ds_dhelix or plain DeepSpeed) and the checkpoint it resumes from."""
     import deepspeed
 
-    from ds_dhelix.memory import peak_rss_mib, reset_peak_rss
+    from ds_dhelix.runtime.memory import peak_rss_mib, reset_peak_rss
     reset_peak_rss()
     baseline = peak_rss_mib()
     model, weights = build_model_for(args, prep)
@@ -345,7 +353,7 @@ def build(args, prep: Prepared):
     reset_peak_rss()  # the training peak is measured from here
     prep.run_state["plan_fingerprint"] = fingerprint
     if prep.resume is not None:
-        from ds_dhelix.resume import load
+        from ds_dhelix.engine.resume import load
         saved = load(engine, *prep.resume)
         if saved.get("plan_fingerprint") != fingerprint and int(os.environ.get("RANK", 0)) == 0:
             print(f"train.py: the SI plan differs from the checkpoint's ({saved.get('plan_fingerprint')} -> "
@@ -359,7 +367,7 @@ def train(args, prep: Prepared, engine) -> int:
     from tqdm import tqdm
 
     from ds_dhelix.data import batch_iterator
-    from ds_dhelix.stopping import StopRequest
+    from ds_dhelix.engine.stopping import StopRequest
     rank, dp_rank, dp_size = dist.get_rank(), *_data_parallel(engine, prep)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     start = engine.global_steps
@@ -419,7 +427,7 @@ def _watched(engine, what: str):
 
 def save(args, prep: Prepared, engine) -> str:
     """A checkpoint of the current step under --ds-checkpoint (the newest --keep-checkpoints kept)."""
-    from ds_dhelix import resume
+    from ds_dhelix.engine import resume
     state = dict(prep.run_state, step=engine.global_steps)
     with _watched(engine, "checkpoint save"):
         return resume.save(engine, os.path.abspath(args.ds_checkpoint), state, args.keep_checkpoints)
@@ -447,7 +455,7 @@ def finish(args, prep: Prepared, engine, log: dict, start: int, micro: int, dp_s
         if dh.enabled:
             path = engine.export_hf(args.output_dir, prep.tokenizer, max_shard_size=args.max_shard_size)
         else:
-            from ds_dhelix.checkpoint import export_hf
+            from ds_dhelix.engine.checkpoint import export_hf
             path = export_hf(engine.module, args.output_dir, prep.tokenizer, max_shard_size=args.max_shard_size)
     memory = memory_marks(prep)
     if dist.get_rank() == 0:
@@ -461,7 +469,7 @@ def memory_marks(prep: Prepared) -> list[dict]:
     """Every rank's host memory marks (collective): baseline, load peak, training peak, shard."""
     import torch.distributed as dist
 
-    from ds_dhelix.memory import peak_rss_mib
+    from ds_dhelix.runtime.memory import peak_rss_mib
     mine = {"rank": dist.get_rank(), **(prep.memory or {}), "train_peak_rss_mib": peak_rss_mib()}
     marks = [None] * dist.get_world_size()
     dist.all_gather_object(marks, mine)
@@ -542,7 +550,7 @@ def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, pro
     print(line)
     auto = getattr(engine, "auto", None)
     if auto is not None:  # "schedule": "auto": what it chose, from which figures
-        from ds_dhelix.autoschedule import describe
+        from ds_dhelix.planning.autoschedule import describe
         summary["auto_decisions"] = auto.decisions
         print("\n".join(describe(d) for d in auto.decisions) if auto.decisions else
               f"ds_dhelix: schedule auto still timing its candidates ({auto.trial_steps_left} trial steps left)")

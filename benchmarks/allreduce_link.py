@@ -1,6 +1,6 @@
 """How much of a gloo all-reduce hides behind compute, on plain loopback and on an emulated link.
 
-For each link (``--gbps none,2``: unshaped, then 2 Gbit/s via ``ds_dhelix.linkemu``) the whole
+For each link (``--gbps none,2``: unshaped, then 2 Gbit/s via ``ds_dhelix.runtime.linkemu``) the whole
 Python process tree is re-run inside the link's namespace; two gloo ranks (single-threaded torch)
 measure, medians over ``--repeats``:
 
@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ds_dhelix.linkemu import wrap_command  # noqa: E402
+from ds_dhelix.runtime.linkemu import wrap_command  # noqa: E402
 
 WORLD_SIZE = 2
 MATMUL_N = 512

@@ -20,7 +20,7 @@ def _measure(path: str, how: str, tp: int, rank: int) -> dict:
     """In this process: load rank ``rank``'s TP shard of checkpoint ``path`` by ``how``."""
     import torch
 
-    from ds_dhelix.memory import peak_rss_mib, reset_peak_rss
+    from ds_dhelix.runtime.memory import peak_rss_mib, reset_peak_rss
     from hf_models.adapters import adapter_for
     from hf_models.loading import CheckpointFiles, empty_model, materialize
     from hf_models.registry import load_config

@@ -1,17 +1,26 @@
 """ds_dhelix: DHelix strand interleaving for DeepSpeed.
 
-``ds_dhelix.initialize(...)`` mirrors ``deepspeed.initialize`` (``build.py``); importing the package
-itself stays light (the planner, plans and schedules never import deepspeed or torch.distributed).
+``ds_dhelix.initialize(...)`` mirrors ``deepspeed.initialize`` (``engine/build.py``). Importing the
+package stays light: the public names below load on first use, and the pure layers (``graph``,
+``config``, ``planning``, ``pipe``) never import deepspeed or torch.distributed.
+
+The subpackages follow the data flow, each importing only the layers below it (import-linter
+contracts in ``pyproject.toml``)::
+
+    data, graph -> config, planning, pipe -> runtime -> moe -> hf_models -> engine -> bench -> commands, cli
 """
 __version__ = "0.1.0"
 
-from .guard import install as _install_guard
+from .engine.guard import install as _install_guard
 
-_install_guard()  # a plain DeepSpeed engine built from an enabled dhelix config raises (guard.py)
+_install_guard()  # a plain DeepSpeed engine built from an enabled dhelix config raises (engine/guard.py)
 
-_LAZY = {"DhelixTrainer": "trainer", "initialize": "build", "build_engine": "build", "check_setup": "build",
-         "DhelixEngine": "engine"}
+_LAZY = {"DhelixTrainer": "engine.trainer", "initialize": "engine.build", "build_engine": "engine.build",
+         "check_setup": "engine.build", "DhelixEngine": "engine.dhelix_engine", "DhelixConfig": "config.section",
+         "SIPlan": "planning.plan", "ParallelDims": "config.dims"}
 _LAZY_HF = {"empty_model": "hf_models.loading"}
+
+__all__ = ["__version__", *_LAZY, *_LAZY_HF]
 
 
 def __getattr__(name):

@@ -109,8 +109,8 @@ def _has_cuda() -> bool:
 def plain_config(ds_config: dict, world: int) -> dict:
     """The comparison run: no dhelix section; data parallel over the world with the accumulation cut
     so one optimizer step trains the same tokens as the dhelix layout."""
-    from ds_dhelix.dims import ParallelDims
-    from ds_dhelix.config import DhelixConfig
+    from ds_dhelix.config.dims import ParallelDims
+    from ds_dhelix.config.section import DhelixConfig
     plain = copy.deepcopy(ds_config)
     dims = ParallelDims.from_config(DhelixConfig.from_ds_config(plain), world)
     plain.pop("dhelix", None)
@@ -167,7 +167,7 @@ def _loss_log():
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-    from ds_dhelix.config import load_ds_config
+    from ds_dhelix.config.section import load_ds_config
     from hf_models.registry import build_model, load_tokenizer_for
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ds_config = load_ds_config(args.deepspeed)

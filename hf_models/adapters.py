@@ -2,14 +2,16 @@
 
 Each adapter module provides ``check_tp(config, tp, world=None)`` (ValueError before any model is
 built) and ``build_graph(model, tp, tp_rank, tp_group, tp_grad_group) -> ModelGraph`` (``tp_group``:
-a ``ds_dhelix.comm.StrandGroups`` or one process group); MoE adapters also ``check_ep(config, ep,
+a ``ds_dhelix.runtime.comm.StrandGroups`` or one process group); MoE adapters also ``check_ep(config, ep,
 dp_size)`` and take ``ep_groups``, ``capacity_factor``, ``aux_loss_coef`` in ``build_graph``.
-``ds_dhelix.dims.ParallelDims.check_model`` runs the checks, ``ds_dhelix.build.shard_model`` the
+``check_model`` runs the checks, ``ds_dhelix.engine.build.shard_model`` the
 build.
 """
 from __future__ import annotations
 
 import importlib
+
+from ds_dhelix.config.dims import check_cp_heads
 
 ADAPTERS = {"llama": "hf_models.llama", "gpt2": "hf_models.gpt2", "gpt_neox": "hf_models.gpt_neox",
             "phimoe": "hf_models.phimoe", "mixtral": "hf_models.mixtral", "qwen3_moe": "hf_models.qwen3_moe",
@@ -26,6 +28,26 @@ def adapter_for(config):
     except ModuleNotFoundError as err:
         raise ValueError(f"the {model_type} adapter is not available in this build") from err
     return getattr(module, "ADAPTER", module)  # MoE families: a MoeAdapter over the shared machinery
+
+
+def check_model(dims, model_config):
+    """TP must divide the attention heads, KV heads and MLP width; EP the experts (and the DP
+    size); an EP size needs a model with experts. ``ValueError`` naming the values and the
+    valid sizes, before any model is built. Returns the model's adapter."""
+    adapter = adapter_for(model_config)
+    adapter.check_tp(model_config, dims.tp)
+    if dims.cp > 1 and dims.cp_comm == "ulysses":
+        check_cp_heads(model_config, dims.tp, dims.cp)
+    if dims.cp > 1:
+        if not getattr(adapter, "CONTEXT_PARALLEL", False):
+            raise ValueError(f"context_parallel.size {dims.cp}: model_type {model_config.model_type!r} has no "
+                             f"context-parallel attention yet; use 1")
+    if hasattr(adapter, "check_ep"):
+        adapter.check_ep(model_config, dims.ep, dims.dp)
+    elif dims.ep > 1:
+        raise ValueError(f"expert_parallel.size {dims.ep}: model_type {model_config.model_type!r} has no "
+                         f"experts; use 1 (or an MoE model, e.g. tiny-phimoe)")
+    return adapter
 
 
 def num_experts(config) -> int:

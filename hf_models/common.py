@@ -8,15 +8,16 @@ gradients summed over the TP group once per step (``mark_replicated``).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_dhelix.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
-from ds_dhelix.graph import comm, comp
+from ds_dhelix.runtime.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
+from ds_dhelix.graph.model_graph import comm, comp
+from ds_dhelix.data.inputs import shifted_targets, valid_targets
+from ds_dhelix.runtime.groups import ContextShards
 
 from .ring import AttentionCore
 
@@ -41,7 +42,7 @@ def shard_param(module: nn.Module, name: str, dim: int, rank: int, tp: int, inde
     p = getattr(module, name)
     if p is None or tp == 1:
         return
-    from .loading import select
+    from ds_dhelix.graph.shards import select
     if index is None:
         size = p.shape[dim] // tp
         data = p.data.narrow(dim, rank * size, size)
@@ -62,32 +63,6 @@ def mark_replicated(params, group) -> ReplicatedGrads:
     """Replicated weights used on a sequence shard: their gradients are summed over the TP group
     once per step (the executor calls ``ReplicatedGrads.all_reduce`` after the last backward)."""
     return ReplicatedGrads(params, group)
-
-
-@dataclass(frozen=True)
-class ContextShards:
-    """Context parallelism of a graph: ``size`` CP ranks per sequence, this rank's ``rank`` among
-    them, ``groups`` (``StrandGroups``) for the Ulysses all-to-alls, ``sequence_group`` the TP x CP
-    ranks of one sequence (the MoE load-balancing sums), ``comm`` the exchange ("ulysses" or
-    "ring"). With Ulysses a rank's sequence shard is number ``rank * tp + tp_rank`` of ``size * tp``
-    contiguous shards; with ring attention see ``make_side_fn``."""
-
-    size: int
-    rank: int
-    groups: object
-    sequence_group: object = None
-    comm: str = "ulysses"
-
-
-def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
-    """HF's causal-LM targets of ``[b, s]`` labels: position t predicts labels[t+1], the last
-    position predicts nothing (-100)."""
-    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
-
-
-def valid_targets(labels: torch.Tensor) -> int:
-    """How many targets of ``labels`` the loss counts (``shifted_targets`` other than -100)."""
-    return int((labels[:, 1:] != -100).sum())
 
 
 def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = None):
@@ -111,7 +86,7 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
         ids, labels = batch["input_ids"], batch.get("labels", batch["input_ids"])
         b, s = ids.shape
         if s % multiple:
-            from ds_dhelix.dims import ParallelDims
+            from ds_dhelix.config.dims import ParallelDims
             ParallelDims(shards, tp=tp, cp=shards // tp, cp_comm=cp.comm if cp else "ulysses").check_seq_len(s)
         targets = shifted_targets(labels)
         n = s // shards

@@ -25,7 +25,7 @@ reduce-scatter. Learned position embeddings (``wpe``) are added in ``embed`` for
 positions; a tied ``lm_head`` is the same Parameter as ``wte`` and is used by both end blocks.
 Dropout: ``embd_pdrop`` in ``embed``, ``attn_pdrop`` in ``attn.core``, ``resid_pdrop`` on the attention
 and MLP outputs in ``mlp.norm`` / ``mlp.add`` (after the reduce-scatter, so on the full sums), with
-masks seeded per micro-batch, layer, op and rank (``ds_dhelix.draws``).
+masks seeded per micro-batch, layer, op and rank (``ds_dhelix.graph.draws``).
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ import contextlib
 import torch
 from transformers.models.gpt2 import modeling_gpt2 as hf
 
-from ds_dhelix.draws import Draws
-from ds_dhelix.graph import ModelGraph, comp
+from ds_dhelix.graph.draws import Draws
+from ds_dhelix.graph.model_graph import ModelGraph, comp
 
 from .common import (ContextShards, Dropout, causal_mask_side, check_divisible, check_dropout, cp_heads,
                      dense_layer_ops, embed_op, head_ops, make_side_fn, mark_replicated, sequential_residual,
@@ -128,7 +128,7 @@ def layer_ops(index: int, block, config, tp: int, tp_group, draws, cp=None):
 def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
                 seed: int | None = None, cp: ContextShards | None = None) -> ModelGraph:
     """Shard ``model`` in place for this TP rank and return its op graph. Dropout (``embd_pdrop``,
-    ``attn_pdrop``, ``resid_pdrop``) draws its masks from ``ds_dhelix.draws`` (``seed``: their base
+    ``attn_pdrop``, ``resid_pdrop``) draws its masks from ``ds_dhelix.graph.draws`` (``seed``: their base
     seed, None: ``torch.initial_seed()``), so every schedule draws the same ones."""
     config = model.config
     check_tp(config, tp)

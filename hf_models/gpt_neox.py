@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from transformers.models.gpt_neox import modeling_gpt_neox as hf
 
-from ds_dhelix.draws import Draws
-from ds_dhelix.graph import ModelGraph, comp
+from ds_dhelix.graph.draws import Draws
+from ds_dhelix.graph.model_graph import ModelGraph, comp
 
 from .common import (ContextShards, Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops,
                      dropped, embed_op, head_ops, make_side_fn, mark_replicated, plus, rotary, rotary_side_fn,
@@ -102,7 +102,7 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws, cp=None):
 def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
                 seed: int | None = None, cp: ContextShards | None = None) -> ModelGraph:
     """Shard ``model`` in place for this TP rank and return its op graph. Dropout
-    (``attention_dropout``, ``hidden_dropout``) draws its masks from ``ds_dhelix.draws`` (``seed``:
+    (``attention_dropout``, ``hidden_dropout``) draws its masks from ``ds_dhelix.graph.draws`` (``seed``:
     their base seed, None: ``torch.initial_seed()``)."""
     config = model.config
     check_tp(config, tp)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from transformers.models.llama import modeling_llama as hf
 
-from ds_dhelix.graph import ModelGraph
+from ds_dhelix.graph.model_graph import ModelGraph
 
-from ds_dhelix.draws import Draws
+from ds_dhelix.graph.draws import Draws
 
 from .common import (ContextShards, Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops,
                      embed_op, head_ops, make_side_fn, mark_replicated, qkv_projections, rotary, rotary_side_fn,

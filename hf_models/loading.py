@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -79,21 +80,6 @@ _RENAMINGS: dict[type, list] = {}  # model class -> transformers' renamings, rev
 
 
 # -------------------------------------------------------------------------------------- selections
-def select(p: torch.Tensor, dim: int, sel) -> dict:
-    """The ``hf_selection`` of a shard cut from ``p`` along ``dim`` by ``sel`` (a ``slice`` or an
-    index tensor), composed with the part of the full HF tensor ``p`` itself already is."""
-    prior = dict(getattr(p, "hf_selection", None) or {})
-    if dim in prior:
-        old = prior[dim]
-        base = torch.arange(old.start, old.stop) if isinstance(old, slice) else old
-        if isinstance(old, slice) and isinstance(sel, slice):
-            sel = slice(old.start + sel.start, old.start + sel.stop)
-        else:
-            sel = base[sel] if isinstance(sel, slice) else base.index_select(0, sel.cpu())
-    prior[dim] = sel if isinstance(sel, slice) else sel.detach().cpu().long()
-    return prior
-
-
 def _as_index(sel, size: int) -> torch.Tensor:
     if isinstance(sel, slice):
         return torch.arange(*sel.indices(size))

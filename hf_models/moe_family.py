@@ -40,10 +40,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds_dhelix.comm import SeqAllGather, SeqReduceScatter
-from ds_dhelix.draws import Draws, draw_seed, seeded_rng
-from ds_dhelix.graph import ModelGraph, comm, comp
-from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll, ExpertGroups
+from ds_dhelix.runtime.comm import SeqAllGather, SeqReduceScatter
+from ds_dhelix.graph.draws import Draws, draw_seed, seeded_rng
+from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
+from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll
+from ds_dhelix.runtime.groups import ExpertGroups
 from ds_dhelix.moe.experts import expert_act, run_expert_down, run_expert_up, shard_experts
 from ds_dhelix.moe.metrics import MoeMetrics
 from ds_dhelix.moe.router import aux_piece, combine_copies, load_balancing_loss, local_counts, route_tokens

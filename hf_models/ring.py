@@ -30,10 +30,9 @@ way, to the rank that owns them (``comm.RingPass``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ds_dhelix.comm import RingPass
-from ds_dhelix.graph import comm, comp
+from ds_dhelix.runtime.comm import RingPass
+from ds_dhelix.graph.model_graph import comm, comp
 
 _HIDDEN = -1e30
 """Score of a masked pair: finite, so a query row that sees nothing of a block has a finite

@@ -46,9 +46,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ds_dhelix.comm import cuda_connections_warning  # noqa: E402
-from ds_dhelix.executor import Executor  # noqa: E402
-from ds_dhelix.trace import TraceRecorder  # noqa: E402
+from ds_dhelix.runtime.comm import cuda_connections_warning  # noqa: E402
+from ds_dhelix.runtime.executor import Executor  # noqa: E402
+from ds_dhelix.runtime.trace import TraceRecorder  # noqa: E402
 from hf_models.adapters import adapter_for  # noqa: E402
 from hf_models.registry import build_model  # noqa: E402
 
@@ -198,8 +198,8 @@ def check_device_events(device, size_mib: int = 512, reps: int = 40) -> dict:
     is hidden (exposed ~ 0). The host never blocks in either case."""
     import torch.distributed as dist
 
-    from ds_dhelix.comm import Pending
-    from ds_dhelix.spawn import free_port
+    from ds_dhelix.runtime.comm import Pending
+    from ds_dhelix.runtime.spawn import free_port
     started = not dist.is_initialized()
     if started:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from ds_dhelix.comm import SHM_BUFFER_PREFIX
-from ds_dhelix.spawn import free_port, run_ranks  # noqa: F401  (re-exported for the tests)
+from ds_dhelix.runtime.comm import SHM_BUFFER_PREFIX
+from ds_dhelix.runtime.spawn import free_port, run_ranks  # noqa: F401  (re-exported for the tests)
 from hf_models.common import gather_param
 from hf_models.registry import load_config
 
@@ -98,8 +98,8 @@ def process_groups(tp: int = 1, ep: int = 1):
     """``ProcessGroups`` of the running world with TP ``tp`` and EP ``ep`` (inside a rank)."""
     import torch.distributed as dist
 
-    from ds_dhelix.dims import ParallelDims
-    from ds_dhelix.groups import ProcessGroups
+    from ds_dhelix.config.dims import ParallelDims
+    from ds_dhelix.runtime.groups import ProcessGroups
     return ProcessGroups.create(ParallelDims(dist.get_world_size(), tp=tp, ep=ep))
 
 

@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_dhelix.executor import Executor
-from ds_dhelix.ops import backward_order
-from ds_dhelix.plan import default_plan
+from ds_dhelix.runtime.executor import Executor
+from ds_dhelix.graph.ops import backward_order
+from ds_dhelix.planning.plan import default_plan
 from hf_models.adapters import adapter_for
 from hf_models.common import gather_param
 from hf_models.registry import load_config
@@ -96,7 +96,7 @@ def test_tp1_config_variants(preset, attn, overrides):
 # --------------------------------------------------------------------------------- TP=2 ranks
 def _tp2_rank(rank, world, preset, overrides, num_mb):
     """One rank of the TP=2 checks; returns plain numbers and flags (asserted in pytest)."""
-    from ds_dhelix.checkpoint import export_hf
+    from ds_dhelix.engine.checkpoint import export_hf
     torch.manual_seed(123)  # anything not seeded explicitly must not matter
     layout = process_groups(tp=world)
     config = make_config(preset, **overrides)

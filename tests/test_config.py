@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ds_dhelix.config import (
+from ds_dhelix.config.section import (
     BatchSizes,
     DhelixConfig,
     PipelineConfig,

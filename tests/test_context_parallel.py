@@ -13,9 +13,9 @@ all-to-alls (``attn.a2a_in`` / ``attn.a2a_out`` COMM ops).
 import pytest
 import torch
 
-from ds_dhelix.build import check_setup
-from ds_dhelix.dims import ParallelDims
-from ds_dhelix.parity import ParityOptions, run_parity
+from ds_dhelix.engine.build import check_setup
+from ds_dhelix.config.dims import ParallelDims
+from ds_dhelix.engine.parity import ParityOptions, run_parity
 from hf_models.common import kv_heads_of_groups
 from hf_models.registry import load_config
 
@@ -78,7 +78,8 @@ def test_world_not_divisible_names_cp():
 
 
 def test_sequence_length_not_divisible_by_the_shards():
-    from hf_models.common import ContextShards, make_side_fn
+    from ds_dhelix.runtime.groups import ContextShards
+    from hf_models.common import make_side_fn
     make_side = make_side_fn(2, 0, cp=ContextShards(2, 1, None))
     ids = torch.arange(12).view(1, 12)
     with pytest.raises(ValueError, match="sequence length 10 is not divisible by tensor_parallel.size 2 x "
@@ -141,7 +142,7 @@ def test_cp2_with_expert_parallelism_on_four_ranks():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cp2_inside_pipeline_stages():
-    from ds_dhelix.parity import run_pipe_parity
+    from ds_dhelix.engine.parity import run_pipe_parity
     # clipping off: the clip factor's norm is summed per stage (last-bit differences otherwise)
     res = run_pipe_parity(ParityOptions(model="tiny-llama", tp=1, cp=2, pp=2, schedule="w", steps=2,
                                         micro_batches=4, clip=0.0), timeout=400)
@@ -154,7 +155,7 @@ def test_cp2_inside_pipeline_stages():
 @pytest.mark.parametrize("comm,names", [("ulysses", {"attn.a2a_in", "attn.a2a_out"}), ("ring", {"attn.kv1"})])
 def test_trace_has_the_cp_exchanges_on_their_lanes(tmp_path, comm, names):
     from ds_dhelix.bench.tracing import TraceOptions, record_trace
-    from ds_dhelix.trace import validate_trace
+    from ds_dhelix.runtime.trace import validate_trace
     out = tmp_path / "trace.json"
     record_trace(TraceOptions(out=str(out), model="tiny-llama", tp=1, cp=2, cp_comm=comm, steps=1, micro_batches=3,
                               micro_batch_size=1, seq_len=64, num_layers=2, timeout=200))

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from ds_dhelix import data
+from ds_dhelix.data import corpus  # get_tokenizer calls corpus.train_tokenizer
 from ds_dhelix.data import (
     BOS_ID,
     EOS_ID,
@@ -88,7 +88,7 @@ def test_tokenizer_cache_is_reused(cache_dir, tokenizer, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("tokenizer retrained although cached")
 
-    monkeypatch.setattr(data, "train_tokenizer", no_training)
+    monkeypatch.setattr(corpus, "train_tokenizer", no_training)
     again = get_tokenizer(cache_dir, 2048)
     assert again.get_vocab() == tokenizer.get_vocab()
     entries = os.listdir(cache_dir)
@@ -107,14 +107,14 @@ def test_tokenizer_save_pretrained(tokenizer, tmp_path):
 def test_concurrent_builder_losing_the_race(cache_dir, tokenizer, tmp_path, monkeypatch):
     """Another rank renames its copy into place while we train: we use theirs and leave no temp dir."""
     (winner,) = os.listdir(cache_dir)
-    real_train = data.train_tokenizer
+    real_train = corpus.train_tokenizer
 
     def train_while_other_rank_finishes(text, vocab_size):
         tok = real_train(text[:100_000], vocab_size)
         shutil.copytree(cache_dir / winner, tmp_path / winner)
         return tok
 
-    monkeypatch.setattr(data, "train_tokenizer", train_while_other_rank_finishes)
+    monkeypatch.setattr(corpus, "train_tokenizer", train_while_other_rank_finishes)
     got = get_tokenizer(tmp_path, 2048)
     assert got.get_vocab() == tokenizer.get_vocab()
     assert os.listdir(tmp_path) == [winner]

@@ -2,12 +2,12 @@
 the next step is bitwise the same as without the interruption."""
 import torch
 
-from ds_dhelix.spawn import run_ranks
+from ds_dhelix.runtime.spawn import run_ranks
 
 
 def _rank(rank, world, ckpt_dir):
     import ds_dhelix
-    from ds_dhelix.parity import ParityOptions, build, make_batches
+    from ds_dhelix.engine.parity import ParityOptions, build, make_batches
     opts = ParityOptions(model="tiny-llama", tp=2, steps=3, micro_batches=2, seq_len=32, num_layers=2)
     batches = make_batches(opts, 2048)
 

@@ -4,7 +4,7 @@ op graph's TP layers (PP=2 x TP=2, 4 ranks) train to the losses of our sequentia
 model and micro-batches. CPU, fp32, gloo."""
 import pytest
 
-from ds_dhelix.spawn import run_ranks
+from ds_dhelix.runtime.spawn import run_ranks
 
 # clip 0: with clipping, DeepSpeed sums the gradient norm over its grid in another order than ours
 OPTS = dict(model="tiny-llama", pp=2, seq_len=32, micro_batches=4, steps=2, clip=0.0)
@@ -14,8 +14,8 @@ LOSS_TOLERANCE = 1e-5
 
 
 def _rank_losses(rank, world, tp):
-    from benchmarks.ds_pipelines import build_deepspeed_pipe
-    from ds_dhelix.parity import ParityOptions, build, make_batches, train_pipeline
+    from ds_dhelix.bench.ds_pipelines import build_deepspeed_pipe
+    from ds_dhelix.engine.parity import ParityOptions, build, make_batches, train_pipeline
     opts = ParityOptions(**OPTS, tp=tp)
     batches = make_batches(opts, 2048)
     ours = train_pipeline(opts, "sequential", batches)

@@ -27,7 +27,7 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
 def test_cuda_connections_warning_names_the_setting():
     import torch
 
-    from ds_dhelix.comm import cuda_connections_warning
+    from ds_dhelix.runtime.comm import cuda_connections_warning
     cuda = torch.device("cuda")
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in cuda_connections_warning(cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert cuda_connections_warning(cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) is None

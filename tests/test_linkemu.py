@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from ds_dhelix import linkemu
-from ds_dhelix.linkemu import link_emulation_available, run_in_link, wrap_command
+from ds_dhelix.runtime import linkemu
+from ds_dhelix.runtime.linkemu import link_emulation_available, run_in_link, wrap_command
 
 AVAILABLE, REASON = link_emulation_available()
 needs_link = pytest.mark.skipif(not AVAILABLE, reason=f"link emulation unavailable: {REASON}")

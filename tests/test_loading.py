@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from ds_dhelix.moe.dispatch import ExpertGroups
+from ds_dhelix.runtime.groups import ExpertGroups
 from hf_models import gpt2, gpt_neox, llama, phimoe
 from hf_models.loading import CheckpointFiles, Joined, Key, checkpoint_source, empty_model, file_tensors, materialize
 from hf_models.registry import build_model

@@ -274,8 +274,8 @@ def test_sigkill_of_one_rank_ends_the_other_with_one_line(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_failed_export_keeps_the_previous_one_and_no_temporary_folder(tmp_path, monkeypatch):
-    from ds_dhelix import checkpoint
-    from ds_dhelix.checkpoint import EXPORT_MARK, export_hf
+    from ds_dhelix.engine import checkpoint
+    from ds_dhelix.engine.checkpoint import EXPORT_MARK, export_hf
     from hf_models.registry import build_model
     model, _ = build_model("tiny-llama", seed=0)
     out = tmp_path / "hf"
@@ -301,7 +301,7 @@ def test_failed_export_keeps_the_previous_one_and_no_temporary_folder(tmp_path, 
 def test_export_without_atomic_exchange_puts_the_previous_one_back_on_failure(tmp_path, monkeypatch):
     """Where renameat2(RENAME_EXCHANGE) is missing, publish_dir renames twice; a failure of the
     second rename restores the previous directory."""
-    from ds_dhelix import checkpoint
+    from ds_dhelix.engine import checkpoint
     target, new = tmp_path / "hf", tmp_path / ".tmp-hf-new"
     target.mkdir()
     (target / "a").write_text("old")
@@ -326,7 +326,7 @@ def test_export_without_atomic_exchange_puts_the_previous_one_back_on_failure(tm
 
 
 def test_atomic_exchange_swaps_directories(tmp_path):
-    from ds_dhelix.checkpoint import _exchange_for_test, publish_dir
+    from ds_dhelix.engine.checkpoint import _exchange_for_test, publish_dir
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()

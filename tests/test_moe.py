@@ -94,10 +94,10 @@ def run(graph, batches, schedule, deferred=None):
     """Losses of one step; ``schedule`` "sequential", "si" (default plan), "si-reactive" (reactive
     pairs, weight gradients deferred: their op names are added to ``deferred`` when given) or
     "si-ends" (reactive, first two forwards and last two backwards paired too)."""
-    from ds_dhelix.executor import Executor
-    from ds_dhelix.ops import backward_order
-    from ds_dhelix.plan import default_plan
-    from ds_dhelix.trace import TraceRecorder
+    from ds_dhelix.runtime.executor import Executor
+    from ds_dhelix.graph.ops import backward_order
+    from ds_dhelix.planning.plan import default_plan
+    from ds_dhelix.runtime.trace import TraceRecorder
     specs = graph.layer_specs()
     rec = TraceRecorder(0) if deferred is not None else None
     ex = Executor(graph, default_plan(specs, backward_order(specs)) if schedule == "si" else None, recorder=rec,
@@ -141,7 +141,7 @@ def grad_diff(model, ref_grads) -> float:
 
 # ------------------------------------------------------------------------------ 2-rank world
 def _rank_main(rank, world, preset):
-    from ds_dhelix.checkpoint import full_state_dict
+    from ds_dhelix.engine.checkpoint import full_state_dict
     from tests.conftest import process_groups
     lay = process_groups(tp=1, ep=2)
     res = {}
@@ -266,13 +266,13 @@ def test_gather_and_refuse_foreign_shard(ep2):
 
 # ------------------------------------------------------------------------------ engine
 def test_si_bitwise_through_engine_dp2_ep2():
-    from ds_dhelix.parity import ParityOptions, run_parity
+    from ds_dhelix.engine.parity import ParityOptions, run_parity
     opts = ParityOptions(model="tiny-phimoe", tp=1, dp=2, num_layers=2, seq_len=32, zero_stage=1,
                          extra={"expert_parallel": {"size": 2}})
     r = run_parity(opts, timeout=300)
     assert r["bitwise_equal"], r["max_abs_diff_vs_sequential"]
     assert r["losses"]["si"] == r["losses"]["sequential"]
-    # tolerances and their reason: ds_dhelix.parity (observed: params 8.3e-6, losses 2.4e-7)
+    # tolerances and their reason: ds_dhelix.engine.parity (observed: params 8.3e-6, losses 2.4e-7)
     assert r["hf_close"], r
 
 
@@ -353,7 +353,7 @@ def test_bad_ep_and_top_k():
 
 
 def test_expert_parallel_on_dense_model_is_refused():
-    from ds_dhelix.build import check_setup
+    from ds_dhelix.engine.build import check_setup
     from hf_models.registry import load_config
     for section in ({"size": 2}, {"capacity_factor": 1.5}):
         cfg = {"train_micro_batch_size_per_gpu": 1, "dhelix": {"enabled": True, "expert_parallel": section}}
@@ -366,8 +366,8 @@ def _resume_main(rank, world, ckpt_dir):
     """Train 2 steps, save; a fresh engine loads it: every expert shard is back at its global ids
     and the next step is bitwise that of the uninterrupted run. A shard from another EP size is refused."""
     import ds_dhelix
-    from ds_dhelix.checkpoint import full_state_dict
-    from ds_dhelix.parity import ParityOptions
+    from ds_dhelix.engine.checkpoint import full_state_dict
+    from ds_dhelix.engine.parity import ParityOptions
     opts = ParityOptions(model="tiny-phimoe", tp=1, dp=2, micro_batches=2, extra={"expert_parallel": {"size": 2}})
     config = make_config()
 

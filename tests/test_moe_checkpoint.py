@@ -3,7 +3,7 @@
 run both reproduce the trained model's loss."""
 import torch
 
-from ds_dhelix.spawn import run_ranks
+from ds_dhelix.runtime.spawn import run_ranks
 
 
 def _cfg(ep):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_dhelix.parity import ParityOptions, run_parity
+from ds_dhelix.engine.parity import ParityOptions, run_parity
 
 
 @pytest.mark.timeout(400)
@@ -78,7 +78,7 @@ def test_family_settings_the_graph_cannot_run_are_refused():
 def test_shared_expert_runs_while_the_routed_tokens_are_in_flight():
     """Qwen2-MoE's gated shared expert is a COMP op right after the dispatch, before the experts
     need the dispatched rows: the executor computes it while the all-to-all is in flight."""
-    from ds_dhelix.moe.dispatch import ExpertGroups
+    from ds_dhelix.runtime.groups import ExpertGroups
     from hf_models.adapters import adapter_for
     from hf_models.registry import build_model
     model, _ = build_model("tiny-qwen2-moe", seed=0, num_layers=1)

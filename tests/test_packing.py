@@ -8,8 +8,8 @@ import torch
 
 from ds_dhelix.data import (TokenDataset, batch_iterator, document_positions, encode_documents, hf_model_inputs,
                             split_documents)
-from ds_dhelix.executor import Executor
-from ds_dhelix.stepping import check_attention_mask
+from ds_dhelix.runtime.executor import Executor
+from ds_dhelix.engine.stepping import check_attention_mask
 from hf_models.adapters import adapter_for
 from hf_models.registry import build_model
 
@@ -122,7 +122,7 @@ def test_masks_the_graph_cannot_honour_are_refused():
 
 @pytest.mark.timeout(300)
 def test_parity_packing_docs_bitwise_and_matches_hf_document_masked_loss():
-    from ds_dhelix.parity import ParityOptions, run_parity
+    from ds_dhelix.engine.parity import ParityOptions, run_parity
     r = run_parity(ParityOptions(model="tiny-llama", tp=2, schedule="si", packing="docs"), timeout=280)
     assert r["bitwise_equal"] and r["hf_close"], r
     assert "block-diagonal causal mask" in r["hf_comparison"]

@@ -7,12 +7,12 @@ import os
 import pytest
 import torch
 
-from ds_dhelix.parity import ParityOptions, build, make_batches, train_pipeline, train_schedule
-from ds_dhelix.build import check_setup
-from ds_dhelix.pipe.engine import live_keys
+from ds_dhelix.engine.parity import ParityOptions, build, make_batches, train_pipeline, train_schedule
+from ds_dhelix.engine.build import check_setup
+from ds_dhelix.engine.pipe_engine import live_keys
 from ds_dhelix.pipe.folding import fold_layers
-from ds_dhelix.pipe.module import decoder_layers, prune_to_stage
-from ds_dhelix.spawn import run_ranks
+from ds_dhelix.engine.pipe_module import decoder_layers, prune_to_stage
+from ds_dhelix.runtime.spawn import run_ranks
 
 # Gradient clipping off: with it, the global norm is summed per stage (PP=2) or per ZeRO partition
 # (DP=2) before the all-reduce, so the clip factor can differ in its last bit from PP=1 (observed:
@@ -132,7 +132,7 @@ def test_bad_input_is_a_value_error_naming_the_values(kw, words):
 
 
 def test_boundary_carries_hidden_and_moe_aux_pieces():
-    from ds_dhelix.graph import ModelGraph, comp
+    from ds_dhelix.graph.model_graph import ModelGraph, comp
 
     def layer(i):
         return [comp("a", ("h",), ("x",), None), comp("r", ("x",), ("y", f"aux.{i}"), None),
@@ -150,7 +150,7 @@ def _rank_moe(rank, world):
 
     import torch.distributed as dist
 
-    from ds_dhelix.build import build_engine
+    from ds_dhelix.engine.build import build_engine
     opts = ParityOptions(model="tiny-phimoe", tp=1, pp=2, seq_len=32, micro_batches=3, steps=1)
     engine = build_engine(build(opts), opts.ds_config("w"))
     pieces, grads = {}, {}

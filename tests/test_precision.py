@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_dhelix.parity import ParityOptions, make_batches, run_parity
+from ds_dhelix.engine.parity import ParityOptions, make_batches, run_parity
 from tests.conftest import run_ranks
 
 # fp16 keeps 11 significant bits: every activation and gradient is rounded at ~5e-4 relative. The
@@ -42,9 +42,9 @@ def test_si_bitwise_equals_sequential_in_half_precision(dtype):
 
 
 def _train_dtypes(rank, world, steps):
-    from ds_dhelix.build import build_engine
-    from ds_dhelix.parity import build
-    from ds_dhelix.precision import force_fp16_capability
+    from ds_dhelix.engine.build import build_engine
+    from ds_dhelix.engine.parity import build
+    from ds_dhelix.engine.precision import force_fp16_capability
     force_fp16_capability()
     out = {}
     for dtype in ("fp32", "fp16"):
@@ -72,10 +72,10 @@ def test_fp16_tracks_fp32():
 
 
 def _overflow_rank(rank, world):
-    from ds_dhelix.build import build_engine
-    from ds_dhelix.checkpoint import full_state_dict
-    from ds_dhelix.parity import build
-    from ds_dhelix.precision import force_fp16_capability
+    from ds_dhelix.engine.build import build_engine
+    from ds_dhelix.engine.checkpoint import full_state_dict
+    from ds_dhelix.engine.parity import build
+    from ds_dhelix.engine.precision import force_fp16_capability
     force_fp16_capability()
     opts = _opts(dtype="fp16", steps=3)
     batches = make_batches(opts, 2048)
@@ -152,7 +152,7 @@ def _dropout_graph(seed=5):
 def test_dropout_masks_follow_the_micro_batch_number_not_the_process():
     """A fresh graph (a resumed process) draws, for micro-batch number k, the masks an
     uninterrupted run drew for it; another number draws others; eval draws none."""
-    from ds_dhelix.executor import Executor, MicroBatch
+    from ds_dhelix.runtime.executor import Executor, MicroBatch
     from tests.conftest import make_batches
     batches = make_batches(2048, 8)
     model, graph = _dropout_graph()
@@ -176,7 +176,7 @@ def test_dropout_masks_follow_the_micro_batch_number_not_the_process():
 
 def test_dropout_masks_follow_the_base_seed_not_the_process_rng():
     """Two processes (or a resumed one) seed torch differently; the masks follow dhelix.seed only."""
-    from ds_dhelix.executor import Executor
+    from ds_dhelix.runtime.executor import Executor
     from tests.conftest import make_batches
     batches = make_batches(2048, 4)
 

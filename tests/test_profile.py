@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from ds_dhelix.planner import OverlapTable, plan_dp
-from ds_dhelix.profile_runs import plan_orders, profile_world, spearman, summarize_validation, validate_world
+from ds_dhelix.planning.planner import OverlapTable, plan_dp
+from ds_dhelix.bench.profile_runs import plan_orders, profile_world, spearman, summarize_validation, validate_world
 
 OPTS = {"model": "tiny-llama", "tp": 2, "micro_batch_size": 1, "seq_len": 16, "warmup": 0,
         "repeats": 1, "link_gbps": None}
@@ -17,7 +17,7 @@ def table():
 
 
 def test_profile_covers_every_candidate(table):
-    from ds_dhelix.planner import candidate_segments
+    from ds_dhelix.planning.planner import candidate_segments
     fc, bc = candidate_segments(table.fwd_ops), candidate_segments(table.bwd_ops)
     assert set(table.fwd_alone_ms) == set(fc) and set(table.bwd_alone_ms) == set(bc)
     comm_f = {s for s in fc if table.fwd_ops[s[0]].is_comm}
@@ -39,8 +39,8 @@ def test_table_round_trip_and_refusal(table, tmp_path):
 
 
 def test_validate_reports_prediction_quality(table):
-    from ds_dhelix.plan import default_plan, sequential_plan
-    from ds_dhelix.planner import predict_ms
+    from ds_dhelix.planning.plan import default_plan, sequential_plan
+    from ds_dhelix.planning.planner import predict_ms
     res = validate_world({"model": "tiny-llama", "tp": 2, "table": table.to_dict(), "alternatives": 2,
                           "warmup": 0, "repeats": 1, "seed": 0}, timeout=240)
     rows = {r["plan"]: r for r in res["rows"]}
@@ -122,7 +122,7 @@ def test_spearman():
 def _engine_with_table(rank, world, path, meta_override):
     import torch
     import ds_dhelix
-    from ds_dhelix.profile_runs import example_batch
+    from ds_dhelix.bench.profile_runs import example_batch
     from hf_models.registry import build_model
     model, _ = build_model("tiny-llama", seed=0)
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
@@ -141,7 +141,7 @@ def _engine_with_table(rank, world, path, meta_override):
 
 
 def test_engine_uses_table_and_refuses_mismatch(table, tmp_path):
-    from ds_dhelix.spawn import run_ranks
+    from ds_dhelix.runtime.spawn import run_ranks
     path = str(tmp_path / "t.json")
     table.save(path)
     ok = run_ranks(_engine_with_table, 2, args=(path, False), timeout=180)

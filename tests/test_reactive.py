@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_dhelix.comm import all_gather_seq, reduce_scatter_seq
-from ds_dhelix.executor import Executor
-from ds_dhelix.ops import backward_order
-from ds_dhelix.plan import default_plan
-from ds_dhelix.trace import TraceRecorder, validate_trace
+from ds_dhelix.runtime.comm import all_gather_seq, reduce_scatter_seq
+from ds_dhelix.runtime.executor import Executor
+from ds_dhelix.graph.ops import backward_order
+from ds_dhelix.planning.plan import default_plan
+from ds_dhelix.runtime.trace import TraceRecorder, validate_trace
 from hf_models.adapters import adapter_for
 from tests.conftest import run_ranks
 from tests.conftest import hf_reference, make_batches, make_config, make_model
@@ -177,7 +177,7 @@ def test_pair_ends_keeps_accumulation_order(monkeypatch, preset, tied):
     micro-batch's strand, so without the trail rule the last micro-batch's ops would run first and add to the weights' gradients out of order; with it, gradients are bitwise
     those of sequential (tied embeddings too: used at both ends of the backward). TP=1, 3
     micro-batches: F0xF1 | F2xB0 | B1xB2."""
-    import ds_dhelix.executor as executor_module
+    import ds_dhelix.runtime.executor as executor_module
     monkeypatch.setattr(executor_module, "_until_comm", lambda queue: -queue[0].mb.index if queue else 0)
     config = make_config(preset, **({"tie_word_embeddings": True} if tied else {}))
     ref = make_model(config)
@@ -222,7 +222,7 @@ class _InstantComm:
     strand_safe = True
 
     def forward(self, x, side, channel=0):
-        from ds_dhelix.comm import Pending
+        from ds_dhelix.runtime.comm import Pending
         return Pending(_DoneWork(), x + 1)
 
     backward = forward
@@ -231,8 +231,8 @@ class _InstantComm:
 def test_reactive_execution_follows_completed_collectives_until_both_strands_end():
     """Both strands end in a collective that completes at once: the reaction finishes both and the
     step ends (it once tried to wait on an empty list), values as computed one by one."""
-    from ds_dhelix.executor import MicroBatch
-    from ds_dhelix.graph import ModelGraph, comm, comp
+    from ds_dhelix.runtime.executor import MicroBatch
+    from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
     work = [comp("double", ("x",), ("y",), lambda side, x: (x * 2,)), comm("send", _InstantComm(), "y", "z")]
     only_comm = [comm("send", _InstantComm(), "x", "z")]
     graph = ModelGraph([work, work, only_comm], make_side=lambda batch: {})
@@ -249,7 +249,8 @@ def test_reactive_execution_follows_completed_collectives_until_both_strands_end
 def test_dispatch_without_counts_op_is_refused():
     """The dropless dispatch needs the split sizes moe.counts exchanges; without them it says so
     instead of posting an all-to-all with unknown sizes."""
-    from ds_dhelix.moe.dispatch import ExpertAllToAll, ExpertGroups
+    from ds_dhelix.moe.dispatch import ExpertAllToAll
+    from ds_dhelix.runtime.groups import ExpertGroups
     from ds_dhelix.moe.router import Route
     route = Route(num_tokens=2, top_k=1, counts=torch.tensor([1, 1]), copy_row=torch.arange(2))
     body = ExpertAllToAll(3, ExpertGroups(size=2), to_experts=True)

@@ -20,14 +20,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ds_dhelix.parity import ParityOptions
+from ds_dhelix.engine.parity import ParityOptions
 from tests.conftest import run_ranks
 
 MODES = ("none", "selective", "full")
 
 
 def _train_modes(rank, world, opts: ParityOptions, schedules, modes=MODES):
-    from ds_dhelix.parity import make_batches, train_pipeline, train_schedule
+    from ds_dhelix.engine.parity import make_batches, train_pipeline, train_schedule
     from hf_models.registry import load_config
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     out = {}
@@ -77,7 +77,7 @@ def test_full_recompute_halves_the_peak_at_seq_256():
 
 
 def test_recomputed_forward_runs_once_on_the_backward_strand():
-    from ds_dhelix.executor import Executor, MicroBatch
+    from ds_dhelix.runtime.executor import Executor, MicroBatch
     from hf_models.adapters import adapter_for
     from tests.conftest import make_batches, make_config, make_model
     config = make_config("tiny-llama")
@@ -97,7 +97,7 @@ def test_recomputed_forward_runs_once_on_the_backward_strand():
 
 
 def test_activation_checkpointing_section():
-    from ds_dhelix.build import check_setup
+    from ds_dhelix.engine.build import check_setup
     from hf_models.registry import load_config
     opts = ParityOptions(tp=1)
     config = opts.ds_config("si")

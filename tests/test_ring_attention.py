@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_dhelix.build import check_setup
-from ds_dhelix.dims import ParallelDims
-from ds_dhelix.graph import comp
-from hf_models.common import ContextShards, context_attention, make_side_fn
+from ds_dhelix.engine.build import check_setup
+from ds_dhelix.config.dims import ParallelDims
+from ds_dhelix.graph.model_graph import comp
+from ds_dhelix.runtime.groups import ContextShards
+from hf_models.common import context_attention, make_side_fn
 from hf_models.registry import load_config
 from hf_models.ring import AttentionCore, zigzag_index
 from tests.test_context_parallel import _assert_parity
@@ -116,7 +117,7 @@ def test_ring_steps_give_causal_attention_and_its_gradients(c, docs, fused, monk
 
 
 def _exchange(rank, world):
-    from ds_dhelix.comm import RingPass, StrandGroups
+    from ds_dhelix.runtime.comm import RingPass, StrandGroups
     import torch.distributed as dist
     ring = RingPass(StrandGroups.of(dist.group.WORLD), world)
     x = torch.full((2, 3), float(rank))
@@ -127,7 +128,7 @@ def _exchange(rank, world):
 
 @pytest.mark.timeout(120)
 def test_ring_step_sends_forward_and_its_gradient_back():
-    from ds_dhelix.spawn import run_ranks
+    from ds_dhelix.runtime.spawn import run_ranks
     # 3 ranks, so r + 1 and r - 1 differ: forward receives from the previous rank, backward from the next
     got = run_ranks(_exchange, 3, timeout=90)
     assert got == [(2.0, 1.0), (0.0, 2.0), (1.0, 0.0)], got

@@ -4,7 +4,7 @@ import pytest
 
 import torch
 
-from ds_dhelix.parity import HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, ParityOptions, compare, run_parity
+from ds_dhelix.engine.parity import HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, ParityOptions, compare, run_parity
 
 
 def parity(**kw):
@@ -15,7 +15,7 @@ def parity(**kw):
 def assert_parity(r):
     assert r["bitwise_equal"], r["max_abs_diff_vs_sequential"]
     assert r["losses"]["si"] == r["losses"]["sequential"]
-    # tolerances and their reason: ds_dhelix.parity (HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE)
+    # tolerances and their reason: ds_dhelix.engine.parity (HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE)
     assert r["max_loss_diff_vs_hf"] <= HF_LOSS_TOLERANCE, r["losses"]
     assert r["max_abs_diff_vs_hf"] <= r["hf_grad_tolerance"], r["max_abs_diff_vs_hf"]
     assert r["hf_close"] and r["ok"]
@@ -48,7 +48,7 @@ def test_meter_leaks_nothing_when_a_weight_gradient_is_deferred():
     leaves that node unexecuted: every saved tensor is released once the op's outputs are gone."""
     import math
 
-    from ds_dhelix.memory import ActivationMeter
+    from ds_dhelix.runtime.memory import ActivationMeter
     w = torch.nn.Parameter(torch.randn(16, 16))
     meter = ActivationMeter([w])
     x = torch.randn(8, 16).requires_grad_()
@@ -76,7 +76,7 @@ def test_si_single_microbatch_runs():
 def test_few_microbatches_hint():
     """SI with 1-3 micro-batches per step says how much runs unpaired and what to change; the
     shipped configs (4) and pair_ends stay quiet."""
-    from ds_dhelix.engine import few_microbatches_hint
+    from ds_dhelix.engine.dhelix_engine import few_microbatches_hint
 
     assert "nothing to pair" in few_microbatches_hint(1, False)
     assert "nothing to pair" in few_microbatches_hint(1, True)

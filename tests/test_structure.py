@@ -1,6 +1,8 @@
-"""Code structure the project promises (pure AST reading, no imports):
+"""Code structure the project promises.
 
-    no import cycle among the modules of ds_dhelix/ (imports inside functions count too)
+    layers and cycles: import-linter's contracts (``[tool.importlinter]`` in pyproject.toml), run
+                       with ``lint-imports``; imports inside functions count too
+    the rest by pure AST reading (no imports):
     no private name (``_x``) imported from another project module
     no function in ds_dhelix/ or hf_models/ longer than MAX_FUNCTION_LINES
     no module-level mutable state rebound with ``global``
@@ -9,6 +11,11 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
+import subprocess
+import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("ds_dhelix", "hf_models")
@@ -42,60 +49,37 @@ def _imports(mod: str, path: str):
             yield base, tuple(a.name for a in node.names)
 
 
-def _graph(known: dict[str, str]) -> dict[str, set[str]]:
-    graph = {}
-    for mod, path in known.items():
-        edges = set()
-        for base, names in _imports(mod, path):
-            for target in [base] + [f"{base}.{n}" for n in names]:
-                while target and target not in known:
-                    target = target.rpartition(".")[0]
-                if target and target != mod:
-                    edges.add(target)
-        graph[mod] = edges
-    return graph
+LINT_IMPORTS = os.path.join(os.path.dirname(sys.executable), "lint-imports")
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
+def _lint_imports(root: str) -> subprocess.CompletedProcess:
+    if not os.path.exists(LINT_IMPORTS):
+        pytest.fail(f"{LINT_IMPORTS} is missing: install the dev extra (pip install -e '.[dev]')")
+    env = {**os.environ, "PYTHONPATH": root}  # the tree under test, before the editable install
+    return subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
 
 
-def test_no_import_cycle_inside_ds_dhelix():
-    known = _modules("ds_dhelix")
-    assert len(known) > 30
-    assert _cycles(_graph(known)) == []
+def test_import_contracts_hold():
+    """The layers of the data flow, no cycles, no DeepSpeed in the pure layers (pyproject.toml)."""
+    out = _lint_imports(ROOT)
+    assert out.returncode == 0 and "0 broken" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 
-def test_the_cycle_finder_finds_a_cycle():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+@pytest.mark.parametrize("module, line, broken", [
+    ("ds_dhelix/graph/ops.py", "from ds_dhelix.engine import build", "ds_dhelix.graph.ops -> ds_dhelix.engine.build"),
+    ("ds_dhelix/runtime/executor.py", "from hf_models import common", "ds_dhelix.runtime.executor -> hf_models.common"),
+    ("ds_dhelix/planning/plan.py", "import deepspeed", "ds_dhelix.planning.plan -> deepspeed"),
+])
+def test_a_broken_contract_fails(tmp_path, module, line, broken):
+    """The check can fail: one deliberate import against a contract, in a copy of the tree."""
+    for name in ("ds_dhelix", "hf_models", "benchmarks"):
+        shutil.copytree(os.path.join(ROOT, name), tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path)
+    with open(tmp_path / module, "a", encoding="utf-8") as f:
+        f.write(f"\n{line}  # deliberately against a contract\n")
+    out = _lint_imports(str(tmp_path))
+    assert out.returncode != 0 and broken in out.stdout, out.stdout[-3000:]
 
 
 def test_no_private_name_imported_across_project_modules():

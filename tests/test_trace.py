@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from ds_dhelix.trace import TraceRecorder, merge_traces, span_args, validate_trace
+from ds_dhelix.runtime.trace import TraceRecorder, merge_traces, span_args, validate_trace
 
 
 def _recorder(rank, **kw):
@@ -88,7 +88,7 @@ def test_executor_ops_are_profiler_ranges():
     passes) is also a ``torch.profiler`` range of the same name: on CUDA the profiler then
     attributes kernels to the trace's op names."""
     torch = pytest.importorskip("torch")
-    from ds_dhelix.executor import Executor
+    from ds_dhelix.runtime.executor import Executor
     from hf_models.adapters import adapter_for
     from tests.conftest import make_batches, make_config, make_model
 

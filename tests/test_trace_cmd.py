@@ -11,8 +11,8 @@ from benchmarks.pair_retime import retime_trace
 from benchmarks.trace_analysis import idle_breakdown
 from benchmarks.trace_analysis import main as analysis_main
 from ds_dhelix.bench.tracing import summarize_trace
-from ds_dhelix.linkemu import link_emulation_available
-from ds_dhelix.trace import validate_trace
+from ds_dhelix.runtime.linkemu import link_emulation_available
+from ds_dhelix.runtime.trace import validate_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYER_OPS = {"attn.norm", "attn.qkv", "attn.core", "attn.out", "mlp.norm", "mlp.up", "mlp.down", "mlp.add"}
@@ -82,7 +82,7 @@ def test_trace_of_si_steps(tmp_path):
 
 def test_trace_analysis_command_reads_a_trace(tmp_path, capsys):
     """The research CLI over a trace file (a tiny synthetic one: one rank, one step, one pair)."""
-    from ds_dhelix.trace import TraceRecorder
+    from ds_dhelix.runtime.trace import TraceRecorder
     rec = TraceRecorder(0, record_function=False)
 
     def args(strand, mb, block, op):

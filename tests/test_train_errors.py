@@ -174,7 +174,7 @@ def test_real_invocation_prints_one_line_and_no_traceback(argv, word):
 
 def test_unknown_deepspeed_key_can_be_allowed_with_a_warning(tmp_path):
     """dhelix.allow_unknown_deepspeed_keys turns the refusal into a warning (keys of a newer DeepSpeed)."""
-    from ds_dhelix.ds_keys import check_deepspeed_keys, deepspeed_keys
+    from ds_dhelix.config.ds_keys import check_deepspeed_keys, deepspeed_keys
     assert {"train_batch_size", "optimizer", "scheduler", "zero_optimization", "bf16", "fp16",
             "tensorboard", "activation_checkpointing", "gradient_clipping", "dhelix"} <= deepspeed_keys()
     with pytest.warns(UserWarning, match="future_key"):

@@ -208,7 +208,7 @@ BAD_TRAINER_SCRIPT = r"""
 import json, os, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 import ds_dhelix
-from ds_dhelix.guard import DhelixConfigIgnored
+from ds_dhelix.engine.guard import DhelixConfigIgnored
 from transformers import Trainer, TrainingArguments
 from hf_models.registry import build_model
 from ds_dhelix.data import TokenDataset

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from ds_dhelix.watchdog import EXIT_CODE, Watchdog
+from ds_dhelix.runtime.watchdog import EXIT_CODE, Watchdog
 
 
 def _run(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    script = "import time\nfrom ds_dhelix.watchdog import Watchdog\n" + textwrap.dedent(body)
+    script = "import time\nfrom ds_dhelix.runtime.watchdog import Watchdog\n" + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=timeout)
 
@@ -79,7 +79,7 @@ def test_world_timeout_shows_the_rank_that_failed_first():
 
 def test_collective_failures_names_deepspeeds_own_collectives():
     # a backend error inside DeepSpeed's reduction / optimizer step reads like the executor's own
-    from ds_dhelix.comm import CollectiveError, collective_failures
+    from ds_dhelix.runtime.comm import CollectiveError, collective_failures
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:28572: "
                         "Connection reset by peer. This is typically caused by a remote worker hanging")
     with pytest.raises(CollectiveError) as info:

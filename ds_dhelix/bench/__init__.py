@@ -8,7 +8,7 @@ model, world and tokens per step, at several emulated link rates, in one run.
     report.py   JSON / CSV / markdown / PNG
     tracing.py  ``dhelix trace``: a traced run on a CPU gloo world, the trace summarized
 
-DeepSpeed's own pipelines (the ``ds-*`` modes of ``--pp``) come from ``benchmarks/ds_pipelines.py``.
+DeepSpeed's own pipelines (the ``ds-*`` modes of ``--pp``) come from ``ds_dhelix/bench/ds_pipelines.py``.
 
     report = run_bench(BenchOptions(link_gbps=(2.0,)))
 """
@@ -27,7 +27,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None)
     import deepspeed
     import torch
 
-    from ds_dhelix.linkemu import link_emulation_available
+    from ds_dhelix.runtime.linkemu import link_emulation_available
 
     from .metrics import comm_comp_ratio, device_peak_flops, link_label, summarize_link
     say = progress or (lambda text: None)

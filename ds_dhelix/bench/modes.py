@@ -11,7 +11,7 @@ import contextlib
 
 import torch.distributed as dist
 
-from ..comm import release_deepspeed_shm
+from ..runtime.comm import release_deepspeed_shm
 from .options import DHELIX_MODES, BenchOptions, split_mode
 
 
@@ -51,9 +51,9 @@ class DhelixRunner(_Settling):
     """``sequential``, ``si``, ``si-planned``: the ds_dhelix engine with its executor stats."""
 
     def __init__(self, opts: BenchOptions, mode: str, example_batch: dict, link_gbps: float | None):
-        from ds_dhelix.build import build_engine
-        from ds_dhelix.ops import backward_order
-        from ds_dhelix.plan import default_plan
+        from ds_dhelix.engine.build import build_engine
+        from ds_dhelix.graph.ops import backward_order
+        from ds_dhelix.planning.plan import default_plan
         self.mode = mode
         self.engine = build_engine(build_model(opts), opts.dhelix_ds_config(mode, link_gbps), example_batch=example_batch)
         plan = self.engine.plan
@@ -85,7 +85,7 @@ class DeepSpeedRunner:
 
     def __init__(self, opts: BenchOptions, mode: str):
         import deepspeed
-        from ds_dhelix.memory import ActivationMeter
+        from ds_dhelix.runtime.memory import ActivationMeter
         self.mode, self.world = mode, opts.world
         model = build_model(opts)
         config, self.info = _deepspeed_config(opts, mode, model), {}
@@ -129,12 +129,12 @@ class PipeRunner(_Settling):
     def __init__(self, opts: BenchOptions, mode: str, link_gbps: float | None):
         self.mode, self.info = mode, {}
         if mode.startswith("ds-"):
-            from benchmarks.ds_pipelines import build_deepspeed_pipe
+            from ds_dhelix.bench.ds_pipelines import build_deepspeed_pipe
             self.engine = build_deepspeed_pipe(build_model(opts), opts.pp, mode.removeprefix("ds-"),
                                                opts.base_ds_config(opts.micro_batches), tp=opts.tp, seed=opts.seed)
             release_deepspeed_shm()
         else:
-            from ds_dhelix.build import build_engine
+            from ds_dhelix.engine.build import build_engine
             self.engine = build_engine(build_model(opts), opts.dhelix_ds_config(mode, link_gbps))
 
     def step(self, batches: list[dict]) -> dict:

@@ -26,7 +26,7 @@ A ds_dhelix mode may name its activation recompute after a ``+``: ``si+full``, `
 With ``pp > 1`` (folded pipeline over ``pp`` stages of ``tp`` ranks each) the modes are ``PP_MODES``::
 
     ds-1f1b       DeepSpeed PipelineEngine, its 1F1B schedule, on the HF decoder layers (tp 1) or on
-                  our op graph's TP layers run op after op (tp > 1; benchmarks/ds_pipelines.py)
+                  our op graph's TP layers run op after op (tp > 1; ds_dhelix/bench/ds_pipelines.py)
     ds-dualpipev  DeepSpeed DualPipeVEngine (V-folded, forward/backward pairs one after the other)
     sequential    ds_dhelix folded pipeline, pairs run one after the other (the reference)
     w             ds_dhelix W schedule: folded pipeline, pairs co-executed by SI
@@ -38,8 +38,8 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field
 
-from ..linkemu import DEFAULT_BURST_KB
-from ..recompute import MODES as RECOMPUTE_MODES
+from ..runtime.linkemu import DEFAULT_BURST_KB
+from ..graph.recompute import MODES as RECOMPUTE_MODES
 
 MODES = ("deepspeed", "autotp", "autoep", "sequential", "si", "si-ends", "si-plan", "si-planned", "intra", "auto")
 """Modes a run can measure, in table order."""
@@ -159,7 +159,7 @@ class BenchOptions:
             raise ValueError(f"num-layers must be >= 1, got {self.num_layers}")
         if self.cp_comm not in ("ulysses", "ring"):
             raise ValueError(f"cp-comm {self.cp_comm!r}: choose ulysses or ring")
-        from ds_dhelix.dims import ParallelDims
+        from ds_dhelix.config.dims import ParallelDims
         ParallelDims(self.tp * self.cp, tp=self.tp, cp=self.cp, cp_comm=self.cp_comm).check_seq_len(self.seq_len,
                                                                                                   "seq-len")
         if self.zero_stage not in (0, 1, 2):

@@ -8,7 +8,7 @@ import json
 import math
 import os
 
-from ds_dhelix.plan import write_atomic
+from ds_dhelix.planning.plan import write_atomic
 
 from .options import MIN_REPEATS
 

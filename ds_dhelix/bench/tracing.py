@@ -61,7 +61,7 @@ class TraceOptions:
 
 
 def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
-    from ds_dhelix.build import build_engine
+    from ds_dhelix.engine.build import build_engine
     from hf_models.registry import load_config
 
     from .modes import build_model
@@ -90,14 +90,14 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
 
 
 def _link_main(opts: TraceOptions) -> list[dict]:
-    from ds_dhelix.spawn import run_ranks
+    from ds_dhelix.runtime.spawn import run_ranks
     return run_ranks(_rank_main, opts.bench_options().world, args=(opts,), timeout=opts.timeout)
 
 
 def record_trace(opts: TraceOptions) -> dict:
     """Run the traced steps; return ``{"path", "shaped", "per_rank_steps"}``. The trace file is
     written by the engine (rank 0 merges every rank's spans)."""
-    from ds_dhelix.linkemu import link_emulation_available, run_in_link
+    from ds_dhelix.runtime.linkemu import link_emulation_available, run_in_link
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
     per_rank = run_in_link(_link_main, opts.link_gbps, args=(opts,), timeout=opts.timeout + 30,
                            burst_kb=opts.link_burst_kb)

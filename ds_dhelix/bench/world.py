@@ -6,7 +6,7 @@ modes step by step in rotating order and collect per-step records on rank 0.
     ...                                 (rotation: drifting machine load hits every mode alike)
 
 ``measure_link(opts, gbps)`` runs the whole world in a child process behind an emulated link
-(``ds_dhelix.linkemu``): real TCP through gloo at ``gbps`` Gbit/s, or unshaped for None.
+(``ds_dhelix.runtime.linkemu``): real TCP through gloo at ``gbps`` Gbit/s, or unshaped for None.
 """
 from __future__ import annotations
 
@@ -153,14 +153,14 @@ def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
 
 def _link_main(opts: BenchOptions, gbps: float | None) -> dict:
     """Inside the link's namespace: start the world, return rank 0's result."""
-    from ds_dhelix.spawn import run_ranks
+    from ds_dhelix.runtime.spawn import run_ranks
     return run_ranks(rank_main, opts.world, args=(opts, gbps), timeout=opts.timeout)[0]
 
 
 def measure_link(opts: BenchOptions, gbps: float | None) -> dict:
     """All modes at one link rate: ``{"modes": ..., "shaped": bool, "wall_s": ...}``; a world that
     fails or hangs gives ``{"error": "..."}`` instead of raising."""
-    from ds_dhelix.linkemu import link_emulation_available, run_in_link
+    from ds_dhelix.runtime.linkemu import link_emulation_available, run_in_link
     shaped = gbps is not None and link_emulation_available()[0]
     t0, load0 = time.perf_counter(), _loadavg()
     try:

@@ -31,11 +31,12 @@ def link_rate(text: str) -> float | None:
 
 def check_model(opts) -> None:
     """Bad model / TP / EP / sequence length: a ValueError before any process starts."""
-    from ds_dhelix.dims import ParallelDims
+    from ds_dhelix.config.dims import ParallelDims
+    from hf_models.adapters import check_model
     from hf_models.registry import load_config
     config = load_config(opts.model)
-    ParallelDims(opts.world, tp=opts.tp, pp=opts.pp, ep=opts.ep, cp=getattr(opts, "cp", 1),
-                 cp_comm=getattr(opts, "cp_comm", "ulysses")).check_model(config)
+    check_model(ParallelDims(opts.world, tp=opts.tp, pp=opts.pp, ep=opts.ep, cp=getattr(opts, "cp", 1),
+                             cp_comm=getattr(opts, "cp_comm", "ulysses")), config)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit and opts.seq_len > limit:
         raise ValueError(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions")

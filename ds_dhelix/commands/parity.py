@@ -23,10 +23,10 @@ def register(sub) -> None:
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages; > 1 compares the folded pipeline with PP=1 sequential (world = pp x tp x dp)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0 = off)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps each leg trains")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (gradient accumulation)")
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2], help="ZeRO stage")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="set every dropout rate of the model (SI vs sequential stays bitwise; HF is then compared "
@@ -45,7 +45,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ds_dhelix.parity import ParityOptions, run_parity
+    from ds_dhelix.engine.parity import ParityOptions, run_parity
     if args.tp is None:
         args.tp = 2 if args.pp == 1 and args.ep == 1 else 1
     if args.dp is None:
@@ -66,7 +66,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result, indent=1), file=args.stdout)
     else:
-        from ds_dhelix.parity import pipe_label
+        from ds_dhelix.engine.parity import pipe_label
         s = args.schedule if args.pp == 1 else pipe_label(opts)
         print(f"{args.model} pp={args.pp} tp={args.tp} cp={args.cp}{' (ring)' if args.cp_comm == 'ring' else ''} dp={args.dp} ep={args.ep} zero={args.zero} {args.steps} steps x "
               f"{args.micro_batches} micro-batches")
@@ -102,7 +102,7 @@ def run(args) -> int:
 
 def _check_setup(opts) -> None:
     """ValueError before any rank starts: the layout against the model, the schedule, the pipeline."""
-    from ds_dhelix.build import check_setup
+    from ds_dhelix.engine.build import check_setup
     from hf_models.registry import load_config
     if opts.pp > 1 and opts.schedule == "si":
         raise ValueError("--pp > 1 runs a folded schedule: pass --schedule w, dualpipev or sequential")

@@ -10,8 +10,8 @@ import json
 import random
 import time
 
-from ds_dhelix import planner
-from ds_dhelix.plan import default_plan, sequential_plan
+from ds_dhelix.planning import planner
+from ds_dhelix.planning.plan import default_plan, sequential_plan
 
 SYNTHETIC = ("llama70b", "llama70b-fine", "tiny")
 

@@ -12,23 +12,25 @@ def register(sub) -> None:
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
                    help="context parallelism's exchange: ulysses (all-to-alls) or ring (ring attention)")
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per table entry")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed runs per table entry (median and robust spread kept; noisy entries get more)")
     p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this bandwidth")
     p.add_argument("--out", required=True, help="where to write the table (JSON)")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the world is killed")
     p.set_defaults(func=run)
 
 
 def options(args) -> dict:
     if min(args.tp, args.cp, args.micro_batch_size, args.seq_len, args.repeats) < 1:
         raise ValueError("--tp, --cp, --micro-batch-size, --seq-len and --repeats must be >= 1")
-    from ds_dhelix.dims import ParallelDims
+    from ds_dhelix.config.dims import ParallelDims
+    from hf_models.adapters import check_model
     from hf_models.registry import load_config
     dims = ParallelDims(args.tp * args.cp * args.ep, tp=args.tp, ep=args.ep, cp=args.cp, cp_comm=args.cp_comm)
-    dims.check_model(load_config(args.model))
+    check_model(dims, load_config(args.model))
     dims.check_seq_len(args.seq_len, "--seq-len")
     return {"model": args.model, "tp": args.tp, "micro_batch_size": args.micro_batch_size,
             "seq_len": args.seq_len, "warmup": args.warmup, "repeats": args.repeats,
@@ -36,9 +38,9 @@ def options(args) -> dict:
 
 
 def run(args) -> int:
-    from ds_dhelix.linkemu import run_in_link
-    from ds_dhelix.planner import OverlapTable
-    from ds_dhelix.profile_runs import profile_world
+    from ds_dhelix.runtime.linkemu import run_in_link
+    from ds_dhelix.planning.planner import OverlapTable
+    from ds_dhelix.bench.profile_runs import profile_world
     o = options(args)
     if args.link_gbps:
         table, seconds = run_in_link(profile_world, args.link_gbps, args=(o, args.timeout))

@@ -37,9 +37,9 @@ def register(sub) -> None:
                    help="overlap-table cache for --planned (default: the planner's, ~/.cache/ds_dhelix)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to trace")
     d = TraceOptions()
-    p.add_argument("--micro-batches", type=int, default=d.micro_batches)
-    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per step")
+    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="samples per micro-batch")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--num-layers", type=int, default=None, help="shrink the preset")
     p.add_argument("--link-gbps", type=link_rate, default=None, metavar="GBPS",
                    help="emulated link rate in Gbit/s (default: unshaped loopback)")
@@ -53,7 +53,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ds_dhelix.bench.tracing import record_trace, summarize_trace
-    from ds_dhelix.trace import validate_trace
+    from ds_dhelix.runtime.trace import validate_trace
     opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, ep=args.ep, cp=args.cp, cp_comm=args.cp_comm,
                         schedule=args.schedule,
                         planned=args.planned, planner_cache=args.planner_cache, steps=args.steps,

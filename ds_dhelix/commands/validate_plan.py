@@ -6,29 +6,29 @@ import json
 
 def register(sub) -> None:
     p = sub.add_parser("validate-plan", help="run the DP plan and alternatives for real; predicted vs measured")
-    p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir (the table's model)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (the table's)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (the table's; MoE)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (as the table was profiled)")
     p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
                    help="context parallelism's exchange: ulysses (all-to-alls) or ring (ring attention)")
     p.add_argument("--table", required=True, help="overlap table from `dhelix profile`")
     p.add_argument("--alternatives", type=int, default=8, help="random valid plans to compare")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs of each plan first")
     p.add_argument("--repeats", type=int, default=60,
                    help="timed runs of every plan, in an order shuffled each repetition (9 left one plan "
                         "timed 4-8%% apart on a 2-core machine; 60 take ~30 s for tiny-llama's layer)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random plans and of the shuffled order")
     p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this bandwidth")
-    p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the world is killed")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from ds_dhelix.linkemu import run_in_link
-    from ds_dhelix.planner import OverlapTable
-    from ds_dhelix.profile_runs import validate_world
+    from ds_dhelix.runtime.linkemu import run_in_link
+    from ds_dhelix.planning.planner import OverlapTable
+    from ds_dhelix.bench.profile_runs import validate_world
     table = OverlapTable.load(args.table)
     if table.meta.get("link_gbps") != args.link_gbps:
         raise ValueError(f"the table was profiled at link_gbps={table.meta.get('link_gbps')}, "

@@ -1,13 +1,15 @@
 """MoE with expert parallelism: routing bookkeeping (``router``), the dispatch/combine all-to-alls
-(``dispatch``), expert shards and their computation (``experts``), per-step numbers (``metrics``)
-and the DeepSpeed engine that knows about expert parameters (``engine``).
+(``dispatch``), expert shards and their computation (``experts``) and per-step numbers
+(``metrics``). May import ``runtime`` and the layers below it; the DeepSpeed engine that knows
+about expert parameters is ``ds_dhelix.engine.moe_engine``.
 
     moe.router ─► moe.counts ─► moe.dispatch ─► moe.experts.{up,act,down} ─► moe.combine ─► moe.add
       (COMP)      (COMM, sizes)   (COMM a2a)          (3 x COMP)              (COMM a2a)     (COMP)
 
 Model adapters (``hf_models/phimoe.py``) build these ops from HF modules.
 """
-from .dispatch import ExpertAllToAll, ExpertGroups
+from ..runtime.groups import ExpertGroups
+from .dispatch import ExpertAllToAll
 from .experts import check_ep, gather_expert_param, is_expert_param, valid_ep_sizes
 from .router import Route
 

@@ -22,23 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import Pending, StrandGroups
+from ..runtime.comm import Pending
+from ..runtime.groups import ExpertGroups
 from .router import Route
-
-
-@dataclass
-class ExpertGroups:
-    """This rank's expert-parallel groups (``ProcessGroups.expert_groups()`` builds it); a plain
-    process group given for ``group`` / ``count_group`` serves both channels."""
-
-    size: int = 1
-    rank: int = 0
-    group: object = None        # dispatch / combine all-to-all (StrandGroups)
-    count_group: object = None  # token-count exchange (moe.counts; small, forward only; StrandGroups)
-    name: str = "ep_size_1"     # DeepSpeed's expert group name (param.group_name)
-
-    def __post_init__(self):
-        self.group, self.count_group = StrandGroups.of(self.group), StrandGroups.of(self.count_group)
 
 
 @dataclass

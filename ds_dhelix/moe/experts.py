@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import ExpertGroups
+from ..runtime.groups import ExpertGroups
 from .router import Route
-from hf_models.loading import select
+from ..graph.shards import select
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 

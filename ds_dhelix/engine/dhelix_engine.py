@@ -1,0 +1,123 @@
+"""DhelixEngine: a DeepSpeed engine whose ``train_batch`` runs a whole step with strand
+interleaving. ``ds_dhelix.initialize`` (``build.py``) builds it like ``deepspeed.initialize``.
+
+A step of m micro-batches: the executor runs every forward and backward op by op (sequential, SI
+or intra; under "auto" the schedule ``autoschedule.AutoSchedule`` names for the step; each loss
+seeded with 1/m, times the fp16 loss scale), leaving gradients on the parameters;
+then DeepSpeed does the rest with its own code paths (overflow checks and the loss scale's
+update under fp16 included):
+its data-parallel gradient reduction (ZeRO 1/2: ``coalesce_grad_reduction``; ZeRO 0: the buffered
+all-reduce), gradient clipping over the model-parallel group, the optimizer and the LR schedule.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import logger
+
+from ..runtime.comm import collective_failures
+from ..config.section import DhelixConfig
+from ..runtime.executor import MicroBatch
+from ..runtime.groups import ProcessGroups
+from ..planning.plan import SIPlan
+from .precision import loss_seed
+from .stepping import STEP_END, DhelixStepMixin
+
+FEW_MICROBATCHES = 3
+"""At or below this many micro-batches per step, SI's unpaired ends are a large share of the step."""
+
+
+def few_microbatches_hint(num_microbatches: int, pair_ends: bool) -> str | None:
+    """The warning for an SI step with too few micro-batches to overlap much, or None.
+
+    With m micro-batches SI pairs F(k+1) with B(k); the first forward and the last backward run
+    alone, one micro-batch's compute in all: 1/m of the step runs with nothing to hide its
+    communication behind (``pair_ends`` pairs them too)."""
+    m = num_microbatches
+    if m == 1:
+        return ("ds_dhelix: one micro-batch per step: SI has nothing to pair (set "
+                "gradient_accumulation_steps >= 2 to overlap communication)")
+    if m <= FEW_MICROBATCHES and not pair_ends:
+        return (f"ds_dhelix: {m} micro-batches per step: SI runs the first forward and the last "
+                f"backward without a partner, 1/{m} of the step's compute with its communication "
+                f"exposed; more gradient_accumulation_steps (e.g. 16) or \"dhelix\": "
+                f"{{\"pair_ends\": true}} hide more")
+    return None
+
+
+class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
+    """DeepSpeed engine + SI executor. Build it with :func:`ds_dhelix.initialize`."""
+
+    def __init__(self, *, dhelix: DhelixConfig, groups: ProcessGroups, graph, plan: SIPlan | None,
+                 load_report=None, **kwargs):
+        super().__init__(**kwargs)
+        self.load_report = load_report
+        self.setup_strands(dhelix, groups, graph, plan if dhelix.schedule in ("si", "auto") else None,
+                           defer_weight_grads=None if dhelix.defer_weight_grads else False,  # None: where useful
+                           pair_ends=dhelix.pair_ends,
+                           recompute=dhelix.recompute)
+        self._warned_few = False
+
+    def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
+        """Write an HF checkpoint (shards gathered) from global rank 0; collective on all ranks."""
+        from .checkpoint import export_hf
+        return export_hf(self.module, out_dir, tokenizer, self.groups.tp_grad_group, self.groups.tp_size,
+                         max_shard_size=max_shard_size)
+
+    # ------------------------------------------------------------------ training
+    def _reduction_context(self):
+        if self.zero_optimization_stage() >= 1:
+            return self.coalesce_grad_reduction()
+        return self.no_sync()
+
+    def _warn_few_once(self, num_microbatches: int) -> None:
+        if self.dhelix.schedule in ("si", "auto") and not self._warned_few:
+            hint = few_microbatches_hint(num_microbatches, self.dhelix.pair_ends)
+            if hint:
+                logger.warning(hint)
+            self._warned_few = True
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``data_iter``.
+
+        Returns the mean loss of the step (over micro-batches and data-parallel ranks)."""
+        batches = self.pull_batches(data_iter)
+        self._warn_few_once(len(batches))
+        self.module.train()
+        stats = self.begin_step()  # the watchdog covers the micro-batches and the optimizer step
+        with collective_failures(self.failure_position, dist.group.WORLD):  # DeepSpeed's collectives too
+            try:
+                with self._reduction_context():
+                    mbs = self.executor.run_microbatches(batches, self.step_schedule(), loss_seed(self, len(batches)),
+                                                         first_serial=self.global_steps * len(batches))
+                self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
+                self._is_gradient_accumulation_boundary = True
+                if self.zero_optimization_stage() == 0:
+                    self.allreduce_gradients()
+                self.micro_steps += len(batches) - 1
+                self.step()
+                self._is_gradient_accumulation_boundary = None
+            finally:
+                self.watchdog.pause()
+            self.watchdog.beat(op=STEP_END)
+            self.end_step(stats, self.mean_loss(mbs), batches)
+        return self.last_loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter, num_microbatches: int | None = None) -> torch.Tensor:
+        """Mean loss over one step's worth of micro-batches (or ``num_microbatches``), forward only."""
+        batches = self.pull_batches(data_iter, num_microbatches)
+        self.module.eval()
+        self.watchdog.resume(step=self.global_steps)
+        try:
+            mbs = []
+            with self.executor.inference():
+                for k, b in enumerate(batches):
+                    mb = MicroBatch(k, self.graph.make_side(b))
+                    self.executor.forward(mb)
+                    mbs.append(mb)
+        finally:
+            self.watchdog.pause()
+            self.module.train()
+        return self.mean_loss(mbs)
