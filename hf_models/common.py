@@ -169,10 +169,13 @@ def loss_denominator(side: dict):
     return given if given is not None else max(side["num_valid"], 1)
 
 
-def head_ops(norm: nn.Module, lm_head: nn.Module):
-    """``head.norm``, ``head.logits``, ``head.loss``: this rank's share of the micro-batch loss."""
+def head_ops(norm: nn.Module, lm_head: nn.Module, softcap: float | None = None):
+    """``head.norm``, ``head.logits``, ``head.loss``: this rank's share of the micro-batch loss;
+    ``softcap``: the logits' tanh softcapping (``c * tanh(logits / c)``, before the loss)."""
 
     def loss_fn(side, logits):
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
         loss = F.cross_entropy(logits.float().flatten(0, 1), side["targets"].flatten(),
                                ignore_index=-100, reduction="sum")
         return (loss / loss_denominator(side),)
@@ -358,17 +361,61 @@ def qkv_projections(attn_module):
     return fn
 
 
-def rotary(apply_rotary_pos_emb):
+def rotary(apply_rotary_pos_emb, key: str | None = None, qk_norm=None):
     """``attn_core_op``'s ``rotary`` from an HF family's ``apply_rotary_pos_emb`` and the side
-    inputs' cos/sin. Rotary runs in ``attn.core``, not ``attn.qkv``: the projection op stays linear,
-    so SI can defer its weight gradient (see ``Executor``)."""
-    return lambda q, k, side: apply_rotary_pos_emb(q, k, side["cos"], side["sin"])
+    inputs' cos/sin (``side["rope"][key]`` for a family whose layer kinds have their own RoPE,
+    ``key`` the layer's kind); ``qk_norm``: ``(q_norm, k_norm)`` applied first (HF's order);
+    ``apply_rotary_pos_emb`` None: no rotary (a NoPE layer). Rotary runs in ``attn.core``, not
+    ``attn.qkv``: the projection op stays linear, so SI can defer its weight gradient (see
+    ``Executor``). None when there is nothing to do."""
+    if apply_rotary_pos_emb is None and qk_norm is None:
+        return None
+
+    def fn(q, k, side):
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
+        if apply_rotary_pos_emb is None:
+            return q, k
+        cos, sin = (side["cos"], side["sin"]) if key is None else side["rope"][key]
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+    return fn
 
 
-def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None):
+def rope_kinds(rotary_emb: nn.Module, config) -> tuple[str, ...]:
+    """The layer kinds with a RoPE of their own when the family's rotary embedding takes the kind
+    (Gemma 3, OLMo 3: ``config.layer_types``); () for one RoPE for every layer."""
+    import inspect
+    if "layer_type" not in inspect.signature(rotary_emb.forward).parameters:
+        return ()
+    return tuple(sorted(set(config.layer_types)))
+
+
+def rotary_key(rotary_emb: nn.Module, config, index: int) -> str | None:
+    """The RoPE kind of layer ``index`` (see ``rope_kinds``), None when every layer has the same."""
+    return config.layer_types[index] if rope_kinds(rotary_emb, config) else None
+
+
+def layer_window(attn_module, config) -> int | None:
+    """The sliding window of one attention layer: the module's own ``sliding_window`` (families
+    with per-layer kinds: None for a full layer), else the config's (Mistral, Phi-3), else None."""
+    if hasattr(attn_module, "sliding_window"):
+        return attn_module.sliding_window
+    return getattr(config, "sliding_window", None)
+
+
+def layer_windows(model) -> tuple[int, ...]:
+    """The distinct sliding windows of a model's attention layers."""
+    return tuple(sorted({w for layer in model.model.layers
+                         if (w := layer_window(layer.self_attn, model.config)) is not None}))
+
+
+def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None, window: int | None = None):
     """``attn.core``: HF's attention function on [b, heads/t, s, d] -> o [s, b, heads/t * d];
     ``rotary(q, k, side) -> (q, k)`` first when given; ``drop`` (a ``Dropout``): the attention
-    probabilities' dropout, drawn by the attention kernel on the op's seeded stream."""
+    probabilities' dropout, drawn by the attention kernel on the op's seeded stream; ``window``:
+    the layer's sliding window (each query sees the ``window`` keys up to itself: the side's
+    ``window_masks``, and flash attention's own ``sliding_window``)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     impl = config._attn_implementation or "sdpa"
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_fn)
@@ -377,19 +424,25 @@ def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None):
         if rotary is not None:
             q, k = rotary(q, k, side)
         mask = side.get("causal_mask")  # eager's causal mask, or packed documents' block mask
+        if window is not None:
+            mask = side.get("window_masks", {}).get(window, mask)  # none: the sequence fits the window
         p = drop.p if drop is not None and attn_module.training else 0.0
         module = attn_module
         if k.shape[1] * getattr(attn_module, "num_key_value_groups", 1) != q.shape[1]:
             module = HeadGroupView(attn_module, q.shape[1] // k.shape[1])  # a CP group sharing one kv head
         with drop.rng(q.device, side, "attn.core") if p else contextlib.nullcontext():
-            o, _ = attend(module, q, k, v, mask, dropout=p, scaling=attn_module.scaling)
+            o, _ = attend(module, q, k, v, mask, dropout=p, scaling=attn_module.scaling, **extra)
         return (o.transpose(0, 1).flatten(2),)  # [b, s, n, d] -> [s, b, n*d]
 
+    extra = {"sliding_window": window} if window is not None and impl == "flash_attention_2" else {}
     return comp("attn.core", ("q", "k", "v"), ("o",), AttentionCore(fn, attn_module, rotary, drop), selective=True)
 
 
-def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None, side=None) -> dict:
-    """The attention mask a micro-batch needs, as ``{"causal_mask": ...}``: with ``position_ids``
+def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None, side=None,
+                     windows: tuple[int, ...] = ()) -> dict:
+    """The attention mask a micro-batch needs, as ``{"causal_mask": ...}`` (and ``"window_masks"``: for each of
+    ``windows`` shorter than the sequence, the causal mask cut to that window, as boolean or additive as
+    the causal one; flash attention takes the window itself): with ``position_ids``
     (packed documents: a document starts where its position is 0) a block-diagonal causal mask,
     boolean for sdpa and additive for eager, [b, 1, s, s]; else the additive causal mask eager
     attention needs [1, 1, s, s] (sdpa runs ``is_causal`` instead: nothing). ``side`` of a ring
@@ -398,11 +451,17 @@ def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None
     if side is not None and "ring_index" in side:
         return {}
     impl = config._attn_implementation or "sdpa"
-    if position_ids is None and impl != "eager":
-        return {}  # sdpa's is_causal: nothing to build
     if position_ids is not None and impl == "flash_attention_2":
         raise ValueError("packed documents (position_ids) with flash_attention_2 are not supported; use sdpa or eager")
-    return {"causal_mask": attention_mask(seq_len, position_ids, dtype if impl == "eager" else None, device)}
+    additive = dtype if impl == "eager" else None
+    out = {}
+    if impl != "flash_attention_2":
+        windows = [w for w in windows if w < seq_len]
+        if windows:
+            out["window_masks"] = {w: attention_mask(seq_len, position_ids, additive, device, window=w) for w in windows}
+    if position_ids is not None or impl == "eager":  # sdpa without documents: is_causal, nothing to build
+        out["causal_mask"] = attention_mask(seq_len, position_ids, additive, device)
+    return out
 
 
 def side_positions(side: dict, device) -> torch.Tensor:
@@ -411,16 +470,21 @@ def side_positions(side: dict, device) -> torch.Tensor:
     return pos if pos is not None else torch.arange(side["seq_len"], device=device).unsqueeze(0)
 
 
-def rotary_side_fn(rotary_emb: nn.Module, embed: nn.Module, config):
-    """``extra`` for ``make_side_fn``: rotary cos/sin over the full sequence (+ the eager mask), in
+def rotary_side_fn(rotary_emb: nn.Module, embed: nn.Module, config, windows: tuple[int, ...] = ()):
+    """``extra`` for ``make_side_fn``: rotary cos/sin over the full sequence (``rope``: per layer
+    kind, for a rotary embedding that takes one) (+ the eager mask, the sliding windows' masks), in
     the dtype and on the device of ``embed.weight`` as it is when the micro-batch is made (read
     then: a pipeline stage without the embedding holds an empty stand-in of it)."""
+    kinds = rope_kinds(rotary_emb, config)
 
     def extra(batch, side):
         s, dummy = side["seq_len"], embed.weight[:1].detach()
-        cos, sin = rotary_emb(dummy, side_positions(side, dummy.device))
-        return {"cos": cos, "sin": sin,
-                **causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"), side)}
+        pos = side_positions(side, dummy.device)
+        masks = causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"), side, windows)
+        if kinds:
+            return {"rope": {kind: rotary_emb(dummy, pos, kind) for kind in kinds}, **masks}
+        cos, sin = rotary_emb(dummy, pos)
+        return {"cos": cos, "sin": sin, **masks}
 
     return extra
 

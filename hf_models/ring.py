@@ -47,6 +47,16 @@ def zigzag_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
                       torch.arange(late * n, (late + 1) * n, device=device)])
 
 
+def local_positions(side: dict, index: torch.Tensor) -> dict:
+    """``side`` with its rotary cos/sin (or each layer kind's, ``rope``) at the positions ``index``."""
+    out = dict(side)
+    if "cos" in side:
+        out["cos"], out["sin"] = side["cos"][:, index], side["sin"][:, index]
+    if "rope" in side:
+        out["rope"] = {kind: (cos[:, index], sin[:, index]) for kind, (cos, sin) in side["rope"].items()}
+    return out
+
+
 class AttentionCore:
     """An ``attn.core`` body that ring attention can take apart: ``module`` (the HF attention
     module: its ``scaling``, ``training``), ``rotary(q, k, side) -> q, k`` (None: no rotary),
@@ -161,8 +171,7 @@ def ring_attention(cp, qkv, core, out) -> list:
     def first(side, q, k, v):
         index = side["ring_index"]
         if body.rotary is not None:
-            local = {**side, "cos": side["cos"][:, index], "sin": side["sin"][:, index]}
-            q, k = body.rotary(q, k, local)
+            q, k = body.rotary(q, k, local_positions(side, index))
         o, lse = block_attention(q, k, v, module.scaling, _documents(side, index, index),
                                  drop(), side, "attn.ring0", causal=True)
         return q, torch.stack([k, v]), o, lse

@@ -46,10 +46,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
+"""Config lists with one entry per decoder layer."""
+
+
 def make_config(preset: str, attn: str = "sdpa", **overrides):
     """A preset's config with 2 layers (the op list of a layer does not change) and ``overrides``."""
     config = load_config(preset)
     config.num_hidden_layers = 2
+    for key in PER_LAYER_KEYS:  # one entry per layer: the first two
+        if getattr(config, key, None) is not None:
+            setattr(config, key, list(getattr(config, key))[:2])
     for key, value in overrides.items():
         setattr(config, key, value)
     config._attn_implementation = attn

@@ -33,7 +33,15 @@ from hf_models.registry import load_config
 from tests.conftest import (gathered_grad, hf_reference, make_batches, make_config, make_model, process_groups,
                             run_ranks)
 
-PRESETS = ("tiny-llama", "tiny-gpt2", "tiny-gpt-neox")
+DENSE_FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3")
+"""The presets of the dense family machinery (``hf_models/dense_family.py``)."""
+PRESETS = DENSE_FAMILIES + ("tiny-gpt2", "tiny-gpt-neox")
+SUITE_OVERRIDES = {  # what these tests' short sequences (SEQ = 16) need to exercise each family's twist
+    "tiny-gemma3": (("final_logit_softcapping", 30.0),),
+    "tiny-qwen2": (("use_sliding_window", True), ("sliding_window", 8), ("max_window_layers", 1),
+                   ("layer_types", ["full_attention", "sliding_attention"])),
+    "tiny-smollm3": (("no_rope_layers", [1, 0]),),
+}
 TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
 
 
@@ -54,7 +62,7 @@ def max_abs(a, b) -> float:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_tp1_graph_matches_hf(preset, attn):
-    config = make_config(preset, attn)
+    config = make_config(preset, attn, **dict(SUITE_OVERRIDES.get(preset, ())))
     ref = make_model(config)
     model = copy.deepcopy(ref)
     batches = make_batches(config.vocab_size, 2)
@@ -148,12 +156,27 @@ def _export_round_trip(export_hf, model, ref, batch, layout, world) -> bool | No
             return torch.equal(back(batch["input_ids"]).logits, ref.eval()(batch["input_ids"]).logits)
 
 
+def _tp2_ranks(rank, world, runs):
+    """Several families' TP=2 checks in one world: ``runs`` of (preset, overrides, num_mb)."""
+    return [_tp2_rank(rank, world, preset, dict(overrides), num_mb) for preset, overrides, num_mb in runs]
+
+
 @functools.lru_cache(maxsize=None)
-def tp2_results(preset: str, overrides: tuple = (), num_mb: int = 4) -> list[dict]:
-    return run_ranks(_tp2_rank, 2, args=(preset, dict(overrides), num_mb), timeout=120)
+def _suite_results() -> dict:
+    runs = [(preset, SUITE_OVERRIDES.get(preset, ()), 4) for preset in PRESETS]
+    per_rank = run_ranks(_tp2_ranks, 2, args=(runs,), timeout=420)
+    return {preset: [results[i] for results in per_rank] for i, (preset, _, _) in enumerate(runs)}
 
 
-@pytest.mark.timeout(150)
+def tp2_results(preset: str, overrides: tuple | None = None, num_mb: int = 4) -> list[dict]:
+    """Both ranks' results of the TP=2 checks of ``preset``: the shared world of every preset with its
+    suite overrides, or a world of its own for other overrides."""
+    if overrides is None and num_mb == 4:
+        return _suite_results()[preset]
+    return run_ranks(_tp2_rank, 2, args=(preset, dict(overrides or ()), num_mb), timeout=120)
+
+
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("preset", PRESETS)
 def test_tp2_matches_hf(preset):
     for r in tp2_results(preset):
@@ -162,7 +185,7 @@ def test_tp2_matches_hf(preset):
         assert r["num_sharded"] > 0
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("preset", PRESETS)
 def test_tp2_si_bitwise_equals_sequential(preset):
     for r in tp2_results(preset):
@@ -170,7 +193,7 @@ def test_tp2_si_bitwise_equals_sequential(preset):
         assert not r["si_grads_differ"], r["si_grads_differ"]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("preset", PRESETS)
 def test_tp2_state_dict_round_trip(preset):
     results = tp2_results(preset)

@@ -273,3 +273,13 @@ def test_matched_is_a_bench_link_only():
     assert BenchOptions(link_gbps=("matched", 2.0)).link_gbps == ("matched", 2.0)
     with pytest.raises(argparse.ArgumentTypeError):
         link_rate("matched")  # dhelix trace / profile take a rate
+
+
+def test_a_failed_world_is_named_by_its_error_not_its_shutdown_warnings():
+    from ds_dhelix.bench.world import error_line
+    text = ("rank 1 failed:\nTraceback (most recent call last):\n  File \"x.py\", line 3\n"
+            "ValueError: tensor_parallel.size 3 does not divide num_attention_heads=4\n"
+            "  warnings.warn('resource_tracker: There appear to be %d '")
+    assert error_line(text) == "ValueError: tensor_parallel.size 3 does not divide num_attention_heads=4"
+    assert error_line("a\nb\n  warnings.warn('x')") == "b"
+    assert error_line("") == ""

@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from ds_dhelix.runtime.groups import ExpertGroups
-from hf_models import gpt2, gpt_neox, llama, phimoe
+from hf_models import gpt2, gpt_neox, phimoe
+from hf_models.adapters import adapter_for
 from hf_models.loading import CheckpointFiles, Joined, Key, checkpoint_source, empty_model, file_tensors, materialize
 from hf_models.registry import build_model
 
-SHARD = {"tiny-llama": llama.shard, "tiny-gpt2": gpt2.shard, "tiny-gpt-neox": gpt_neox.shard}
+SHARD = {"tiny-gpt2": gpt2.shard, "tiny-gpt-neox": gpt_neox.shard}
+DENSE = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3")
+"""The dense family machinery's presets (Phi-3: fused q|k|v and gate|up rows; Gemma 3: tied head)."""
 
 
 def _save(tmp_path, preset, dtype=torch.float32, max_shard_size=None):
@@ -27,12 +30,14 @@ def _save(tmp_path, preset, dtype=torch.float32, max_shard_size=None):
 def _cut(model, preset, tp, rank, ep=1, ep_rank=0):
     if preset == "tiny-phimoe":
         phimoe.ADAPTER.shard(model, tp, rank, ExpertGroups(size=ep, rank=ep_rank))
-    else:
+    elif preset in SHARD:
         SHARD[preset](model, tp, rank)
+    else:
+        adapter_for(model.config).shard(model, tp, rank)
     return model
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-gpt-neox"])
+@pytest.mark.parametrize("preset", [*DENSE, "tiny-gpt2", "tiny-gpt-neox"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_tp_shards_read_from_files_equal_the_cut_model(tmp_path, preset, rank):
     full, path = _save(tmp_path, preset)
@@ -46,6 +51,8 @@ def test_tp_shards_read_from_files_equal_the_cut_model(tmp_path, preset, rank):
         assert torch.equal(p, want[name]), name
     if preset == "tiny-gpt2":  # tied embedding and head: one parameter, read once
         assert model.lm_head.weight is model.transformer.wte.weight
+    if preset in ("tiny-gemma3", "tiny-smollm3"):
+        assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 @pytest.mark.parametrize("tp, ep, rank, ep_rank", [(1, 2, 0, 1), (2, 2, 1, 0), (1, 1, 0, 0)])

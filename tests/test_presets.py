@@ -31,6 +31,18 @@ EXPECTED = {
     "tiny-olmoe": dict(model_type="olmoe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=256, num_experts=4, num_experts_per_tok=2,
                        norm_topk_prob=False, output_router_logits=True, router_aux_loss_coef=0.01),
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, num_hidden_layers=4, num_key_value_heads=2,
+                       use_sliding_window=False),
+    "tiny-qwen3": dict(model_type="qwen3", hidden_size=128, num_hidden_layers=4, num_key_value_heads=2, head_dim=32),
+    "tiny-mistral": dict(model_type="mistral", hidden_size=128, num_hidden_layers=4, num_key_value_heads=2,
+                         sliding_window=8),  # shorter than every test sequence: the window is exercised
+    "tiny-gemma3": dict(model_type="gemma3_text", hidden_size=128, num_hidden_layers=4, head_dim=32,
+                        query_pre_attn_scalar=32, sliding_window=8, tie_word_embeddings=True,
+                        layer_types=["sliding_attention", "full_attention"] * 2),
+    "tiny-phi3": dict(model_type="phi3", hidden_size=128, num_hidden_layers=4, num_key_value_heads=2,
+                      partial_rotary_factor=0.5, resid_pdrop=0.0, pad_token_id=0),
+    "tiny-smollm3": dict(model_type="smollm3", hidden_size=128, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
+                         tie_word_embeddings=True, pad_token_id=0),
     "tiny-qwen2-moe": dict(model_type="qwen2_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, qkv_bias=True,
@@ -55,8 +67,9 @@ TINY = tuple(n for n in PRESETS if n.startswith("tiny-"))
 
 
 def test_preset_names():
-    assert PRESETS == ("small-llama", "small-phimoe", "tiny-gpt-neox", "tiny-gpt2", "tiny-llama", "tiny-mixtral",
-                       "tiny-olmoe", "tiny-phimoe", "tiny-qwen2-moe", "tiny-qwen3-moe")
+    assert PRESETS == ("small-llama", "small-phimoe", "tiny-gemma3", "tiny-gpt-neox", "tiny-gpt2", "tiny-llama",
+                       "tiny-mistral", "tiny-mixtral", "tiny-olmoe", "tiny-phi3", "tiny-phimoe", "tiny-qwen2",
+                       "tiny-qwen2-moe", "tiny-qwen3", "tiny-qwen3-moe", "tiny-smollm3")
     assert all(is_preset(n) for n in PRESETS) and not is_preset("llama")
 
 
@@ -140,8 +153,8 @@ def test_load_config_errors(tmp_path):
         load_config("tiny-lama")
     with pytest.raises(ValueError, match=r"'\./no/such/dir' not found"):
         load_config("./no/such/dir")
-    with pytest.raises(ValueError, match=r"neither a preset \(small-llama, small-phimoe, tiny-gpt-neox, tiny-gpt2, tiny-llama, tiny-mixtral, "
-                                            r"tiny-olmoe, tiny-phimoe, tiny-qwen2-moe, tiny-qwen3-moe\)"):
+    with pytest.raises(ValueError, match=r"neither a preset \(small-llama, small-phimoe, tiny-gemma3, tiny-gpt-neox, "
+                                            r"tiny-gpt2, tiny-llama, .*, tiny-smollm3\) nor a local checkpoint"):
         load_config("bert-base")
     with pytest.raises(ValueError, match="has no config.json"):
         load_config(tmp_path)

@@ -167,10 +167,22 @@ def measure_link(opts: BenchOptions, gbps: float | None) -> dict:
         result = run_in_link(_link_main, gbps, args=(opts, gbps), timeout=opts.timeout + 30,
                              burst_kb=opts.link_burst_kb)
     except Exception as err:  # noqa: BLE001 -- reported in the rows of this link
-        text = str(err).strip().splitlines()
-        result = {"error": f"{type(err).__name__}: {text[-1] if text else ''}"[:800], "modes": {}}
+        result = {"error": f"{type(err).__name__}: {error_line(str(err))}"[:800], "modes": {}}
     result.update(shaped=shaped, wall_s=time.perf_counter() - t0, loadavg_1min=[load0, _loadavg()])
     return result
+
+
+def error_line(text: str) -> str:
+    """The line of a failed world's output that says what failed: the last exception line
+    (``ValueError: ...``), else the last line that is not a warning (a rank's stderr often ends in
+    the interpreter's shutdown warnings)."""
+    import re
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt|Timeout)\b", ln)]
+    if errors:
+        return errors[-1]
+    quiet = [ln for ln in lines if "warn" not in ln.lower()]
+    return (quiet or lines or [""])[-1]
 
 
 def _loadavg() -> float | None:

@@ -31,12 +31,18 @@ def document_positions(blocks: torch.Tensor, eos_id: int) -> dict[str, torch.Ten
     return {"labels": labels, "position_ids": index - last_start}
 
 
-def attention_mask(seq_len: int, position_ids: torch.Tensor | None = None, additive_dtype=None, device=None):
+def attention_mask(seq_len: int, position_ids: torch.Tensor | None = None, additive_dtype=None, device=None,
+                   window: int | None = None):
     """The causal mask [b or 1, 1, s, s], block-diagonal over packed documents when
-    ``position_ids`` are given (a document starts where its position is 0): boolean (True: may
-    attend; sdpa), or additive in ``additive_dtype`` (eager attention adds it to the scores)."""
+    ``position_ids`` are given (a document starts where its position is 0), cut to a sliding
+    ``window`` when given (query i sees keys i - window + 1 .. i, as HF's sliding-window layers):
+    boolean (True: may attend; sdpa), or additive in ``additive_dtype`` (eager attention adds it to
+    the scores)."""
     device = position_ids.device if position_ids is not None else device
-    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril().unsqueeze(0)
+    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    if window is not None:
+        allowed = allowed & ~torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril(-window)
+    allowed = allowed.unsqueeze(0)
     if position_ids is not None:
         segment = (position_ids == 0).cumsum(dim=1)
         allowed = (segment[:, :, None] == segment[:, None, :]) & allowed

@@ -1,0 +1,244 @@
+"""One dense decoder layer machinery for Llama and the families built like it (Qwen2/2.5, Qwen3,
+Mistral, Gemma 3, Phi-3/Phi-4, SmolLM3): a family is a ``DenseFamily`` (what differs: fused
+projections, where the norms sit, q/k norm, residual dropout, logit softcapping); everything else
+is read off the HF modules themselves (biases, ``scaling``, a layer's ``sliding_window``, its RoPE
+kind in ``config.layer_types``, NoPE layers' ``use_rope``). An adapter is then a spec of a few
+lines (``llama.py``, ``qwen3.py``, ...).
+
+Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
+
+    attn.norm  COMP  h[s/t] -> x          input_layernorm (an identity view for post-norm families)
+    attn.ag    COMM  x -> xf[s]           all-gather (sequence)                                t > 1
+    attn.qkv   COMP  xf -> q,k,v          q/k/v_proj or qkv_proj (column-parallel)
+    attn.core  COMP  q,k,v -> o           q/k norm, rotary, HF attention function (sdpa/eager/flash)
+    attn.out   COMP  o -> ao              o_proj (row-parallel, partial sums)
+    attn.rs    COMM  ao -> ar[s/t]        reduce-scatter (sequence)                            t > 1
+    mlp.norm   COMP  h,ar -> h2,x2        residual add and the norms around it (by placement)
+    mlp.ag     COMM  x2 -> x2f[s]                                                              t > 1
+    mlp.up     COMP  x2f -> gate,up       gate/up_proj or gate_up_proj (column-parallel)
+    mlp.down   COMP  gate,up -> mo        act(gate) * up, down_proj (row-parallel)
+    mlp.rs     COMM  mo -> mr[s/t]                                                             t > 1
+    mlp.add    COMP  h2,mr -> h           residual add (after the post-MLP norm, by placement)
+
+The q/k norm runs in ``attn.core`` before the rotary embedding (HF's order), so ``attn.qkv`` stays
+linear on the way to its weights and reactive SI can defer its weight gradient. Norm placements::
+
+    pre       x = in_ln(h)   h2 = h + attn               x2 = post_attention_ln(h2)   h = h2 + mlp
+    post      x = h          h2 = h + post_attn_ln(attn)  x2 = h2                     h = h2 + post_ff_ln(mlp)
+    sandwich  x = in_ln(h)   h2 = h + post_attn_ln(attn)  x2 = pre_ff_ln(h2)          h = h2 + post_ff_ln(mlp)
+
+(pre: Llama and most families; post: OLMo; sandwich: Gemma 3.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds_dhelix.graph.draws import Draws
+from ds_dhelix.graph.model_graph import ModelGraph, comp
+from ds_dhelix.runtime.groups import ContextShards
+
+from .common import (Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops, dropped,
+                     embed_op, head_ops, layer_window, layer_windows, make_side_fn, mark_replicated, plus, rotary,
+                     rotary_key, rotary_side_fn, shard_param)
+
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+
+
+@dataclass(frozen=True)
+class DenseFamily:
+    """What differs between the dense families this machinery runs."""
+
+    name: str                      # "Qwen3", for messages
+    family: str                    # the graph's family tag
+    hf: object                     # the transformers modeling module (eager attention, apply_rotary_pos_emb)
+    fused_qkv: bool = False        # one qkv_proj with rows [q | k | v] (Phi-3), else q_proj / k_proj / v_proj
+    fused_gate_up: bool = False    # one gate_up_proj with rows [gate | up] (Phi-3), else gate_proj / up_proj
+    qk_norm: bool = False          # RMSNorm of q and of k over head_dim (q_norm, k_norm: Qwen3, Gemma 3)
+    norms: str = "pre"             # one of NORM_PLACEMENTS
+    resid_dropout: str | None = None  # config key of the dropout on the attention / MLP outputs (Phi-3)
+    softcap: str | None = None     # config key of the final logits' tanh softcapping (Gemma 3)
+
+    def __post_init__(self):
+        assert self.norms in NORM_PLACEMENTS, self.norms
+
+    @property
+    def dropout_keys(self) -> tuple[str, ...]:
+        return ("attention_dropout",) + ((self.resid_dropout,) if self.resid_dropout else ())
+
+
+def kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+class DenseAdapter:
+    """The adapter interface (``hf_models/adapters.py``) of one dense family; ``check(config)``:
+    the family's own refusals (``ValueError``), run with the TP checks."""
+
+    CONTEXT_PARALLEL = True
+
+    def __init__(self, family: DenseFamily, check=None):
+        self.FAMILY, self.check = family, check
+        self.DROPOUT_KEYS = family.dropout_keys
+
+    def check_tp(self, config, tp: int, world: int | None = None) -> None:
+        check_divisible(tp, world, num_attention_heads=config.num_attention_heads, num_key_value_heads=kv_heads(config),
+                        intermediate_size=config.intermediate_size)
+        if self.check is not None:
+            self.check(config)
+
+    def shard(self, model, tp: int, tp_rank: int) -> None:
+        """Cut ``model``'s parameters to this TP rank's shards, in place (see :func:`shard`)."""
+        shard(self.FAMILY, model, tp, tp_rank)
+
+    def build_graph(self, model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
+                    seed: int | None = None, cp: ContextShards | None = None) -> ModelGraph:
+        """Shard ``model`` in place for this TP rank and return its op graph; ``seed``: the base
+        seed of its dropout masks (None: ``torch.initial_seed()``)."""
+        config = model.config
+        self.check_tp(config, tp)
+        check_dropout(config, self.DROPOUT_KEYS, self.FAMILY.name)
+        return build_graph(self.FAMILY, model, tp, tp_rank, tp_group, tp_grad_group, Draws(seed), cp)
+
+
+# ------------------------------------------------------------------------------------- sharding
+def head_rows(config, head_dim: int, tp: int, tp_rank: int) -> torch.Tensor:
+    """Rows of a fused ``[q | k | v]`` projection that hold this TP rank's query and kv heads."""
+    nq, nk = config.num_attention_heads, kv_heads(config)
+    q, k = nq * head_dim // tp, nk * head_dim // tp
+    return torch.cat([torch.arange(tp_rank * q, (tp_rank + 1) * q),
+                      nq * head_dim + torch.arange(tp_rank * k, (tp_rank + 1) * k),
+                      (nq + nk) * head_dim + torch.arange(tp_rank * k, (tp_rank + 1) * k)])
+
+
+def half_rows(inter: int, tp: int, tp_rank: int) -> torch.Tensor:
+    """Rows of a fused ``[gate | up]`` projection that hold this TP rank's part of each half."""
+    n = inter // tp
+    return torch.cat([torch.arange(tp_rank * n, (tp_rank + 1) * n),
+                      inter + torch.arange(tp_rank * n, (tp_rank + 1) * n)])
+
+
+def shard(family: DenseFamily, model, tp: int, tp_rank: int) -> None:
+    """Column-parallel projections by output rows (fused ones by head group / by half), o_proj and
+    down_proj by input columns, in place."""
+    if tp == 1:
+        return
+    config = model.config
+    for layer in model.model.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        column = [] if family.fused_qkv else [at.q_proj, at.k_proj, at.v_proj]
+        column += [] if family.fused_gate_up else [mlp.gate_proj, mlp.up_proj]
+        if family.fused_qkv:
+            for name in ("weight", "bias"):
+                shard_param(at.qkv_proj, name, 0, tp_rank, tp, index=head_rows(config, at.head_dim, tp, tp_rank))
+        if family.fused_gate_up:
+            for name in ("weight", "bias"):
+                shard_param(mlp.gate_up_proj, name, 0, tp_rank, tp, index=half_rows(config.intermediate_size, tp,
+                                                                                    tp_rank))
+        for lin in column:
+            shard_param(lin, "weight", 0, tp_rank, tp)
+            shard_param(lin, "bias", 0, tp_rank, tp)
+        for lin in (at.o_proj, mlp.down_proj):
+            shard_param(lin, "weight", 1, tp_rank, tp)
+
+
+# ---------------------------------------------------------------------------------- layer ops
+def qkv_fn(family: DenseFamily, at, config, tp: int):
+    """``attn.qkv``: xf [s, b, h] -> q, k, v [b, heads/t, s, d] (projections and views only)."""
+    hd = at.head_dim
+    sizes = (config.num_attention_heads * hd // tp, kv_heads(config) * hd // tp, kv_heads(config) * hd // tp)
+
+    def fn(side, xf):
+        s, b, _ = xf.shape
+        parts = at.qkv_proj(xf).split(sizes, dim=-1) if family.fused_qkv else \
+            (at.q_proj(xf), at.k_proj(xf), at.v_proj(xf))
+        return tuple(p.view(s, b, -1, hd).permute(1, 2, 0, 3) for p in parts)
+
+    return fn
+
+
+def mlp_fns(family: DenseFamily, mlp):
+    """``mlp.up`` (the projections) and ``mlp.down`` (activation, gate x up, down_proj; row-parallel)."""
+    if family.fused_gate_up:
+        def up(side, x):
+            return tuple(mlp.gate_up_proj(x).chunk(2, dim=-1))
+    else:
+        def up(side, x):
+            return mlp.gate_proj(x), mlp.up_proj(x)
+    act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+
+    def down(side, g, u):
+        return (F.linear(act(g) * u, mlp.down_proj.weight),)
+
+    return up, down
+
+
+def residual_fn(family: DenseFamily, layer, drop=None):
+    """``residual(ar, mr)`` of ``dense_layer_ops`` for the family's norm placement; the
+    row-parallel biases are added after the reduce-scatter, ``drop`` (a ``Dropout``) is the
+    residual dropout on both branches."""
+    attn_bias, mlp_bias = layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias
+    if family.norms == "pre":
+        after_attn, before_mlp, after_mlp = None, layer.post_attention_layernorm, None
+    else:
+        after_attn, after_mlp = layer.post_attention_layernorm, layer.post_feedforward_layernorm
+        before_mlp = layer.pre_feedforward_layernorm if family.norms == "sandwich" else None
+
+    def branch(x, bias, norm, side, op):
+        x = plus(x, bias)
+        return dropped(x if norm is None else norm(x), drop, side, op)
+
+    def mlp_norm(side, h, a):
+        h2 = h + branch(a, attn_bias, after_attn, side, "attn.resid")
+        return h2, (h2 if before_mlp is None else before_mlp(h2))
+
+    def mlp_add(side, h2, m):
+        return (h2 + branch(m, mlp_bias, after_mlp, side, "mlp.resid"),)
+
+    def make(ar: str, mr: str):
+        return (comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm),
+                comp("mlp.add", ("h2", mr), ("h",), mlp_add))
+
+    return make
+
+
+def layer_ops(family: DenseFamily, index: int, layer, config, tp: int, tp_group, draws: Draws, rotary_emb,
+              cp=None):
+    at, mlp = layer.self_attn, layer.mlp
+    norm = (lambda side, h: (h.view_as(h),)) if family.norms == "post" else \
+        (lambda side, h: (layer.input_layernorm(h),))
+    qk_norm = (at.q_norm, at.k_norm) if family.qk_norm else None
+    apply = family.hf.apply_rotary_pos_emb if getattr(at, "use_rope", True) else None
+    up, down = mlp_fns(family, mlp)
+    resid = family.resid_dropout and getattr(config, family.resid_dropout, 0.0)
+    return dense_layer_ops(
+        tp, tp_group, cp=cp, heads=cp_heads(config, tp),
+        attn_norm=norm,
+        qkv=qkv_fn(family, at, config, tp),
+        attn_core=attn_core_op(at, config, family.hf.eager_attention_forward, drop=Dropout.make(
+            draws, config.attention_dropout, index, at), window=layer_window(at, config),
+            rotary=rotary(apply, rotary_key(rotary_emb, config, index), qk_norm)),
+        attn_out=lambda side, o: (F.linear(o, at.o_proj.weight),),
+        residual=residual_fn(family, layer, Dropout.make(draws, resid, index, layer) if resid else None),
+        mlp_up=up, mlp_down=down, mlp_hidden=("gate", "up"),
+    )
+
+
+def build_graph(family: DenseFamily, model, tp: int, tp_rank: int, tp_group, tp_grad_group, draws: Draws,
+                cp: ContextShards | None = None) -> ModelGraph:
+    config = model.config
+    shard(family, model, tp, tp_rank)
+    inner = model.model
+    replicated = None
+    if tp > 1:  # every parameter TP does not cut (norms, row-parallel biases, embedding, head) sees a sequence shard
+        replicated = mark_replicated([p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)],
+                                     tp_grad_group)
+    blocks = [[embed_op(inner.embed_tokens)]]
+    blocks += [layer_ops(family, i, layer, config, tp, tp_group, draws, inner.rotary_emb, cp)
+               for i, layer in enumerate(inner.layers)]
+    cap = getattr(config, family.softcap, None) if family.softcap else None
+    blocks.append(head_ops(inner.norm, model.lm_head, softcap=cap))
+    side = rotary_side_fn(inner.rotary_emb, inner.embed_tokens, config, layer_windows(model))
+    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side, cp), family=family.family, replicated=replicated)
