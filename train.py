@@ -501,9 +501,10 @@ def plain_step(engine, data):
     for _ in range(gas):
         batch = next(data)
         from ds_dhelix.data import hf_model_inputs
+        from hf_models.common import hf_mask_windows
         module = engine.module
         eager = next(module.parameters()).dtype if module.config._attn_implementation == "eager" else None
-        out = engine(**hf_model_inputs(batch, eager))
+        out = engine(**hf_model_inputs(batch, eager, hf_mask_windows(module.config)))
         engine.backward(out.loss)
         engine.step()
         total += out.loss.detach().float()

@@ -40,6 +40,8 @@ def check_model(dims, model_config):
     adapter.check_tp(model_config, dims.tp)
     if dims.cp > 1 and dims.cp_comm == "ulysses":
         check_cp_heads(model_config, dims.tp, dims.cp)
+    if dims.cp > 1 and hasattr(adapter, "check_cp"):
+        adapter.check_cp(model_config, dims.cp, dims.cp_comm)
     if dims.cp > 1:
         if not getattr(adapter, "CONTEXT_PARALLEL", False):
             raise ValueError(f"context_parallel.size {dims.cp}: model_type {model_config.model_type!r} has no "

@@ -191,6 +191,12 @@ def gather_param(p: torch.Tensor, group, tp: int, data: torch.Tensor | None = No
     """The full HF tensor of a (possibly sharded) parameter: all-gather along its partition dim.
     ``data``: gather this tensor of ``p``'s shape (e.g. its gradient) instead of ``p`` itself."""
     data = p.data if data is None else data
+    slot = getattr(p, "tp_replica_slot", None)
+    if tp > 1 and slot is not None:  # a replicated kv head: every head once, from its group's first rank
+        parts = [torch.empty_like(data) for _ in range(tp)]
+        dist.all_gather(parts, data.contiguous(), group=group)
+        rep = tp // slot[1]
+        return torch.cat([parts[j * rep] for j in range(slot[1])], dim=p.tp_partition_dim)
     if tp == 1 or not getattr(p, "tensor_model_parallel", False):
         return data.detach().clone()
     dim = p.tp_partition_dim
@@ -314,9 +320,29 @@ class HeadGroupView:
 
 
 def cp_heads(config, tp: int) -> tuple[int, int]:
-    """(query heads, kv heads) of one TP rank."""
+    """(query heads, kv heads) of one TP rank (one kv head when TP replicates them: TP > kv heads)."""
     heads = config.num_attention_heads
-    return heads // tp, (getattr(config, "num_key_value_heads", None) or heads) // tp
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads // tp, max(kv // tp, 1)
+
+
+def shard_kv_replica(module: nn.Module, name: str, head_dim: int, num_kv: int, rank: int, tp: int) -> None:
+    """KV-head replication (TP a multiple of the ``num_kv`` kv heads, as Megatron-LM does): replace
+    ``module.<name>`` (k_proj / v_proj weight or bias) by the rows of kv head ``rank // (tp / num_kv)``,
+    which the ``tp / num_kv`` ranks of its replica group each hold. ``tp_replica_slot`` = (head, heads)
+    tells ``ReplicatedGrads`` to sum the copies' gradients over those ranks (each saw its own query
+    heads) and the export to write one copy. DeepSpeed counts a parameter in the global gradient norm on
+    every rank when it is ``tensor_model_parallel``, else on TP rank 0 only: the flag is set on the
+    first rank of each replica group, so every kv head counts once."""
+    p = getattr(module, name)
+    if p is None:
+        return
+    rep = tp // num_kv
+    head = rank // rep
+    shard_param(module, name, 0, rank, tp, index=torch.arange(head * head_dim, (head + 1) * head_dim))
+    new = getattr(module, name)
+    new.tp_replica_slot = (head, num_kv)
+    new.tensor_model_parallel = rank % rep == 0
 
 
 def plus(x, bias):
@@ -462,6 +488,19 @@ def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None
     if position_ids is not None or impl == "eager":  # sdpa without documents: is_causal, nothing to build
         out["causal_mask"] = attention_mask(seq_len, position_ids, additive, device)
     return out
+
+
+def hf_mask_windows(config):
+    """The sliding windows of the plain HF model of ``config``, as ``data.hf_model_inputs`` takes
+    them: ``{layer kind: window or None}`` for families whose layers have kinds (they take a dict
+    of masks: Qwen2/3, Gemma 3, SmolLM3, OLMo 3), one window for a window on every layer (Mistral,
+    Phi-3), None for none."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    if getattr(config, "layer_types", None) is not None:
+        return {"full_attention": None, "sliding_attention": window}
+    return window
 
 
 def side_positions(side: dict, device) -> torch.Tensor:

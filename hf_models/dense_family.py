@@ -42,7 +42,7 @@ from ds_dhelix.runtime.groups import ContextShards
 
 from .common import (Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops, dropped,
                      embed_op, head_ops, layer_window, layer_windows, make_side_fn, mark_replicated, plus, rotary,
-                     rotary_key, rotary_side_fn, shard_param)
+                     rotary_key, rotary_side_fn, shard_kv_replica, shard_param)
 
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
@@ -84,10 +84,32 @@ class DenseAdapter:
         self.DROPOUT_KEYS = family.dropout_keys
 
     def check_tp(self, config, tp: int, world: int | None = None) -> None:
-        check_divisible(tp, world, num_attention_heads=config.num_attention_heads, num_key_value_heads=kv_heads(config),
+        """TP divides the query heads and the MLP width, and divides the kv heads or is a multiple of
+        them (each kv head then replicated on TP / kv ranks: not with a fused qkv_proj yet)."""
+        check_divisible(tp, world, num_attention_heads=config.num_attention_heads,
                         intermediate_size=config.intermediate_size)
+        kv = kv_heads(config)
+        if kv % tp and tp % kv:
+            valid = [t for t in range(1, config.num_attention_heads + 1)
+                     if config.num_attention_heads % t == 0 and config.intermediate_size % t == 0
+                     and (kv % t == 0 or t % kv == 0)]
+            raise ValueError(f"tensor_parallel.size {tp} with num_key_value_heads={kv}: TP must divide the kv heads or "
+                             f"be a multiple of them (each kv head replicated on TP / kv ranks); valid TP sizes: {valid}")
+        if tp > kv and self.FAMILY.fused_qkv:
+            raise ValueError(f"tensor_parallel.size {tp} > num_key_value_heads={kv} with {self.FAMILY.name}'s fused "
+                             f"qkv_proj: replicating kv heads inside a fused projection is not supported yet; use a TP "
+                             f"size that divides {kv}")
         if self.check is not None:
             self.check(config)
+
+    def check_cp(self, config, cp: int, comm: str) -> None:
+        """Ring attention splits attention into blocks by position; a sliding window would cut
+        through them: refused (Ulysses gives each rank whole heads over the whole sequence)."""
+        kinds = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if cp > 1 and comm == "ring" and window is not None and (kinds is None or "sliding_attention" in kinds):
+            raise ValueError(f"context_parallel.comm 'ring' with {self.FAMILY.name}'s sliding-window layers "
+                             f"(sliding_window={window}) is not supported; use context_parallel.comm 'ulysses'")
 
     def shard(self, model, tp: int, tp_rank: int) -> None:
         """Cut ``model``'s parameters to this TP rank's shards, in place (see :func:`shard`)."""
@@ -122,13 +144,19 @@ def half_rows(inter: int, tp: int, tp_rank: int) -> torch.Tensor:
 
 def shard(family: DenseFamily, model, tp: int, tp_rank: int) -> None:
     """Column-parallel projections by output rows (fused ones by head group / by half), o_proj and
-    down_proj by input columns, in place."""
+    down_proj by input columns, in place; with fewer kv heads than TP ranks each rank keeps the kv
+    head its query heads use (``shard_kv_replica``)."""
     if tp == 1:
         return
     config = model.config
+    nk = kv_heads(config)
     for layer in model.model.layers:
         at, mlp = layer.self_attn, layer.mlp
-        column = [] if family.fused_qkv else [at.q_proj, at.k_proj, at.v_proj]
+        column = [] if family.fused_qkv else [at.q_proj] + ([at.k_proj, at.v_proj] if nk >= tp else [])
+        if not family.fused_qkv and nk < tp:
+            for lin in (at.k_proj, at.v_proj):
+                for name in ("weight", "bias"):
+                    shard_kv_replica(lin, name, at.head_dim, nk, tp_rank, tp)
         column += [] if family.fused_gate_up else [mlp.gate_proj, mlp.up_proj]
         if family.fused_qkv:
             for name in ("weight", "bias"):
@@ -232,9 +260,10 @@ def build_graph(family: DenseFamily, model, tp: int, tp_rank: int, tp_group, tp_
     shard(family, model, tp, tp_rank)
     inner = model.model
     replicated = None
-    if tp > 1:  # every parameter TP does not cut (norms, row-parallel biases, embedding, head) sees a sequence shard
-        replicated = mark_replicated([p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)],
-                                     tp_grad_group)
+    if tp > 1:  # every parameter TP does not cut (norms, row-parallel biases, embedding, head) sees a sequence
+        # shard; a replicated kv head's copies see their own query heads
+        replicated = mark_replicated([p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)
+                                      or hasattr(p, "tp_replica_slot")], tp_grad_group)
     blocks = [[embed_op(inner.embed_tokens)]]
     blocks += [layer_ops(family, i, layer, config, tp, tp_group, draws, inner.rotary_emb, cp)
                for i, layer in enumerate(inner.layers)]

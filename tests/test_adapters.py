@@ -161,11 +161,25 @@ def _tp2_ranks(rank, world, runs):
     return [_tp2_rank(rank, world, preset, dict(overrides), num_mb) for preset, overrides, num_mb in runs]
 
 
+SHAPE_VARIANTS = {  # other shapes than the presets': the adapters must not depend on them
+    "qwen2-kv1": ("tiny-qwen2", (("num_key_value_heads", 1),)),  # TP=2 > 1 kv head: replicated (q/k/v biases)
+    "llama-kv1": ("tiny-llama", (("num_key_value_heads", 1),)),
+    "gemma3-h96": ("tiny-gemma3", (("hidden_size", 96), ("intermediate_size", 192))),
+    "phi3-h192": ("tiny-phi3", (("hidden_size", 192), ("intermediate_size", 256))),
+    "qwen3-h96": ("tiny-qwen3", (("hidden_size", 96), ("intermediate_size", 192))),
+    "llama3-rope": ("tiny-llama", (("rope_parameters", {  # Llama 3's rope_type: low frequencies rescaled
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),)),
+}
+
+
 @functools.lru_cache(maxsize=None)
 def _suite_results() -> dict:
     runs = [(preset, SUITE_OVERRIDES.get(preset, ()), 4) for preset in PRESETS]
+    runs += [(preset, SUITE_OVERRIDES.get(preset, ()) + over, 2) for preset, over in SHAPE_VARIANTS.values()]
+    names = list(PRESETS) + list(SHAPE_VARIANTS)
     per_rank = run_ranks(_tp2_ranks, 2, args=(runs,), timeout=420)
-    return {preset: [results[i] for results in per_rank] for i, (preset, _, _) in enumerate(runs)}
+    return {name: [results[i] for results in per_rank] for i, name in enumerate(names)}
 
 
 def tp2_results(preset: str, overrides: tuple | None = None, num_mb: int = 4) -> list[dict]:
@@ -203,6 +217,32 @@ def test_tp2_state_dict_round_trip(preset):
     assert results[0]["export_logits_equal"] is True
 
 
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("variant", list(SHAPE_VARIANTS))
+def test_other_shapes_and_replicated_kv_heads(variant):
+    """Other widths, Llama 3's RoPE, and TP=2 over one kv head: each rank holds the replicated head,
+    the copies' gradients are summed over the ranks sharing it (the gathered gradient is HF's), one
+    copy is exported."""
+    results = _suite_results()[variant]
+    for r in results:
+        assert r["loss_close"] and not r["grad_far"], (r["loss_diff"], r["grad_far"])
+        assert r["si_losses_equal"] and not r["si_grads_differ"], r["si_grads_differ"]
+        assert r["keys_equal"] and not r["params_inexact"], r["params_inexact"]
+    assert results[0]["export_logits_equal"] is True
+
+
+@pytest.mark.timeout(300)
+def test_kv_heads_replicated_on_four_ranks():
+    """TP=4 over 2 kv heads (Llama) and over 1 (Qwen2, with q/k/v biases): replica groups of 2 and 4."""
+    runs = [("tiny-llama", (("num_key_value_heads", 2),), 2), ("tiny-qwen2", (("num_key_value_heads", 1),), 2)]
+    for results in zip(*run_ranks(_tp2_ranks, 4, args=(runs,), timeout=240)):
+        for r in results:
+            assert r["loss_close"] and not r["grad_far"], (r["loss_diff"], r["grad_far"])
+            assert r["si_losses_equal"] and not r["si_grads_differ"]
+            assert r["keys_equal"] and not r["params_inexact"], r["params_inexact"]
+        assert results[0]["export_logits_equal"] is True
+
+
 @pytest.mark.timeout(150)
 def test_tp2_gpt_neox_sequential_residual_tied():
     """The other GPT-NeoX residual and tied embeddings (one Parameter, one gradient hook)."""
@@ -214,8 +254,7 @@ def test_tp2_gpt_neox_sequential_residual_tied():
 
 # --------------------------------------------------------------------------------- (e) check_tp
 @pytest.mark.parametrize("preset, tp, named, valid", [
-    ("tiny-llama", 3, ["num_attention_heads=4", "num_key_value_heads=2", "intermediate_size=352"], "[1, 2]"),
-    ("tiny-llama", 4, ["num_key_value_heads=2"], "[1, 2]"),
+    ("tiny-llama", 3, ["num_attention_heads=4", "intermediate_size=352"], "[1, 2, 4]"),
     ("tiny-gpt2", 8, ["n_head=4"], "[1, 2, 4]"),
     ("tiny-gpt2", 3, ["n_head=4", "n_inner=512"], "[1, 2, 4]"),
     ("tiny-gpt-neox", 8, ["num_attention_heads=4"], "[1, 2, 4]"),
@@ -241,6 +280,26 @@ def test_check_tp_names_world_size(preset):
     config = load_config(preset)
     with pytest.raises(ValueError, match="world_size=3"):
         adapter_for(config).check_tp(config, 2, world=3)
+
+
+@pytest.mark.parametrize("kv, tp, fine", [(2, 4, True), (1, 4, True), (1, 2, True), (3, 2, False)])
+def test_check_tp_kv_heads_divide_or_are_replicated(kv, tp, fine):
+    config = load_config("tiny-qwen3")
+    config.num_attention_heads, config.num_key_value_heads = 12, kv
+    config.intermediate_size = 384
+    if fine:
+        adapter_for(config).check_tp(config, tp)
+        return
+    with pytest.raises(ValueError, match=r"num_key_value_heads=3: TP must divide the kv heads or be a multiple of "
+                                         r"them .* valid TP sizes: \[1, 3, 6, 12\]"):
+        adapter_for(config).check_tp(config, tp)
+
+
+def test_check_tp_refuses_replicated_kv_heads_in_a_fused_qkv():
+    config = load_config("tiny-phi3")
+    config.num_key_value_heads = 1
+    with pytest.raises(ValueError, match="fused qkv_proj: replicating kv heads"):
+        adapter_for(config).check_tp(config, 2)
 
 
 def test_gpt2_check_tp_rejects_cross_attention():

@@ -128,13 +128,13 @@ def check_cp_heads(model_config, tp: int, cp: int) -> None:
     kv = getattr(model_config, "num_key_value_heads", None) or heads
 
     def fits(c: int) -> bool:
-        nk = kv // tp
+        nk = max(kv // tp, 1)  # TP > kv heads: each TP rank holds one replicated kv head
         return heads % (tp * c) == 0 and (nk % c == 0 or c % nk == 0)
 
     if not fits(cp):
         valid = [c for c in divisors(heads // tp) if fits(c)]
         raise ValueError(f"context_parallel.size {cp} with tensor_parallel.size {tp}: num_attention_heads={heads}, "
                          f"num_key_value_heads={kv} do not split into {cp} whole query-head groups per TP rank "
-                         f"(each with kv heads {kv // tp} / {cp} or one shared head); valid context_parallel.size "
+                         f"(each with kv heads {max(kv // tp, 1)} / {cp} or one shared head); valid context_parallel.size "
                          f"with tensor_parallel.size {tp}: {valid}; or context_parallel.comm 'ring' (no head "
                          f"condition beyond TP's)")

@@ -53,11 +53,18 @@ def attention_mask(seq_len: int, position_ids: torch.Tensor | None = None, addit
         ~allowed, torch.finfo(additive_dtype).min)
 
 
-def hf_model_inputs(batch: dict, eager_dtype: torch.dtype | None = None) -> dict:
+def hf_model_inputs(batch: dict, eager_dtype: torch.dtype | None = None, windows=None) -> dict:
     """The keyword arguments a plain HF causal LM takes for ``batch``: packed documents
     (``position_ids``) also get the block-diagonal causal mask the op graph builds from them
-    (:func:`attention_mask`; additive in ``eager_dtype`` for eager attention)."""
+    (:func:`attention_mask`; additive in ``eager_dtype`` for eager attention). ``windows``: the
+    model's sliding windows, as one window every layer has (a mask cut to it) or as
+    ``{layer kind: window or None}`` (a mask per kind, for models that take a dict of masks); see
+    ``hf_models.common.hf_mask_windows``."""
     pos = batch.get("position_ids")
     if pos is None:
         return batch
-    return {**batch, "attention_mask": attention_mask(pos.shape[1], pos, eager_dtype)}
+    if isinstance(windows, dict):
+        mask = {kind: attention_mask(pos.shape[1], pos, eager_dtype, window=w) for kind, w in windows.items()}
+    else:
+        mask = attention_mask(pos.shape[1], pos, eager_dtype, window=windows)
+    return {**batch, "attention_mask": mask}

@@ -175,14 +175,16 @@ def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> di
 def train_hf(opts: ParityOptions, batches) -> dict:
     """The unsharded HF model, one process, same data and optimizer; also its first-step gradients."""
     from ..data import hf_model_inputs
+    from hf_models.common import hf_mask_windows
     model = build(opts, dropout=False)
+    windows = hf_mask_windows(model.config)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
     losses, grads = [], None
     for step in batches:
         total = 0.0
         for b in step:
-            loss = model(**hf_model_inputs(b)).loss / len(step)
+            loss = model(**hf_model_inputs(b, windows=windows)).loss / len(step)
             loss.backward()
             total += float(loss.detach())
         if grads is None:
@@ -366,6 +368,20 @@ def run_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
     if opts.pp > 1:
         return run_pipe_parity(opts, timeout)
     return run_ranks(_rank_main, opts.world, args=(opts,), timeout=timeout)[0]
+
+
+def _rank_many(rank, world, many: list[ParityOptions]):
+    return [_rank_main(rank, world, opts) for opts in many]
+
+
+def run_parities(many: list[ParityOptions], timeout: float = 900.0) -> list[dict]:
+    """``run_parity`` of several one-stage option sets in one world (one start-up for all; every set
+    must need the same world size), in order."""
+    from ..runtime.spawn import run_ranks
+    worlds = {opts.world for opts in many}
+    if len(worlds) != 1 or any(opts.pp > 1 for opts in many):
+        raise ValueError(f"run_parities needs one-stage option sets of one world size, got worlds {sorted(worlds)}")
+    return run_ranks(_rank_many, worlds.pop(), args=(list(many),), timeout=timeout)[0]
 
 
 # ---- pipeline parity: PP=p with a folded schedule vs PP=1 sequential (same TP, DP, data) ----------

@@ -227,6 +227,23 @@ class SeqReduceScatter(SeqAllGather):
         return all_gather_seq(grad, self.groups.channel(channel), self.world)
 
 
+class TensorAllReduce(SeqAllGather):
+    """COMM op body: a sum over the group, forward and backward (each rank's gradient of a summed
+    value is the sum of every rank's): for small per-token statistics such as the sum of squares of
+    a q/k norm that spans heads held by several TP ranks."""
+
+    def forward(self, x, side, channel: int = 0) -> Pending:
+        return all_reduce_sum(x, self.groups.channel(channel))
+
+    def backward(self, grad, side, channel: int = 1) -> Pending:
+        return all_reduce_sum(grad, self.groups.channel(channel))
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> Pending:
+    out = x.detach().clone().contiguous()
+    return Pending(dist.all_reduce(out, group=group, async_op=True), out)
+
+
 class ContextAllToAll(SeqAllGather):
     """COMM op body of context parallelism (Ulysses): an all-to-all along dim 0 of a tensor laid
     out ``[cp, ...]``, chunk ``j`` going to CP rank ``j``; the result's chunk ``i`` came from CP rank
@@ -345,12 +362,18 @@ class ReplicatedGrads:
     group once, by ``all_reduce()`` after the last backward: one coalesced all-reduce per step on its
     own group (``tp_grad_group``), instead of a blocking one per parameter per micro-batch. Sum
     order is fixed, so SI and sequential stay bitwise equal.
+
+    A replicated kv head (``tp_replica_slot`` = (head, heads): its copies live on the ranks of one
+    replica group) is summed over its group only: each rank puts its gradient in its head's slot of
+    a zero buffer of ``heads`` slots, the buffer is summed over the TP group with the rest, and the
+    rank takes its slot back.
     """
 
     def __init__(self, params, group):
         seen, self.params = set(), []
         for p in params:
-            if p is None or id(p) in seen or getattr(p, "tensor_model_parallel", False):
+            sharded = getattr(p, "tensor_model_parallel", False) and getattr(p, "tp_replica_slot", None) is None
+            if p is None or id(p) in seen or sharded:
                 continue
             seen.add(id(p))
             p.tp_replicated = True
@@ -362,17 +385,30 @@ class ReplicatedGrads:
         by_dtype: dict = {}
         for p in self.params:
             if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+                by_dtype.setdefault(p.grad.dtype, []).append(p)
         total = 0
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        for params in by_dtype.values():
+            flat = torch.cat([_slotted(p).reshape(-1) for p in params])
             dist.all_reduce(flat, group=self.group)
             offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for p in params:
+                slot = getattr(p, "tp_replica_slot", None)
+                size = p.grad.numel() * (slot[1] if slot else 1)
+                part = flat[offset:offset + size]
+                p.grad.copy_((part.view(slot[1], -1)[slot[0]] if slot else part).view_as(p.grad))
+                offset += size
             total += flat.numel() * flat.element_size()
         return total
+
+
+def _slotted(p) -> torch.Tensor:
+    """``p.grad``, or for a replicated kv head its gradient in its slot of a zero buffer."""
+    slot = getattr(p, "tp_replica_slot", None)
+    if slot is None:
+        return p.grad
+    buf = p.grad.new_zeros(slot[1], p.grad.numel())
+    buf[slot[0]] = p.grad.reshape(-1)
+    return buf
 
 
 SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
