@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from ds_dhelix.graph.draws import Draws
-from ds_dhelix.graph.model_graph import ModelGraph, comp
+from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
+from ds_dhelix.runtime.comm import TensorAllReduce
 from ds_dhelix.runtime.groups import ContextShards
 
 from .common import (Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops, dropped,
@@ -56,13 +57,14 @@ class DenseFamily:
     hf: object                     # the transformers modeling module (eager attention, apply_rotary_pos_emb)
     fused_qkv: bool = False        # one qkv_proj with rows [q | k | v] (Phi-3), else q_proj / k_proj / v_proj
     fused_gate_up: bool = False    # one gate_up_proj with rows [gate | up] (Phi-3), else gate_proj / up_proj
-    qk_norm: bool = False          # RMSNorm of q and of k over head_dim (q_norm, k_norm: Qwen3, Gemma 3)
+    qk_norm: str | None = None     # RMSNorm of q and of k: "head" (over head_dim: Qwen3, Gemma 3) or "full"
+                                   # (over all heads, OLMo: its sum of squares all-reduced over TP)
     norms: str = "pre"             # one of NORM_PLACEMENTS
     resid_dropout: str | None = None  # config key of the dropout on the attention / MLP outputs (Phi-3)
     softcap: str | None = None     # config key of the final logits' tanh softcapping (Gemma 3)
 
     def __post_init__(self):
-        assert self.norms in NORM_PLACEMENTS, self.norms
+        assert self.norms in NORM_PLACEMENTS and self.qk_norm in (None, "head", "full"), (self.norms, self.qk_norm)
 
     @property
     def dropout_keys(self) -> tuple[str, ...]:
@@ -95,6 +97,10 @@ class DenseAdapter:
                      and (kv % t == 0 or t % kv == 0)]
             raise ValueError(f"tensor_parallel.size {tp} with num_key_value_heads={kv}: TP must divide the kv heads or "
                              f"be a multiple of them (each kv head replicated on TP / kv ranks); valid TP sizes: {valid}")
+        if tp > kv and self.FAMILY.qk_norm == "full":
+            raise ValueError(f"tensor_parallel.size {tp} > num_key_value_heads={kv} with {self.FAMILY.name}'s k norm "
+                             f"over all kv heads: replicated kv heads are not supported with it; use a TP size that "
+                             f"divides {kv}")
         if tp > kv and self.FAMILY.fused_qkv:
             raise ValueError(f"tensor_parallel.size {tp} > num_key_value_heads={kv} with {self.FAMILY.name}'s fused "
                              f"qkv_proj: replicating kv heads inside a fused projection is not supported yet; use a TP "
@@ -105,6 +111,10 @@ class DenseAdapter:
     def check_cp(self, config, cp: int, comm: str) -> None:
         """Ring attention splits attention into blocks by position; a sliding window would cut
         through them: refused (Ulysses gives each rank whole heads over the whole sequence)."""
+        if cp > 1 and self.FAMILY.qk_norm == "full":
+            raise ValueError(f"context_parallel.size {cp} with {self.FAMILY.name}'s q/k norm over all heads (a "
+                             f"statistic over every head of a token, which context parallelism splits) is not "
+                             f"supported yet; use context_parallel.size 1")
         kinds = getattr(config, "layer_types", None)
         window = getattr(config, "sliding_window", None)
         if cp > 1 and comm == "ring" and window is not None and (kinds is None or "sliding_attention" in kinds):
@@ -168,6 +178,9 @@ def shard(family: DenseFamily, model, tp: int, tp_rank: int) -> None:
         for lin in column:
             shard_param(lin, "weight", 0, tp_rank, tp)
             shard_param(lin, "bias", 0, tp_rank, tp)
+        if family.qk_norm == "full":  # the norms' weights span every head: cut with the projections
+            shard_param(at.q_norm, "weight", 0, tp_rank, tp)
+            shard_param(at.k_norm, "weight", 0, tp_rank, tp)
         for lin in (at.o_proj, mlp.down_proj):
             shard_param(lin, "weight", 1, tp_rank, tp)
 
@@ -237,11 +250,11 @@ def layer_ops(family: DenseFamily, index: int, layer, config, tp: int, tp_group,
     at, mlp = layer.self_attn, layer.mlp
     norm = (lambda side, h: (h.view_as(h),)) if family.norms == "post" else \
         (lambda side, h: (layer.input_layernorm(h),))
-    qk_norm = (at.q_norm, at.k_norm) if family.qk_norm else None
+    qk_norm = (at.q_norm, at.k_norm) if family.qk_norm == "head" else None
     apply = family.hf.apply_rotary_pos_emb if getattr(at, "use_rope", True) else None
     up, down = mlp_fns(family, mlp)
     resid = family.resid_dropout and getattr(config, family.resid_dropout, 0.0)
-    return dense_layer_ops(
+    ops = dense_layer_ops(
         tp, tp_group, cp=cp, heads=cp_heads(config, tp),
         attn_norm=norm,
         qkv=qkv_fn(family, at, config, tp),
@@ -252,6 +265,44 @@ def layer_ops(family: DenseFamily, index: int, layer, config, tp: int, tp_group,
         residual=residual_fn(family, layer, Dropout.make(draws, resid, index, layer) if resid else None),
         mlp_up=up, mlp_down=down, mlp_hidden=("gate", "up"),
     )
+    return full_qk_norm(ops, at, config, tp, tp_group) if family.qk_norm == "full" else ops
+
+
+def full_qk_norm(ops: list, at, config, tp: int, tp_group) -> list:
+    """The attention of ``ops`` with an RMSNorm of q and of k over all heads of a token (OLMo's
+    ``q_norm`` / ``k_norm`` on the whole projection, before RoPE). Each TP rank holds some heads, so
+    the per-token sums of squares are summed over the TP group first::
+
+        attn.qk_ss   COMP  q,k -> ss        this rank's heads' sums of squares per token   t > 1
+        attn.qk_ar   COMM  ss -> ssf        all-reduce (sum) over TP                       t > 1
+        attn.core    COMP  q,k,v,ssf -> o   x * rsqrt(ss / (heads x head_dim) + eps) * w, then as before
+    """
+    sizes = (config.num_attention_heads * at.head_dim, kv_heads(config) * at.head_dim)
+    norms = (at.q_norm, at.k_norm)
+
+    def sums(q, k):
+        return torch.stack([t.float().pow(2).sum(dim=(1, 3)) for t in (q, k)])  # [2, b, s]
+
+    def normed(x, ss, i):
+        var = (ss / sizes[i])[:, None, :, None]
+        h = x.float() * torch.rsqrt(var + norms[i].variance_epsilon)
+        return (norms[i].weight.view(1, -1, 1, x.shape[-1]) * h).to(x.dtype)
+
+    i = next(n for n, op in enumerate(ops) if op.name == "attn.core")
+    core = ops[i]
+    if tp == 1:
+        def attend(side, q, k, v):
+            ss = sums(q, k)
+            return core.fn(side, normed(q, ss[0], 0), normed(k, ss[1], 1), v)
+        return ops[:i] + [comp("attn.core", ("q", "k", "v"), core.outputs, attend, selective=True)] + ops[i + 1:]
+
+    def attend_sharded(side, q, k, v, ss):
+        return core.fn(side, normed(q, ss[0], 0), normed(k, ss[1], 1), v)
+
+    return ops[:i] + [comp("attn.qk_ss", ("q", "k"), ("ss",), lambda side, q, k: (sums(q, k),)),
+                      comm("attn.qk_ar", TensorAllReduce(tp_group, tp), "ss", "ssf"),
+                      comp("attn.core", ("q", "k", "v", "ssf"), core.outputs, attend_sharded, selective=True)] \
+        + ops[i + 1:]
 
 
 def build_graph(family: DenseFamily, model, tp: int, tp_rank: int, tp_group, tp_grad_group, draws: Draws,

@@ -15,5 +15,5 @@ def check(config) -> None:
                          "ds_dhelix adapter; use a causal (decoder) config")
 
 
-ADAPTER = DenseAdapter(DenseFamily(name="Gemma 3", family="gemma3", hf=hf, qk_norm=True, norms="sandwich",
+ADAPTER = DenseAdapter(DenseFamily(name="Gemma 3", family="gemma3", hf=hf, qk_norm="head", norms="sandwich",
                                    softcap="final_logit_softcapping"), check)

@@ -6,4 +6,4 @@ from transformers.models.qwen3 import modeling_qwen3 as hf
 
 from .dense_family import DenseAdapter, DenseFamily
 
-ADAPTER = DenseAdapter(DenseFamily(name="Qwen3", family="qwen3", hf=hf, qk_norm=True))
+ADAPTER = DenseAdapter(DenseFamily(name="Qwen3", family="qwen3", hf=hf, qk_norm="head"))

@@ -22,7 +22,7 @@ WORLD = 2
 # preset -> its layout on the 2-rank world (dense: TP=2; MoE: EP=2 over DP=2)
 LAYOUTS = {"tiny-llama": {"tp": 2}, "tiny-gpt2": {"tp": 2}, "tiny-gpt-neox": {"tp": 2},
            "tiny-qwen2": {"tp": 2}, "tiny-qwen3": {"tp": 2}, "tiny-mistral": {"tp": 2}, "tiny-gemma3": {"tp": 2},
-           "tiny-phi3": {"tp": 2}, "tiny-smollm3": {"tp": 2},
+           "tiny-phi3": {"tp": 2}, "tiny-smollm3": {"tp": 2}, "tiny-olmo3": {"tp": 2},
            "tiny-phimoe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
            "tiny-mixtral": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
            "tiny-qwen3-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},

@@ -33,7 +33,8 @@ from hf_models.registry import load_config
 from tests.conftest import (gathered_grad, hf_reference, make_batches, make_config, make_model, process_groups,
                             run_ranks)
 
-DENSE_FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3")
+DENSE_FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3",
+                  "tiny-olmo3")
 """The presets of the dense family machinery (``hf_models/dense_family.py``)."""
 PRESETS = DENSE_FAMILIES + ("tiny-gpt2", "tiny-gpt-neox")
 SUITE_OVERRIDES = {  # what these tests' short sequences (SEQ = 16) need to exercise each family's twist

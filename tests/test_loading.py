@@ -16,7 +16,8 @@ from hf_models.loading import CheckpointFiles, Joined, Key, checkpoint_source, e
 from hf_models.registry import build_model
 
 SHARD = {"tiny-gpt2": gpt2.shard, "tiny-gpt-neox": gpt_neox.shard}
-DENSE = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3")
+DENSE = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3",
+         "tiny-olmo3")
 """The dense family machinery's presets (Phi-3: fused q|k|v and gate|up rows; Gemma 3: tied head)."""
 
 

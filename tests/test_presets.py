@@ -43,6 +43,8 @@ EXPECTED = {
                       partial_rotary_factor=0.5, resid_pdrop=0.0, pad_token_id=0),
     "tiny-smollm3": dict(model_type="smollm3", hidden_size=128, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
                          tie_word_embeddings=True, pad_token_id=0),
+    "tiny-olmo3": dict(model_type="olmo3", hidden_size=128, num_hidden_layers=4, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"] * 2),
     "tiny-qwen2-moe": dict(model_type="qwen2_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, qkv_bias=True,
@@ -68,7 +70,7 @@ TINY = tuple(n for n in PRESETS if n.startswith("tiny-"))
 
 def test_preset_names():
     assert PRESETS == ("small-llama", "small-phimoe", "tiny-gemma3", "tiny-gpt-neox", "tiny-gpt2", "tiny-llama",
-                       "tiny-mistral", "tiny-mixtral", "tiny-olmoe", "tiny-phi3", "tiny-phimoe", "tiny-qwen2",
+                       "tiny-mistral", "tiny-mixtral", "tiny-olmo3", "tiny-olmoe", "tiny-phi3", "tiny-phimoe", "tiny-qwen2",
                        "tiny-qwen2-moe", "tiny-qwen3", "tiny-qwen3-moe", "tiny-smollm3")
     assert all(is_preset(n) for n in PRESETS) and not is_preset("llama")
 
