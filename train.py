@@ -26,8 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deepspeed", "--deepspeed_config", dest="deepspeed", required=True,
                    help="ds_config JSON (with an optional \"dhelix\" section)")
     p.add_argument("--model", default="tiny-llama",
-                   help="preset (tiny-llama, tiny-gpt2, tiny-gpt-neox, tiny-phimoe; small-llama, small-phimoe: ~100M) or a "
-                        "local HF checkpoint dir (each rank reads only its shards under dhelix)")
+                   help="preset (tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-gemma3, tiny-phi3, tiny-smollm3, "
+                        "tiny-olmo3, tiny-gpt2, tiny-gpt-neox; MoE tiny-phimoe, tiny-mixtral, tiny-qwen3-moe, "
+                        "tiny-qwen2-moe, tiny-olmoe; small-llama, small-phimoe: ~100M) or a local HF checkpoint dir "
+                        "(each rank reads only its shards under dhelix)")
     p.add_argument("--data", default=None, help="local .txt or .jsonl (field 'text'); default: embedded corpus")
     p.add_argument("--packing", default="concat", choices=["concat", "docs", "none"],
                    help="concat: documents back to back with EOS between; docs: also restart positions and mask "
