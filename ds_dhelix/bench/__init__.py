@@ -7,8 +7,11 @@ model, world and tokens per step, at several emulated link rates, in one run.
     metrics.py  records -> rows: medians, speedups, the ideal and CPU bounds, hidden shares
     report.py   JSON / CSV / markdown / PNG
     tracing.py  ``dhelix trace``: a traced run on a CPU gloo world, the trace summarized
+    profile_runs.py  ``dhelix profile`` / ``validate-plan``: the profiler and the plans on a CPU gloo world
+    ds_pipelines.py  DeepSpeed's own pipelines (the ``ds-*`` modes of ``--pp``) on our layers
 
-DeepSpeed's own pipelines (the ``ds-*`` modes of ``--pp``) come from ``ds_dhelix/bench/ds_pipelines.py``.
+Measurement worlds above the engine: may import ``ds_dhelix.engine``, ``hf_models`` and every layer
+below; only the commands and ``benchmarks/`` import this package.
 
     report = run_bench(BenchOptions(link_gbps=(2.0,)))
 """
