@@ -356,16 +356,29 @@ def dropped(x, drop, side, op: str):
 
 
 def sequential_residual(norm: nn.Module, attn_bias, mlp_bias, drop=None):
-    """``residual`` for ``h2 = h + drop(attn); h = h2 + drop(mlp)`` (pre-norm, the common case).
-    ``attn_bias`` / ``mlp_bias``: the row-parallel biases (or None), added after the reduce-scatter;
-    ``drop``: the layer's residual dropout (a ``Dropout``) or None."""
+    """``residual`` for ``h2 = h + drop(attn); h = h2 + drop(mlp)`` (pre-norm, the common case)."""
+    return residual_ops(attn_bias, mlp_bias, before_mlp=norm, drop=drop)
+
+
+def residual_ops(attn_bias, mlp_bias, after_attn=None, before_mlp=None, after_mlp=None, drop=None):
+    """``residual`` of ``dense_layer_ops`` for any norm placement::
+
+        h2 = h + drop(after_attn(attn + attn_bias))     x2 = before_mlp(h2)     h = h2 + drop(after_mlp(mlp + mlp_bias))
+
+    A norm given as None is left out (pre-norm: ``before_mlp`` only). ``attn_bias`` / ``mlp_bias``:
+    the row-parallel biases (or None), added after the reduce-scatter; ``drop``: the layer's
+    residual dropout (a ``Dropout``) or None."""
+
+    def branch(x, bias, norm, side, op):
+        x = plus(x, bias)
+        return dropped(x if norm is None else norm(x), drop, side, op)
 
     def mlp_norm(side, h, a):
-        h2 = h + dropped(plus(a, attn_bias), drop, side, "attn.resid")
-        return h2, norm(h2)
+        h2 = h + branch(a, attn_bias, after_attn, side, "attn.resid")
+        return h2, (h2 if before_mlp is None else before_mlp(h2))
 
     def mlp_add(side, h2, m):
-        return (h2 + dropped(plus(m, mlp_bias), drop, side, "mlp.resid"),)
+        return (h2 + branch(m, mlp_bias, after_mlp, side, "mlp.resid"),)
 
     def make(ar: str, mr: str):
         return (comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm),
@@ -495,12 +508,20 @@ def hf_mask_windows(config):
     them: ``{layer kind: window or None}`` for families whose layers have kinds (they take a dict
     of masks: Qwen2/3, Gemma 3, SmolLM3, OLMo 3), one window for a window on every layer (Mistral,
     Phi-3), None for none."""
-    window = getattr(config, "sliding_window", None)
+    window = config_window(config)
     if window is None:
         return None
     if getattr(config, "layer_types", None) is not None:
         return {"full_attention": None, "sliding_attention": window}
     return window
+
+
+def config_window(config) -> int | None:
+    """The sliding window some layer of ``config`` uses (every layer when the config has no layer
+    kinds: Mistral, Phi-3), None when no layer slides."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    return window if kinds is None or "sliding_attention" in kinds else None
 
 
 def side_positions(side: dict, device) -> torch.Tensor:
@@ -515,11 +536,22 @@ def rotary_side_fn(rotary_emb: nn.Module, embed: nn.Module, config, windows: tup
     the dtype and on the device of ``embed.weight`` as it is when the micro-batch is made (read
     then: a pipeline stage without the embedding holds an empty stand-in of it)."""
     kinds = rope_kinds(rotary_emb, config)
+    shared: dict = {}  # masks without packed documents depend on the shape only: made once per shape
+
+    def masks_of(side, dummy):
+        documents = side.get("position_ids")
+        key = (side["seq_len"], dummy.dtype, dummy.device, "ring_index" in side)
+        if documents is None and key in shared:
+            return shared[key]
+        masks = causal_mask_side(config, dummy.dtype, side["seq_len"], dummy.device, documents, side, windows)
+        if documents is None:
+            shared[key] = masks
+        return masks
 
     def extra(batch, side):
-        s, dummy = side["seq_len"], embed.weight[:1].detach()
+        dummy = embed.weight[:1].detach()
         pos = side_positions(side, dummy.device)
-        masks = causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"), side, windows)
+        masks = masks_of(side, dummy)
         if kinds:
             return {"rope": {kind: rotary_emb(dummy, pos, kind) for kind in kinds}, **masks}
         cos, sin = rotary_emb(dummy, pos)

@@ -41,9 +41,9 @@ from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
 from ds_dhelix.runtime.comm import TensorAllReduce
 from ds_dhelix.runtime.groups import ContextShards
 
-from .common import (Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops, dropped,
-                     embed_op, head_ops, layer_window, layer_windows, make_side_fn, mark_replicated, plus, rotary,
-                     rotary_key, rotary_side_fn, shard_kv_replica, shard_param)
+from .common import (Dropout, attn_core_op, check_divisible, check_dropout, config_window, cp_heads, dense_layer_ops, embed_op,
+                     head_ops, layer_window, layer_windows, make_side_fn, mark_replicated, qkv_projections,
+                     residual_ops, rotary, rotary_key, rotary_side_fn, shard_kv_replica, shard_param)
 
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
@@ -73,6 +73,16 @@ class DenseFamily:
 
 def kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def warn_unused(config, key: str, family: str) -> None:
+    """A config setting the installed transformers stores but does not apply (so neither do we):
+    warned once, never silently dropped."""
+    import warnings
+    value = getattr(config, key, None)
+    if value:
+        warnings.warn(f"{family}: {key}={value!r} is not applied (transformers' own {family} model ignores it "
+                      f"too); training runs without it", UserWarning, stacklevel=2)
 
 
 class DenseAdapter:
@@ -115,9 +125,8 @@ class DenseAdapter:
             raise ValueError(f"context_parallel.size {cp} with {self.FAMILY.name}'s q/k norm over all heads (a "
                              f"statistic over every head of a token, which context parallelism splits) is not "
                              f"supported yet; use context_parallel.size 1")
-        kinds = getattr(config, "layer_types", None)
-        window = getattr(config, "sliding_window", None)
-        if cp > 1 and comm == "ring" and window is not None and (kinds is None or "sliding_attention" in kinds):
+        window = config_window(config)
+        if cp > 1 and comm == "ring" and window is not None:
             raise ValueError(f"context_parallel.comm 'ring' with {self.FAMILY.name}'s sliding-window layers "
                              f"(sliding_window={window}) is not supported; use context_parallel.comm 'ulysses'")
 
@@ -188,14 +197,14 @@ def shard(family: DenseFamily, model, tp: int, tp_rank: int) -> None:
 # ---------------------------------------------------------------------------------- layer ops
 def qkv_fn(family: DenseFamily, at, config, tp: int):
     """``attn.qkv``: xf [s, b, h] -> q, k, v [b, heads/t, s, d] (projections and views only)."""
+    if not family.fused_qkv:
+        return qkv_projections(at)
     hd = at.head_dim
     sizes = (config.num_attention_heads * hd // tp, kv_heads(config) * hd // tp, kv_heads(config) * hd // tp)
 
     def fn(side, xf):
         s, b, _ = xf.shape
-        parts = at.qkv_proj(xf).split(sizes, dim=-1) if family.fused_qkv else \
-            (at.q_proj(xf), at.k_proj(xf), at.v_proj(xf))
-        return tuple(p.view(s, b, -1, hd).permute(1, 2, 0, 3) for p in parts)
+        return tuple(p.view(s, b, -1, hd).permute(1, 2, 0, 3) for p in at.qkv_proj(xf).split(sizes, dim=-1))
 
     return fn
 
@@ -217,32 +226,14 @@ def mlp_fns(family: DenseFamily, mlp):
 
 
 def residual_fn(family: DenseFamily, layer, drop=None):
-    """``residual(ar, mr)`` of ``dense_layer_ops`` for the family's norm placement; the
-    row-parallel biases are added after the reduce-scatter, ``drop`` (a ``Dropout``) is the
-    residual dropout on both branches."""
-    attn_bias, mlp_bias = layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias
+    """``residual(ar, mr)`` of ``dense_layer_ops`` for the family's norm placement (see
+    ``common.residual_ops``); ``drop`` (a ``Dropout``) is the residual dropout on both branches."""
+    biases = (layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias)
     if family.norms == "pre":
-        after_attn, before_mlp, after_mlp = None, layer.post_attention_layernorm, None
-    else:
-        after_attn, after_mlp = layer.post_attention_layernorm, layer.post_feedforward_layernorm
-        before_mlp = layer.pre_feedforward_layernorm if family.norms == "sandwich" else None
-
-    def branch(x, bias, norm, side, op):
-        x = plus(x, bias)
-        return dropped(x if norm is None else norm(x), drop, side, op)
-
-    def mlp_norm(side, h, a):
-        h2 = h + branch(a, attn_bias, after_attn, side, "attn.resid")
-        return h2, (h2 if before_mlp is None else before_mlp(h2))
-
-    def mlp_add(side, h2, m):
-        return (h2 + branch(m, mlp_bias, after_mlp, side, "mlp.resid"),)
-
-    def make(ar: str, mr: str):
-        return (comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm),
-                comp("mlp.add", ("h2", mr), ("h",), mlp_add))
-
-    return make
+        return residual_ops(*biases, before_mlp=layer.post_attention_layernorm, drop=drop)
+    before_mlp = layer.pre_feedforward_layernorm if family.norms == "sandwich" else None
+    return residual_ops(*biases, after_attn=layer.post_attention_layernorm, before_mlp=before_mlp,
+                        after_mlp=layer.post_feedforward_layernorm, drop=drop)
 
 
 def layer_ops(family: DenseFamily, index: int, layer, config, tp: int, tp_group, draws: Draws, rotary_emb,

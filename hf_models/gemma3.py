@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from transformers.models.gemma3 import modeling_gemma3 as hf
 
-from .dense_family import DenseAdapter, DenseFamily
+from .dense_family import DenseAdapter, DenseFamily, warn_unused
 
 
 def check(config) -> None:
+    warn_unused(config, "attn_logit_softcapping", "Gemma 3")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("Gemma 3 with use_bidirectional_attention=True (an encoder) is not supported by the "
                          "ds_dhelix adapter; use a causal (decoder) config")

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from transformers.models.phi3 import modeling_phi3 as hf
 
-from .dense_family import DenseAdapter, DenseFamily
+from .dense_family import DenseAdapter, DenseFamily, warn_unused
+
+
+def check(config) -> None:
+    warn_unused(config, "embd_pdrop", "Phi-3")
+
 
 ADAPTER = DenseAdapter(DenseFamily(name="Phi-3", family="phi3", hf=hf, fused_qkv=True, fused_gate_up=True,
-                                   resid_dropout="resid_pdrop"))
+                                   resid_dropout="resid_pdrop"), check)

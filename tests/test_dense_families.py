@@ -92,3 +92,15 @@ def test_olmo3_full_qk_norm_refusals():
     config.num_key_value_heads = 1
     with pytest.raises(ValueError, match=r"tensor_parallel.size 2 > num_key_value_heads=1 with OLMo 3's k norm"):
         adapter_for(config).check_tp(config, 2)
+
+
+@pytest.mark.parametrize("preset, key, value", [("tiny-phi3", "embd_pdrop", 0.1),
+                                               ("tiny-gemma3", "attn_logit_softcapping", 50.0)])
+def test_settings_transformers_does_not_apply_are_warned(preset, key, value):
+    """Stored by the config, ignored by transformers' own model (5.24), so ignored here too: said once."""
+    from hf_models.adapters import adapter_for
+    from hf_models.registry import load_config
+    config = load_config(preset)
+    setattr(config, key, value)
+    with pytest.warns(UserWarning, match=rf"{key}={value!r} is not applied"):
+        adapter_for(config).check_tp(config, 2)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -43,7 +44,7 @@ def test_config_reference_lists_every_key_the_section_accepts():
     for key in documented:  # and each really is a key: set to its default, it parses
         section, _, leaf = key.rpartition(".")
         row = next(r for r in rows() if r.key == key)
-        value = __import__("json").loads(row.default)
+        value = json.loads(row.default)
         d = {"schedule": "auto"} if leaf.startswith("auto_") else {}
         (d.setdefault(section, {}) if section else d)[leaf] = value
         DhelixConfig.from_dict(d)

@@ -128,6 +128,18 @@ def test_fp16_on_a_device_without_it_is_one_line(monkeypatch, capsys, tmp_path):
     assert err.count("train.py: error:") == 1 and "fp16 is not supported on this device" in err and "bf16" in err
 
 
+def test_parity_command_runs_fp16_on_a_device_without_it(monkeypatch):
+    """``dhelix parity --dtype fp16`` (documented as forced on such a CPU) passes its pre-checks,
+    as its ranks do, instead of refusing what the ranks would run."""
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_dhelix.commands.parity import _check_setup
+    from ds_dhelix.engine.parity import ParityOptions
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
+    _check_setup(ParityOptions(model="tiny-llama", tp=2, dtype="fp16"))
+    assert get_accelerator().is_fp16_supported()
+
+
 # ------------------------------------------------------------------------------------------ dropout
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-llama"])

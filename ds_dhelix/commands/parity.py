@@ -108,5 +108,8 @@ def _check_setup(opts) -> None:
         raise ValueError("--pp > 1 runs a folded schedule: pass --schedule w, dualpipev or sequential")
     if opts.pp == 1 and opts.schedule in ("w", "dualpipev"):
         raise ValueError(f"--schedule {opts.schedule} folds the model over pipeline ranks: pass --pp 2 or more")
+    if opts.dtype == "fp16":  # as the ranks do: a CPU accelerator without fp16 is told to run it (slowly)
+        from ds_dhelix.engine.precision import force_fp16_capability
+        force_fp16_capability()
     setup = check_setup(opts.ds_config(opts.schedule), load_config(opts.model), opts.world)
     setup.dims.check_seq_len(opts.seq_len, "--seq-len")

@@ -12,17 +12,15 @@ all-reduce), gradient clipping over the model-parallel group, the optimizer and 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
-from ..runtime.comm import collective_failures
 from ..config.section import DhelixConfig
 from ..runtime.executor import MicroBatch
 from ..runtime.groups import ProcessGroups
 from ..planning.plan import SIPlan
 from .precision import loss_seed
-from .stepping import STEP_END, DhelixStepMixin
+from .stepping import DhelixStepMixin
 
 FEW_MICROBATCHES = 3
 """At or below this many micro-batches per step, SI's unpaired ends are a large share of the step."""
@@ -85,24 +83,20 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         batches = self.pull_batches(data_iter)
         self._warn_few_once(len(batches))
         self.module.train()
-        stats = self.begin_step()  # the watchdog covers the micro-batches and the optimizer step
-        with collective_failures(self.failure_position, dist.group.WORLD):  # DeepSpeed's collectives too
-            try:
-                with self._reduction_context():
-                    mbs = self.executor.run_microbatches(batches, self.step_schedule(), loss_seed(self, len(batches)),
-                                                         first_serial=self.global_steps * len(batches))
-                self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
-                self._is_gradient_accumulation_boundary = True
-                if self.zero_optimization_stage() == 0:
-                    self.allreduce_gradients()
-                self.micro_steps += len(batches) - 1
-                self.step()
-                self._is_gradient_accumulation_boundary = None
-            finally:
-                self.watchdog.pause()
-            self.watchdog.beat(op=STEP_END)
-            self.end_step(stats, self.mean_loss(mbs), batches)
-        return self.last_loss
+        return self.guarded_step(batches, lambda: self._micro_batches_and_step(batches), self.mean_loss)
+
+    def _micro_batches_and_step(self, batches: list[dict]):
+        with self._reduction_context():
+            mbs = self.executor.run_microbatches(batches, self.step_schedule(), loss_seed(self, len(batches)),
+                                                 first_serial=self.global_steps * len(batches))
+        self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
+        self._is_gradient_accumulation_boundary = True
+        if self.zero_optimization_stage() == 0:
+            self.allreduce_gradients()
+        self.micro_steps += len(batches) - 1
+        self.step()
+        self._is_gradient_accumulation_boundary = None
+        return mbs
 
     @torch.no_grad()
     def eval_batch(self, data_iter, num_microbatches: int | None = None) -> torch.Tensor:

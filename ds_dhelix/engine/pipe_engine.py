@@ -40,10 +40,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ..runtime.comm import collective_failures
 from ..runtime.executor import MicroBatch
 from .precision import loss_seed
-from .stepping import STEP_END, DhelixStepMixin
+from .stepping import DhelixStepMixin
 from hf_models.adapters import num_experts
 from ..pipe import schedule as S
 from ..pipe.folding import LayerFold, chunk_index
@@ -127,15 +126,9 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         loss (over micro-batches and data-parallel replicas) on every rank."""
         batches = self.pull_batches(data_iter or self.data_iterator)
         self.module.train()
-        stats = self.begin_step()
-        with collective_failures(self.failure_position, dist.group.WORLD):  # DeepSpeed's collectives too
-            try:
-                mbs = self._run(batches, self._rank_schedule(self.step_schedule(), len(batches)))
-            finally:
-                self.watchdog.pause()
-            self.watchdog.beat(op=STEP_END)
-            self.end_step(stats, self._pipeline_loss(mbs), batches)
-        return self.last_loss
+        return self.guarded_step(batches, lambda: self._run(batches, self._rank_schedule(self.step_schedule(),
+                                                                                         len(batches))),
+                                 self._pipeline_loss)
 
     @torch.no_grad()
     def eval_batch(self, data_iter, **_ignored) -> torch.Tensor:

@@ -6,6 +6,7 @@ this in before their DeepSpeed base class.
     step_schedule   the schedule of the next step (auto's pick, else the configured one)
     watched         the watchdog armed around work between steps (checkpoint saves, the HF export)
     pull_batches    a step's micro-batches from the data iterator, shapes checked
+    guarded_step    begin_step, the step, end_step; a failed collective named by where the rank was
     begin_step      fresh StepStats, meter peak reset, watchdog armed
     end_step        stats filled, TensorBoard scalars, the step's time to auto (its decisions
                     logged), trace written
@@ -23,7 +24,7 @@ from deepspeed.utils import logger
 
 from ..planning.autoschedule import AutoSchedule
 from ..planning.autoschedule import describe as describe_decision
-from ..runtime.comm import cuda_connections_warning
+from ..runtime.comm import collective_failures, cuda_connections_warning
 from ..runtime.executor import Executor, StepStats
 from ..runtime.memory import ActivationMeter
 from ..runtime.trace import TraceRecorder, merge_traces
@@ -149,6 +150,20 @@ class DhelixStepMixin:
         self._step_t0 = time.perf_counter()
         self.watchdog.resume(step=self.global_steps)
         return stats
+
+    def guarded_step(self, batches: list[dict], run, loss_of):
+        """One training step: ``run()`` (the micro-batches and the optimizer step, the watchdog
+        armed) then ``end_step`` with ``loss_of(run's result)``; a collective that fails anywhere in
+        it, DeepSpeed's own included, is named by the watchdog's last position. Returns the loss."""
+        stats = self.begin_step()
+        with collective_failures(self.failure_position, dist.group.WORLD):
+            try:
+                out = run()
+            finally:
+                self.watchdog.pause()
+            self.watchdog.beat(op=STEP_END)
+            self.end_step(stats, loss_of(out), batches)
+        return self.last_loss
 
     def end_step(self, stats: StepStats, loss, batches: list[dict]) -> None:
         """After the optimizer step (watchdog paused): record the step's numbers, log them, give
