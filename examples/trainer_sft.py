@@ -64,6 +64,10 @@ def parse_args(argv=None):
     for name in ("max_steps", "seq_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    resume = args.resume_from_checkpoint
+    if resume not in (None, "last") and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+        p.error(f"--resume-from-checkpoint {resume!r} is not a Trainer checkpoint (no trainer_state.json there); "
+                f"give a checkpoint-N folder or 'last'")
     return args
 
 

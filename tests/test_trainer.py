@@ -268,3 +268,14 @@ def test_no_silent_plain_trainer_and_refused_settings(tmp_path):
     assert "AUTO DhelixEngine 2 3 0.5 0.002 2 seed 7" in proc.stdout, proc.stdout[-3000:]
     assert "PLAIN REFUSED:" in proc.stdout and "DhelixTrainer" in proc.stdout, proc.stdout[-3000:]
     assert "CHECKPOINTING REFUSED:" in proc.stdout and '"recompute": "full"' in proc.stdout, proc.stdout[-3000:]
+
+
+def test_example_refuses_a_resume_folder_that_is_no_checkpoint(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("trainer_sft_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    cfg = os.path.join(ROOT, "ds_configs", "tiny_llama_cpu.json")
+    with pytest.raises(SystemExit) as err:
+        example.parse_args(["--deepspeed", cfg, "--resume-from-checkpoint", str(tmp_path)])
+    assert err.value.code == 2 and "is not a Trainer checkpoint" in capsys.readouterr().err
