@@ -214,6 +214,35 @@ def gather_param(p: torch.Tensor, group, tp: int, data: torch.Tensor | None = No
 
 
 # ---------------------------------------------------------------------------------- dense layers
+class _Lean(torch.autograd.Function):
+    """``fn(*xs)`` saving only ``xs``; its backward runs ``fn`` again under autograd."""
+
+    @staticmethod
+    def forward(ctx, fn, *xs):
+        ctx.fn = fn
+        ctx.save_for_backward(*xs)
+        return fn(*xs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.fn(*xs)
+        need = [x for x in xs if x.requires_grad]
+        got = iter(torch.autograd.grad(out, need, grad))
+        return (None, *(next(got) if x.requires_grad else None for x in xs))
+
+
+def lean(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """``fn(*xs)`` (an elementwise activation, ``act(gate) * up``) keeping only its inputs for
+    backward, which runs ``fn`` again: a composite activation such as GPT-2's ``gelu_new`` would
+    otherwise save every intermediate (four tensors of the MLP's width). The same kernels run
+    again on the same inputs, so the gradients are bitwise those of plain autograd."""
+    if not torch.is_grad_enabled() or not any(x.requires_grad for x in xs):
+        return fn(*xs)
+    return _Lean.apply(fn, *xs)
+
+
 def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, residual, mlp_up, mlp_down,
                     mlp_hidden=("act",), cp: ContextShards | None = None, heads: tuple[int, int] | None = None):
     """The op list of a dense decoder layer, COMM ops included when ``tp > 1``.

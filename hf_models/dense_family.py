@@ -42,7 +42,7 @@ from ds_dhelix.runtime.comm import TensorAllReduce
 from ds_dhelix.runtime.groups import ContextShards
 
 from .common import (Dropout, attn_core_op, check_divisible, check_dropout, config_window, cp_heads, dense_layer_ops, embed_op,
-                     head_ops, layer_window, layer_windows, make_side_fn, mark_replicated, qkv_projections,
+                     head_ops, layer_window, layer_windows, lean, make_side_fn, mark_replicated, qkv_projections,
                      residual_ops, rotary, rotary_key, rotary_side_fn, shard_kv_replica, shard_param)
 
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
@@ -219,8 +219,11 @@ def mlp_fns(family: DenseFamily, mlp):
             return mlp.gate_proj(x), mlp.up_proj(x)
     act = getattr(mlp, "act_fn", None) or mlp.activation_fn
 
+    def glu(g, u):
+        return act(g) * u
+
     def down(side, g, u):
-        return (F.linear(act(g) * u, mlp.down_proj.weight),)
+        return (F.linear(lean(glu, g, u), mlp.down_proj.weight),)
 
     return up, down
 

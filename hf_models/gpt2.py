@@ -38,7 +38,7 @@ from ds_dhelix.graph.draws import Draws
 from ds_dhelix.graph.model_graph import ModelGraph, comp
 
 from .common import (ContextShards, Dropout, causal_mask_side, check_divisible, check_dropout, cp_heads,
-                     dense_layer_ops, embed_op, head_ops, make_side_fn, mark_replicated, sequential_residual,
+                     dense_layer_ops, embed_op, head_ops, lean, make_side_fn, mark_replicated, sequential_residual,
                      shard_param)
 from .ring import AttentionCore
 
@@ -121,7 +121,7 @@ def layer_ops(index: int, block, config, tp: int, tp_group, draws, cp=None):
         residual=sequential_residual(block.ln_2, at.c_proj.bias, mlp.c_proj.bias,
                                      Dropout.make(draws, config.resid_pdrop, index, block)),
         mlp_up=lambda side, x: (mlp.c_fc(x),),
-        mlp_down=lambda side, a: (torch.matmul(mlp.act(a), mlp.c_proj.weight),),
+        mlp_down=lambda side, a: (torch.matmul(lean(mlp.act, a), mlp.c_proj.weight),),
     )
 
 

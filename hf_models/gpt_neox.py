@@ -34,7 +34,7 @@ from ds_dhelix.graph.draws import Draws
 from ds_dhelix.graph.model_graph import ModelGraph, comp
 
 from .common import (ContextShards, Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops,
-                     dropped, embed_op, head_ops, make_side_fn, mark_replicated, plus, rotary, rotary_side_fn,
+                     dropped, embed_op, head_ops, lean, make_side_fn, mark_replicated, plus, rotary, rotary_side_fn,
                      sequential_residual, shard_param)
 
 CONTEXT_PARALLEL = True
@@ -95,7 +95,7 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws, cp=None):
         attn_out=lambda side, o: (F.linear(o, at.dense.weight),),
         residual=residual(layer, Dropout.make(draws, config.hidden_dropout, index, layer)),
         mlp_up=lambda side, x: (mlp.dense_h_to_4h(x),),
-        mlp_down=lambda side, a: (F.linear(mlp.act(a), mlp.dense_4h_to_h.weight),),
+        mlp_down=lambda side, a: (F.linear(lean(mlp.act, a), mlp.dense_4h_to_h.weight),),
     )
 
 

@@ -308,3 +308,27 @@ def test_gpt2_check_tp_rejects_cross_attention():
     config.add_cross_attention = True
     with pytest.raises(ValueError, match="add_cross_attention"):
         adapter_for(config).check_tp(config, 1)
+
+
+@pytest.mark.parametrize("act", ["gelu_new", "silu_glu"])
+def test_lean_activation_saves_its_inputs_only_and_gives_the_same_gradients(act):
+    """``common.lean``: GPT-2's composite gelu_new (and a gate x up product) keeps only its inputs
+    for backward, which runs it again: the gradients are bitwise plain autograd's."""
+    from transformers.activations import ACT2FN
+
+    from ds_dhelix.runtime.memory import ActivationMeter
+    from hf_models.common import lean
+    fn = ACT2FN["gelu_new"] if act == "gelu_new" else (lambda g, u: torch.nn.functional.silu(g) * u)
+    n_in = 1 if act == "gelu_new" else 2
+    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(n_in)]
+    runs = {}
+    for name, call in (("plain", lambda *a: fn(*a)), ("lean", lambda *a: lean(fn, *a))):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        meter = ActivationMeter()
+        with meter.hooks():
+            out = call(*leaves)
+        out.backward(torch.ones_like(out))
+        runs[name] = (out.detach(), [x.grad for x in leaves], meter.peak)
+    (o0, g0, saved_plain), (o1, g1, saved_lean) = runs["plain"], runs["lean"]
+    assert torch.equal(o0, o1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert saved_lean == n_in * xs[0].nbytes < saved_plain, (saved_lean, saved_plain)
