@@ -62,3 +62,13 @@ def num_experts(config) -> int:
 def dropout_overrides(config, p: float) -> dict:
     """Config keys that set every dropout rate of ``config``'s family to ``p``."""
     return {key: p for key in adapter_for(config).DROPOUT_KEYS}
+
+
+def unwrap_peft(model):
+    """``(hf_model, LoraInfo)`` for a PEFT LoRA model (``hf_models.lora.from_peft``, with the
+    family's LoRA targets), ``(model, None)`` for a plain HF model."""
+    from .lora import from_peft, is_peft_model
+    if not is_peft_model(model):
+        return model, None
+    adapter = adapter_for(model.config)
+    return from_peft(model, getattr(adapter, "LORA_TARGETS", ()), model.config.model_type)

@@ -19,6 +19,7 @@ from ds_dhelix.graph.model_graph import comm, comp
 from ds_dhelix.data.inputs import shifted_targets, valid_targets
 from ds_dhelix.runtime.groups import ContextShards
 
+from .lora import has_lora, project, shard_factors
 from .ring import AttentionCore
 
 
@@ -57,6 +58,7 @@ def shard_param(module: nn.Module, name: str, dim: int, rank: int, tp: int, inde
     if index is not None:
         new.tp_row_index = index  # rows of the full tensor this shard holds (fused layouts)
     setattr(module, name, new)
+    shard_factors(module, name, dim, rank, tp, index, shard_param)  # a LoRA factor is cut with its base
 
 
 def mark_replicated(params, group) -> ReplicatedGrads:
@@ -369,9 +371,9 @@ def shard_kv_replica(module: nn.Module, name: str, head_dim: int, num_kv: int, r
     rep = tp // num_kv
     head = rank // rep
     shard_param(module, name, 0, rank, tp, index=torch.arange(head * head_dim, (head + 1) * head_dim))
-    new = getattr(module, name)
-    new.tp_replica_slot = (head, num_kv)
-    new.tensor_model_parallel = rank % rep == 0
+    for new in [getattr(module, name)] + ([module.lora_B] if name == "weight" and has_lora(module) else []):
+        new.tp_replica_slot = (head, num_kv)
+        new.tensor_model_parallel = rank % rep == 0
 
 
 def plus(x, bias):

@@ -42,7 +42,7 @@ from ds_dhelix.runtime.comm import TensorAllReduce
 from ds_dhelix.runtime.groups import ContextShards
 
 from .common import (Dropout, attn_core_op, check_divisible, check_dropout, config_window, cp_heads, dense_layer_ops, embed_op,
-                     head_ops, layer_window, layer_windows, lean, make_side_fn, mark_replicated, qkv_projections,
+                     head_ops, layer_window, layer_windows, lean, make_side_fn, project, mark_replicated, qkv_projections,
                      residual_ops, rotary, rotary_key, rotary_side_fn, shard_kv_replica, shard_param)
 
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
@@ -94,6 +94,10 @@ class DenseAdapter:
     def __init__(self, family: DenseFamily, check=None):
         self.FAMILY, self.check = family, check
         self.DROPOUT_KEYS = family.dropout_keys
+        attn = ("self_attn.qkv_proj",) if family.fused_qkv else ("self_attn.q_proj", "self_attn.k_proj",
+                                                                  "self_attn.v_proj")
+        mlp = ("mlp.gate_up_proj",) if family.fused_gate_up else ("mlp.gate_proj", "mlp.up_proj")
+        self.LORA_TARGETS = attn + ("self_attn.o_proj",) + mlp + ("mlp.down_proj",)  # modules the ops call
 
     def check_tp(self, config, tp: int, world: int | None = None) -> None:
         """TP divides the query heads and the MLP width, and divides the kv heads or is a multiple of
@@ -223,7 +227,7 @@ def mlp_fns(family: DenseFamily, mlp):
         return act(g) * u
 
     def down(side, g, u):
-        return (F.linear(lean(glu, g, u), mlp.down_proj.weight),)
+        return (project(mlp.down_proj, lean(glu, g, u), bias=False),)
 
     return up, down
 
@@ -255,7 +259,7 @@ def layer_ops(family: DenseFamily, index: int, layer, config, tp: int, tp_group,
         attn_core=attn_core_op(at, config, family.hf.eager_attention_forward, drop=Dropout.make(
             draws, config.attention_dropout, index, at), window=layer_window(at, config),
             rotary=rotary(apply, rotary_key(rotary_emb, config, index), qk_norm)),
-        attn_out=lambda side, o: (F.linear(o, at.o_proj.weight),),
+        attn_out=lambda side, o: (project(at.o_proj, o, bias=False),),
         residual=residual_fn(family, layer, Dropout.make(draws, resid, index, layer) if resid else None),
         mlp_up=up, mlp_down=down, mlp_hidden=("gate", "up"),
     )

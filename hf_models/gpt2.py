@@ -38,7 +38,7 @@ from ds_dhelix.graph.draws import Draws
 from ds_dhelix.graph.model_graph import ModelGraph, comp
 
 from .common import (ContextShards, Dropout, causal_mask_side, check_divisible, check_dropout, cp_heads,
-                     dense_layer_ops, embed_op, head_ops, lean, make_side_fn, mark_replicated, sequential_residual,
+                     dense_layer_ops, embed_op, head_ops, lean, make_side_fn, project, mark_replicated, sequential_residual,
                      shard_param)
 from .ring import AttentionCore
 
@@ -46,6 +46,7 @@ CONTEXT_PARALLEL = True
 """Attention runs with context parallelism (Ulysses or ring, ``common.context_attention``)."""
 
 DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 def inner_size(config) -> int:
@@ -117,11 +118,11 @@ def layer_ops(index: int, block, config, tp: int, tp_group, draws, cp=None):
         attn_norm=lambda side, h: (block.ln_1(h),),
         qkv=qkv,
         attn_core=attn_core_op(at, config, Dropout.make(draws, config.attn_pdrop, index, at)),
-        attn_out=lambda side, o: (torch.matmul(o, at.c_proj.weight),),
+        attn_out=lambda side, o: (project(at.c_proj, o, bias=False),),
         residual=sequential_residual(block.ln_2, at.c_proj.bias, mlp.c_proj.bias,
                                      Dropout.make(draws, config.resid_pdrop, index, block)),
         mlp_up=lambda side, x: (mlp.c_fc(x),),
-        mlp_down=lambda side, a: (torch.matmul(lean(mlp.act, a), mlp.c_proj.weight),),
+        mlp_down=lambda side, a: (project(mlp.c_proj, lean(mlp.act, a), bias=False),),
     )
 
 

@@ -34,13 +34,14 @@ from ds_dhelix.graph.draws import Draws
 from ds_dhelix.graph.model_graph import ModelGraph, comp
 
 from .common import (ContextShards, Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops,
-                     dropped, embed_op, head_ops, lean, make_side_fn, mark_replicated, plus, rotary, rotary_side_fn,
+                     dropped, embed_op, head_ops, lean, make_side_fn, project, mark_replicated, plus, rotary, rotary_side_fn,
                      sequential_residual, shard_param)
 
 CONTEXT_PARALLEL = True
 """Attention runs with context parallelism (Ulysses or ring, ``common.context_attention``)."""
 
 DROPOUT_KEYS = ("hidden_dropout", "attention_dropout")
+LORA_TARGETS = ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
@@ -92,10 +93,10 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws, cp=None):
         qkv=qkv,
         attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb),
                                drop=Dropout.make(draws, config.attention_dropout, index, at)),
-        attn_out=lambda side, o: (F.linear(o, at.dense.weight),),
+        attn_out=lambda side, o: (project(at.dense, o, bias=False),),
         residual=residual(layer, Dropout.make(draws, config.hidden_dropout, index, layer)),
         mlp_up=lambda side, x: (mlp.dense_h_to_4h(x),),
-        mlp_down=lambda side, a: (F.linear(lean(mlp.act, a), mlp.dense_4h_to_h.weight),),
+        mlp_down=lambda side, a: (project(mlp.dense_4h_to_h, lean(mlp.act, a), bias=False),),
     )
 
 

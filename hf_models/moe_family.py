@@ -51,7 +51,7 @@ from ds_dhelix.moe.router import aux_piece, combine_copies, load_balancing_loss,
 
 from .common import (ContextShards, Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout,
                      context_attention, cp_heads, embed_op, head_ops, loss_denominator, make_side_fn,
-                     mark_replicated, qkv_projections, rotary, shard_param, side_positions)
+                     mark_replicated, project, qkv_projections, rotary, shard_param, side_positions)
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class MoeAdapter:
 
     DROPOUT_KEYS = ("attention_dropout",)
     CONTEXT_PARALLEL = True
+    LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")  # not experts
 
     def __init__(self, family: MoeFamily, check_moe, max_tp: tuple[int, str] | None = None):
         self.FAMILY, self.check_moe, self.max_tp = family, check_moe, max_tp
@@ -199,7 +200,7 @@ def attention_ops(index: int, layer, config, tp: int, tp_group, draws, family: M
         comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_op(at, family.qk_norm), linear=family.qk_norm is None),
         attn_core_op(at, config, family.hf.eager_attention_forward, rotary=rotary(family.hf.apply_rotary_pos_emb),
                      drop=drop),
-        comp("attn.out", ("o",), ("ao",), lambda side, o: (F.linear(o, at.o_proj.weight),), linear=True))
+        comp("attn.out", ("o",), ("ao",), lambda side, o: (project(at.o_proj, o, bias=False),), linear=True))
     if tp > 1:
         ops.append(comm("attn.rs", SeqReduceScatter(tp_group, tp), "ao", "ar"))
 

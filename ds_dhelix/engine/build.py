@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from deepspeed.utils import logger
 
-from ..runtime.comm import release_deepspeed_shm
+from ..runtime.comm import ReplicatedGrads, release_deepspeed_shm
 from ..config.section import (ONE_STAGE_SCHEDULES, PIPELINE_SCHEDULES, BatchSizes, DhelixConfig, derive_batch,
                               load_ds_config)
 from ..config.dims import ParallelDims
@@ -30,7 +30,8 @@ from ..pipe.folding import LayerFold, fold_layers
 from .precision import check_fp16
 from ..pipe.schedule import check_args as check_pipeline_microbatches
 from ..planning.plan import SIPlan, default_plan
-from hf_models.adapters import check_model
+from hf_models.adapters import check_model, unwrap_peft
+from hf_models.lora import factors as lora_factors
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,44 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
                "aux_loss_coef": ep.aux_loss_coef}
     if dims.cp > 1:
         moe["cp"] = groups.context_shards()
-    return adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, seed=dh.seed, **moe)
+    graph = adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, seed=dh.seed, **moe)
+    whole = [p for p in lora_factors(model) if p.requires_grad]  # LoRA factors (those cut with their base skip)
+    if dims.tp > 1 and whole:
+        graph.replicated = ReplicatedGrads(list(graph.replicated.params if graph.replicated else []) + whole,
+                                           groups.tp_grad_group)
+    return graph
+
+
+def parameter_names(model, model_parameters):
+    """The caller's ``model_parameters`` (a list or generator of the model's parameters, or of
+    parameter groups, as given to ``deepspeed.initialize``) by name, to find them again once
+    sharding has replaced them; None when not given."""
+    if model_parameters is None:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def name_of(p):
+        if id(p) not in names:
+            raise ValueError(f"model_parameters holds a tensor of shape {tuple(p.shape)} that is not a parameter of "
+                             f"the model given to initialize; pass that model's parameters (e.g. [p for p in "
+                             f"model.parameters() if p.requires_grad]) or leave model_parameters out")
+        return names[id(p)]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(group, params=[name_of(p) for p in group["params"]]) for group in items]
+    return [name_of(p) for p in items]
+
+
+def trained_parameters(model, named):
+    """What the optimizer gets: the sharded parameters the caller named (``parameter_names``),
+    or by default every parameter that requires a gradient (frozen ones, a LoRA model's base,
+    get no optimizer state and no ZeRO partition)."""
+    if named is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    if named and isinstance(named[0], dict):
+        return [dict(group, params=[params[n] for n in group["params"]]) for group in named]
+    return [params[n] for n in named]
 
 
 @dataclass(frozen=True)
@@ -242,10 +280,14 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
     deepspeed.init_distributed(dist_init_required=not dist.is_initialized())
     release_deepspeed_shm()
     setup = check_setup(config, model.config, dist.get_world_size(), client_optimizer=optimizer is not None)
+    model, lora = unwrap_peft(model)
     check_model_settings(model)
+    named = parameter_names(model, model_parameters)
     _warn_ignored_by_pipeline(config, setup)
     groups = ProcessGroups.create(setup.dims)
     graph = shard_model(model, setup.dh, setup.dims, groups)
+    model.dhelix_lora = lora
+    model_parameters = trained_parameters(model, named)
     ds_config = deepspeed_view(config, setup)
     extra = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "config": ds_config}
     if setup.dims.pp > 1:
@@ -259,7 +301,7 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
     else:
         from .dhelix_engine import DhelixEngine as engine_class
     return engine_class(dhelix=dh, groups=groups, graph=graph, plan=plan, model=model, load_report=report,
-                        model_parameters=model_parameters or model.parameters(), mpu=groups,
+                        model_parameters=model_parameters, mpu=groups,
                         config_class=DeepSpeedConfig(ds_config, groups), **extra)
 
 
@@ -313,7 +355,10 @@ def _pipeline_engine(model, setup: Setup, groups: ProcessGroups, graph, plan, mo
                                   on_pruned=lambda pruned: loaded.append(load_shards(pruned, weights, groups.rank)))
     mpu = module.mpu()
     kept = {id(p) for p in module.parameters()}  # the caller's list may name pruned parameters
-    params = [p for p in (model_parameters or module.parameters()) if id(p) in kept]
+    if model_parameters and isinstance(model_parameters[0], dict):
+        params = [dict(g, params=[p for p in g["params"] if id(p) in kept]) for g in model_parameters]
+    else:
+        params = [p for p in model_parameters if id(p) in kept]
     return FoldedPipelineEngine(dhelix=setup.dh, groups=groups, plan=plan, model=module, model_parameters=params,
                                 load_report=loaded[0], mpu=mpu, config_class=DeepSpeedConfig(extra["config"], mpu),
                                 **extra)

@@ -35,7 +35,7 @@ class DhelixMoeEngine(DhelixEngine):
     moe_a2a_exposed_ms: float = 0.0
 
     def _configure_distributed_model(self, model):
-        if any(is_moe_param(p) for p in model.parameters()):  # expert parallel (ep > 1)
+        if any(is_moe_param(p) and p.requires_grad for p in model.parameters()):  # trained experts, sharded
             self.has_moe_layers = True  # before DeepSpeed builds the optimizer and broadcasts the model
             from hf_models.adapters import num_experts
             self.num_experts.append(num_experts(model.config))

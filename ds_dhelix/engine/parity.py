@@ -55,6 +55,7 @@ class ParityOptions:
     packing: str = "concat"  # "docs": random documents of random lengths (position_ids, block-diagonal mask)
     cp: int = 1  # context-parallel size
     cp_comm: str = "ulysses"  # its exchange: "ulysses" or "ring"
+    lora: dict = field(default_factory=dict)  # LoraConfig keys: every leg trains that PEFT LoRA model
 
     @property
     def world(self) -> int:
@@ -119,7 +120,18 @@ def build(opts: ParityOptions, dropout: bool = True):
     from hf_models.adapters import dropout_overrides
     from hf_models.registry import build_model, load_config
     overrides = dropout_overrides(load_config(opts.model), opts.dropout) if dropout and opts.dropout else None
-    return build_model(opts.model, seed=opts.seed, num_layers=opts.num_layers, overrides=overrides)[0]
+    model = build_model(opts.model, seed=opts.seed, num_layers=opts.num_layers, overrides=overrides)[0]
+    return with_lora(model, opts.lora, opts.seed) if opts.lora else model
+
+
+def with_lora(model, lora: dict, seed: int):
+    """``model`` as a PEFT LoRA model of ``lora`` (LoraConfig keys); the factors are drawn from
+    ``seed`` (B too, unless ``init_lora_weights`` is given: a zero B would hide the adapter's
+    forward from the comparisons)."""
+    from peft import LoraConfig, get_peft_model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 7)
+        return get_peft_model(model, LoraConfig(**{"init_lora_weights": False, **lora}))
 
 
 def _my_share(opts: ParityOptions, step: list[dict], dp_rank: int) -> list[dict]:
@@ -158,7 +170,8 @@ def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> di
     from .checkpoint import full_grads
     from ..runtime.executor import Executor
     from ..runtime.groups import ProcessGroups
-    model = build(opts, dropout=False)
+    from hf_models.adapters import unwrap_peft
+    model, _ = unwrap_peft(build(opts, dropout=False))
     setup = check_setup(opts.ds_config("sequential"), model.config, dist.get_world_size())
     groups = ProcessGroups.create(setup.dims)
     graph = shard_model(model, setup.dh, setup.dims, groups)
@@ -176,10 +189,11 @@ def train_hf(opts: ParityOptions, batches) -> dict:
     """The unsharded HF model, one process, same data and optimizer; also its first-step gradients."""
     from ..data import hf_model_inputs
     from hf_models.common import hf_mask_windows
+    from hf_models.lora import our_name
     model = build(opts, dropout=False)
     windows = hf_mask_windows(model.config)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.01)
     losses, grads = [], None
     for step in batches:
         total = 0.0
@@ -188,9 +202,9 @@ def train_hf(opts: ParityOptions, batches) -> dict:
             loss.backward()
             total += float(loss.detach())
         if grads is None:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            grads = {our_name(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         if opts.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], opts.clip)
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -301,7 +315,7 @@ def compare(opts, seq, other, hf, label: str | None = None, note: str = "") -> d
             _judge_intra(opts, out, seq, other, None)
         return out
     first = seq["first_step"]
-    grad_diff = max_diff(first["grads"], hf["grads"])
+    grad_diff = max_diff(hf["grads"], first["grads"])  # HF's trained parameters (a LoRA model's factors)
     grad_scale = max(1.0, max(float(g.abs().max()) for g in hf["grads"].values()))
     if opts.dropout:  # the trained legs draw dropout masks HF does not: only the dropout-off first step
         loss_diff, what = abs(first["loss"] - hf["losses"][0]), (

@@ -147,7 +147,6 @@ def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int =
     global rank 0 (collective): each stage gathers its tensors over its TP group and the rank of
     global rank 0's pipeline sends each to it, stage by stage."""
     from .checkpoint import hf_tensors
-    from hf_models.loading import empty_model
     grid = module._grid
     pipe = grid.get_pipe_parallel_group()
     mine = [name for name, _ in module.hf_model.named_parameters()]
@@ -155,21 +154,21 @@ def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int =
     dist.all_gather_object(by_stage, (module.stage_id, mine), group=pipe)
     root = dist.get_rank() == 0
     in_root_pipeline = grid.stage_to_global(0) == 0  # this rank's pipeline is global rank 0's
-    shapes = dtype = None
-    if root:
-        shapes = {n: p.shape for n, p in empty_model(None, config=module.hf_model.config).named_parameters()}
-        dtype = next(module.hf_model.parameters()).dtype
+    dtype = next(module.hf_model.parameters()).dtype if root else None
     for stage, names in sorted(by_stage):
         if stage == module.stage_id:
             for name, full in hf_tensors(module.hf_model, tp_group, tp_size):
                 if root:
                     yield name, full
-                elif in_root_pipeline:
+                elif in_root_pipeline:  # its full shape (a LoRA factor's is the model's own), then the tensor
+                    dist.send(torch.tensor([full.dim(), *full.shape, *[0] * (8 - full.dim())]), dst=0)
                     dist.send(full.contiguous(), dst=0)
         elif root:
             src = grid.stage_to_global(stage)
             for name in names:
-                buf = torch.empty(shapes[name], dtype=dtype)
+                head = torch.empty(9, dtype=torch.int64)
+                dist.recv(head, src=src)
+                buf = torch.empty(head[1:1 + int(head[0])].tolist(), dtype=dtype)
                 dist.recv(buf, src=src)
                 yield name, buf
 

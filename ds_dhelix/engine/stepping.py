@@ -113,6 +113,29 @@ class DhelixStepMixin:
         self.watchdog.stop()
         super().destroy()
 
+    # ------------------------------------------------------------------ checkpoints
+    def frozen_names(self) -> list[str]:
+        """Parameters that train nothing (a LoRA model's base, any ``requires_grad=False``)."""
+        return [n for n, p in self.module.named_parameters() if not p.requires_grad]
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's checkpoint without the frozen parameters: the model a run is built from
+        holds them (a LoRA checkpoint is the adapters and their optimizer state), and DP rank 0's
+        frozen expert shards would otherwise be loaded by every rank."""
+        return super().save_checkpoint(save_dir, tag, client_state, save_latest,
+                                       exclude_frozen_parameters or bool(self.frozen_names()))
+
+    def load_module_state_dict(self, checkpoint, strict=True, **kwargs):
+        """Frozen parameters are not in the checkpoint (``save_checkpoint``): every trained one must be."""
+        frozen = set(self.frozen_names())
+        saved = checkpoint.get("module") if isinstance(checkpoint, dict) else None
+        if frozen and saved is not None:
+            missing = [n for n, _ in self.module.named_parameters() if n not in frozen and n not in saved]
+            if missing:
+                raise ValueError(f"checkpoint lacks {len(missing)} trained parameters ({', '.join(missing[:3])}, ...): "
+                                 f"it was saved from another model or another set of trained parameters")
+        return super().load_module_state_dict(checkpoint, strict=strict and not frozen, **kwargs)
+
     @contextlib.contextmanager
     def watched(self, what: str):
         """Arm the watchdog around work outside a step (a checkpoint save, the HF export): a hang

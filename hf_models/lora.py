@@ -1,0 +1,204 @@
+"""LoRA from a PEFT model, sharded with its base projection (the Megatron-style split).
+
+``from_peft(model)`` takes a ``peft.PeftModel`` with one LoRA adapter and returns the HF model
+inside it, each LoRA layer replaced by its base projection carrying the adapter's factors as
+parameters of its own::
+
+    base.weight   the frozen projection (nn.Linear [out, in], or GPT-2's Conv1D [in, out])
+    base.lora_A   [r, in]     the PEFT ``lora_A`` weight (the same Parameter object)
+    base.lora_B   [out, r]    the PEFT ``lora_B`` weight
+    base.lora_scaling         alpha / r (or alpha / sqrt(r) with rsLoRA)
+
+The base module's class becomes a subclass whose forward adds ``scaling * B(A(x))``, so every op
+that calls the module computes the adapter; an op that uses only a weight (a row-parallel
+projection without its bias) calls ``common.project``. ``common.shard_param`` cuts the factors with
+their base: a column-parallel base (split by output rows) keeps A whole and B's rows; a
+row-parallel base (split by input columns) keeps A's columns and B whole, so each rank's partial
+product is summed by the base's own reduce-scatter. The whole factors see only part of the work on
+each rank: their gradients are summed over the TP group with the other replicated weights
+(``replicated_factors``).
+
+What the engine cannot honour is refused in one line (``check_peft``): another adapter type than
+LoRA, DoRA, LoRA biases, ``modules_to_save``, trainable tokens, several adapters, a merged adapter,
+``lora_dropout`` > 0 (its masks would be drawn outside ``dhelix.seed``), or a target module the
+family's op graph does not call (``lora_targets`` of the adapter). ``adapter_tensors`` and
+``adapter_config`` give back PEFT's files; ``merged`` the base weights with the adapter added.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LoraInfo:
+    """What the export needs of the adapter: its PEFT config (a dict) and the modules it wraps."""
+
+    config: dict
+    paths: list[str]  # module paths inside the HF model, e.g. "model.layers.0.self_attn.q_proj"
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def has_lora(module: nn.Module) -> bool:
+    return getattr(module, "lora_A", None) is not None
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D: ``y = x @ W + b``, ``W`` stored [in, out]."""
+    return type(module).__name__.endswith("Conv1D") or getattr(module, "_lora_base", None) == "Conv1D"
+
+
+def lora_term(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``scaling * B(A(x))`` of a module carrying LoRA factors."""
+    return F.linear(F.linear(x, module.lora_A), module.lora_B) * module.lora_scaling
+
+
+def project(module: nn.Module, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """``module``'s projection of ``x`` (nn.Linear or Conv1D), its LoRA term added when it has one;
+    ``bias=False``: without the bias (a row-parallel bias is added once, after the reduce-scatter)."""
+    if bias:
+        base = type(module).__mro__[1].forward(module, x) if has_lora(module) else module(x)
+    else:
+        base = torch.matmul(x, module.weight) if is_conv1d(module) else F.linear(x, module.weight)
+    return base + lora_term(module, x) if has_lora(module) else base
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _lora_class(cls: type) -> type:
+    """``cls`` whose forward adds the module's LoRA term (one subclass per base class)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Lora{cls.__name__}", (cls,), {
+            "forward": lambda self, x: project(self, x),
+            "_lora_base": cls.__name__,
+            "__doc__": f"{cls.__name__} with a LoRA term (ds_dhelix.hf_models.lora)"})
+    return _CLASSES[cls]
+
+
+def check_peft(peft_model, targets: tuple[str, ...], family: str) -> dict:
+    """The adapter's PEFT config as a dict, or ``ValueError`` naming what the engine cannot honour."""
+    configs = peft_model.peft_config
+    if len(configs) != 1:
+        raise ValueError(f"the PEFT model holds {len(configs)} adapters ({', '.join(configs)}); ds_dhelix trains one: "
+                         f"delete the others (delete_adapter) before initialize")
+    (name, cfg), = configs.items()
+    kind = getattr(cfg.peft_type, "value", cfg.peft_type)
+    if kind != "LORA":
+        raise ValueError(f"PEFT adapter type {kind}: ds_dhelix shards and schedules LoRA only; use a LoraConfig")
+    refusals = [
+        (getattr(cfg, "use_dora", False), "use_dora=True (DoRA's magnitude vector needs the whole weight's norm on "
+                                          "every rank)", "use_dora=False"),
+        (getattr(cfg, "bias", "none") != "none" or getattr(cfg, "lora_bias", False),
+         f"bias={cfg.bias!r} / lora_bias={getattr(cfg, 'lora_bias', False)} (trained biases)", "bias='none'"),
+        (bool(getattr(cfg, "modules_to_save", None)), f"modules_to_save={cfg.modules_to_save} (fully trained copies "
+                                                      f"of modules)", "modules_to_save=None"),
+        (bool(getattr(cfg, "trainable_token_indices", None)), "trainable_token_indices", "leave it unset"),
+        (bool(getattr(cfg, "target_parameters", None)), f"target_parameters={cfg.target_parameters} (LoRA on "
+                                                        f"expert tensors)", "target projections by module name"),
+        (bool(getattr(cfg, "layer_replication", None)), "layer_replication", "leave it unset"),
+        ((getattr(cfg, "lora_dropout", 0.0) or 0.0) > 0,
+         f"lora_dropout={cfg.lora_dropout} (its masks would be drawn outside dhelix.seed, so SI and sequential "
+         f"would differ)", "lora_dropout=0"),
+    ]
+    for bad, what, fix in refusals:
+        if bad:
+            raise ValueError(f"PEFT LoRA config with {what} is not supported by ds_dhelix; use {fix}")
+    for path, module in peft_model.base_model.model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+            _check_layer(path, module, name, targets, family)
+    return cfg.to_dict()
+
+
+def _check_layer(path: str, module, adapter: str, targets: tuple[str, ...], family: str) -> None:
+    if getattr(module, "merged", False):
+        raise ValueError(f"LoRA layer {path} is merged into its base weight; unmerge it (unmerge_adapter()) or "
+                         f"train the merged model without PEFT")
+    if not isinstance(module.lora_A, nn.ModuleDict) or adapter not in module.lora_A or \
+            not isinstance(module.base_layer, nn.Linear) and type(module.base_layer).__name__ != "Conv1D":
+        raise ValueError(f"LoRA layer {path} ({type(module.base_layer).__name__}) is not a LoRA linear layer; "
+                         f"target linear projections only")
+    if not any(re.fullmatch(rf"(.*\.)?\d+\.{re.escape(t)}", path) for t in targets):
+        raise ValueError(f"LoRA on {path}: the {family} op graph does not call that module with an adapter; "
+                         f"target_modules may name: {', '.join(sorted({t.split('.')[-1] for t in targets}))}")
+
+
+def from_peft(model, targets: tuple[str, ...], family: str):
+    """``(hf_model, LoraInfo)`` for a PEFT model (its LoRA layers turned into base projections
+    carrying their factors, see the module docstring), ``(model, None)`` for any other model."""
+    if not is_peft_model(model):
+        return model, None
+    config = check_peft(model, targets, family)
+    adapter = next(iter(model.peft_config))
+    hf = model.base_model.model
+    paths = []
+    for path, module in list(hf.named_modules()):
+        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
+            continue
+        base = module.base_layer
+        base.lora_A = module.lora_A[adapter].weight
+        base.lora_B = module.lora_B[adapter].weight
+        base.lora_scaling = float(module.scaling[adapter])
+        base.__class__ = _lora_class(type(base))
+        parent, _, leaf = path.rpartition(".")
+        setattr(hf.get_submodule(parent) if parent else hf, leaf, base)
+        paths.append(path)
+    return hf, LoraInfo(config, paths)
+
+
+def shard_factors(module: nn.Module, name: str, dim: int, rank: int, tp: int, index, shard_param) -> None:
+    """After ``module.<name>`` (its weight) is cut along ``dim``: cut the factor that shares that dim
+    (B by output rows, A by input columns) the same way."""
+    if name != "weight" or not has_lora(module):
+        return
+    out_dim = 1 if is_conv1d(module) else 0
+    if dim == out_dim:
+        shard_param(module, "lora_B", 0, rank, tp, index=index)
+    else:
+        shard_param(module, "lora_A", 1, rank, tp, index=index)
+
+
+def factors(model: nn.Module) -> list[nn.Parameter]:
+    """Every LoRA factor of ``model`` (after ``from_peft``)."""
+    return [p for m in model.modules() if has_lora(m) for p in (m.lora_A, m.lora_B)]
+
+
+def adapter_paths(model: nn.Module) -> list[str]:
+    return [path for path, m in model.named_modules() if has_lora(m)]
+
+
+def is_factor_name(name: str) -> bool:
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+def peft_key(name: str) -> str:
+    """PEFT's file key of a factor: ``model.layers.0.self_attn.q_proj.lora_A`` ->
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``."""
+    return f"base_model.model.{name}.weight"
+
+
+def merged_weight(module: nn.Module, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The full base ``weight`` with the full factors' product added (``--merge-lora``)."""
+    delta = (b.float() @ a.float()) * module.lora_scaling  # [out, in]
+    if is_conv1d(module):
+        delta = delta.T
+    return (weight.float() + delta).to(weight.dtype)
+
+
+def our_name(peft_name: str) -> str:
+    """A PEFT model's parameter name as the engine's model names it:
+    ``base_model.model.X.base_layer.weight`` -> ``X.weight``, ``...X.lora_A.default.weight`` ->
+    ``X.lora_A``; a plain model's names are unchanged."""
+    name = peft_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    return re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1", name)
