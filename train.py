@@ -64,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors file of the HF export (e.g. 500MB, 5GB); bigger models get shards "
                         "and an index file")
+    p.add_argument("--lora", action="store_true",
+                   help="train a LoRA adapter on the frozen model (rank --lora-r); the output is a PEFT adapter "
+                        "directory (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--lora-r", type=int, default=None, metavar="R", help="LoRA rank (implies --lora; default 8)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
+    p.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="comma-separated module names LoRA wraps (default: every attention and MLP projection of the "
+                        "model's family)")
+    p.add_argument("--peft-config", default=None, metavar="FILE",
+                   help="a PEFT LoRA adapter_config.json (instead of --lora-r / --lora-alpha / --lora-targets)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="with LoRA: write the merged model as an HF checkpoint instead of the adapter")
     p.add_argument("--json-summary", default=None, help="write the run summary as JSON (start_step, per-step losses and lrs, timings, probe "
                         "loss, per-rank memory)")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
@@ -82,6 +94,7 @@ class Prepared:
     run_state: dict  # what a checkpoint of this run records
     resume: tuple[str, str] | None  # (checkpoint root, tag)
     memory: dict | None = None  # this rank's host memory marks (filled by build)
+    lora: object = None  # the peft LoraConfig of --lora / --peft-config, else None
 
 
 def check_inputs(args) -> Prepared:
@@ -115,9 +128,70 @@ def check_inputs(args) -> Prepared:
     _check_lengths(args, setup, model_config)
     _check_outputs(args)
     set_schedule_length(ds_config, args.steps)
+    lora = lora_config(args, setup, model_config)
     tokenizer, ids = _tokens(args, setup)
     state = run_state(args, ds_config, setup, len(ids))
-    return Prepared(ds_config, setup, tokenizer, ids, state, _check_resume(args, state))
+    state["adapter"] = adapter_state(lora)
+    return Prepared(ds_config, setup, tokenizer, ids, state, _check_resume(args, state), lora=lora)
+
+
+def lora_config(args, setup, model_config):
+    """The LoraConfig of --lora / --lora-r / --peft-config, checked against the model's family
+    before any model is built; None for a full fine-tune."""
+    asked = lora_asked(args)
+    given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets)) if v is not None]
+    if not asked:
+        if given or args.merge_lora:
+            raise ValueError(f"{(given + ['--merge-lora'])[0]} sets up LoRA: add --lora (or --lora-r R)")
+        return None
+    if not setup.dh.enabled:
+        raise ValueError("--lora trains through the ds_dhelix engine: enable the ds_config's dhelix section")
+    from hf_models.adapters import adapter_for
+    from hf_models.lora import check_config, target_names
+    from peft import LoraConfig
+    allowed = target_names(getattr(adapter_for(model_config), "LORA_TARGETS", ()))
+    if args.peft_config is not None:
+        if args.lora_r is not None or given:
+            raise ValueError("--peft-config gives the whole LoRA config: drop --lora-r / --lora-alpha / --lora-targets")
+        try:
+            with open(os.path.expanduser(args.peft_config)) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"--peft-config {args.peft_config!r}: {err}") from None
+        if raw.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"--peft-config {args.peft_config!r} is a {raw['peft_type']} adapter; ds_dhelix trains LoRA")
+        known = set(LoraConfig.__dataclass_fields__)
+        cfg = LoraConfig(**{k: v for k, v in raw.items() if k in known and k != "peft_type"})
+    else:
+        r = 8 if args.lora_r is None else args.lora_r
+        if r < 1:
+            raise ValueError(f"--lora-r must be >= 1, got {r}")
+        if args.lora_alpha is not None and not args.lora_alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+        targets = allowed if args.lora_targets is None else [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+        cfg = LoraConfig(r=r, lora_alpha=args.lora_alpha or 2 * r, target_modules=targets, lora_dropout=0.0)
+    check_config(cfg)
+    names = cfg.target_modules
+    if not names or isinstance(names, str) and names != "all-linear":
+        raise ValueError(f"LoRA target_modules {names!r}: give a list of module names, from: {', '.join(allowed)}")
+    unknown = [] if isinstance(names, str) else sorted(set(names) - set(allowed))
+    if unknown:
+        raise ValueError(f"LoRA target {', '.join(unknown)}: the {model_config.model_type} op graph does not call such a "
+                         f"module with an adapter; choose from: {', '.join(allowed)}")
+    return cfg
+
+
+def lora_asked(args) -> bool:
+    return args.lora or args.lora_r is not None or args.peft_config is not None
+
+
+def adapter_state(cfg) -> dict | None:
+    """What a resume must match of the LoRA config (None: full fine-tune)."""
+    if cfg is None:
+        return None
+    names = cfg.target_modules
+    return {"r": cfg.r, "alpha": cfg.lora_alpha, "targets": names if isinstance(names, str) else sorted(names),
+            "rslora": cfg.use_rslora}
 
 
 def _check_flags(args) -> None:
@@ -337,6 +411,11 @@ def build(args, prep: Prepared):
     reset_peak_rss()
     baseline = peak_rss_mib()
     model, weights = build_model_for(args, prep)
+    if prep.lora is not None:
+        import torch
+        from peft import get_peft_model
+        torch.manual_seed(args.seed)  # the adapter's initial A (B starts at zero)
+        model = get_peft_model(model, prep.lora)
     dh = prep.setup.dh
     if dh.enabled:
         import ds_dhelix
@@ -386,7 +465,7 @@ def train(args, prep: Prepared, engine) -> int:
         if engine.global_steps < args.steps and args.stop_after and engine.global_steps - start >= args.stop_after:
             bar.close()
             path = save(args, prep, engine)
-            memory = memory_marks(prep)
+            memory = memory_marks(prep, engine)
             if rank == 0:
                 print(f"train.py: leaving after step {engine.global_steps} of {args.steps} (--stop-after "
                       f"{args.stop_after}); checkpoint {path}; continue with --resume auto")
@@ -454,12 +533,14 @@ def finish(args, prep: Prepared, engine, log: dict, start: int, micro: int, dp_s
     if args.ds_checkpoint and start < engine.global_steps:  # (a resume at the end only exports)
         save(args, prep, engine)
     with _watched(engine, "HF export"):
-        if dh.enabled:
+        if prep.lora is not None and not args.merge_lora:
+            path = engine.export_adapter(args.output_dir, base=prep.run_state["model"], tokenizer=prep.tokenizer)
+        elif dh.enabled:  # (a LoRA model: merged)
             path = engine.export_hf(args.output_dir, prep.tokenizer, max_shard_size=args.max_shard_size)
         else:
             from ds_dhelix.engine.checkpoint import export_hf
             path = export_hf(engine.module, args.output_dir, prep.tokenizer, max_shard_size=args.max_shard_size)
-    memory = memory_marks(prep)
+    memory = memory_marks(prep, engine)
     if dist.get_rank() == 0:
         summarize(args, log, start, path, micro, engine, dp_size, dh, probe, memory)
     if engine.monitor.enabled and dist.get_rank() == 0:
@@ -467,12 +548,17 @@ def finish(args, prep: Prepared, engine, log: dict, start: int, micro: int, dp_s
             writer.flush()
 
 
-def memory_marks(prep: Prepared) -> list[dict]:
-    """Every rank's host memory marks (collective): baseline, load peak, training peak, shard."""
+def memory_marks(prep: Prepared, engine) -> list[dict]:
+    """Every rank's host memory marks (collective): baseline, load peak, training peak, shard; and
+    under ds_dhelix its optimizer's state bytes and its trainable / all parameter counts."""
     import torch.distributed as dist
 
     from ds_dhelix.runtime.memory import peak_rss_mib
-    mine = {"rank": dist.get_rank(), **(prep.memory or {}), "train_peak_rss_mib": peak_rss_mib()}
+    mine = {"rank": dist.get_rank(), **(prep.memory or {}), "train_peak_rss_mib": peak_rss_mib(),
+            **({"optimizer_state_bytes": engine.optimizer_state_bytes(),
+                "trainable_parameters": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
+                "parameters": sum(p.numel() for p in engine.module.parameters())}
+               if hasattr(engine, "optimizer_state_bytes") else {})}
     marks = [None] * dist.get_world_size()
     dist.all_gather_object(marks, mine)
     return marks
@@ -558,13 +644,18 @@ def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, pro
         print("\n".join(describe(d) for d in auto.decisions) if auto.decisions else
               f"ds_dhelix: schedule auto still timing its candidates ({auto.trial_steps_left} trial steps left)")
     if path:
-        print(f"HF checkpoint: {path}")
+        print(f"{'PEFT adapter' if lora_asked(args) and not args.merge_lora else 'HF checkpoint'}: {path}")
     summary.update(probe)
     summary["memory"] = memory
     if memory and memory[0].get("load_peak_rss_mib") is not None:
         m = memory[0]
         print(f"host memory, rank 0: load {m['load_peak_rss_mib'] - m['baseline_rss_mib']:.0f} MiB over the baseline "
               f"for a {m['shard_mib']:.0f} MiB shard, training peak {m['train_peak_rss_mib']:.0f} MiB")
+    if memory and "optimizer_state_bytes" in memory[0]:
+        per_rank = ", ".join(f"{m['optimizer_state_bytes'] / 2 ** 20:.2f}" for m in memory)
+        m = memory[0]
+        print(f"optimizer state per rank: {per_rank} MiB; trained parameters on rank 0: {m['trainable_parameters']:,} "
+              f"of {m['parameters']:,} ({m['trainable_parameters'] / max(m['parameters'], 1):.1%})")
     if args.json_summary:
         with open(args.json_summary, "w") as f:
             json.dump(summary, f, indent=1)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .lora import init_meta_factors, is_factor_name
+
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -243,7 +245,7 @@ def materialize(model, files: CheckpointFiles, dtype: torch.dtype | None = None,
     naming the tensor when the checkpoint lacks it or its shape does not fit."""
     aliases = _aliases(model)
     total = 0
-    todo = [(n, p) for n, p in model.named_parameters() if p.is_meta]
+    todo = [(n, p) for n, p in model.named_parameters() if p.is_meta and not is_factor_name(n)]  # (LoRA: drawn)
     for i, (name, p) in enumerate(todo):
         source = _find(model, files, aliases[id(p)])
         full = files.shape(source)

@@ -36,10 +36,18 @@ from torch import nn
 
 @dataclass
 class LoraInfo:
-    """What the export needs of the adapter: its PEFT config (a dict) and the modules it wraps."""
+    """What the exports need of the adapter, kept from the whole model (a pipeline stage holds
+    only its layers): its PEFT config, and each wrapped module's scaling and weight layout."""
 
-    config: dict
-    paths: list[str]  # module paths inside the HF model, e.g. "model.layers.0.self_attn.q_proj"
+    config: object  # the peft LoraConfig (writes adapter_config.json)
+    scales: dict[str, float]  # module path ("model.layers.0.self_attn.q_proj") -> alpha / r
+    conv1d: frozenset[str]  # paths of GPT-2 Conv1D modules (weight stored [in, out])
+    shapes: dict[str, tuple] = None  # factor name ("<path>.lora_A") -> its full shape
+
+    def owner(self, name: str) -> tuple[str, str] | None:
+        """``(module path, leaf)`` of a parameter of a wrapped module, else None."""
+        path, _, leaf = name.rpartition(".")
+        return (path, leaf) if path in self.scales else None
 
 
 def is_peft_model(model) -> bool:
@@ -87,13 +95,26 @@ def _lora_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def check_peft(peft_model, targets: tuple[str, ...], family: str) -> dict:
-    """The adapter's PEFT config as a dict, or ``ValueError`` naming what the engine cannot honour."""
+def check_peft(peft_model, targets: tuple[str, ...], family: str) -> None:
+    """``ValueError`` naming what of the PEFT model the engine cannot honour, if anything."""
     configs = peft_model.peft_config
     if len(configs) != 1:
         raise ValueError(f"the PEFT model holds {len(configs)} adapters ({', '.join(configs)}); ds_dhelix trains one: "
                          f"delete the others (delete_adapter) before initialize")
     (name, cfg), = configs.items()
+    check_config(cfg)
+    for path, module in peft_model.base_model.model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+            _check_layer(path, module, name, targets, family)
+
+
+def target_names(targets: tuple[str, ...]) -> list[str]:
+    """The module names ``target_modules`` may give for an adapter's ``LORA_TARGETS``."""
+    return sorted({t.split(".")[-1] for t in targets})
+
+
+def check_config(cfg) -> None:
+    """``ValueError`` naming the first setting of a PEFT config the engine cannot honour."""
     kind = getattr(cfg.peft_type, "value", cfg.peft_type)
     if kind != "LORA":
         raise ValueError(f"PEFT adapter type {kind}: ds_dhelix shards and schedules LoRA only; use a LoraConfig")
@@ -115,10 +136,6 @@ def check_peft(peft_model, targets: tuple[str, ...], family: str) -> dict:
     for bad, what, fix in refusals:
         if bad:
             raise ValueError(f"PEFT LoRA config with {what} is not supported by ds_dhelix; use {fix}")
-    for path, module in peft_model.base_model.model.named_modules():
-        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
-            _check_layer(path, module, name, targets, family)
-    return cfg.to_dict()
 
 
 def _check_layer(path: str, module, adapter: str, targets: tuple[str, ...], family: str) -> None:
@@ -131,7 +148,7 @@ def _check_layer(path: str, module, adapter: str, targets: tuple[str, ...], fami
                          f"target linear projections only")
     if not any(re.fullmatch(rf"(.*\.)?\d+\.{re.escape(t)}", path) for t in targets):
         raise ValueError(f"LoRA on {path}: the {family} op graph does not call that module with an adapter; "
-                         f"target_modules may name: {', '.join(sorted({t.split('.')[-1] for t in targets}))}")
+                         f"target_modules may name: {', '.join(target_names(targets))}")
 
 
 def from_peft(model, targets: tuple[str, ...], family: str):
@@ -139,10 +156,10 @@ def from_peft(model, targets: tuple[str, ...], family: str):
     carrying their factors, see the module docstring), ``(model, None)`` for any other model."""
     if not is_peft_model(model):
         return model, None
-    config = check_peft(model, targets, family)
-    adapter = next(iter(model.peft_config))
+    check_peft(model, targets, family)
+    adapter, config = next(iter(model.peft_config.items()))
     hf = model.base_model.model
-    paths = []
+    scales, conv1d, shapes = {}, set(), {}
     for path, module in list(hf.named_modules()):
         if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
             continue
@@ -153,8 +170,38 @@ def from_peft(model, targets: tuple[str, ...], family: str):
         base.__class__ = _lora_class(type(base))
         parent, _, leaf = path.rpartition(".")
         setattr(hf.get_submodule(parent) if parent else hf, leaf, base)
-        paths.append(path)
-    return hf, LoraInfo(config, paths)
+        scales[path] = base.lora_scaling
+        shapes[f"{path}.lora_A"], shapes[f"{path}.lora_B"] = tuple(base.lora_A.shape), tuple(base.lora_B.shape)
+        if is_conv1d(base):
+            conv1d.add(path)
+    return hf, LoraInfo(config, scales, frozenset(conv1d), shapes)
+
+
+def init_meta_factors(model: nn.Module, seed: int) -> int:
+    """Draw the factors PEFT could not (a model built on the meta device has none to draw): A as
+    PEFT does (Kaiming-uniform, a=sqrt(5)) from ``seed`` and the module's path, B zeros; each rank
+    keeps its shard of the full factor (``hf_selection``), so every TP layout starts from the same
+    adapter. Returns how many factors were drawn."""
+    import math
+    import zlib
+    info = getattr(model, "dhelix_lora", None)
+    drawn = 0
+    for name, p in model.named_parameters():
+        if not (p.is_meta and is_factor_name(name)):
+            continue
+        full = torch.zeros(info.shapes[name], dtype=p.dtype)
+        if name.endswith(".lora_A"):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            bound = 1 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)) over fan_in = in
+            full = (torch.rand(full.shape, generator=g) * 2 - 1).mul_(bound).to(p.dtype)
+        for dim, sel in (getattr(p, "hf_selection", None) or {}).items():
+            idx = torch.arange(*sel.indices(full.shape[dim])) if isinstance(sel, slice) else sel
+            full = full.index_select(dim, idx)
+        keep = dict(p.__dict__)
+        torch.utils.swap_tensors(p, nn.Parameter(full.contiguous(), requires_grad=p.requires_grad))
+        p.__dict__.update(keep)
+        drawn += 1
+    return drawn
 
 
 def shard_factors(module: nn.Module, name: str, dim: int, rank: int, tp: int, index, shard_param) -> None:
@@ -169,13 +216,36 @@ def shard_factors(module: nn.Module, name: str, dim: int, rank: int, tp: int, in
         shard_param(module, "lora_A", 1, rank, tp, index=index)
 
 
+def merged_stream(stream, info: LoraInfo):
+    """An export's ``(name, full tensor)`` stream with each wrapped module's factors folded into
+    its base weight (``W + scaling * B @ A``) and left out: a plain HF checkpoint of the trained
+    model. A module's three tensors are held until all have come (one module at a time)."""
+    held: dict[str, dict] = {}
+    for name, full in stream:
+        owner = info.owner(name)
+        if owner is None or owner[1] not in ("weight", "lora_A", "lora_B"):
+            yield name, full
+            continue
+        path, leaf = owner
+        parts = held.setdefault(path, {})
+        parts[leaf] = full
+        if len(parts) == 3:
+            del held[path]
+            w, a, b = parts["weight"], parts["lora_A"], parts["lora_B"]
+            yield f"{path}.weight", None if w is None else merge(w, a, b, info.scales[path], path in info.conv1d)
+    if held:
+        raise RuntimeError(f"LoRA merge: modules {sorted(held)[:3]} lack a weight or a factor in the export stream")
+
+
+def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, conv1d: bool) -> torch.Tensor:
+    """The full base ``weight`` with the full factors' product added, in the weight's dtype."""
+    delta = (b.float() @ a.float()) * scaling  # [out, in]
+    return (weight.float() + (delta.T if conv1d else delta)).to(weight.dtype)
+
+
 def factors(model: nn.Module) -> list[nn.Parameter]:
     """Every LoRA factor of ``model`` (after ``from_peft``)."""
     return [p for m in model.modules() if has_lora(m) for p in (m.lora_A, m.lora_B)]
-
-
-def adapter_paths(model: nn.Module) -> list[str]:
-    return [path for path, m in model.named_modules() if has_lora(m)]
 
 
 def is_factor_name(name: str) -> bool:
@@ -186,14 +256,6 @@ def peft_key(name: str) -> str:
     """PEFT's file key of a factor: ``model.layers.0.self_attn.q_proj.lora_A`` ->
     ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``."""
     return f"base_model.model.{name}.weight"
-
-
-def merged_weight(module: nn.Module, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The full base ``weight`` with the full factors' product added (``--merge-lora``)."""
-    delta = (b.float() @ a.float()) * module.lora_scaling  # [out, in]
-    if is_conv1d(module):
-        delta = delta.T
-    return (weight.float() + delta).to(weight.dtype)
 
 
 def our_name(peft_name: str) -> str:

@@ -235,10 +235,11 @@ class LoadReport:
     peak_rss_mib: float | None  # peak resident memory while the model was built, sharded and read
 
 
-def load_shards(model, weights: str | None, rank: int = 0) -> LoadReport | None:
+def load_shards(model, weights: str | None, rank: int = 0, seed: int | None = None) -> LoadReport | None:
     """Read every parameter of ``model`` still on the meta device (this rank's shards, cut by
-    ``shard_model``) from the checkpoint directory ``weights``; None when nothing is on meta."""
-    from hf_models.loading import CheckpointFiles, materialize
+    ``shard_model``) from the checkpoint directory ``weights``, and draw a LoRA model's factors from
+    ``seed`` (``hf_models.lora.init_meta_factors``); None when nothing is on meta."""
+    from hf_models.loading import CheckpointFiles, init_meta_factors, materialize
 
     from ..runtime.memory import peak_rss_mib
     on_meta = [name for name, p in model.named_parameters() if p.is_meta]
@@ -253,6 +254,7 @@ def load_shards(model, weights: str | None, rank: int = 0) -> LoadReport | None:
     files = CheckpointFiles(weights)
     bar = _progress(len(on_meta), "reading shards") if rank == 0 else None
     read = materialize(model, files, progress=(lambda i, n, name: bar.update(1)) if bar is not None else None)
+    init_meta_factors(model, seed or 0)
     if bar is not None:
         bar.close()
     return LoadReport(files.path, read, peak_rss_mib())
@@ -292,7 +294,7 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
     extra = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "config": ds_config}
     if setup.dims.pp > 1:
         return _pipeline_engine(model, setup, groups, graph, plan, model_parameters, extra, weights)
-    report = load_shards(model, weights, groups.rank)
+    report = load_shards(model, weights, groups.rank, setup.dh.seed)
     dh = setup.dh
     if plan is None and dh.schedule in ("si", "auto") and dh.si_execution == "plan":
         plan = _configured_plan(dh, graph, model, groups, config, example_batch)
@@ -352,7 +354,7 @@ def _pipeline_engine(model, setup: Setup, groups: ProcessGroups, graph, plan, mo
         plan = default_plan(specs, backward_order(specs))
     loaded = []  # this stage's shards are read once the other stages' layers are pruned
     module = FoldedPipelineModule(model, graph, setup.fold, groups.topology,
-                                  on_pruned=lambda pruned: loaded.append(load_shards(pruned, weights, groups.rank)))
+                                  on_pruned=lambda pruned: loaded.append(load_shards(pruned, weights, groups.rank, setup.dh.seed)))
     mpu = module.mpu()
     kept = {id(p) for p in module.parameters()}  # the caller's list may name pruned parameters
     if model_parameters and isinstance(model_parameters[0], dict):

@@ -231,12 +231,71 @@ def _write_side_files(model, tmp: str, tokenizer, meta: dict, dtype) -> None:
         json.dump(meta, f, indent=1)
 
 
-def hf_tensors(model, tp_group=None, tp_size: int = 1):
-    """``(name, full HF tensor)`` for every parameter, gathered one at a time (collective over the
-    TP group, experts over their EP group): the export never holds more than one full tensor."""
+def hf_tensors(model, tp_group=None, tp_size: int = 1, only=None):
+    """``(name, full HF tensor)`` for every parameter (``only(name)``: those it accepts), gathered
+    one at a time (collective over the TP group, experts over their EP group): the export never
+    holds more than one full tensor."""
     from ..moe.experts import gather_expert_param, is_expert_param
     for name, p in model.named_parameters():
-        yield name, gather_expert_param(p) if is_expert_param(p) else gather_param(p, tp_group, tp_size)
+        if only is None or only(name):
+            yield name, gather_expert_param(p) if is_expert_param(p) else gather_param(p, tp_group, tp_size)
+
+
+def model_tensors(model, stream):
+    """What an HF export writes of ``stream``: a LoRA model's factors merged into their base weights
+    (``hf_models.lora.merged_stream``), any other model's tensors as they are."""
+    from hf_models.lora import merged_stream
+    info = getattr(model, "dhelix_lora", None)
+    return stream if info is None else merged_stream(stream, info)
+
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def export_adapter(model, out_dir: str, stream, base: str | None = None, tokenizer=None,
+                   meta: dict | None = None) -> str | None:
+    """Write a LoRA model's adapter as PEFT saves one (``adapter_config.json``, ``adapter_model.safetensors``
+    with PEFT's keys) to ``out_dir`` from global rank 0 (collective: ``stream`` yields the factors'
+    full tensors, see ``hf_tensors(only=...)``); ``PeftModel.from_pretrained(base_model, out_dir)``
+    loads it. ``base``: the base model's path, recorded as ``base_model_name_or_path``; ``tokenizer``:
+    saved beside it."""
+    import copy
+    import json
+
+    from safetensors.torch import save_file
+
+    from .. import __version__
+    from hf_models.lora import peft_key
+    info = getattr(model, "dhelix_lora", None)
+    if info is None:
+        raise ValueError("export_adapter: the model has no LoRA adapter (initialize was given no PEFT model)")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tensors, error, path = {}, None, None
+    with torch.no_grad():
+        for name, full in stream:
+            if rank == 0:
+                tensors[peft_key(name)] = full.detach().cpu().contiguous()
+    if rank == 0:
+        tmp = None
+        try:
+            tmp = _temp_dir(out_dir)
+            save_file(tensors, os.path.join(tmp, ADAPTER_FILE), metadata={"format": "pt"})
+            config = copy.deepcopy(info.config)
+            config.base_model_name_or_path = base or config.base_model_name_or_path
+            config.inference_mode = True
+            config.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            with open(os.path.join(tmp, EXPORT_MARK), "w") as f:
+                json.dump({"ds_dhelix": __version__, "adapter": True, **(meta or {})}, f, indent=1)
+            publish_dir(tmp, out_dir)
+            path = os.path.abspath(out_dir)
+        except BaseException as err:  # noqa: B036 - raised on every rank by agree_on_failure
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            error = err
+    agree_on_failure(error)
+    return path
 
 
 class ExportWriter:
@@ -313,7 +372,7 @@ def export_hf(model, out_dir: str, tokenizer=None, tp_group=None, tp_size: int =
     writer = ExportWriter(model, out_dir, tokenizer, {"ds_dhelix": __version__, **(meta or {})},
                           max_shard_size) if rank == 0 else None
     with torch.no_grad():
-        for name, full in tensors if tensors is not None else hf_tensors(model, tp_group, tp_size):
+        for name, full in model_tensors(model, tensors if tensors is not None else hf_tensors(model, tp_group, tp_size)):
             if writer is not None:
                 writer.add(name, full)
     error, path = None, None

@@ -63,6 +63,14 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         return export_hf(self.module, out_dir, tokenizer, self.groups.tp_grad_group, self.groups.tp_size,
                          max_shard_size=max_shard_size)
 
+    def export_adapter(self, out_dir: str, base: str | None = None, tokenizer=None) -> str | None:
+        """Write the LoRA adapter as a PEFT directory from global rank 0 (collective on all ranks)."""
+        from hf_models.lora import is_factor_name
+
+        from .checkpoint import export_adapter, hf_tensors
+        return export_adapter(self.module, out_dir, hf_tensors(self.module, self.groups.tp_grad_group,
+                                                               self.groups.tp_size, only=is_factor_name), base, tokenizer)
+
     # ------------------------------------------------------------------ training
     def _reduction_context(self):
         if self.zero_optimization_stage() >= 1:

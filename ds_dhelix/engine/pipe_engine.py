@@ -115,6 +115,15 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         return export_hf_pipeline(self.module, out_dir, tokenizer, self.groups.tp_grad_group, self.groups.tp_size,
                                   max_shard_size=max_shard_size)
 
+    def export_adapter(self, out_dir: str, base: str | None = None, tokenizer=None) -> str | None:
+        """The LoRA adapter of the whole model as a PEFT directory, from global rank 0 (collective)."""
+        from hf_models.lora import is_factor_name
+
+        from .checkpoint import export_adapter
+        from .pipe_module import pipeline_tensors
+        return export_adapter(self.module.hf_model, out_dir, pipeline_tensors(
+            self.module, self.groups.tp_grad_group, self.groups.tp_size, only=is_factor_name), base, tokenizer)
+
     # ------------------------------------------------------------------ steps
     def _rank_schedule(self, name: str, m: int) -> list:
         if (name, m) not in self._schedules:

@@ -142,14 +142,15 @@ def export_hf_pipeline(module: FoldedPipelineModule, out_dir: str, tokenizer=Non
                      tensors=pipeline_tensors(module, tp_group, tp_size))
 
 
-def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int = 1):
+def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int = 1, only=None):
     """``(name, full HF tensor)`` of every parameter of the whole model, one at a time, yielded on
     global rank 0 (collective): each stage gathers its tensors over its TP group and the rank of
-    global rank 0's pipeline sends each to it, stage by stage."""
+    global rank 0's pipeline sends each to it, stage by stage. ``only(name)``: the parameters it
+    accepts (a LoRA adapter's factors), default all."""
     from .checkpoint import hf_tensors
     grid = module._grid
     pipe = grid.get_pipe_parallel_group()
-    mine = [name for name, _ in module.hf_model.named_parameters()]
+    mine = [name for name, _ in module.hf_model.named_parameters() if only is None or only(name)]
     by_stage = [None] * grid.get_pipe_parallel_world_size()
     dist.all_gather_object(by_stage, (module.stage_id, mine), group=pipe)
     root = dist.get_rank() == 0
@@ -157,7 +158,7 @@ def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int =
     dtype = next(module.hf_model.parameters()).dtype if root else None
     for stage, names in sorted(by_stage):
         if stage == module.stage_id:
-            for name, full in hf_tensors(module.hf_model, tp_group, tp_size):
+            for name, full in hf_tensors(module.hf_model, tp_group, tp_size, only):
                 if root:
                     yield name, full
                 elif in_root_pipeline:  # its full shape (a LoRA factor's is the model's own), then the tensor

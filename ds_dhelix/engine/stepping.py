@@ -113,6 +113,22 @@ class DhelixStepMixin:
         self.watchdog.stop()
         super().destroy()
 
+    def optimizer_state_bytes(self) -> int:
+        """Bytes this rank's optimizer holds beside the model: its state (Adam's moments, ...) and
+        fp32 master copies (ZeRO's partitions, a mixed-precision optimizer's copies)."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # ZeRO / fp16 wrappers hold the torch one
+        model = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        seen, total = set(), 0
+        tensors = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
+        tensors += [p for g in inner.param_groups for p in g["params"]]
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in model or ptr in seen:
+                continue
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+        return total
+
     # ------------------------------------------------------------------ checkpoints
     def frozen_names(self) -> list[str]:
         """Parameters that train nothing (a LoRA model's base, any ``requires_grad=False``)."""
