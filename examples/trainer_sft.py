@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--logging-steps", type=int, default=1)
     p.add_argument("--eval-blocks", type=int, default=0, help="hold out N blocks and report eval_loss at the end")
     p.add_argument("--json-summary", default=None, help="write engine, layout, losses and checkpoint path here")
+    p.add_argument("--lora-r", type=int, default=0, metavar="R",
+                   help="wrap the model in a PEFT LoRA of rank R on the attention and MLP projections (0: full "
+                        "fine-tune); save_model then writes the PEFT adapter")
     p.add_argument("--plain", action="store_true", help="transformers.Trainer + plain DeepSpeed, for comparison")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
@@ -181,6 +184,14 @@ def main(argv=None) -> int:
     targs = training_arguments(args, ds_config)
     tokenizer = load_tokenizer_for(args.model)
     model, _ = build_model(args.model, seed=args.seed)
+    if args.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        from hf_models.adapters import adapter_for
+        from hf_models.lora import target_names
+        torch.manual_seed(args.seed)  # the adapter's initial A (B starts at zero)
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=target_names(
+            adapter_for(model.config).LORA_TARGETS)))
     train_set, eval_set = datasets(args, tokenizer)
     losses = _loss_log()
     if args.plain:

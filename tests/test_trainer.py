@@ -7,7 +7,8 @@
                       hidden-communication fraction; resume from checkpoint-10 to 20 == uninterrupted
     launchers         deepspeed --num_gpus 2 and accelerate launch (ds_configs/accelerate_deepspeed.yaml)
                       give the torchrun losses; Phi-MoE EP=2 trains through DhelixTrainer; CP=2
-                      gives TP=2's losses
+                      gives TP=2's losses; a PEFT LoRA model: SI = sequential bitwise, close to the
+                      plain Trainer with the same PEFT model, the adapter written by save_model
     two nodes         train.py as two DeepSpeed nodes on one machine (--hostfile, --no_ssh, --node_rank)
                       == the one-node 2-rank run; every global rank writes its checkpoint files
     no silent run     a plain Trainer given an enabled dhelix section raises DhelixConfigIgnored;
@@ -157,6 +158,25 @@ def test_other_launchers_give_the_torchrun_losses(si_run, launcher):
     got = _summary(out)
     assert (got["engine"], got["tp_size"], got["schedule"]) == ("DhelixEngine", 2, "si")
     assert got["losses"] == si["losses"][:3]
+
+
+@pytest.mark.timeout(600)
+def test_peft_lora_model_through_the_trainer(tmp_path):
+    """A PEFT LoRA model (--lora-r 8) through DhelixTrainer: SI = sequential bitwise, close to the
+    plain Trainer with the same PEFT model, and save_model writes the adapter PEFT loads."""
+    runs = {}
+    for name, cfg, extra in (("si", _config(tmp_path), ()), ("seq", _config(tmp_path, schedule="sequential"), ()),
+                             ("plain", _config(tmp_path), ("--plain",))):
+        out = tmp_path / f"lora-{name}"
+        _ok(_run(_sft(_torchrun(), cfg, out, "--max-steps", "8", "--lora-r", "8", *extra)))
+        runs[name] = _summary(out)
+    assert runs["si"]["losses"] == runs["seq"]["losses"]
+    gap = max(abs(a - b) for a, b in zip(runs["plain"]["losses"], runs["si"]["losses"], strict=True))
+    assert gap < PLAIN_TOLERANCE, (gap, runs["plain"]["losses"], runs["si"]["losses"])
+    from peft import PeftConfig
+    final = runs["si"]["hf_checkpoint"]
+    assert os.path.isfile(os.path.join(final, "adapter_model.safetensors"))
+    assert PeftConfig.from_pretrained(final).r == 8
 
 
 @pytest.mark.timeout(300)

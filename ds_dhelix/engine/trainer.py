@@ -14,7 +14,8 @@ that step's loss. What changes against a plain Trainer, method by method:
                            Trainer's ``num_items_in_batch`` (its own count, not counted again)
     training_step          returns this micro-batch's share of the step loss
     evaluate               forward only through ``engine.eval_batch``; reports ``eval_loss``
-    save_model             ``engine.export_hf``: shards gathered, an HF checkpoint
+    save_model             ``engine.export_hf``: shards gathered, an HF checkpoint (a PEFT LoRA
+                           model: ``engine.export_adapter``, the adapter as PEFT writes it)
     log                    adds the step's communication and memory figures (``dhelix/...``)
 
 The Trainer's own checkpoints (``save_strategy``) hold the engine's DeepSpeed checkpoint (every
@@ -305,7 +306,10 @@ class DhelixTrainer(Trainer):
                 if self.processing_class is not None:
                     self.processing_class.save_pretrained(output_dir)
             return
-        self._engine.export_hf(output_dir, self.processing_class)
+        if getattr(self._engine.module, "dhelix_lora", None) is not None:  # a PEFT model: its adapter, as PEFT saves it
+            self._engine.export_adapter(output_dir, tokenizer=self.processing_class)
+        else:
+            self._engine.export_hf(output_dir, self.processing_class)
         if self.args.should_save:
             from transformers.trainer import TRAINING_ARGS_NAME
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
