@@ -42,7 +42,7 @@ class LoraInfo:
     config: object  # the peft LoraConfig (writes adapter_config.json)
     scales: dict[str, float]  # module path ("model.layers.0.self_attn.q_proj") -> alpha / r
     conv1d: frozenset[str]  # paths of GPT-2 Conv1D modules (weight stored [in, out])
-    shapes: dict[str, tuple] = None  # factor name ("<path>.lora_A") -> its full shape
+    shapes: dict[str, tuple]  # factor name ("<path>.lora_A") -> its full shape
 
     def owner(self, name: str) -> tuple[str, str] | None:
         """``(module path, leaf)`` of a parameter of a wrapped module, else None."""
@@ -64,7 +64,7 @@ def has_lora(module: nn.Module) -> bool:
 
 def is_conv1d(module: nn.Module) -> bool:
     """GPT-2's Conv1D: ``y = x @ W + b``, ``W`` stored [in, out]."""
-    return type(module).__name__.endswith("Conv1D") or getattr(module, "_lora_base", None) == "Conv1D"
+    return type(module).__name__.endswith("Conv1D")
 
 
 def lora_term(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,6 @@ def _lora_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Lora{cls.__name__}", (cls,), {
             "forward": lambda self, x: project(self, x),
-            "_lora_base": cls.__name__,
             "__doc__": f"{cls.__name__} with a LoRA term (ds_dhelix.hf_models.lora)"})
     return _CLASSES[cls]
 
@@ -153,7 +152,9 @@ def _check_layer(path: str, module, adapter: str, targets: tuple[str, ...], fami
 
 def from_peft(model, targets: tuple[str, ...], family: str):
     """``(hf_model, LoraInfo)`` for a PEFT model (its LoRA layers turned into base projections
-    carrying their factors, see the module docstring), ``(model, None)`` for any other model."""
+    carrying their factors, see the module docstring), ``(model, None)`` for any other model. The
+    PEFT model is changed in place: its ``save_pretrained`` would find no LoRA layer left and write
+    an empty adapter, so it raises instead, naming ``engine.export_adapter``."""
     if not is_peft_model(model):
         return model, None
     check_peft(model, targets, family)
@@ -174,7 +175,14 @@ def from_peft(model, targets: tuple[str, ...], family: str):
         shapes[f"{path}.lora_A"], shapes[f"{path}.lora_B"] = tuple(base.lora_A.shape), tuple(base.lora_B.shape)
         if is_conv1d(base):
             conv1d.add(path)
+    model.save_pretrained = _handed_over
     return hf, LoraInfo(config, scales, frozenset(conv1d), shapes)
+
+
+def _handed_over(*args, **kwargs):
+    raise RuntimeError("this PEFT model was given to ds_dhelix.initialize, which moved its LoRA layers into the "
+                       "sharded engine; save the adapter with engine.export_adapter(DIR) (DhelixTrainer.save_model "
+                       "does) and the merged model with engine.export_hf(DIR)")
 
 
 def init_meta_factors(model: nn.Module, seed: int) -> int:

@@ -234,3 +234,12 @@ def test_train_py_lora_adapter_resume_and_untouched_base(tmp_path):
                      str(ckpt), "--resume", "auto")
     assert resumed["start_step"] == 3 and resumed["losses"] == whole["losses"][3:], (resumed["losses"], whole["losses"])
     assert resumed["probe_loss"] == whole["probe_loss"]
+
+
+def test_the_handed_over_peft_model_refuses_to_save_an_empty_adapter(tmp_path):
+    from hf_models.adapters import unwrap_peft
+    model = _peft(dict(r=4, target_modules=["q_proj"]))
+    hf, info = unwrap_peft(model)
+    assert list(info.scales) == ["model.layers.0.self_attn.q_proj"] and hf.model.layers[0].self_attn.q_proj.lora_A.shape[0] == 4
+    with pytest.raises(RuntimeError, match="engine.export_adapter"):
+        model.save_pretrained(tmp_path)

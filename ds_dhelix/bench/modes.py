@@ -20,9 +20,19 @@ class SkipMode(Exception):
 
 
 def build_model(opts: BenchOptions):
-    """A fresh copy of the benchmark model (same seed in every mode)."""
+    """A fresh copy of the benchmark model (same seed in every mode); with ``lora_r`` its PEFT LoRA
+    model (the same adapter in every mode)."""
     from hf_models.registry import build_model as build
-    return build(opts.model, seed=opts.seed, num_layers=opts.num_layers)[0]
+    model = build(opts.model, seed=opts.seed, num_layers=opts.num_layers)[0]
+    if not opts.lora_r:
+        return model
+    from hf_models.adapters import adapter_for
+    from hf_models.lora import target_names
+
+    from ..engine.parity import with_lora
+    targets = target_names(adapter_for(model.config).LORA_TARGETS)
+    return with_lora(model, {"r": opts.lora_r, "lora_alpha": 2 * opts.lora_r, "target_modules": targets,
+                             "init_lora_weights": True}, opts.seed)
 
 
 class _Settling:

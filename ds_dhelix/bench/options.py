@@ -128,6 +128,9 @@ class BenchOptions:
     repeats: int = 5
     """Timed steps per mode; modes alternate step by step, the median is reported."""
     zero_stage: int = 0
+    lora_r: int = 0
+    """> 0: every mode trains a PEFT LoRA adapter of this rank (alpha 2 x rank) on the attention and
+    MLP projections of a frozen model, as ``train.py --lora-r`` does; 0: a full fine-tune."""
     """ZeRO stage of every mode."""
     seed: int = 1234
     timeout: float = 900.0
@@ -164,6 +167,11 @@ class BenchOptions:
                                                                                                   "seq-len")
         if self.zero_stage not in (0, 1, 2):
             raise ValueError(f"zero stage {self.zero_stage} not supported here; use 0, 1 or 2")
+        if self.lora_r < 0:
+            raise ValueError(f"lora-r must be >= 1 (or 0: full fine-tune), got {self.lora_r}")
+        if self.lora_r and self.pp > 1:
+            raise ValueError(f"--lora-r with --pp {self.pp}: DeepSpeed's pipeline peers train no PEFT model; "
+                             f"benchmark LoRA with one stage")
 
     def _check_modes(self) -> None:
         allowed = PP_MODES if self.pp > 1 else MODES

@@ -56,6 +56,8 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=None, help=f"untimed steps per mode (default {d.warmup})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed steps per mode (default {d.repeats})")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2], help="ZeRO stage (default 0)")
+    p.add_argument("--lora-r", type=int, default=None, metavar="R",
+                   help="train a LoRA adapter of rank R on the frozen model in every mode (default 0: full fine-tune)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per link rate before the world is killed")
     p.add_argument("--planner-cache", default=None, metavar="DIR",
                    help="cache dir of the overlap tables si-planned profiles (default: the planner's, "
@@ -74,7 +76,7 @@ def options_from_args(args) -> BenchOptions:
              "link_burst_kb": args.link_burst_kb,
              "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
              "seq_len": args.seq_len, "num_layers": args.num_layers, "warmup": args.warmup,
-             "repeats": args.repeats, "zero_stage": args.zero, "timeout": args.timeout}
+             "repeats": args.repeats, "zero_stage": args.zero, "timeout": args.timeout, "lora_r": args.lora_r}
     if args.planner_cache:
         given["extra_dhelix"] = {"planner": {"cache_dir": args.planner_cache}}
     given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
