@@ -14,7 +14,7 @@ run: venv
 	.venv/bin/deepspeed --num_gpus $(NUM_RANKS) train.py --deepspeed $(CONFIG) $(ARGS)
 
 test: venv
-	.venv/bin/python -m pytest -q -x --timeout=900 tests
+	.venv/bin/python -m pytest -q -x --timeout=900 --durations=25 tests
 
 docs: venv
 	.venv/bin/mkdocs build --strict
