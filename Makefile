@@ -6,7 +6,7 @@ CONFIG ?= ds_configs/tiny_llama_cpu.json
 NUM_RANKS ?= 2
 ARGS ?=
 
-.PHONY: venv run test docs docs-serve
+.PHONY: venv run test test-all docs docs-serve
 venv:
 	@bash scripts/bootstrap.sh
 
@@ -14,6 +14,9 @@ run: venv
 	.venv/bin/deepspeed --num_gpus $(NUM_RANKS) train.py --deepspeed $(CONFIG) $(ARGS)
 
 test: venv
+	.venv/bin/python -m pytest -q -x --timeout=900 --durations=25 -m "not extended" tests
+
+test-all: venv
 	.venv/bin/python -m pytest -q -x --timeout=900 --durations=25 tests
 
 docs: venv
