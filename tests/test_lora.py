@@ -243,3 +243,12 @@ def test_the_handed_over_peft_model_refuses_to_save_an_empty_adapter(tmp_path):
     assert list(info.scales) == ["model.layers.0.self_attn.q_proj"] and hf.model.layers[0].self_attn.q_proj.lora_A.shape[0] == 4
     with pytest.raises(RuntimeError, match="engine.export_adapter"):
         model.save_pretrained(tmp_path)
+
+
+def test_parity_lora_flags_name_a_target_the_family_lacks(capsys):
+    from ds_dhelix import cli
+    assert cli.main(["parity", "--model", "tiny-qwen3", "--lora-r", "4", "--lora-targets", "q_proj,embed_tokens"]) == 2
+    err = capsys.readouterr().err
+    assert "--lora-targets embed_tokens: the qwen3 op graph does not call such a module" in err, err
+    assert cli.main(["parity", "--model", "tiny-qwen3", "--lora-targets", "q_proj"]) == 2
+    assert "add --lora-r R" in capsys.readouterr().err

@@ -39,9 +39,35 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="DeepSpeed precision (bf16 / fp16 with its loss scaler; fp16 is forced on a CPU without it, "
                         "and the output says so); the HF comparison runs in fp32 only")
+    p.add_argument("--lora-r", type=int, default=0, metavar="R",
+                   help="every leg trains a PEFT LoRA of rank R (alpha 2R; B drawn, not zero, so the adapter's "
+                        "forward is compared) on --lora-targets; 0: the whole model")
+    p.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="comma-separated module names for --lora-r (default: every attention and MLP projection)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the world is killed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
+
+
+def _lora(args) -> dict:
+    """The legs' LoraConfig keys of --lora-r / --lora-targets ({}: no LoRA)."""
+    if args.lora_r < 0:
+        raise ValueError(f"--lora-r must be >= 1 (or 0: the whole model), got {args.lora_r}")
+    if not args.lora_r:
+        if args.lora_targets:
+            raise ValueError("--lora-targets names LoRA's modules: add --lora-r R")
+        return {}
+    from hf_models.adapters import adapter_for
+    from hf_models.lora import target_names
+    from hf_models.registry import load_config
+    config = load_config(args.model)
+    allowed = target_names(getattr(adapter_for(config), "LORA_TARGETS", ()))
+    targets = allowed if not args.lora_targets else [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    unknown = sorted(set(targets) - set(allowed))
+    if unknown:
+        raise ValueError(f"--lora-targets {', '.join(unknown)}: the {config.model_type} op graph does not call such a "
+                         f"module with an adapter; choose from: {', '.join(allowed)}")
+    return {"r": args.lora_r, "lora_alpha": 2 * args.lora_r, "target_modules": targets}
 
 
 def run(args) -> int:
@@ -59,7 +85,7 @@ def run(args) -> int:
                          micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                          seq_len=args.seq_len, zero_stage=args.zero, pp=args.pp, clip=args.clip, dtype=args.dtype,
                          dropout=args.dropout, recompute=args.recompute, packing=args.packing, cp=args.cp,
-                         cp_comm=args.cp_comm,
+                         cp_comm=args.cp_comm, lora=_lora(args),
                          extra={"expert_parallel": {"size": args.ep}} if args.ep > 1 else {})
     _check_setup(opts)
     result = run_parity(opts, timeout=args.timeout)
