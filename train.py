@@ -146,10 +146,9 @@ def lora_config(args, setup, model_config):
         return None
     if not setup.dh.enabled:
         raise ValueError("--lora trains through the ds_dhelix engine: enable the ds_config's dhelix section")
-    from hf_models.adapters import adapter_for
-    from hf_models.lora import check_config, target_names
+    from hf_models.adapters import check_lora_targets, lora_target_names
+    from hf_models.lora import check_config
     from peft import LoraConfig
-    allowed = target_names(getattr(adapter_for(model_config), "LORA_TARGETS", ()))
     if args.peft_config is not None:
         if args.lora_r is not None or given:
             raise ValueError("--peft-config gives the whole LoRA config: drop --lora-r / --lora-alpha / --lora-targets")
@@ -161,6 +160,10 @@ def lora_config(args, setup, model_config):
         if raw.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"--peft-config {args.peft_config!r} is a {raw['peft_type']} adapter; ds_dhelix trains LoRA")
         known = set(LoraConfig.__dataclass_fields__)
+        dropped = sorted(set(raw) - known)
+        if dropped and int(os.environ.get("RANK", 0)) == 0:
+            print(f"train.py: --peft-config keys this PEFT's LoraConfig does not know, not used: {', '.join(dropped)}",
+                  file=sys.stderr)
         cfg = LoraConfig(**{k: v for k, v in raw.items() if k in known and k != "peft_type"})
     else:
         r = 8 if args.lora_r is None else args.lora_r
@@ -168,16 +171,16 @@ def lora_config(args, setup, model_config):
             raise ValueError(f"--lora-r must be >= 1, got {r}")
         if args.lora_alpha is not None and not args.lora_alpha > 0:
             raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
-        targets = allowed if args.lora_targets is None else [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+        targets = None if args.lora_targets is None else [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+        targets = check_lora_targets(model_config, targets, "--lora-targets")
         cfg = LoraConfig(r=r, lora_alpha=args.lora_alpha or 2 * r, target_modules=targets, lora_dropout=0.0)
     check_config(cfg)
     names = cfg.target_modules
     if not names or isinstance(names, str) and names != "all-linear":
-        raise ValueError(f"LoRA target_modules {names!r}: give a list of module names, from: {', '.join(allowed)}")
-    unknown = [] if isinstance(names, str) else sorted(set(names) - set(allowed))
-    if unknown:
-        raise ValueError(f"LoRA target {', '.join(unknown)}: the {model_config.model_type} op graph does not call such a "
-                         f"module with an adapter; choose from: {', '.join(allowed)}")
+        raise ValueError(f"LoRA target_modules {names!r}: give a list of module names, from: "
+                         f"{', '.join(lora_target_names(model_config))}")
+    if not isinstance(names, str):
+        check_lora_targets(model_config, names)
     return cfg
 
 

@@ -187,11 +187,10 @@ def main(argv=None) -> int:
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
-        from hf_models.adapters import adapter_for
-        from hf_models.lora import target_names
+        from hf_models.adapters import lora_target_names
         torch.manual_seed(args.seed)  # the adapter's initial A (B starts at zero)
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=target_names(
-            adapter_for(model.config).LORA_TARGETS)))
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=lora_target_names(
+            model.config)))
     train_set, eval_set = datasets(args, tokenizer)
     losses = _loss_log()
     if args.plain:

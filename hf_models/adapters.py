@@ -72,3 +72,22 @@ def unwrap_peft(model):
         return model, None
     adapter = adapter_for(model.config)
     return from_peft(model, getattr(adapter, "LORA_TARGETS", ()), model.config.model_type)
+
+
+def lora_target_names(config) -> list[str]:
+    """The module names LoRA may wrap in ``config``'s family (what its op graph calls with an adapter)."""
+    from .lora import target_names
+    return target_names(getattr(adapter_for(config), "LORA_TARGETS", ()))
+
+
+def check_lora_targets(config, names, flag: str = "LoRA target") -> list[str]:
+    """``names`` (a list of module names, None: every target of the family), checked against the
+    family's targets: ``ValueError`` naming the unknown ones and the choices."""
+    allowed = lora_target_names(config)
+    if names is None:
+        return allowed
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise ValueError(f"{flag} {', '.join(unknown)}: the {config.model_type} op graph does not call such a module "
+                         f"with an adapter; choose from: {', '.join(allowed)}")
+    return list(names)

@@ -197,6 +197,12 @@ def init_meta_factors(model: nn.Module, seed: int) -> int:
     for name, p in model.named_parameters():
         if not (p.is_meta and is_factor_name(name)):
             continue
+        init = info.config.init_lora_weights
+        if init is not True:
+            raise ValueError(f"LoRA init_lora_weights={init!r} on a model built on the meta device (sharded loading): "
+                             f"ds_dhelix draws the factors as PEFT's default does (A Kaiming-uniform, B zero) and "
+                             f"cannot draw that one; use init_lora_weights=True, or load the model whole and "
+                             f"initialize the adapter before initialize")
         full = torch.zeros(info.shapes[name], dtype=p.dtype)
         if name.endswith(".lora_A"):
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

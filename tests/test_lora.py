@@ -252,3 +252,24 @@ def test_parity_lora_flags_name_a_target_the_family_lacks(capsys):
     assert "--lora-targets embed_tokens: the qwen3 op graph does not call such a module" in err, err
     assert cli.main(["parity", "--model", "tiny-qwen3", "--lora-targets", "q_proj"]) == 2
     assert "add --lora-r R" in capsys.readouterr().err
+
+
+def test_an_init_the_meta_path_cannot_draw_is_refused(tmp_path):
+    """Sharded loading draws the factors as PEFT's default does; another init_lora_weights is refused."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_models.adapters import unwrap_peft
+    from hf_models.lora import init_meta_factors
+    from hf_models.loading import empty_model
+    from hf_models.registry import build_model
+    build_model("tiny-llama", seed=1, num_layers=1)[0].save_pretrained(tmp_path)
+    for init, ok in ((True, True), ("gaussian", False)):
+        hf, info = unwrap_peft(get_peft_model(empty_model(str(tmp_path)),
+                                              LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init)))
+        hf.dhelix_lora = info
+        if ok:
+            assert init_meta_factors(hf, seed=3) == 2 and not hf.model.layers[0].self_attn.q_proj.lora_A.is_meta
+            assert torch.count_nonzero(hf.model.layers[0].self_attn.q_proj.lora_B) == 0
+        else:
+            with pytest.raises(ValueError, match="init_lora_weights='gaussian' on a model built on the meta device"):
+                init_meta_factors(hf, seed=3)

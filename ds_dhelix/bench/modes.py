@@ -26,11 +26,10 @@ def build_model(opts: BenchOptions):
     model = build(opts.model, seed=opts.seed, num_layers=opts.num_layers)[0]
     if not opts.lora_r:
         return model
-    from hf_models.adapters import adapter_for
-    from hf_models.lora import target_names
+    from hf_models.adapters import lora_target_names
 
     from ..engine.parity import with_lora
-    targets = target_names(adapter_for(model.config).LORA_TARGETS)
+    targets = lora_target_names(model.config)
     return with_lora(model, {"r": opts.lora_r, "lora_alpha": 2 * opts.lora_r, "target_modules": targets,
                              "init_lora_weights": True}, opts.seed)
 

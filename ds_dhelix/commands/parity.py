@@ -57,16 +57,10 @@ def _lora(args) -> dict:
         if args.lora_targets:
             raise ValueError("--lora-targets names LoRA's modules: add --lora-r R")
         return {}
-    from hf_models.adapters import adapter_for
-    from hf_models.lora import target_names
+    from hf_models.adapters import check_lora_targets
     from hf_models.registry import load_config
-    config = load_config(args.model)
-    allowed = target_names(getattr(adapter_for(config), "LORA_TARGETS", ()))
-    targets = allowed if not args.lora_targets else [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-    unknown = sorted(set(targets) - set(allowed))
-    if unknown:
-        raise ValueError(f"--lora-targets {', '.join(unknown)}: the {config.model_type} op graph does not call such a "
-                         f"module with an adapter; choose from: {', '.join(allowed)}")
+    names = [t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets else None
+    targets = check_lora_targets(load_config(args.model), names, "--lora-targets")
     return {"r": args.lora_r, "lora_alpha": 2 * args.lora_r, "target_modules": targets}
 
 
