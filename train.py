@@ -30,10 +30,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "tiny-olmo3, tiny-gpt2, tiny-gpt-neox; MoE tiny-phimoe, tiny-mixtral, tiny-qwen3-moe, "
                         "tiny-qwen2-moe, tiny-olmoe; small-llama, small-phimoe: ~100M) or a local HF checkpoint dir "
                         "(each rank reads only its shards under dhelix)")
-    p.add_argument("--data", default=None, help="local .txt or .jsonl (field 'text'); default: embedded corpus")
+    p.add_argument("--data", default=None,
+                   help="training data: .txt, .jsonl, .json, .parquet or a datasets.save_to_disk directory, read "
+                        "through datasets; records of text, chat messages or prompt/completion (default: the embedded "
+                        "corpus)")
+    p.add_argument("--data-format", default=None, choices=["text", "chat", "prompt-completion"],
+                   help="the records' format (default: told from the first record: 'messages' -> chat, 'prompt' and "
+                        "'completion' -> prompt-completion, 'text' -> text)")
+    p.add_argument("--loss-on", default=None, choices=["all", "answers"],
+                   help="the tokens the loss is computed on (default: answers -- the assistant turns or the completion "
+                        "-- for chat and prompt-completion, all for text)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|chatml",
+                   help="Jinja chat template for chat records (default: the tokenizer's own; chatml: the built-in "
+                        "ChatML one, for tokenizers without a template such as the presets')")
     p.add_argument("--packing", default="concat", choices=["concat", "docs", "none"],
-                   help="concat: documents back to back with EOS between; docs: also restart positions and mask "
-                        "attention at each document; none: pad each document to its own block(s)")
+                   help="concat: records back to back (EOS after text and completions), crossing blocks; docs: "
+                        "positions restart and attention is masked at each record, and chat / prompt-completion "
+                        "records are never split (whole records per block, then padding); none: one record per block, "
+                        "padded")
+    p.add_argument("--drop-long", action="store_true",
+                   help="leave out chat / prompt-completion records longer than --seq-len (default: cut them to it) "
+                        "under --packing docs / none")
+    p.add_argument("--data-workers", type=int, default=1, metavar="N", help="processes that tokenise the data")
+    p.add_argument("--stream-above", default="256MB", metavar="SIZE",
+                   help="stream a data file larger than SIZE (read and tokenised as the run goes, blocks shuffled in a "
+                        "window, memory flat) instead of tokenising it whole first; 'never' to always tokenise whole")
+    p.add_argument("--eval-data", default=None, metavar="FILE", help="evaluation data (same formats as --data)")
+    p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
+                   help="hold out this fraction of --data's records (seeded by --seed) for evaluation")
+    p.add_argument("--eval-interval", type=int, default=0, metavar="K",
+                   help="evaluate every K steps and after the last (Eval/loss; default with evaluation data: at the end "
+                        "only)")
     p.add_argument("--steps", type=int, default=100, help="total optimizer steps of the run (a resume continues to it)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--output-dir", default="outputs/run", help="where the HF checkpoint goes")
@@ -90,7 +117,7 @@ class Prepared:
     ds_config: dict
     setup: object  # ds_dhelix.engine.build.Setup
     tokenizer: object
-    ids: object  # the training tokens (1-D LongTensor)
+    data: object  # ds_dhelix.data.TrainingData: the training (and evaluation) blocks
     run_state: dict  # what a checkpoint of this run records
     resume: tuple[str, str] | None  # (checkpoint root, tag)
     memory: dict | None = None  # this rank's host memory marks (filled by build)
@@ -129,10 +156,10 @@ def check_inputs(args) -> Prepared:
     _check_outputs(args)
     set_schedule_length(ds_config, args.steps)
     lora = lora_config(args, setup, model_config)
-    tokenizer, ids = _tokens(args, setup)
-    state = run_state(args, ds_config, setup, len(ids))
+    tokenizer, data = _data(args, setup, model_config)
+    state = run_state(args, ds_config, setup, data)
     state["adapter"] = adapter_state(lora)
-    return Prepared(ds_config, setup, tokenizer, ids, state, _check_resume(args, state), lora=lora)
+    return Prepared(ds_config, setup, tokenizer, data, state, _check_resume(args, state), lora=lora)
 
 
 def lora_config(args, setup, model_config):
@@ -210,9 +237,18 @@ def _check_flags(args) -> None:
                      ("--stop-after", args.stop_after > 0), ("--resume auto", args.resume == "auto")):
         if on and not args.ds_checkpoint:
             raise ValueError(f"{flag} needs --ds-checkpoint DIR (where the checkpoints go)")
-    if args.data is not None:
-        from ds_dhelix.data import load_text
-        load_text(args.data)  # missing, unreadable, malformed jsonl, empty: one line naming file and line
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path is not None:
+            from ds_dhelix.data.records import data_kind
+            try:
+                data_kind(path)  # missing, a foreign directory, an unknown suffix: one line naming it
+            except ValueError as err:
+                raise ValueError(f"{flag}: {err}") from None
+    data_options(args)  # the data flags' own values
+    if args.eval_interval < 0:
+        raise ValueError(f"--eval-interval must be >= 0 (0: at the end only), got {args.eval_interval}")
+    if args.eval_interval and not (args.eval_data or args.eval_fraction):
+        raise ValueError("--eval-interval evaluates on --eval-data FILE or --eval-fraction F of --data: give one")
 
 
 def _check_packing(args, setup, model_config) -> None:
@@ -251,37 +287,51 @@ def _check_outputs(args) -> None:
             raise ValueError(f"--json-summary {args.json_summary!r}: {folder!r} is not a writable directory")
 
 
-def _tokens(args, setup):
-    """The tokenizer and the training tokens (documents each followed by EOS); enough blocks for one
-    step on every replica."""
-    from ds_dhelix.data import TokenDataset, build_embedded_corpus, encode_documents, load_text, split_documents
+def _data(args, setup, model_config):
+    """The tokenizer and the run's data (``ds_dhelix.data.load_data``): enough blocks for one step
+    on every replica, and for one evaluation micro-batch."""
+    from ds_dhelix.data.sources import load_data
     from hf_models.registry import load_tokenizer_for
     tokenizer = load_tokenizer_for(args.model)
-    ids = encode_documents(tokenizer, split_documents(load_text(args.data) if args.data else build_embedded_corpus()))
-    if len(ids) < args.seq_len and args.packing != "none":
-        blocks = 0
-    else:
-        blocks = len(TokenDataset(ids, args.seq_len, **data_options(args, tokenizer)))
-    need = setup.batch.micro_batch_size * setup.dims.dp
-    if blocks < need:
-        raise ValueError(f"{args.data or 'the corpus'} has {len(ids)} tokens: {blocks} blocks of --seq-len "
-                         f"{args.seq_len} (--packing {args.packing}), fewer than one micro-batch "
-                         f"({setup.batch.micro_batch_size}) on each of {setup.dims.dp} data-parallel replicas; use "
-                         f"more text or a shorter --seq-len")
-    return tokenizer, ids
+    data = load_data(data_options(args, tokenizer), tokenizer)
+    need, d = setup.batch.micro_batch_size * setup.dims.dp, setup.dims
+    if data.train is not None and len(data.train) < need:
+        s = data.stats
+        raise ValueError(f"{args.data or 'the corpus'} has {s.tokens} tokens in {s.records} records: {len(data.train)} "
+                         f"blocks of --seq-len {args.seq_len} (--packing {args.packing}), fewer than one micro-batch "
+                         f"({setup.batch.micro_batch_size}) on each of {d.dp} data-parallel replicas; use more data or a "
+                         f"shorter --seq-len")
+    if data.eval is not None and len(data.eval) < need:
+        raise ValueError(f"the evaluation data packs into {len(data.eval)} blocks, fewer than one micro-batch "
+                         f"({setup.batch.micro_batch_size}) on each of {d.dp} data-parallel replicas")
+    if data.stats.truncated and int(os.environ.get("RANK", 0)) == 0:
+        print(f"train.py: {data.stats.truncated} of {data.stats.records} records are longer than --seq-len "
+              f"{args.seq_len} and were cut to it (--drop-long leaves them out)", file=sys.stderr)
+    if hasattr(model_config, "num_local_experts") and data.stats.padding_tokens and int(os.environ.get("RANK", 0)) == 0:
+        print(f"train.py: {data.stats.padding_fraction:.1%} of the tokens are padding, which the MoE router's "
+              f"load-balancing loss counts (as HF's does without an attention mask)", file=sys.stderr)
+    return tokenizer, data
 
 
-def data_options(args, tokenizer) -> dict:
-    """How ``TokenDataset`` / ``batch_iterator`` cut the tokens (``--packing``)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return {"packing": args.packing, "eos_id": tokenizer.eos_token_id, "pad_id": pad}
+def data_options(args, tokenizer=None):
+    """The ``DataOptions`` of the data flags (``tokenizer``: for its padding id)."""
+    from ds_dhelix.data.sources import DataOptions, parse_size
+    pad = 0
+    if tokenizer is not None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    options = DataOptions(path=args.data, fmt=args.data_format, loss_on=args.loss_on, chat_template=args.chat_template,
+                          packing=args.packing, seq_len=args.seq_len, drop_long=args.drop_long,
+                          workers=args.data_workers, stream_above=parse_size(args.stream_above),
+                          eval_path=args.eval_data, eval_fraction=args.eval_fraction, seed=args.seed, pad_id=pad)
+    options.check()
+    return options
 
 
-def run_state(args, ds_config, setup, num_tokens: int) -> dict:
+def run_state(args, ds_config, setup, data) -> dict:
     """What a checkpoint of this run records, and a resume must match (``ds_dhelix.engine.resume``)."""
     from ds_dhelix.engine.build import zero_stage
     d, b = setup.dims, setup.batch
-    data = os.path.abspath(os.path.expanduser(args.data)) if args.data else "embedded corpus"
+    source = os.path.abspath(os.path.expanduser(args.data)) if args.data else "embedded corpus"
     model = args.model if not os.path.isdir(os.path.expanduser(args.model)) else os.path.abspath(args.model)
     precision = {"zero_stage": zero_stage(ds_config), "gradient_clipping": ds_config.get("gradient_clipping"),
                  "fp16": ds_config.get("fp16"), "bf16": ds_config.get("bf16")}
@@ -289,8 +339,7 @@ def run_state(args, ds_config, setup, num_tokens: int) -> dict:
             "optimizer": ds_config.get("optimizer"), "precision": precision,
             "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, **({"cp": d.cp, "cp_comm": d.cp_comm} if d.cp > 1 else {}),
                        "micro_batch_size": b.micro_batch_size, "gradient_accumulation_steps": b.gradient_accumulation_steps},
-            "model": model, "data": {"source": data, "tokens": num_tokens, "seed": args.seed,
-                                            "packing": args.packing},
+            "model": model, "data": {"source": source, "seed": args.seed, **data.identity()},
             "seq_len": args.seq_len, "draw_seed": setup.dh.seed, "plan_fingerprint": None}
 
 
@@ -422,10 +471,8 @@ def build(args, prep: Prepared):
     dh = prep.setup.dh
     if dh.enabled:
         import ds_dhelix
-        micro = prep.setup.batch.micro_batch_size
-        first = prep.ids[: micro * args.seq_len].view(micro, args.seq_len)
-        engine, *_ = ds_dhelix.initialize(model=model, config=prep.ds_config, weights=weights,
-                                          example_batch={"input_ids": first, "labels": first.clone()})
+        first = prep.data.first_batch(prep.setup.batch.micro_batch_size)
+        engine, *_ = ds_dhelix.initialize(model=model, config=prep.ds_config, weights=weights, example_batch=first)
         fingerprint = engine.plan.fingerprint() if getattr(engine, "plan", None) is not None else None
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=prep.ds_config)
@@ -450,18 +497,19 @@ def train(args, prep: Prepared, engine) -> int:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from ds_dhelix.data import batch_iterator
     from ds_dhelix.engine.stopping import StopRequest
     rank, dp_rank, dp_size = dist.get_rank(), *_data_parallel(engine, prep)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     start = engine.global_steps
-    data = batch_iterator(prep.ids, micro, args.seq_len, seed=args.seed, rank=dp_rank, num_replicas=dp_size,
-                          start=start * gas, **data_options(args, prep.tokenizer))
+    data = prep.data.batches(micro, seed=args.seed, rank=dp_rank, replicas=dp_size, start=start * gas)
     stop = StopRequest.install()
-    log = {"losses": [], "times": [], "stats": [], "lrs": []}
+    log = {"losses": [], "times": [], "stats": [], "lrs": [], "eval_losses": []}
+    log_data_fields(engine, prep.data, start)
     bar = tqdm(total=args.steps, initial=start, desc="train", disable=rank != 0, dynamic_ncols=True)
     for _ in range(start, args.steps):
         _one_step(engine, prep.setup.dh, data, log, micro * gas * args.seq_len * dp_size, bar)
+        if args.eval_interval and engine.global_steps % args.eval_interval == 0 and engine.global_steps < args.steps:
+            log["eval_losses"].append(evaluate(engine, prep, micro))
         reason = stop.agreed()
         if reason and engine.global_steps < args.steps:  # after the last step: finish (export) instead
             return _stopped(args, prep, engine, stop, reason, bar)
@@ -472,14 +520,88 @@ def train(args, prep: Prepared, engine) -> int:
             if rank == 0:
                 print(f"train.py: leaving after step {engine.global_steps} of {args.steps} (--stop-after "
                       f"{args.stop_after}); checkpoint {path}; continue with --resume auto")
-                summarize(args, log, start, None, micro, engine, dp_size, prep.setup.dh, {}, memory)
+                summarize(args, log, start, None, micro, engine, dp_size, prep.setup.dh, {}, memory, prep.data)
             return 0
         if args.save_interval and engine.global_steps % args.save_interval == 0 and engine.global_steps < args.steps:
             save(args, prep, engine)
     bar.close()
     stop.close()
+    if prep.data.eval is not None and start < args.steps:
+        log["eval_losses"].append(evaluate(engine, prep, micro))
     finish(args, prep, engine, log, start, micro, dp_size)
     return 0
+
+
+def evaluate(engine, prep: Prepared, micro: int) -> dict:
+    """``{"step", "loss"}``: the loss over every evaluation block, weighted by the targets each
+    micro-batch counts (answer tokens), over all data-parallel replicas; forward only. Each
+    replica takes every dp-th block; a replica short of a full micro-batch pads it with blocks
+    whose targets are all ignored (a micro-batch of padding only keeps its targets, weighed 0), so
+    every replica runs the same forwards."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_dhelix.data import valid_targets
+    blocks, (dp_rank, dp_size) = prep.data.eval, _data_parallel(engine, prep)
+    per_rank = -(-len(blocks) // dp_size)
+    count = -(-per_rank // micro)
+    mine = list(range(dp_rank, len(blocks), dp_size))
+    batches, weights = [], []
+    for k in range(count):
+        real = mine[k * micro:(k + 1) * micro]
+        rows = blocks.rows(torch.tensor(real + [0] * (micro - len(real))))
+        if real and len(real) < micro:
+            rows["labels"][len(real):] = -100
+        weights.append(valid_targets(rows["labels"]) if real else 0)
+        batches.append(rows)
+    total = torch.zeros(2, dtype=torch.float64)
+    gas = engine.gradient_accumulation_steps()
+    with _watched(engine, "evaluation"):
+        for lo in range(0, count, gas):
+            chunk = batches[lo:lo + gas]
+            if prep.setup.dh.enabled:
+                losses = engine.eval_batch(iter(chunk), num_microbatches=len(chunk), per_microbatch=True).cpu()
+            else:
+                losses = torch.stack([_plain_forward_loss(engine, b) for b in chunk])
+            for loss, w in zip(losses.tolist(), weights[lo:lo + gas]):
+                if w:
+                    total += torch.tensor([loss * w, w], dtype=torch.float64)
+        group = engine.groups.dp_group if prep.setup.dh.enabled else None
+        if dp_size > 1:
+            dist.all_reduce(total, group=group)
+    loss = float(total[0] / total[1])
+    step = engine.global_steps
+    if engine.monitor.enabled and dist.get_rank() == 0:
+        engine.monitor.write_events([("Eval/loss", loss, step)])
+    if dist.get_rank() == 0:
+        print(f"train.py: step {step}: eval loss {loss:.4f} over {int(total[1])} target tokens", flush=True)
+    return {"step": step, "loss": loss}
+
+
+def _plain_forward_loss(engine, batch):
+    import torch
+
+    from ds_dhelix.data import hf_model_inputs
+    from hf_models.common import hf_mask_windows
+    module = engine.module
+    eager = next(module.parameters()).dtype if module.config._attn_implementation == "eager" else None
+    engine.eval()
+    with torch.no_grad():
+        out = engine(**hf_model_inputs(batch, eager, hf_mask_windows(module.config)))
+    engine.train()
+    return out.loss.detach().float().cpu()
+
+
+def log_data_fields(engine, data, step: int) -> None:
+    """What the loss is computed on, in TensorBoard (``Data/...``, at the run's first step)."""
+    import torch.distributed as dist
+    if not engine.monitor.enabled or dist.get_rank() != 0:
+        return
+    s = data.stats
+    engine.monitor.write_events([(f"Data/{k}", float(v), step) for k, v in
+                                 (("records", s.records), ("tokens", s.tokens), ("loss_tokens", s.loss_tokens),
+                                  ("truncated", s.truncated), ("dropped", s.dropped),
+                                  ("padding_fraction", s.padding_fraction))])
 
 
 def _data_parallel(engine, prep: Prepared) -> tuple[int, int]:
@@ -532,7 +654,7 @@ def finish(args, prep: Prepared, engine, log: dict, start: int, micro: int, dp_s
     """The final checkpoint, the HF export, the summary line and JSON."""
     import torch.distributed as dist
     dh = prep.setup.dh
-    probe = probe_loss(engine, dh, prep.ids, micro, args.seq_len)
+    probe = probe_loss(engine, dh, prep.data, micro)
     if args.ds_checkpoint and start < engine.global_steps:  # (a resume at the end only exports)
         save(args, prep, engine)
     with _watched(engine, "HF export"):
@@ -545,7 +667,7 @@ def finish(args, prep: Prepared, engine, log: dict, start: int, micro: int, dp_s
             path = export_hf(engine.module, args.output_dir, prep.tokenizer, max_shard_size=args.max_shard_size)
     memory = memory_marks(prep, engine)
     if dist.get_rank() == 0:
-        summarize(args, log, start, path, micro, engine, dp_size, dh, probe, memory)
+        summarize(args, log, start, path, micro, engine, dp_size, dh, probe, memory, prep.data)
     if engine.monitor.enabled and dist.get_rank() == 0:
         for writer in _tb_writers(engine):
             writer.flush()
@@ -567,12 +689,14 @@ def memory_marks(prep: Prepared, engine) -> list[dict]:
     return marks
 
 
-def probe_loss(engine, dh, ids, micro, seq_len):
-    """Loss of the trained model on the first tokens of the data: the exported HF checkpoint must
-    reproduce it (the end-to-end test checks that)."""
+def probe_loss(engine, dh, data, micro):
+    """Loss of the trained model on the first blocks of the data (their ids and labels, no
+    positions or masks): the exported HF checkpoint must reproduce it (the end-to-end test checks
+    that)."""
     import torch
-    block = ids[: micro * seq_len].view(micro, seq_len)
-    batch = {"input_ids": block, "labels": block.clone()}
+    first = data.first_batch(micro)
+    block = first["input_ids"]
+    batch = {"input_ids": block, "labels": first["labels"]}
     if dh.enabled:
         loss = engine.eval_batch(iter([batch] * engine.gradient_accumulation_steps()))
     else:
@@ -580,7 +704,7 @@ def probe_loss(engine, dh, ids, micro, seq_len):
         with torch.no_grad():
             loss = engine(**batch).loss
         engine.train()
-    return {"probe_input_ids": block.tolist(), "probe_loss": float(loss)}
+    return {"probe_input_ids": block.tolist(), "probe_labels": first["labels"].tolist(), "probe_loss": float(loss)}
 
 
 def plain_step(engine, data):
@@ -614,7 +738,7 @@ def _tb_writers(engine):
             yield w
 
 
-def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, probe, memory):
+def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, probe, memory, data):
     import statistics
     losses, times, stats = log["losses"], log["times"], log["stats"]
     k = max(1, len(losses) // 10)
@@ -623,7 +747,8 @@ def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, pro
     tokens = micro * engine.gradient_accumulation_steps() * args.seq_len * dp_size
     summary = {"model": args.model, "attn_implementation": args.attn_implementation, "start_step": start, "steps": len(losses), "total_steps": args.steps,
                "loss_first": first, "loss_last": last, "losses": losses, "lrs": log["lrs"],
-               "median_step_s": med, "tokens_per_s": tokens / med, "hf_checkpoint": path}
+               "median_step_s": med, "tokens_per_s": tokens / med, "hf_checkpoint": path,
+               "eval_losses": log["eval_losses"], "data": data.summary()}
     line = (f"done: steps {start + 1}-{start + len(losses)}, loss {first:.3f} -> {last:.3f}, "
             f"median step {med * 1e3:.0f} ms, {tokens / med:.0f} tokens/s")
     if stats:
@@ -640,6 +765,12 @@ def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, pro
         else:  # pipeline transfers only: no collective to hide inside a stage
             line += f"; schedule {dh.schedule}: {exposed / n * 1e3:.0f} ms/step waiting on transfers"
     print(line)
+    d = data.summary()
+    print(f"data: {d['format']} records, loss on {d['loss_on']}: {d['records']} records, {d['tokens']} tokens, "
+          f"{d['loss_tokens']} with loss; {d['truncated']} cut to --seq-len, {d['dropped']} dropped; padding "
+          f"{d['padding_fraction']:.1%} (--packing {d['packing']}{', streamed: the part read' if d['streaming'] else ''})")
+    if log["eval_losses"]:
+        print("eval loss: " + ", ".join(f"step {e['step']} {e['loss']:.4f}" for e in log["eval_losses"]))
     auto = getattr(engine, "auto", None)
     if auto is not None:  # "schedule": "auto": what it chose, from which figures
         from ds_dhelix.planning.autoschedule import describe

@@ -63,6 +63,81 @@ class TokenDataset(torch.utils.data.Dataset):
         return {k: v[0] for k, v in out.items()} if squeeze else out
 
 
+class BlockDataset(torch.utils.data.Dataset):
+    """Packed blocks (``packing.stack_blocks``) with TokenDataset's interface; ``stats``: the
+    ``PackStats`` of their packing."""
+
+    def __init__(self, fields: dict[str, torch.Tensor], stats=None):
+        if not fields:
+            raise ValueError("no blocks: the data packed into nothing")
+        self.fields, self.stats, self.blocks = fields, stats, fields["input_ids"]
+
+    __len__ = TokenDataset.__len__
+    __getitem__ = TokenDataset.__getitem__
+    rows = TokenDataset.rows
+
+
+def block_batches(dataset, micro_batch_size: int, seed: int, rank: int = 0, num_replicas: int = 1,
+                  start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """``batch_iterator`` over blocks already packed (a ``TokenDataset`` or ``BlockDataset``)."""
+    _check_start(start)
+    num_batches = len(dataset) // num_replicas // micro_batch_size
+    if num_batches == 0:
+        raise ValueError(f"{len(dataset)} blocks cannot fill one micro-batch of {micro_batch_size} on each of "
+                         f"{num_replicas} replicas; use more data, a shorter seq_len or a smaller micro-batch")
+    return _batches(dataset, micro_batch_size, seed, rank, num_replicas, num_batches, start)
+
+
+def stream_batches(epoch_blocks, micro_batch_size: int, seed: int, rank: int = 0, num_replicas: int = 1,
+                   start: int = 0, buffer: int = 1024) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless micro-batches from a stream of blocks read as it goes: ``epoch_blocks(epoch)``
+    gives one epoch's blocks in file order; they are shuffled in a window of ``buffer`` blocks
+    (seeded by ``seed + epoch``) and dealt in rounds of ``micro_batch_size x num_replicas``,
+    replica ``rank`` taking every ``num_replicas``-th block of a round (the last incomplete round
+    of an epoch is left out on every replica). ``start`` micro-batches are skipped (a resume reads
+    the stream again up to them: the same blocks in the same order)."""
+    _check_start(start)
+    per_round = micro_batch_size * num_replicas
+    done, epoch = 0, 0
+    while True:
+        made = 0
+        rounds = _chunks(_window_shuffle(epoch_blocks(epoch), buffer, seed + epoch), per_round)
+        for round_ in rounds:
+            made += 1
+            done += 1
+            if done > start:
+                yield {k: torch.stack([b[k] for b in round_[rank::num_replicas]]) for k in round_[0]}
+        if made == 0:
+            raise ValueError(f"the data stream cannot fill one micro-batch of {micro_batch_size} on each of "
+                             f"{num_replicas} replicas")
+        epoch += 1
+
+
+def _window_shuffle(items, size: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    window = []
+    for item in items:
+        window.append(item)
+        if len(window) == size:
+            yield window.pop(int(torch.randint(len(window), (), generator=gen)))
+    order = torch.randperm(len(window), generator=gen).tolist()
+    yield from (window[i] for i in order)
+
+
+def _chunks(items, n: int):
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+
+
+def _check_start(start) -> None:
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be an int >= 0, got {start!r}")
+
+
 def _padded_documents(ids: torch.Tensor, seq_len: int, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
     ends = (ids == eos_id).nonzero().flatten().tolist()
     rows, lo = [], 0
@@ -100,8 +175,7 @@ def batch_iterator(
     ``start``: skip the first ``start`` micro-batches of this replica (a resumed run continues where
     the checkpoint's run stopped: epoch ``start // batches_per_epoch``, batch ``start % ...``).
     """
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"start must be an int >= 0, got {start!r}")
+    _check_start(start)
     _check_positive("micro_batch_size", micro_batch_size)
     _check_positive("num_replicas", num_replicas)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:

@@ -107,8 +107,9 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         return mbs
 
     @torch.no_grad()
-    def eval_batch(self, data_iter, num_microbatches: int | None = None) -> torch.Tensor:
-        """Mean loss over one step's worth of micro-batches (or ``num_microbatches``), forward only."""
+    def eval_batch(self, data_iter, num_microbatches: int | None = None, per_microbatch: bool = False) -> torch.Tensor:
+        """Mean loss over one step's worth of micro-batches (or ``num_microbatches``), forward only;
+        ``per_microbatch``: each micro-batch's loss on this replica instead (``sequence_losses``)."""
         batches = self.pull_batches(data_iter, num_microbatches)
         self.module.eval()
         self.watchdog.resume(step=self.global_steps)
@@ -122,4 +123,4 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         finally:
             self.watchdog.pause()
             self.module.train()
-        return self.mean_loss(mbs)
+        return self.sequence_losses(mbs) if per_microbatch else self.mean_loss(mbs)

@@ -140,9 +140,10 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
                                  self._pipeline_loss)
 
     @torch.no_grad()
-    def eval_batch(self, data_iter, **_ignored) -> torch.Tensor:
-        """Mean loss of one step's micro-batches, forward only (the sequential fold's forwards)."""
-        batches = self.pull_batches(data_iter)
+    def eval_batch(self, data_iter, num_microbatches: int | None = None, per_microbatch: bool = False) -> torch.Tensor:
+        """Mean loss of one step's micro-batches (or ``num_microbatches``), forward only (the
+        sequential fold's forwards); ``per_microbatch``: each one's loss on this replica."""
+        batches = self.pull_batches(data_iter, num_microbatches)
         keep = (S.Forward, S.SendActivation, S.RecvActivation, S.LoadMicroBatch, S.WaitSends)
         order = [i for i in S.build_schedule("sequential", self.num_stages, len(batches))[self.stage_id]
                  if isinstance(i, keep) or (isinstance(i, S.WaitRecv) and i.kind == S.ACTIVATION)]
@@ -154,7 +155,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         finally:
             self.watchdog.pause()
             self.module.train()
-        return self._pipeline_loss(mbs)
+        return self._pipeline_loss(mbs, per_microbatch)
 
     def _run(self, batches: list[dict], instructions: list) -> list[MicroBatch]:
         first = self.global_steps * len(batches)  # serials of this step's micro-batches
@@ -171,12 +172,13 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
             mb.grads.clear()
         return mbs
 
-    def _pipeline_loss(self, mbs) -> torch.Tensor:
-        """Stage 0's mean loss (TP shares summed, DP averaged), broadcast over the pipeline."""
+    def _pipeline_loss(self, mbs, per_microbatch: bool = False) -> torch.Tensor:
+        """Stage 0's mean loss (TP shares summed, DP averaged), broadcast over the pipeline;
+        ``per_microbatch``: its micro-batches' losses on this replica."""
         if self.stage_id == 0:
-            loss = self.mean_loss(mbs)
+            loss = self.sequence_losses(mbs) if per_microbatch else self.mean_loss(mbs)
         else:
-            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            loss = torch.zeros((len(mbs),) if per_microbatch else (), dtype=torch.float32, device=self.device)
         dist.broadcast(loss, src=self.grid.stage_to_global(0), group=self.grid.get_pipe_parallel_group())
         return loss
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import logger
 
-from ..planning.autoschedule import AutoSchedule
+from ..planning.autoschedule import AutoSchedule, nothing_to_hide
 from ..planning.autoschedule import describe as describe_decision
 from ..runtime.comm import collective_failures, cuda_connections_warning
 from ..runtime.executor import Executor, StepStats
@@ -88,8 +88,9 @@ class DhelixStepMixin:
     def _make_auto(self) -> AutoSchedule:
         """``"schedule": "auto"``'s chooser over the layout's candidates (``auto_schedules``; "intra" left
         out, with a warning, when a micro-batch has one sample: check_setup refused it if fewer than 2
-        remain). Every rank decides on the slowest rank's figures (an all-reduce of them), so all
-        ranks take the same schedule."""
+        remain). On one stage whose op graph has no collective (``nothing_to_hide``) it takes
+        sequential without a trial, logged with the reason. Every rank decides on the slowest
+        rank's figures (an all-reduce of them), so all ranks take the same schedule."""
         candidates = [c for c in self.dhelix.auto_schedules
                       if c != "intra" or self.train_micro_batch_size_per_gpu() >= 2]
         if len(candidates) < len(self.dhelix.auto_schedules) and self.global_rank == 0:
@@ -101,7 +102,13 @@ class DhelixStepMixin:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return t.tolist()
 
-        return AutoSchedule(candidates, self.dhelix.auto_trials, self.dhelix.auto_recheck_steps, reduce_max)
+        # one stage only: a pipeline's candidates also differ in their bubbles and stage-to-stage sends
+        untimed = nothing_to_hide(self.graph) if self.dhelix.pipeline.stages == 1 else None
+        auto = AutoSchedule(candidates, self.dhelix.auto_trials, self.dhelix.auto_recheck_steps, reduce_max,
+                            untimed_reason=untimed)
+        if auto.decisions and self.global_rank == 0:  # chosen without a trial: said now, before step 1
+            logger.info(describe_decision(auto.decisions[-1]))
+        return auto
 
     def step_schedule(self) -> str:
         """The schedule the next step runs (and ``current_schedule`` from then on)."""
@@ -234,6 +241,17 @@ class DhelixStepMixin:
             dist.all_reduce(loss, group=self.groups.dp_group)
             loss /= self.groups.dp_size
         return loss
+
+    def sequence_losses(self, mbs) -> torch.Tensor:
+        """Each micro-batch's loss [len(mbs)] on this data-parallel replica (TP and CP shares
+        summed, no DP average): what a token-weighted evaluation weighs by the targets."""
+        losses = torch.stack([mb.loss.detach().float() for mb in mbs])
+        g = self.groups
+        if g.cp_size > 1:
+            dist.all_reduce(losses, group=g.sequence_group)
+        elif g.tp_size > 1:
+            dist.all_reduce(losses, group=g.tp_grad_group)
+        return losses
 
     def logs_this_step(self) -> bool:
         """Rank 0 writes TensorBoard scalars this step (monitor on, every ``log_interval`` steps)."""
