@@ -157,6 +157,31 @@ def test_quick_keeps_explicit_values():
 
 
 # ------------------------------------------------------------------ end to end: every mode, tiny
+def test_auto_row_says_why_it_chose_without_a_trial():
+    """The auto row of a layout with nothing to hide (TP=1): sequential, no trial steps, no
+    figures, and auto_reason (the progress line shows it too)."""
+    from types import SimpleNamespace
+
+    from ds_dhelix.bench import _progress_line
+    from ds_dhelix.bench.modes import _Settling
+    from ds_dhelix.planning.autoschedule import AutoSchedule
+    runner = _Settling()
+    runner.engine = SimpleNamespace(auto=AutoSchedule(("sequential", "si", "intra"), 3, 500,
+                                                      untimed_reason="nothing to hide: no collective"))
+    assert runner.settling_steps == 0
+    info = runner.settled_info()
+    assert info == {"auto_chosen": "sequential", "auto_trial_steps": 0, "auto_figures": {},
+                    "auto_reason": "nothing to hide: no collective"}
+    row = {"mode": "auto", "status": "ok", "step_time_s": 0.2, "tokens_per_s": 10.0, **info}
+    assert "chose sequential without a trial (nothing to hide: no collective)" in _progress_line(row)
+    timed = _Settling()
+    timed.engine = SimpleNamespace(auto=AutoSchedule(("sequential", "si"), 1, 0))
+    for step in range(1, 5):
+        timed.engine.auto.schedule()
+        timed.engine.auto.record(step, 1.0)
+    assert timed.settled_info()["auto_reason"].startswith("the fastest median step time (1 timed step each")
+
+
 def test_bench_quick_json_every_mode(tmp_path):
     # ~65 s on an idle 2-core machine; si-planned profiles its layer (fresh cache) and DeepSpeed
     # may JIT-build its CPU comm op on first use, so the bound leaves room for a busy machine.

@@ -164,6 +164,36 @@ def test_auto_median_resists_one_slow_step():
     assert decided["chosen"] == "si" and decided["figures"]["si"]["max_s"] == 5.0
 
 
+def _graph(*kinds):
+    """A ModelGraph of one layer block whose ops are of ``kinds`` ("comp" / "comm")."""
+    from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
+    ops = [comm(f"op{i}", None, "x", "x") if kind == "comm" else comp(f"op{i}", ("x",), ("x",), None)
+           for i, kind in enumerate(kinds)]
+    return ModelGraph(blocks=[[], ops, []], make_side=dict)
+
+
+def test_auto_takes_sequential_without_a_trial_when_nothing_to_hide():
+    """No COMM op in the graph (TP, EP, CP 1): sequential from step 1, no trial, no re-check, and
+    the decision (its log line) says why; a graph with a collective is timed as before."""
+    from ds_dhelix.planning.autoschedule import nothing_to_hide
+    assert nothing_to_hide(_graph("comp", "comm", "comp")) is None
+    reason = nothing_to_hide(_graph("comp", "comp"))
+    assert reason.startswith("nothing to hide")
+    auto = AutoSchedule(("sequential", "si", "intra"), trials=3, recheck_steps=2, untimed_reason=reason)
+    assert auto.trial_steps_left == 0 and auto.chosen == "sequential"
+    ran, decided = _drive(auto, {"sequential": 3.0, "si": 1.0, "intra": 2.0}, 10)
+    assert ran == ["sequential"] * 10 and decided == []  # si "faster" here: not even looked at
+    (d,) = auto.decisions
+    assert d == {"step": 0, "chosen": "sequential", "previous": None, "trials": 0, "figures": {}, "reason": reason}
+    assert describe(d) == f"ds_dhelix: schedule auto chose 'sequential' without a trial: {reason}"
+    # sequential not a candidate: timed as usual, the reason says what was not possible
+    auto = AutoSchedule(("si", "intra"), trials=1, recheck_steps=0, untimed_reason=reason)
+    _, decided = _drive(auto, {"si": 1.0, "intra": 2.0}, 4)
+    assert decided[0]["chosen"] == "si" and "'sequential' is not among the candidates" in decided[0]["reason"]
+    timed = AutoSchedule(("sequential", "si"), trials=1, recheck_steps=0)
+    assert timed.trial_steps_left == 4 and timed.decisions == []
+
+
 # ---------------------------------------------------------------- real engines
 
 
@@ -206,6 +236,17 @@ def test_auto_trial_steps_train_bitwise_as_the_chosen_schedule():
     assert auto["ran"][:4] == ["sequential", "si", "sequential", "si"]
     assert auto["ran"][4:6] == [chosen] * 2 and auto["ran"][6] == "sequential"  # re-check begins
     assert all(torch.equal(auto["params"][k], out["chosen"]["params"][k]) for k in auto["params"])
+
+
+def test_auto_at_tp1_dp2_takes_sequential_without_a_trial():
+    """TP=1 x DP=2: the op graph has no collective, so the engine's auto runs sequential from its
+    first step with no trial, its decision saying there is nothing to hide."""
+    layout = dict(tp=1, dp=2, num_layers=1, micro_batches=2, steps=2)
+    out = run_ranks(_auto_rank, 2, args=(None, layout), timeout=240)[0]
+    auto = out["auto"]
+    assert auto["ran"] == ["sequential", "sequential"]
+    (d,) = auto["decisions"]
+    assert d["chosen"] == "sequential" and d["trials"] == 0 and d["reason"].startswith("nothing to hide")
 
 
 def test_pipeline_auto_trial_steps_train_bitwise_as_the_chosen_schedule():

@@ -145,8 +145,10 @@ def _progress_line(r: dict) -> str:
     if r.get("comm_s") is not None:
         parts.append(f"comp {r['compute_s'] * 1e3:.0f} comm {r['comm_s'] * 1e3:.0f} "
                      f"exposed {r['exposed_comm_s'] * 1e3:.0f} ms")
-    if r.get("auto_chosen"):
+    if r.get("auto_chosen") and r.get("auto_trial_steps"):
         parts.append(f"chose {r['auto_chosen']} after {r['auto_trial_steps']} trial steps")
+    elif r.get("auto_chosen"):
+        parts.append(f"chose {r['auto_chosen']} without a trial ({r['auto_reason']})")
     return ", ".join(parts)
 
 

@@ -47,13 +47,14 @@ class _Settling:
         return auto.trial_steps_left if auto is not None and auto.chosen is None else 0
 
     def settled_info(self) -> dict:
-        """What the row reports once settled: ``auto``'s choice and the figures it chose by."""
+        """What the row reports once settled: ``auto``'s choice, why (``auto_reason``), and the
+        figures it chose by (none when it chose without a trial: nothing to hide)."""
         auto = getattr(self.engine, "auto", None)
         if auto is None or not auto.decisions:
             return {}
         last = auto.decisions[-1]
         return {"auto_chosen": last["chosen"], "auto_trial_steps": last["step"],
-                "auto_figures": last["figures"]}
+                "auto_figures": last["figures"], "auto_reason": last["reason"]}
 
 
 class DhelixRunner(_Settling):

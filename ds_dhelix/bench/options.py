@@ -18,7 +18,9 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
                 the batch, one half's collectives behind the other's compute, same direction
     auto        "schedule": "auto": the engine times sequential, si and intra on its first steps and
                 keeps the fastest; its row is timed after that decision (the trial steps run in its
-                warm-up and are reported in the row: auto_trial_steps, auto_chosen, auto_figures)
+                warm-up and are reported in the row: auto_trial_steps, auto_chosen, auto_figures,
+                auto_reason); with no collective in the op graph (TP, EP, CP 1) it takes sequential
+                without a trial, and auto_reason says there is nothing to hide
 
 A ds_dhelix mode may name its activation recompute after a ``+``: ``si+full``, ``sequential+selective``
 (``dhelix.recompute``; plain ``si`` is ``si+none``), so the modes' step times sit side by side.

@@ -390,7 +390,8 @@ class DhelixConfig(_Section):
     """"sequential" (reference, no overlap), "si" (strand interleaving), "intra" (each micro-batch
     split in two halves along the batch, one half's collectives hidden behind the other half's
     compute in the same direction: Domino's intra-batch overlap), "auto" (the engine times the
-    ``auto_candidates`` on real training steps and keeps the fastest), "w" (folded W pipeline with
+    ``auto_candidates`` on real training steps and keeps the fastest; on one stage whose op graph has
+    no collective to hide, sequential without a trial, saying so), "w" (folded W pipeline with
     SI), "dualpipev" (folded pipeline in DualPipeV's order, each forward/backward pair co-executed by
     SI; DeepSpeed's own DualPipeV runs the pairs one after the other)."""
     auto_candidates: tuple[str, ...] | None = None

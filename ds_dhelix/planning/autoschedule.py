@@ -16,6 +16,10 @@ expert capacity per half), see ``executor``.
     schedule = auto.schedule()        # this step's schedule
     ... train the step ...
     decision = auto.record(step, seconds)   # a dict when this step ended a trial phase
+
+A decision is ``{"step", "chosen", "previous", "trials", "figures", "reason"}``: ``figures`` the
+candidates' median / min / max step seconds (empty for a choice made without a trial), ``reason``
+why ``chosen`` was taken, in words.
 """
 from __future__ import annotations
 
@@ -24,12 +28,31 @@ from collections import deque
 from typing import Callable, Sequence
 
 
+UNTIMED_CHOICE = "sequential"
+"""What auto takes without a trial where there is nothing to hide (``nothing_to_hide``)."""
+
+
+def nothing_to_hide(graph) -> str | None:
+    """Why no schedule but ``sequential`` can gain on ``graph`` (a one-stage ``ModelGraph``), or
+    None when it has a collective to hide. SI and intra only overlap one strand's compute with the
+    other strand's collectives inside the op graph (TP all-gathers / reduce-scatters, EP
+    all-to-alls, CP exchanges); DP's gradient reduction is DeepSpeed's, after the pairs."""
+    if any(op.is_comm for block in graph.blocks for op in block):
+        return None
+    return ("nothing to hide: the op graph has no collective (no TP, EP or CP communication) for an SI pair or "
+            "an intra half to overlap, so si and intra could only add overhead; DP's gradient reduction runs "
+            "outside the pairs")
+
+
 class AutoSchedule:
     """The schedule of each step under ``"schedule": "auto"`` (see the module docstring).
-    ``reduce_max(list of float) -> list of float``: element-wise max over the ranks (None: one rank)."""
+    ``reduce_max(list of float) -> list of float``: element-wise max over the ranks (None: one rank).
+    ``untimed_reason``: why there is nothing to time (``nothing_to_hide``'s reason, None: time the
+    candidates): with ``sequential`` among them it is chosen before step 1, without a trial or a
+    re-check; without it the candidates are timed as usual."""
 
     def __init__(self, candidates: Sequence[str], trials: int, recheck_steps: int,
-                 reduce_max: Callable[[list], list] | None = None):
+                 reduce_max: Callable[[list], list] | None = None, untimed_reason: str | None = None):
         if len(candidates) < 2:
             raise ValueError(f"schedule 'auto' needs two or more candidates, got {list(candidates)}")
         self.candidates, self.trials, self.recheck_steps = tuple(candidates), trials, recheck_steps
@@ -39,7 +62,14 @@ class AutoSchedule:
         self._queue: deque = deque()  # (schedule, timed) of the trial phase's steps left
         self._times: dict[str, list[float]] = {}
         self._since = 0  # steps on the chosen schedule since the last decision
-        self._start_phase(warm_up=True)
+        if untimed_reason is not None and UNTIMED_CHOICE in self.candidates:
+            self.chosen, self.recheck_steps = UNTIMED_CHOICE, 0
+            self.decisions.append({"step": 0, "chosen": UNTIMED_CHOICE, "previous": None, "trials": 0,
+                                   "figures": {}, "reason": untimed_reason})
+        else:
+            self._start_phase(warm_up=True)
+        self._timed_note = "" if untimed_reason is None or self.chosen is not None else (
+            f"; {untimed_reason}, but {UNTIMED_CHOICE!r} is not among the candidates")
 
     @property
     def trial_steps_left(self) -> int:
@@ -81,7 +111,10 @@ class AutoSchedule:
                    for i, c in enumerate(self.candidates)}
         best = min(self.candidates, key=lambda c: (figures[c]["median_s"], self.candidates.index(c)))
         decision = {"step": step, "chosen": best, "previous": self.chosen, "trials": self.trials,
-                    "figures": figures}
+                    "figures": figures,
+                    "reason": f"the fastest median step time ({self.trials} timed step{'s' * (self.trials != 1)} "
+                              f"each, slowest rank)"
+                    + self._timed_note}
         self.chosen, self._since = best, 0
         self.decisions.append(decision)
         return decision
@@ -89,6 +122,9 @@ class AutoSchedule:
 
 def describe(decision: dict) -> str:
     """The log line of a decision."""
+    if not decision["trials"]:  # chosen without a trial (``nothing_to_hide``)
+        return (f"ds_dhelix: schedule auto chose {decision['chosen']!r} without a trial: "
+                f"{decision['reason']}")
     figures = decision["figures"]
     best = figures[decision["chosen"]]["median_s"]
     parts = [f"{c} {f['median_s'] * 1e3:.1f} ms [{f['min_s'] * 1e3:.1f}-{f['max_s'] * 1e3:.1f}]"
