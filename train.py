@@ -297,8 +297,9 @@ def _data(args, setup, model_config):
     need, d = setup.batch.micro_batch_size * setup.dims.dp, setup.dims
     if data.train is not None and len(data.train) < need:
         s = data.stats
-        raise ValueError(f"{args.data or 'the corpus'} has {s.tokens} tokens in {s.records} records: {len(data.train)} "
-                         f"blocks of --seq-len {args.seq_len} (--packing {args.packing}), fewer than one micro-batch "
+        dropped = f", {s.dropped} left out as longer (--drop-long)" if s.dropped else ""
+        raise ValueError(f"{args.data or 'the corpus'} has {s.tokens} tokens in {s.records} records{dropped}: "
+                         f"{len(data.train)} blocks of --seq-len {args.seq_len} (--packing {args.packing}), fewer than one micro-batch "
                          f"({setup.batch.micro_batch_size}) on each of {d.dp} data-parallel replicas; use more data or a "
                          f"shorter --seq-len")
     if data.eval is not None and len(data.eval) < need:

@@ -64,6 +64,28 @@ def dropout_overrides(config, p: float) -> dict:
     return {key: p for key in adapter_for(config).DROPOUT_KEYS}
 
 
+def stochastic_keys(config) -> tuple[str, ...]:
+    """Config keys of every stochastic setting ``config``'s family reads while training: its
+    dropout rates (the adapter's ``DROPOUT_KEYS``) and its router noise (``NOISE_KEYS``, MoE
+    families: Mixtral's ``router_jitter_noise``, Phi-MoE's ``router_jitter_noise`` and
+    ``input_jitter_noise``)."""
+    adapter = adapter_for(config)
+    return tuple(adapter.DROPOUT_KEYS) + tuple(getattr(adapter, "NOISE_KEYS", ()))
+
+
+def stochastic_settings(config) -> dict[str, float]:
+    """``config``'s stochastic settings that are on: ``{key: value}`` of its nonzero
+    ``stochastic_keys`` (a key the config lacks counts as 0), in that order."""
+    values = {key: float(getattr(config, key, 0.0) or 0.0) for key in stochastic_keys(config)}
+    return {key: value for key, value in values.items() if value}
+
+
+def stochastic_off_overrides(config) -> dict[str, float]:
+    """Config overrides (``registry.build_model``'s ``overrides``) that turn every stochastic
+    setting of ``config`` off: 0 for each one ``stochastic_settings`` lists."""
+    return {key: 0.0 for key in stochastic_settings(config)}
+
+
 def unwrap_peft(model):
     """``(hf_model, LoraInfo)`` for a PEFT LoRA model (``hf_models.lora.from_peft``, with the
     family's LoRA targets), ``(model, None)`` for a plain HF model."""

@@ -11,5 +11,5 @@ from .moe_family import MoeAdapter, MoeFamily, check_top_k
 
 FAMILY = MoeFamily(name="Mixtral", family="mixtral", hf=hf, router="gate", block_jitter="jitter_noise",
                    experts_key="num_local_experts", files_block="block_sparse_moe", files_router="gate",
-                   files_experts=("w1", "w3", "w2"))
+                   files_experts=("w1", "w3", "w2"), noise_keys=("router_jitter_noise",))
 ADAPTER = MoeAdapter(FAMILY, lambda config: check_top_k(config, FAMILY.experts_key))

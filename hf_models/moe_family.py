@@ -70,6 +70,7 @@ class MoeFamily:
     inter_key: str = "intermediate_size"  # the config key of one expert's hidden size
     shared_expert: bool = False  # a shared-expert MLP gated by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)
     qk_norm: str | None = None  # RMSNorm of q and k: "head" (over head_dim, Qwen3) or "full" (the whole projection, OLMoE)
+    noise_keys: tuple = ()  # config keys of the router's random draws while training (jitter; 0 = off)
 
     def num_experts(self, config) -> int:
         return getattr(config, self.experts_key)
@@ -91,6 +92,11 @@ class MoeAdapter:
 
     def __init__(self, family: MoeFamily, check_moe, max_tp: tuple[int, str] | None = None):
         self.FAMILY, self.check_moe, self.max_tp = family, check_moe, max_tp
+
+    @property
+    def NOISE_KEYS(self) -> tuple[str, ...]:
+        """Config keys of the family's router noise (``MoeFamily.noise_keys``)."""
+        return self.FAMILY.noise_keys
 
     def check_tp(self, config, tp: int, world: int | None = None) -> None:
         if self.max_tp is not None and tp > self.max_tp[0]:

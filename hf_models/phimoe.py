@@ -11,7 +11,10 @@ from .moe_family import MoeAdapter, MoeFamily
 
 FAMILY = MoeFamily(name="Phi-MoE", family="phimoe", hf=hf, router="router", block_jitter="input_jitter_noise",
                    experts_key="num_local_experts", files_block="block_sparse_moe", files_router="gate",
-                   files_experts=("w1", "w3", "w2"))
+                   files_experts=("w1", "w3", "w2"),
+                   # the sparsemixer samples among the experts within router_jitter_noise of the best
+                   # (0: the top ones, no draw), and the block jitters its input by input_jitter_noise
+                   noise_keys=("router_jitter_noise", "input_jitter_noise"))
 
 
 def check_moe(config) -> None:

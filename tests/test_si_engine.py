@@ -100,3 +100,48 @@ def test_hf_comparison_fails_on_a_gradient_or_loss_off_by_more_than_rounding():
     assert not compare(opts, run, run, {**hf, "losses": [7.0, 6.9 + 1e-3]})["ok"]
     other = {**run, "params": {"w": torch.tensor([0.0, 1e-9])}}
     assert not compare(opts, run, other, hf)["bitwise_equal"]
+
+
+# ---------------------------------------------------------------- a checkpoint's own stochastic settings
+def test_stochastic_settings_of_each_family_and_their_overrides():
+    """Every dense family's dropout rates and the MoE families' router noise, nonzero ones only."""
+    from hf_models.adapters import stochastic_keys, stochastic_off_overrides, stochastic_settings
+    from hf_models.registry import load_config
+    gpt2 = load_config("tiny-gpt2")
+    assert stochastic_settings(gpt2) == {} and stochastic_off_overrides(gpt2) == {}
+    gpt2.resid_pdrop, gpt2.attn_pdrop = 0.1, 0.2
+    assert stochastic_settings(gpt2) == {"resid_pdrop": 0.1, "attn_pdrop": 0.2}
+    assert stochastic_off_overrides(gpt2) == {"resid_pdrop": 0.0, "attn_pdrop": 0.0}
+    mixtral = load_config("tiny-mixtral")
+    mixtral.router_jitter_noise = 0.1
+    assert stochastic_settings(mixtral) == {"router_jitter_noise": 0.1}
+    assert stochastic_keys(load_config("tiny-phimoe")) == ("attention_dropout", "router_jitter_noise",
+                                                           "input_jitter_noise")
+    assert stochastic_keys(load_config("tiny-qwen3-moe")) == ("attention_dropout",)  # no router noise
+    assert stochastic_keys(load_config("tiny-gpt-neox")) == ("hidden_dropout", "attention_dropout")
+
+
+def _checkpoint(path, preset, **config):
+    """``preset`` (2 layers) with ``config`` keys set, saved as an HF checkpoint directory."""
+    from hf_models.registry import build_model
+    build_model(preset, seed=1234, num_layers=2, overrides=config)[0].save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.timeout(420)
+def test_checkpoint_with_dropout_or_router_jitter_is_compared_with_hf_with_them_off(tmp_path):
+    """A GPT-2 checkpoint trained with dropout 0.1 and a Mixtral one with router jitter 0.1: the
+    trained legs keep them (SI bitwise equal to sequential), HF is compared on the first step with
+    them off, and the result names what was switched off (one 2-rank world for both)."""
+    from ds_dhelix.engine.parity import run_parities
+    drop = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.1)
+    gpt2 = _checkpoint(tmp_path / "gpt2", "tiny-gpt2", **drop)
+    mixtral = _checkpoint(tmp_path / "mixtral", "tiny-mixtral", router_jitter_noise=0.1)
+    many = [ParityOptions(model=m, tp=2, seq_len=32, steps=2, micro_batches=2) for m in (gpt2, mixtral)]
+    r_gpt2, r_mixtral = run_parities(many, timeout=400)
+    for r, off, kind in ((r_gpt2, drop, "dropout off"), (r_mixtral, {"router_jitter_noise": 0.1}, "router noise off")):
+        assert r["bitwise_equal"] and r["losses"]["si"] == r["losses"]["sequential"], r
+        assert r["hf_close"] and r["ok"], (r["max_abs_diff_vs_hf"], r["max_loss_diff_vs_hf"], r["losses"])
+        assert r["hf_stochastic_off"] == off and kind in r["hf_comparison"], r["hf_comparison"]
+        # the trained legs really ran with them: their losses leave HF's (all off) by far more than rounding
+        assert max(abs(a - b) for a, b in zip(r["losses"]["sequential"], r["losses"]["hf"])) > 1e-4, r["losses"]

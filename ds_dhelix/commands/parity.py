@@ -30,7 +30,8 @@ def register(sub) -> None:
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2], help="ZeRO stage")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="set every dropout rate of the model (SI vs sequential stays bitwise; HF is then compared "
-                        "with dropout off, on the first step)")
+                        "with dropout off, on the first step). A model whose own config has dropout or router "
+                        "jitter / noise is compared the same way, and the output names what was switched off")
     p.add_argument("--packing", default="concat", choices=["concat", "docs"],
                    help="docs: random documents of random lengths per row (position_ids restart, attention masked "
                         "across documents; HF gets the same block-diagonal mask)")
@@ -112,6 +113,10 @@ def run(args) -> int:
                   f"max |loss diff| {result['max_loss_diff_vs_hf']:.3g} (tolerances "
                   f"{result['hf_grad_tolerance']:.3g} / {result['hf_loss_tolerance']:g}: "
                   f"{'ok' if result['hf_close'] else 'EXCEEDED'})")
+            if result["hf_stochastic_off"]:
+                from ds_dhelix.engine.parity import describe_settings
+                print(f"  HF compared with these switched off, on the first step only (the trained legs keep "
+                      f"them): {describe_settings(result['hf_stochastic_off'])}")
         if result["note"]:
             print(f"  note: {result['note']}")
         pk = result["peak_activation_bytes"]

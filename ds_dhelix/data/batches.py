@@ -68,9 +68,8 @@ class BlockDataset(torch.utils.data.Dataset):
     ``PackStats`` of their packing."""
 
     def __init__(self, fields: dict[str, torch.Tensor], stats=None):
-        if not fields:
-            raise ValueError("no blocks: the data packed into nothing")
-        self.fields, self.stats, self.blocks = fields, stats, fields["input_ids"]
+        self.fields, self.stats = fields, stats
+        self.blocks = fields.get("input_ids", torch.zeros(0, 0, dtype=torch.long))
 
     __len__ = TokenDataset.__len__
     __getitem__ = TokenDataset.__getitem__

@@ -86,9 +86,22 @@ def open_records(path: str, streaming: bool = False):
     except ValueError:
         raise
     except Exception as err:  # datasets wraps parse errors in its own classes
+        if kind == "json" and path.lower().endswith(".jsonl"):
+            _check_json_lines(path)  # names the line
         cause = err.__cause__ or err
         raise ValueError(f"cannot read {path!r} as {kind}: {type(cause).__name__}: "
                          f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
+
+
+def _check_json_lines(path: str) -> None:
+    import json
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
 
 
 def first_record(records) -> dict:
@@ -155,14 +168,30 @@ class RecordEncoder:
         self.template = resolve_chat_template(tokenizer, chat_template) if fmt == "chat" else None
         self.marked = bool(self.template and _GENERATION.search(self.template))
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch: dict, indices=None) -> dict:
         n = len(next(iter(batch.values())))
         records = [{k: v[i] for k, v in batch.items()} for i in range(n)]
+        for i, r in enumerate(records):
+            try:
+                self.check(r)
+            except ValueError as err:
+                where = f"record {indices[i] + 1}" if indices is not None else "a record"
+                raise ValueError(f"{where} ({self.fmt}): {err}") from None
         encode = {"text": self._texts, "prompt-completion": self._completions, "chat": self._chats}[self.fmt]
         ids, masks = encode(records)
         if self.loss_on == "all":
             masks = [[1] * len(m) for m in masks]
         return {"input_ids": ids, "loss_mask": masks}
+
+    def check(self, record: dict) -> None:
+        """A ValueError naming the field a record of this format lacks or has wrong."""
+        if self.fmt == "text":
+            _field(record, "text", str)
+        elif self.fmt == "prompt-completion":
+            _field(record, "prompt", str)
+            _field(record, "completion", str)
+        else:
+            _messages(record)
 
     def _texts(self, records):
         texts = [_field(r, "text", str) for r in records]

@@ -133,7 +133,7 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
         raise ValueError(f"--eval-fraction cannot hold records out of a streamed file ({options.path!r} is larger "
                          f"than --stream-above): give --eval-data FILE, or raise --stream-above")
     records = _corpus_records() if options.path is None else open_records(options.path, streaming=streaming)
-    fmt = options.fmt or detect_format(first_record(records), options.path or "the corpus")
+    fmt = options.fmt or detect_format(first_record(records), f"{options.path}: record 1" if options.path else "the corpus")
     loss_on = options.loss_on or ("all" if fmt == "text" else "answers")
     if fmt == "text" and loss_on == "answers":
         raise ValueError("--loss-on answers needs answers: text records have none (use chat or prompt-completion "
@@ -172,17 +172,18 @@ def _packer(options: DataOptions, fmt: str) -> Packer:
 
 def _packed(records, encoder: RecordEncoder, options: DataOptions, fmt: str, what: str = "train") -> BlockDataset:
     packer = _packer(options, fmt)
-    if isinstance(records, list):
-        encoded = _encode_stream(records, encoder)
-    else:
-        mapped = records.map(encoder, batched=True, batch_size=ENCODE_BATCH, remove_columns=records.column_names,
-                             num_proc=options.workers if options.workers > 1 else None,
-                             desc=f"tokenise ({what})")
-        encoded = _rows(mapped)
-    fields = stack_blocks(packer.blocks(encoded))
-    if not fields:
-        raise ValueError(f"the {what} data packed into no block of --seq-len {options.seq_len} "
-                         f"({packer.stats.records} records, {packer.stats.dropped} dropped as longer)")
+    source = (options.eval_path if what == "eval" and options.eval_path else options.path) or "the corpus"
+    try:
+        if isinstance(records, list):
+            encoded = _encode_stream(records, encoder)
+        else:
+            mapped = records.map(encoder, batched=True, batch_size=ENCODE_BATCH, with_indices=True,
+                                 remove_columns=records.column_names,
+                                 num_proc=options.workers if options.workers > 1 else None, desc=f"tokenise ({what})")
+            encoded = _rows(mapped)
+        fields = stack_blocks(packer.blocks(encoded))
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
     return BlockDataset(fields, packer.stats)
 
 
@@ -194,18 +195,20 @@ def _rows(mapped) -> Iterator[dict]:
 def _encode_stream(records, encoder: RecordEncoder) -> Iterator[dict]:
     """Encode records as they come, ``ENCODE_BATCH`` at a time."""
     chunk: list[dict] = []
+    done = 0
     for record in records:
         chunk.append(record)
         if len(chunk) == ENCODE_BATCH:
-            yield from _encode_chunk(chunk, encoder)
+            yield from _encode_chunk(chunk, encoder, done)
+            done += len(chunk)
             chunk = []
     if chunk:
-        yield from _encode_chunk(chunk, encoder)
+        yield from _encode_chunk(chunk, encoder, done)
 
 
-def _encode_chunk(chunk: list[dict], encoder: RecordEncoder) -> Iterator[dict]:
+def _encode_chunk(chunk: list[dict], encoder: RecordEncoder, first: int) -> Iterator[dict]:
     keys = chunk[0].keys()
-    out = encoder({k: [r.get(k) for r in chunk] for k in keys})
+    out = encoder({k: [r.get(k) for r in chunk] for k in keys}, range(first, first + len(chunk)))
     yield from ({"input_ids": i, "loss_mask": m} for i, m in zip(out["input_ids"], out["loss_mask"]))
 
 

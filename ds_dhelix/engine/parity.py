@@ -8,6 +8,12 @@ rounding: the first step's gradients (before clipping and the optimizer) and eve
 Parameters after a few AdamW steps are not compared with HF: Adam divides by sqrt(v), so for a
 weight whose gradient is ~0 a rounding-level gradient difference moves its update by a sizeable
 part of the learning rate.
+
+Stochastic settings (dropout rates, MoE router jitter / noise; ``adapters.stochastic_settings``),
+from ``--dropout`` or the model's own config (a checkpoint trained with dropout or router jitter):
+the trained legs keep them (SI and sequential draw the same seeded masks, so they stay
+bitwise), while HF draws from its own generator, so it is compared on the first step only, with
+every one of them off on both sides (``hf_stochastic_off`` in the result names them).
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ class ParityOptions:
     pp: int = 1  # pipeline stages: > 1 compares the folded pipeline against PP=1 sequential
     clip: float = 1.0  # gradient_clipping
     dtype: str = "fp32"  # "fp32", "bf16" or "fp16" (DeepSpeed's mixed precision; HF compared in fp32 only)
-    dropout: float = 0.0  # every dropout rate of the model (HF is then compared with dropout off)
+    dropout: float = 0.0  # every dropout rate of the model (HF is then compared with it off, as with the model's own)
     recompute: str = "none"  # dhelix.recompute of the trained legs
     packing: str = "concat"  # "docs": random documents of random lengths (position_ids, block-diagonal mask)
     cp: int = 1  # context-parallel size
@@ -114,13 +120,29 @@ def make_batches(opts: ParityOptions, vocab: int) -> list[list[dict]]:
     return out
 
 
-def build(opts: ParityOptions, dropout: bool = True):
-    """The model every leg starts from (same seed, same layers); ``dropout=False``: its dropout off
-    (the HF comparison's legs)."""
+def trained_stochastic(opts: ParityOptions) -> dict[str, float]:
+    """The stochastic settings the trained legs run with, ``{config key: value}`` of those on: the
+    model's own (its config's dropout rates, router jitter / noise) with ``opts.dropout`` over
+    every dropout rate."""
+    from hf_models.adapters import dropout_overrides, stochastic_settings
+    from hf_models.registry import load_config
+    config = load_config(opts.model)
+    settings = stochastic_settings(config)
+    if opts.dropout:
+        settings.update(dropout_overrides(config, opts.dropout))
+    return settings
+
+
+def build(opts: ParityOptions, stochastic: bool = True):
+    """The model every leg starts from (same seed, same layers; ``opts.dropout``: every dropout
+    rate set to it); ``stochastic=False``: every stochastic setting off, the model's own included
+    (the HF comparison's legs: ``trained_stochastic`` set to 0)."""
     from hf_models.adapters import dropout_overrides
     from hf_models.registry import build_model, load_config
-    overrides = dropout_overrides(load_config(opts.model), opts.dropout) if dropout and opts.dropout else None
-    model = build_model(opts.model, seed=opts.seed, num_layers=opts.num_layers, overrides=overrides)[0]
+    overrides = dropout_overrides(load_config(opts.model), opts.dropout) if opts.dropout else {}
+    if not stochastic:
+        overrides = {**overrides, **{key: 0.0 for key in trained_stochastic(opts)}}
+    model = build_model(opts.model, seed=opts.seed, num_layers=opts.num_layers, overrides=overrides or None)[0]
     return with_lora(model, opts.lora, opts.seed) if opts.lora else model
 
 
@@ -161,9 +183,9 @@ def train_schedule(opts: ParityOptions, schedule: str, batches) -> dict:
 
 
 def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> dict:
-    """On every rank: the sharded model's first step (``schedule``, dropout off, before clipping and
-    the optimizer) through the build path's sharding and the executor alone: its full gradients
-    and its loss (mean over the micro-batches, TP and CP shares summed, DP averaged)."""
+    """On every rank: the sharded model's first step (``schedule``, every stochastic setting off,
+    before clipping and the optimizer) through the build path's sharding and the executor alone:
+    its full gradients and its loss (mean over the micro-batches, TP and CP shares summed, DP averaged)."""
     import torch.distributed as dist
 
     from .build import check_setup, shard_model
@@ -171,7 +193,7 @@ def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> di
     from ..runtime.executor import Executor
     from ..runtime.groups import ProcessGroups
     from hf_models.adapters import unwrap_peft
-    model, _ = unwrap_peft(build(opts, dropout=False))
+    model, _ = unwrap_peft(build(opts, stochastic=False))
     setup = check_setup(opts.ds_config("sequential"), model.config, dist.get_world_size())
     groups = ProcessGroups.create(setup.dims)
     graph = shard_model(model, setup.dh, setup.dims, groups)
@@ -186,11 +208,12 @@ def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> di
 
 
 def train_hf(opts: ParityOptions, batches) -> dict:
-    """The unsharded HF model, one process, same data and optimizer; also its first-step gradients."""
+    """The unsharded HF model, one process, same data and optimizer, every stochastic setting off
+    (``build(stochastic=False)``); also its first-step gradients."""
     from ..data import hf_model_inputs
     from hf_models.common import hf_mask_windows
     from hf_models.lora import our_name
-    model = build(opts, dropout=False)
+    model = build(opts, stochastic=False)
     windows = hf_mask_windows(model.config)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.01)
@@ -235,7 +258,8 @@ def _rank_main(rank, world, opts: ParityOptions):
 def judge_halves(out: dict, intra: dict, halves: dict | None) -> dict:
     """``intra`` against sequential over half-size micro-batches (``halves``: that run, or None
     where there is none): bitwise required; where nothing else held intra to anything (MoE balance
-    loss, dropout in bf16/fp16) and there is no such run, the result is not judged and not ok."""
+    loss, dropout or router noise in bf16/fp16) and there is no such run, the result is not judged
+    and not ok."""
     if halves is not None:
         out["bitwise_equal_to_half_microbatches"] = all(torch.equal(halves["params"][k], intra["params"][k])
                                                         for k in intra["params"])
@@ -309,7 +333,7 @@ def compare(opts, seq, other, hf, label: str | None = None, note: str = "") -> d
     if hf is None:
         why = (f"dtype {opts.dtype} (the HF reference runs fp32)" if opts.dtype != "fp32" else
                "packed documents with MoE layers (HF's load-balancing loss cannot take a 4-D attention mask)")
-        out.update(hf_comparison=f"skipped: {why}", hf_close=None,
+        out.update(hf_comparison=f"skipped: {why}", hf_close=None, hf_stochastic_off=None,
                    max_abs_diff_vs_hf=None, max_loss_diff_vs_hf=None, ok=bitwise)
         if label == "intra":
             _judge_intra(opts, out, seq, other, None)
@@ -317,10 +341,11 @@ def compare(opts, seq, other, hf, label: str | None = None, note: str = "") -> d
     first = seq["first_step"]
     grad_diff = max_diff(hf["grads"], first["grads"])  # HF's trained parameters (a LoRA model's factors)
     grad_scale = max(1.0, max(float(g.abs().max()) for g in hf["grads"].values()))
-    if opts.dropout:  # the trained legs draw dropout masks HF does not: only the dropout-off first step
+    stochastic = trained_stochastic(opts)
+    if stochastic:  # the trained legs draw masks / noise HF does not: only the first step, with all of it off
         loss_diff, what = abs(first["loss"] - hf["losses"][0]), (
-            f"first-step gradients (before clipping) and loss, with dropout off (the trained legs use dropout "
-            f"{opts.dropout:g})")
+            f"first-step gradients (before clipping) and loss, with {stochastic_kinds(opts, stochastic)} off "
+            f"({describe_settings(stochastic)} in the trained legs)")
     else:
         loss_diff = max(abs(a - b) for a, b in zip(other["losses"], hf["losses"]))
         what = "first-step gradients (before clipping) and every step's loss"
@@ -330,18 +355,34 @@ def compare(opts, seq, other, hf, label: str | None = None, note: str = "") -> d
     out["losses"]["hf"] = hf["losses"]
     out.update(max_abs_diff_vs_hf=grad_diff, max_loss_diff_vs_hf=loss_diff, hf_comparison=what,
                hf_grad_tolerance=HF_GRAD_TOLERANCE * grad_scale, hf_loss_tolerance=HF_LOSS_TOLERANCE,
-               hf_close=close, ok=bitwise and close)
+               hf_close=close, hf_stochastic_off=stochastic, ok=bitwise and close)
     if label == "intra":
         _judge_intra(opts, out, seq, other, grad_scale)
     return out
+
+
+def describe_settings(settings: dict[str, float]) -> str:
+    """``{"resid_pdrop": 0.1, ...}`` -> ``"resid_pdrop 0.1, ..."``."""
+    return ", ".join(f"{key} {value:g}" for key, value in settings.items())
+
+
+def stochastic_kinds(opts: ParityOptions, settings: dict[str, float]) -> str:
+    """What ``settings`` (config keys of ``opts.model``) are, in words: "dropout", "router noise"
+    or "dropout and router noise"."""
+    from hf_models.adapters import adapter_for
+    from hf_models.registry import load_config
+    dropout_keys = adapter_for(load_config(opts.model)).DROPOUT_KEYS
+    kinds = [kind for kind, keys in (("dropout", [k for k in settings if k in dropout_keys]),
+                                     ("router noise", [k for k in settings if k not in dropout_keys])) if keys]
+    return " and ".join(kinds)
 
 
 def _judge_intra(opts: ParityOptions, out: dict, seq: dict, intra: dict, grad_scale: float | None) -> None:
     """``intra`` is held to sequential within tolerances (see INTRA_LOSS_TOLERANCE_LOW_PRECISION's
     comment), not bitwise; the HF comparison (fp32) still has to pass. Where the math differs
     from sequential's on purpose it is held to the half-size micro-batches' run only (the caller
-    adds that): with dropout (other masks: the losses are not compared, the first step runs
-    without it) and with an MoE balance loss (each half's own)."""
+    adds that): with dropout or router noise (other draws: the losses are not compared, the first
+    step runs without them) and with an MoE balance loss (each half's own)."""
     from hf_models.adapters import num_experts
     from hf_models.moe_family import default_aux_loss_coef
     from hf_models.registry import load_config
@@ -350,6 +391,7 @@ def _judge_intra(opts: ParityOptions, out: dict, seq: dict, intra: dict, grad_sc
     aux = num_experts(config) > 0 and (default_aux_loss_coef(config) if coef is None else coef) > 0
     loss_diff = max(abs(a - b) for a, b in zip(seq["losses"], intra["losses"]))
     out["max_loss_diff_vs_sequential"] = loss_diff
+    stochastic = trained_stochastic(opts)
     if aux:
         out["intra_tolerance"] = ("not compared with sequential: each half's own load-balancing loss (held to the "
                                   "half-size micro-batches' run)")
@@ -359,9 +401,10 @@ def _judge_intra(opts: ParityOptions, out: dict, seq: dict, intra: dict, grad_sc
             out["hf_comparison"] = "skipped: HF's load-balancing loss is over whole micro-batches"
         return
     if "first_step" not in intra:  # bf16 / fp16: losses only (with dropout not even those)
-        if opts.dropout:
+        if stochastic:
             out["ok"], out["intra_needs_halves"] = True, True
-            out["intra_tolerance"] = "not compared with sequential: other dropout masks (held to the half-size run)"
+            out["intra_tolerance"] = (f"not compared with sequential: other draws of {', '.join(stochastic)} (held "
+                                      f"to the half-size run)")
             return
         out["ok"] = loss_diff <= INTRA_LOSS_TOLERANCE_LOW_PRECISION
         out["intra_tolerance"] = f"losses within {INTRA_LOSS_TOLERANCE_LOW_PRECISION:g} of sequential"
@@ -371,10 +414,10 @@ def _judge_intra(opts: ParityOptions, out: dict, seq: dict, intra: dict, grad_sc
     grad_diff = max_diff(intra["first_step"]["grads"], seq["first_step"]["grads"])
     out["max_grad_diff_vs_sequential"] = grad_diff
     out["intra_tolerance"] = f"first-step gradients within {HF_GRAD_TOLERANCE * grad_scale:.3g}" + (
-        f" (dropout off; the trained legs draw other masks)" if opts.dropout else
+        f" ({stochastic_kinds(opts, stochastic)} off; the trained legs draw other masks / noise)" if stochastic else
         f" and losses within {HF_LOSS_TOLERANCE:g}") + " of sequential"
     out["ok"] = out["hf_close"] is not False and grad_diff <= HF_GRAD_TOLERANCE * grad_scale \
-        and (bool(opts.dropout) or loss_diff <= HF_LOSS_TOLERANCE)
+        and (bool(stochastic) or loss_diff <= HF_LOSS_TOLERANCE)
 
 
 def run_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
