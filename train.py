@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="FILE|chatml",
                    help="Jinja chat template for chat records (default: the tokenizer's own; chatml: the built-in "
                         "ChatML one, for tokenizers without a template such as the presets')")
+    p.add_argument("--loss-average", default=None, choices=["tokens", "microbatches"],
+                   help="a step's loss: tokens -- its summed loss over its target count on every data-parallel "
+                        "replica, like the HF Trainer's num_items_in_batch; microbatches -- the mean of its micro-batch "
+                        "means (default: tokens when the loss is on the answers, whose count varies by micro-batch; "
+                        "microbatches otherwise)")
     p.add_argument("--packing", default="concat", choices=["concat", "docs", "none"],
                    help="concat: records back to back (EOS after text and completions), crossing blocks; docs: "
                         "positions restart and attention is masked at each record, and chat / prompt-completion "
@@ -340,7 +345,8 @@ def run_state(args, ds_config, setup, data) -> dict:
             "optimizer": ds_config.get("optimizer"), "precision": precision,
             "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, **({"cp": d.cp, "cp_comm": d.cp_comm} if d.cp > 1 else {}),
                        "micro_batch_size": b.micro_batch_size, "gradient_accumulation_steps": b.gradient_accumulation_steps},
-            "model": model, "data": {"source": source, "seed": args.seed, **data.identity()},
+            "model": model, "data": {"source": source, "seed": args.seed, **data.identity(),
+                                     "loss_average": loss_average(args, data)},
             "seq_len": args.seq_len, "draw_seed": setup.dh.seed, "plan_fingerprint": None}
 
 
@@ -503,6 +509,8 @@ def train(args, prep: Prepared, engine) -> int:
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     start = engine.global_steps
     data = prep.data.batches(micro, seed=args.seed, rank=dp_rank, replicas=dp_size, start=start * gas)
+    if loss_average(args, prep.data) == "tokens":
+        data = weighed_by_targets(data, gas, dp_size, engine.groups.dp_group if prep.setup.dh.enabled else None)
     stop = StopRequest.install()
     log = {"losses": [], "times": [], "stats": [], "lrs": [], "eval_losses": []}
     log_data_fields(engine, prep.data, start)
@@ -531,6 +539,28 @@ def train(args, prep: Prepared, engine) -> int:
         log["eval_losses"].append(evaluate(engine, prep, micro))
     finish(args, prep, engine, log, start, micro, dp_size)
     return 0
+
+
+def loss_average(args, data) -> str:
+    """``--loss-average``, or its default for the data (tokens when the loss is on the answers)."""
+    return args.loss_average or ("tokens" if data.loss_on == "answers" else "microbatches")
+
+
+def weighed_by_targets(batches, gas: int, dp_size: int, dp_group):
+    """The micro-batches, each step's ``gas`` carrying the step's ``loss_denominator``: its target
+    count over every data-parallel replica / (gas x replicas), so the engine's mean over micro-
+    batches and replicas is the step's summed loss over its targets (one all-reduce per step)."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_dhelix.data import valid_targets
+    while True:
+        step = [next(batches) for _ in range(gas)]
+        count = torch.tensor([float(sum(valid_targets(b["labels"]) for b in step))], dtype=torch.float64)
+        if dp_size > 1:
+            dist.all_reduce(count, group=dp_group)
+        denominator = max(float(count) / (gas * dp_size), 1e-12)
+        yield from ({**b, "loss_denominator": denominator} for b in step)
 
 
 def evaluate(engine, prep: Prepared, micro: int) -> dict:
@@ -720,7 +750,9 @@ def plain_step(engine, data):
         from hf_models.common import hf_mask_windows
         module = engine.module
         eager = next(module.parameters()).dtype if module.config._attn_implementation == "eager" else None
-        out = engine(**hf_model_inputs(batch, eager, hf_mask_windows(module.config)))
+        denominator = batch.pop("loss_denominator", None)
+        extra = {} if denominator is None else {"num_items_in_batch": denominator}
+        out = engine(**hf_model_inputs(batch, eager, hf_mask_windows(module.config)), **extra)
         engine.backward(out.loss)
         engine.step()
         total += out.loss.detach().float()
@@ -749,7 +781,7 @@ def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, pro
     summary = {"model": args.model, "attn_implementation": args.attn_implementation, "start_step": start, "steps": len(losses), "total_steps": args.steps,
                "loss_first": first, "loss_last": last, "losses": losses, "lrs": log["lrs"],
                "median_step_s": med, "tokens_per_s": tokens / med, "hf_checkpoint": path,
-               "eval_losses": log["eval_losses"], "data": data.summary()}
+               "eval_losses": log["eval_losses"], "data": {**data.summary(), "loss_average": loss_average(args, data)}}
     line = (f"done: steps {start + 1}-{start + len(losses)}, loss {first:.3f} -> {last:.3f}, "
             f"median step {med * 1e3:.0f} ms, {tokens / med:.0f} tokens/s")
     if stats:
@@ -767,8 +799,9 @@ def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, pro
             line += f"; schedule {dh.schedule}: {exposed / n * 1e3:.0f} ms/step waiting on transfers"
     print(line)
     d = data.summary()
-    print(f"data: {d['format']} records, loss on {d['loss_on']}: {d['records']} records, {d['tokens']} tokens, "
-          f"{d['loss_tokens']} with loss; {d['truncated']} cut to --seq-len, {d['dropped']} dropped; padding "
+    print(f"data: {d['format']} records, loss on {d['loss_on']} (averaged over {loss_average(args, data)}): "
+          f"{d['records']} records, {d['tokens']} tokens, {d['loss_tokens']} with loss; {d['truncated']} cut to "
+          f"--seq-len, {d['dropped']} dropped as longer, {d['no_loss']} without an answer left; padding "
           f"{d['padding_fraction']:.1%} (--packing {d['packing']}{', streamed: the part read' if d['streaming'] else ''})")
     if log["eval_losses"]:
         print("eval loss: " + ", ".join(f"step {e['step']} {e['loss']:.4f}" for e in log["eval_losses"]))

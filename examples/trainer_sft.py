@@ -6,8 +6,9 @@ strand interleaving from the ds_config's "dhelix" section.
     deepspeed --num_gpus 2 examples/trainer_sft.py --deepspeed ds_configs/tiny_llama_cpu.json ...
     accelerate launch --config_file ds_configs/accelerate_deepspeed.yaml examples/trainer_sft.py ...
 
-``--model``: a preset (random init) or a local HF checkpoint directory; ``--data``: a .txt or
-.jsonl file (default: the embedded corpus), cut into blocks of ``--seq-len`` tokens. The ds_config's
+``--model``: a preset (random init) or a local HF checkpoint directory; ``--data``: a file of text,
+chat or prompt/completion records read as train.py reads it (default: the embedded corpus), packed
+into blocks of ``--seq-len`` tokens with the loss on the answers. The ds_config's
 numbers (micro-batch, accumulation, learning rate, betas, clipping, warmup) become the
 TrainingArguments, so a config written for train.py runs unchanged; "auto" values follow the
 TrainingArguments defaults. ``--plain`` trains the same run with ``transformers.Trainer`` and plain
@@ -34,7 +35,20 @@ def parse_args(argv=None):
                    help="ds_config JSON with a \"dhelix\" section (default under accelerate launch: the "
                         "deepspeed_config_file of its config)")
     p.add_argument("--model", default="tiny-llama", help="preset name or local HF checkpoint directory")
-    p.add_argument("--data", default=None, help=".txt or .jsonl file (default: the embedded corpus)")
+    p.add_argument("--data", default=None,
+                   help="training data as train.py reads it: .txt, .jsonl, .json, .parquet or a save_to_disk "
+                        "directory of text, chat or prompt/completion records (default: the embedded corpus)")
+    p.add_argument("--data-format", default=None, choices=["text", "chat", "prompt-completion"],
+                   help="the records' format (default: told from the first record)")
+    p.add_argument("--loss-on", default=None, choices=["all", "answers"],
+                   help="tokens with loss (default: answers for chat and prompt-completion, all for text)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|chatml",
+                   help="chat template for chat records (default: the tokenizer's)")
+    p.add_argument("--drop-long", action="store_true",
+                   help="leave out chat / prompt-completion records longer than --seq-len (default: cut them)")
+    p.add_argument("--train-py-order", action="store_true",
+                   help="feed the blocks in train.py's order (its first epoch's shuffle by --seed, read in sequence) "
+                        "so both entry points train on the same micro-batches; one data-parallel replica only")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--output-dir", default="runs/trainer_sft")
     p.add_argument("--seq-len", type=int, default=128)
@@ -104,6 +118,7 @@ def training_arguments(args, ds_config: dict):
         logging_steps=args.logging_steps, report_to=["tensorboard"],
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         deepspeed=ds_config, dataloader_drop_last=True, use_cpu=not _has_cuda(),
+        train_sampling_strategy="sequential" if args.train_py_order else "random",
         per_device_eval_batch_size=values.get("per_device_train_batch_size", 8),
         **precision, **values)
 
@@ -131,14 +146,24 @@ def plain_config(ds_config: dict, world: int) -> dict:
 
 
 def datasets(args, tokenizer):
-    from ds_dhelix.data import TokenDataset, build_embedded_corpus, encode_documents, load_text, split_documents
-    text = load_text(args.data) if args.data else build_embedded_corpus()
+    """The training and evaluation blocks, read, encoded and packed as train.py does it
+    (``ds_dhelix.data.load_data``)."""
+    import torch
+
+    from ds_dhelix.data.sources import DataOptions, load_data
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    blocks = TokenDataset(encode_documents(tokenizer, split_documents(text)), args.seq_len, packing=args.packing,
-                          eos_id=tokenizer.eos_token_id, pad_id=pad)
+    try:
+        data = load_data(DataOptions(path=args.data, fmt=args.data_format, loss_on=args.loss_on,
+                                     chat_template=args.chat_template, packing=args.packing, seq_len=args.seq_len,
+                                     drop_long=args.drop_long, seed=args.seed, pad_id=pad, stream_above=None), tokenizer)
+    except ValueError as err:
+        raise SystemExit(f"trainer_sft.py: error: {err}") from None
+    blocks = data.train
+    if args.train_py_order:  # train.py's first epoch: blocks shuffled with --seed, read in sequence
+        blocks = torch.utils.data.Subset(blocks, torch.randperm(len(blocks), generator=torch.Generator().manual_seed(
+            args.seed)).tolist())
     if args.eval_blocks <= 0:
         return blocks, None
-    import torch
     n = len(blocks)
     if args.eval_blocks >= n:
         raise SystemExit(f"--eval-blocks {args.eval_blocks}: the data has only {n} blocks of {args.seq_len} tokens")
@@ -178,6 +203,13 @@ def main(argv=None) -> int:
     from hf_models.registry import build_model, load_tokenizer_for
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ds_config = load_ds_config(args.deepspeed)
+    if args.train_py_order:
+        from ds_dhelix.config.dims import ParallelDims
+        from ds_dhelix.config.section import DhelixConfig
+        dp = world if args.plain else ParallelDims.from_config(DhelixConfig.from_ds_config(ds_config), world).dp
+        if dp != 1:
+            raise SystemExit(f"trainer_sft.py: error: --train-py-order reads the blocks in one sequence, for one "
+                             f"data-parallel replica; this layout has {dp}")
     if args.plain:
         ds_config = plain_config(ds_config, world)
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.join(args.output_dir, "tensorboard"))

@@ -10,7 +10,8 @@ Two ways to place records:
   block boundary continues in the next block (``docs``: its positions restart there);
 - whole (chat and prompt-completion under ``docs`` / ``none``): a block takes whole records only
   (``docs``: as many as fit, then padding; ``none``: one), so an answer never loses its prompt; a
-  record longer than ``seq_len`` is cut to it, or dropped (``drop_long``).
+  record longer than ``seq_len`` is cut to it, or dropped (``drop_long``); a record left without
+  any target (its answer began past ``seq_len``) is left out and counted (``no_loss``).
 
 Labels are the input ids where the record's loss mask is 1, else -100; under ``docs`` also -100
 at a record's first token (the previous record does not predict it), as HF's packed-sequence
@@ -28,14 +29,17 @@ import torch
 @dataclass
 class PackStats:
     """What packing read and made: records read, their tokens, the targets the loss counts in the
-    blocks (``loss_tokens``), records cut to ``seq_len`` (``truncated``) or left out
-    (``dropped``), and the padding share of the blocks' tokens."""
+    blocks (``loss_tokens``), records cut to ``seq_len`` (``truncated``) or left out as longer
+    (``dropped``), whole records left out because no target was left in them (``no_loss``: an
+    answer that began past ``seq_len``, or none at all), and the padding share of the blocks'
+    tokens."""
 
     records: int = 0
     tokens: int = 0
     loss_tokens: int = 0
     truncated: int = 0
     dropped: int = 0
+    no_loss: int = 0
     blocks: int = 0
     padding_tokens: int = 0
     seq_len: int = 0
@@ -74,12 +78,15 @@ class Packer:
             if ids.size == 0:
                 continue
             if self.whole:
-                if ids.size > self.seq_len:
-                    if self.drop_long:
-                        self.stats.dropped += 1
-                        continue
-                    self.stats.truncated += 1
-                    ids, labels = ids[:self.seq_len], labels[:self.seq_len]
+                cut = ids.size > self.seq_len
+                if cut and self.drop_long:
+                    self.stats.dropped += 1
+                    continue
+                ids, labels = ids[:self.seq_len], labels[:self.seq_len]
+                if not (labels[1:] != -100).any():
+                    self.stats.no_loss += 1
+                    continue
+                self.stats.truncated += cut
                 if self.packing == "none" or size + ids.size > self.seq_len:
                     if pending:
                         yield self._emit(pending)
