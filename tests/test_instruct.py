@@ -280,3 +280,27 @@ def test_train_py_and_trainer_example_first_step_loss(tmp_path):
     # the same engine and batches; the Trainer averages the micro-batch losses itself (float32
     # sums in another order): equal to ~1e-7, held to 1e-5
     assert abs(ours["losses"][0] - theirs["losses"][0]) < 1e-5, (ours["losses"], theirs["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_1gb_file_streams_with_flat_memory(tmp_path):
+    """5 steps on a 1 GB chat jsonl (streamed: above --stream-above 256MB) against the same run on
+    a 1 MB file: the peak RSS grows by less than 200 MiB."""
+    lines = [json.dumps(r) + "\n" for r in chat_records(400)]
+    block = "".join(lines).encode()
+    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
+    small.write_bytes((block * (2 ** 20 // len(block) + 1))[:2 ** 20].rsplit(b"\n", 1)[0] + b"\n")
+    with open(big, "wb") as f:
+        for _ in range(2 ** 30 // len(block) + 1):
+            f.write(block)
+    common = ["--chat-template", "chatml", "--packing", "docs", "--seq-len", "64", "--steps", "5"]
+    runs = {}
+    for name, path in (("small", small), ("big", big)):
+        summary, _ = _train(tmp_path, name, "si", "--data", str(path), *common)
+        m = summary["memory"][0]
+        runs[name] = (max(m["baseline_rss_mib"], m["load_peak_rss_mib"], m["train_peak_rss_mib"]), summary["data"])
+    assert runs["big"][1]["streaming"] and not runs["small"][1]["streaming"]
+    growth = runs["big"][0] - runs["small"][0]
+    print(f"peak RSS: 1 MB file {runs['small'][0]:.0f} MiB, 1 GB file {runs['big'][0]:.0f} MiB (+{growth:.0f})")
+    assert growth < 200, runs

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -69,9 +70,10 @@ class TrainingData:
     loss_on: str
     options: DataOptions
     train: BlockDataset | None = None
-    stream: Callable[[int], Iterator[dict]] | None = None  # epoch -> blocks (streaming)
+    stream: Callable[..., Iterator[dict]] | None = None  # (epoch, record=True) -> blocks (streaming)
     eval: BlockDataset | None = None
     stream_stats: list[PackStats] = field(default_factory=list)  # one per epoch read so far
+    load_s: float = 0.0  # reading, tokenising (or reading the cached tokens) and packing
 
     @property
     def streaming(self) -> bool:
@@ -92,7 +94,7 @@ class TrainingData:
             return self.train.rows(self._first(micro))
         import torch
         blocks = []
-        for b in self.stream(0):
+        for b in self.stream(0, record=False):
             blocks.append(b)
             if len(blocks) == micro:
                 return {k: torch.stack([x[k] for x in blocks]) for k in blocks[0]}
@@ -107,7 +109,7 @@ class TrainingData:
     def summary(self) -> dict:
         """The run summary's ``data`` fields: what was read and what the loss is computed on."""
         out = {"format": self.format, "loss_on": self.loss_on, "packing": self.options.packing,
-               "streaming": self.streaming, **self.stats.as_dict()}
+               "streaming": self.streaming, **self.stats.as_dict(), "load_s": self.load_s}
         if self.streaming:
             out["note"] = "streamed: counts of the part read so far"
         if self.eval is not None:
@@ -127,6 +129,7 @@ class TrainingData:
 def load_data(options: DataOptions, tokenizer) -> TrainingData:
     """Read, tell the format, encode and pack the run's data (see the module docstring)."""
     options.check()
+    t0 = time.perf_counter()
     streaming = (options.path is not None and options.stream_above is not None
                  and data_size(options.path) > options.stream_above)
     if streaming and options.eval_fraction:
@@ -142,9 +145,10 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
     data = TrainingData(fmt, loss_on, options)
     held = None
     if streaming:
-        def epoch_blocks(epoch: int) -> Iterator[dict]:
+        def epoch_blocks(epoch: int, record: bool = True) -> Iterator[dict]:
             packer = _packer(options, fmt)
-            if len(data.stream_stats) <= epoch:
+            if record:  # the pass training reads (not a look at the first blocks)
+                del data.stream_stats[epoch:]
                 data.stream_stats.append(packer.stats)
             return packer.blocks(_encode_stream(records, encoder))
         data.stream = epoch_blocks
@@ -162,6 +166,7 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
         held = eval_records
     if held is not None:
         data.eval = _packed(held, encoder, options, fmt, what="eval")
+    data.load_s = time.perf_counter() - t0
     return data
 
 
