@@ -265,7 +265,7 @@ def test_chat_run_evaluates_and_si_equals_sequential_across_a_resume(tmp_path, t
     assert d["format"] == "chat" and d["loss_on"] == "answers" and d["truncated"] > 0 and d["records"] == 34
     assert 0 < d["loss_tokens"] < d["tokens"] and 0 < d["padding_fraction"] < 1 and d["eval"]["records"] == 6
     assert _scalars(str(tmp_path / "tb"), "Data/loss_tokens")[0] == d["loss_tokens"]
-    assert "eval loss: step 20" in proc.stdout and "chat records, loss on answers" in proc.stdout
+    assert f"step 20 {second['eval_losses'][-1]['loss']:.4f}" in proc.stdout and "chat records, loss on answers" in proc.stdout
 
 
 @pytest.mark.slow
