@@ -277,6 +277,7 @@ def test_train_py_and_trainer_example_first_step_loss(tmp_path):
     ours, _ = _train(tmp_path, "train_py", "si", *common, "--steps", "2")
     theirs, _ = _train(tmp_path, "trainer", "si", *common, "--max-steps", "2", "--train-py-order",
                        script="examples/trainer_sft.py")
+    print(f"first-step loss: train.py {ours['losses'][0]!r}, trainer_sft.py {theirs['losses'][0]!r}")
     # the same engine and batches; the Trainer averages the micro-batch losses itself (float32
     # sums in another order): equal to ~1e-7, held to 1e-5
     assert abs(ours["losses"][0] - theirs["losses"][0]) < 1e-5, (ours["losses"], theirs["losses"])
