@@ -305,3 +305,20 @@ def test_a_1gb_file_streams_with_flat_memory(tmp_path):
     growth = runs["big"][0] - runs["small"][0]
     print(f"peak RSS: 1 MB file {runs['small'][0]:.0f} MiB, 1 GB file {runs['big'][0]:.0f} MiB (+{growth:.0f})")
     assert growth < 200, runs
+
+
+def test_a_checkpoint_from_before_data_formats_resumes_text_only():
+    """A checkpoint written before records had a format recorded source, tokens, seed and packing;
+    it resumes a text run with those, and is refused for a chat run or other tokens."""
+    from ds_dhelix.engine.resume import check_resume
+    old = {"source": "/d.txt", "tokens": 100, "seed": 1, "packing": "docs"}
+    new = {"source": "/d.txt", "seed": 1, "format": "text", "loss_on": "all", "packing": "docs", "drop_long": False,
+           "streaming": False, "eval_fraction": 0.0, "chat_template": None, "tokens": 100, "records": 9,
+           "loss_average": "microbatches"}
+    state = {"total_steps": 10, "data": new}
+    assert check_resume({"step": 5, "total_steps": 10, "data": old}, state) == []
+    for changed in ({"format": "chat", "loss_on": "answers"}, {"tokens": 101}):
+        with pytest.raises(ValueError, match="training data"):
+            check_resume({"step": 5, "total_steps": 10, "data": old}, {"total_steps": 10, "data": {**new, **changed}})
+    with pytest.raises(ValueError, match="training data"):  # a checkpoint of this version: every field
+        check_resume({"step": 5, "total_steps": 10, "data": new}, {"total_steps": 10, "data": {**new, "drop_long": True}})

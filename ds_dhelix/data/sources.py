@@ -153,10 +153,11 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
             return packer.blocks(_encode_stream(records, encoder))
         data.stream = epoch_blocks
     else:
-        if options.eval_fraction:
-            split = records.train_test_split(test_size=options.eval_fraction, seed=options.seed)
-            records, held = split["train"], split["test"]
-        data.train = _packed(records, encoder, options, fmt)
+        with _one_at_a_time(options.path):  # the ranks of a node: the first tokenises, the others read its cache
+            if options.eval_fraction:
+                split = records.train_test_split(test_size=options.eval_fraction, seed=options.seed)
+                records, held = split["train"], split["test"]
+            data.train = _packed(records, encoder, options, fmt)
     if options.eval_path is not None:
         eval_records = open_records(options.eval_path)
         eval_fmt = options.fmt or detect_format(first_record(eval_records), options.eval_path)
@@ -165,9 +166,23 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
                              f"in one format")
         held = eval_records
     if held is not None:
-        data.eval = _packed(held, encoder, options, fmt, what="eval")
+        with _one_at_a_time(options.eval_path or options.path):
+            data.eval = _packed(held, encoder, options, fmt, what="eval")
     data.load_s = time.perf_counter() - t0
     return data
+
+
+def _one_at_a_time(path: str | None):
+    """A lock per data file (in the temp dir), so processes of one machine tokenise it one after
+    the other: the first writes ``datasets``' cache, the others read it."""
+    import contextlib
+    import tempfile
+
+    from filelock import FileLock
+    if path is None:
+        return contextlib.nullcontext()
+    key = hashlib.sha256(os.path.abspath(os.path.expanduser(path)).encode()).hexdigest()[:16]
+    return FileLock(os.path.join(tempfile.gettempdir(), f"ds_dhelix-data-{key}.lock"))
 
 
 def _packer(options: DataOptions, fmt: str) -> Packer:

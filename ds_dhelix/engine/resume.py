@@ -124,11 +124,20 @@ def check_resume(saved: dict, current: dict, allow_change: bool = False) -> list
                          f"(the run's total); pass --steps {saved.get('step')} or more (a larger --steps changes the "
                          f"LR schedule: add --allow-resume-change)")
     diffs = [f"{what} ({key}): checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
-             for key, what in MUST_MATCH.items() if saved.get(key) != current.get(key)]
+             for key, what in MUST_MATCH.items() if _differs(key, saved.get(key), current.get(key))]
     if diffs and not allow_change:
         raise ValueError("the resume would change the run: " + "; ".join(diffs)
                          + ". Resume with the same settings, or pass --allow-resume-change to accept this")
     return diffs
+
+
+def _differs(key: str, saved, current) -> bool:
+    """A recorded setting differs. Of the data's, the fields the checkpoint recorded: one written
+    before the data had a format and a loss mask lacks them (and was text with the loss on every
+    token), which is not held against it."""
+    if key == "data" and isinstance(saved, dict) and isinstance(current, dict) and "format" not in saved:
+        return any(saved[k] != current.get(k) for k in saved) or current.get("format") != "text"
+    return saved != current
 
 
 def rng_state() -> dict:
