@@ -307,6 +307,12 @@ def _data(args, setup, model_config):
                          f"{len(data.train)} blocks of --seq-len {args.seq_len} (--packing {args.packing}), fewer than one micro-batch "
                          f"({setup.batch.micro_batch_size}) on each of {d.dp} data-parallel replicas; use more data or a "
                          f"shorter --seq-len")
+    if data.streaming:
+        try:
+            data.first_batch(need)  # the stream's first blocks (a look: the run reads it again)
+        except ValueError as err:
+            raise ValueError(f"{args.data}: {err}, one micro-batch ({setup.batch.micro_batch_size}) on each of "
+                             f"{d.dp} data-parallel replicas; use more data or a shorter --seq-len") from None
     if data.eval is not None and len(data.eval) < need:
         raise ValueError(f"the evaluation data packs into {len(data.eval)} blocks, fewer than one micro-batch "
                          f"({setup.batch.micro_batch_size}) on each of {d.dp} data-parallel replicas")

@@ -322,3 +322,14 @@ def test_a_checkpoint_from_before_data_formats_resumes_text_only():
             check_resume({"step": 5, "total_steps": 10, "data": old}, {"total_steps": 10, "data": {**new, **changed}})
     with pytest.raises(ValueError, match="training data"):  # a checkpoint of this version: every field
         check_resume({"step": 5, "total_steps": 10, "data": new}, {"total_steps": 10, "data": {**new, "drop_long": True}})
+
+
+def test_a_stream_too_short_for_one_step_is_refused_before_any_model(tmp_path, monkeypatch, capsys):
+    import train
+    path = write_jsonl(tmp_path / "pc.jsonl", completion_records(3))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(train, "run", lambda *a: pytest.fail("started"))
+    rc = train.main(["--deepspeed", os.path.join(ROOT, "ds_configs", "tiny_llama_cpu.json"), "--data", path,
+                     "--packing", "none", "--stream-above", "1", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "fewer than 4 blocks" in err and "one micro-batch (4)" in err, err
