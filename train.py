@@ -617,16 +617,25 @@ def evaluate(engine, prep: Prepared, micro: int) -> dict:
 
 def _plain_forward_loss(engine, batch):
     import torch
+    engine.eval()
+    with torch.no_grad():
+        out = engine(**plain_inputs(engine, batch))
+    engine.train()
+    return out.loss.detach().float().cpu()
 
+
+def plain_inputs(engine, batch: dict) -> dict:
+    """The HF model's keyword arguments for ``batch`` under plain DeepSpeed: the packed documents'
+    mask (additive in the parameters' dtype for eager attention), and a ``loss_denominator`` as
+    HF's ``num_items_in_batch``."""
     from ds_dhelix.data import hf_model_inputs
     from hf_models.common import hf_mask_windows
     module = engine.module
     eager = next(module.parameters()).dtype if module.config._attn_implementation == "eager" else None
-    engine.eval()
-    with torch.no_grad():
-        out = engine(**hf_model_inputs(batch, eager, hf_mask_windows(module.config)))
-    engine.train()
-    return out.loss.detach().float().cpu()
+    batch = dict(batch)
+    denominator = batch.pop("loss_denominator", None)
+    extra = {} if denominator is None else {"num_items_in_batch": denominator}
+    return {**hf_model_inputs(batch, eager, hf_mask_windows(module.config)), **extra}
 
 
 def log_data_fields(engine, data, step: int) -> None:
@@ -751,14 +760,7 @@ def plain_step(engine, data):
     total = 0.0
     gas = engine.gradient_accumulation_steps()
     for _ in range(gas):
-        batch = next(data)
-        from ds_dhelix.data import hf_model_inputs
-        from hf_models.common import hf_mask_windows
-        module = engine.module
-        eager = next(module.parameters()).dtype if module.config._attn_implementation == "eager" else None
-        denominator = batch.pop("loss_denominator", None)
-        extra = {} if denominator is None else {"num_items_in_batch": denominator}
-        out = engine(**hf_model_inputs(batch, eager, hf_mask_windows(module.config)), **extra)
+        out = engine(**plain_inputs(engine, next(data)))
         engine.backward(out.loss)
         engine.step()
         total += out.loss.detach().float()

@@ -110,6 +110,17 @@ def test_chat_loss_positions_are_transformers_assistant_mask(tmp_path, tokenizer
     assert dropped.stats.dropped == too_long and dropped.stats.truncated == 0
 
 
+def test_options_the_records_would_not_use_are_refused(tmp_path, tokenizer):
+    chat = write_jsonl(tmp_path / "chat.jsonl", chat_records(8))
+    pc = write_jsonl(tmp_path / "pc.jsonl", completion_records(8))
+    for options, words in ((DataOptions(path=pc, chat_template="chatml"), "--chat-template renders chat"),
+                           (DataOptions(path=chat, chat_template="chatml", drop_long=True), "--drop-long"),
+                           (DataOptions(drop_long=True, packing="docs"), "text records under --packing docs"),
+                           (DataOptions(path=chat, chat_template="chatml", workers=2, stream_above=1), "--data-workers 2")):
+        with pytest.raises(ValueError, match=words):
+            load_data(options, tokenizer)
+
+
 def test_template_without_markers_gives_the_same_mask(tokenizer):
     records = chat_records(12)
     marked = RecordEncoder(tokenizer, "chat", chat_template=CHATML_TEMPLATE)

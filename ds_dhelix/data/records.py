@@ -173,7 +173,7 @@ class RecordEncoder:
         records = [{k: v[i] for k, v in batch.items()} for i in range(n)]
         for i, r in enumerate(records):
             try:
-                self.check(r)
+                records[i] = self.check(r)
             except ValueError as err:
                 where = f"record {indices[i] + 1}" if indices is not None else "a record"
                 raise ValueError(f"{where} ({self.fmt}): {err}") from None
@@ -183,31 +183,30 @@ class RecordEncoder:
             masks = [[1] * len(m) for m in masks]
         return {"input_ids": ids, "loss_mask": masks}
 
-    def check(self, record: dict) -> None:
-        """A ValueError naming the field a record of this format lacks or has wrong."""
+    def check(self, record: dict) -> dict:
+        """The record's fields this format reads (chat: the messages' role and content only), or a
+        ValueError naming the one it lacks or has wrong."""
         if self.fmt == "text":
-            _field(record, "text", str)
-        elif self.fmt == "prompt-completion":
-            _field(record, "prompt", str)
-            _field(record, "completion", str)
-        else:
-            _messages(record)
+            return {"text": _field(record, "text", str)}
+        if self.fmt == "prompt-completion":
+            return {"prompt": _field(record, "prompt", str), "completion": _field(record, "completion", str)}
+        return {"messages": _messages(record)}
 
     def _texts(self, records):
-        texts = [_field(r, "text", str) for r in records]
+        texts = [r["text"] for r in records]
         ids = [t + [self.eos] for t in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         return ids, [[1] * len(t) for t in ids]
 
     def _completions(self, records):
-        prompts = self.tokenizer([_field(r, "prompt", str) for r in records], add_special_tokens=False)["input_ids"]
-        answers = self.tokenizer([_field(r, "completion", str) for r in records], add_special_tokens=False)["input_ids"]
+        prompts = self.tokenizer([r["prompt"] for r in records], add_special_tokens=False)["input_ids"]
+        answers = self.tokenizer([r["completion"] for r in records], add_special_tokens=False)["input_ids"]
         ids = [p + a + [self.eos] for p, a in zip(prompts, answers)]
         return ids, [[0] * len(p) + [1] * (len(a) + 1) for p, a in zip(prompts, answers)]
 
     def _chats(self, records):
         ids, masks = [], []
         for r in records:
-            messages = _messages(r)
+            messages = r["messages"]
             i, m = self._marked_chat(messages) if self.marked else self._turn_by_turn(messages)
             ids.append(i)
             masks.append(m)

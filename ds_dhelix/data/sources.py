@@ -141,6 +141,7 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
     if fmt == "text" and loss_on == "answers":
         raise ValueError("--loss-on answers needs answers: text records have none (use chat or prompt-completion "
                          "data, or --loss-on all)")
+    _check_applies(options, fmt, streaming)
     encoder = RecordEncoder(tokenizer, fmt, loss_on, options.chat_template)
     data = TrainingData(fmt, loss_on, options)
     held = None
@@ -170,6 +171,20 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
             data.eval = _packed(held, encoder, options, fmt, what="eval")
     data.load_s = time.perf_counter() - t0
     return data
+
+
+def _check_applies(options: DataOptions, fmt: str, streaming: bool) -> None:
+    """Refuse options these records would not use (none is dropped silently)."""
+    if options.chat_template is not None and fmt != "chat":
+        raise ValueError(f"--chat-template renders chat records; these are {fmt} records")
+    if options.drop_long and (fmt == "text" or options.packing == "concat"):
+        raise ValueError(f"--drop-long leaves out chat / prompt-completion records longer than --seq-len under "
+                         f"--packing docs or none; {fmt} records under --packing {options.packing} flow across "
+                         f"blocks and are never cut")
+    if options.workers > 1 and streaming:
+        raise ValueError(f"--data-workers {options.workers}: a streamed file ({options.path!r}, larger than "
+                         f"--stream-above) is tokenised as it is read, in the training process; drop the flag or "
+                         f"raise --stream-above to tokenise it whole first")
 
 
 def _one_at_a_time(path: str | None):

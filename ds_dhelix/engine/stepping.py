@@ -244,7 +244,9 @@ class DhelixStepMixin:
 
     def sequence_losses(self, mbs) -> torch.Tensor:
         """Each micro-batch's loss [len(mbs)] on this data-parallel replica (TP and CP shares
-        summed, no DP average): what a token-weighted evaluation weighs by the targets."""
+        summed, no DP average): what a token-weighted evaluation weighs by the targets. (``mean_loss``
+        reduces the mean instead of the vector: the same value, but its float order is what the
+        golden losses hold.)"""
         losses = torch.stack([mb.loss.detach().float() for mb in mbs])
         g = self.groups
         if g.cp_size > 1:
