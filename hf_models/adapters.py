@@ -17,8 +17,8 @@ ADAPTERS = {"llama": "hf_models.llama", "gpt2": "hf_models.gpt2", "gpt_neox": "h
             "qwen2": "hf_models.qwen2", "qwen3": "hf_models.qwen3", "mistral": "hf_models.mistral",
             "gemma3_text": "hf_models.gemma3", "phi3": "hf_models.phi3", "smollm3": "hf_models.smollm3", "olmo3": "hf_models.olmo3",
             "phimoe": "hf_models.phimoe", "mixtral": "hf_models.mixtral", "qwen3_moe": "hf_models.qwen3_moe",
-            "qwen2_moe": "hf_models.qwen2_moe",
-            "olmoe": "hf_models.olmoe"}
+            "qwen2_moe": "hf_models.qwen2_moe", "olmoe": "hf_models.olmoe",
+            "deepseek_v3": "hf_models.deepseek_v3", "glm4_moe": "hf_models.glm4_moe", "gpt_oss": "hf_models.gpt_oss"}
 
 
 def adapter_for(config):

@@ -284,7 +284,7 @@ def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, r
     ]
 
 
-def context_attention(cp: ContextShards | None, heads, qkv, core, out) -> list:
+def context_attention(cp: ContextShards | None, heads, qkv, core, out, widths: tuple[int, int] | None = None) -> list:
     """The attention ops ``qkv -> core -> out`` as they are, or with context parallelism (Ulysses)::
 
         attn.qkv      COMP  xf[s/c] -> qkvs        projections; q, k, v heads cut into cp groups
@@ -297,7 +297,9 @@ def context_attention(cp: ContextShards | None, heads, qkv, core, out) -> list:
     group carries the one kv head its query heads use (``kv_heads_of_groups``); the copies'
     gradients add up in ``attn.qkv``'s backward. Packing and unpacking are views, slices and
     concatenations, so ``attn.qkv`` and ``attn.out`` stay linear on the way to their weights.
-    ``cp.comm == "ring"``: ring attention instead (``ring.ring_attention``)."""
+    ``cp.comm == "ring"``: ring attention instead (``ring.ring_attention``). ``widths``: (q/k head
+    width, v head width) when they differ (MLA): the narrower is zero-padded for the all-to-all and
+    cut back before ``core``."""
     if cp is None or cp.size == 1:
         return [qkv, core, out]
     if cp.comm == "ring":
@@ -307,16 +309,24 @@ def context_attention(cp: ContextShards | None, heads, qkv, core, out) -> list:
     kv = kv_heads_of_groups(nq, nk, c)
     nkc = kv[0].stop - kv[0].start
     split = (nq // c, nkc, nkc)
+    dqk, dv = widths or (None, None)
+    wide = max(dqk, dv) if widths else None
+
+    def pad(t):
+        return t if wide is None or t.shape[-1] == wide else F.pad(t, (0, wide - t.shape[-1]))
 
     def pack(side, xf):  # [b, n, s/c, d] each -> [c, b, H/c, s/c, d], chunk j: head group j's q, k, v
-        q, k, v = qkv.fn(side, xf)
+        q, k, v = (pad(t) for t in qkv.fn(side, xf))
         qs = q.reshape(q.shape[0], c, nq // c, *q.shape[2:]).transpose(0, 1)
         groups = [torch.cat([qs[j], k[:, kv[j]], v[:, kv[j]]], dim=1) for j in range(c)]
         return (torch.stack(groups),)
 
     def attend(side, qkvf):  # [c (sequence chunk), b, H/c, s/c, d] -> the whole sequence's heads
         full = qkvf.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [b, H/c, s, d]
-        (o,) = core.fn(side, *full.split(split, dim=1))  # [s, b, nq/c * d]
+        q, k, v = full.split(split, dim=1)
+        if wide is not None:
+            q, k, v = q[..., :dqk], k[..., :dqk], v[..., :dv]
+        (o,) = core.fn(side, q, k, v)  # [s, b, nq/c * d]
         return (o.unflatten(0, (c, o.shape[0] // c)),)  # [c (sequence chunk), s/c, b, nq/c * d]
 
     def project(side, of):  # [c (head group), s/c, b, nq/c * d] -> [s/c, b, nq * d]

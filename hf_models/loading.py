@@ -223,10 +223,11 @@ def empty_model(path: str, dtype: torch.dtype = torch.float32, attn_implementati
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from .registry import load_config
+    from .registry import family_attn_implementation, load_config
     config = copy.deepcopy(config if config is not None else load_config(path))
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=family_attn_implementation(config, attn_implementation))
     model.tie_weights()
     return model
 

@@ -45,13 +45,17 @@ from ds_dhelix.graph.draws import Draws, draw_seed, seeded_rng
 from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
 from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll
 from ds_dhelix.runtime.groups import ExpertGroups
-from ds_dhelix.moe.experts import expert_act, run_expert_down, run_expert_up, shard_experts
+from ds_dhelix.moe.experts import (DEFAULT_LAYOUT, ExpertLayout, layout_act, run_expert_down, run_expert_up,
+                                   shard_experts)
 from ds_dhelix.moe.metrics import MoeMetrics
-from ds_dhelix.moe.router import aux_piece, combine_copies, load_balancing_loss, local_counts, route_tokens
+from ds_dhelix.moe.router import (aux_piece, combine_copies, grouped_sigmoid_topk, load_balancing_loss, local_counts,
+                                  route_tokens, softmax_after_topk)
 
+from . import mla
 from .common import (ContextShards, Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout,
-                     context_attention, cp_heads, embed_op, head_ops, loss_denominator, make_side_fn,
-                     mark_replicated, project, qkv_projections, rotary, shard_param, side_positions)
+                     context_attention, cp_heads, embed_op, head_ops, layer_window, layer_windows, lean,
+                     loss_denominator, make_side_fn, mark_replicated, project, qkv_projections, rotary,
+                     rotary_side_fn, shard_param, side_positions)
 
 
 @dataclass(frozen=True)
@@ -66,11 +70,18 @@ class MoeFamily:
     experts_key: str          # the config key of the expert count
     files_block: str          # the block's name in the files save_pretrained writes
     files_router: str         # the router's name there
-    files_experts: tuple      # (gate, up, down) names of one expert there
+    files_experts: tuple | None  # (gate, up, down) names of one expert there; None: the fused tensors' own names
     inter_key: str = "intermediate_size"  # the config key of one expert's hidden size
-    shared_expert: bool = False  # a shared-expert MLP gated by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)
+    shared_expert: str | None = None  # "gated": shared_expert x sigmoid(shared_expert_gate(x)) (Qwen2-MoE);
+                                      # "plain": shared_experts(x), an MLP of n_shared_experts x the expert width
     qk_norm: str | None = None  # RMSNorm of q and k: "head" (over head_dim, Qwen3) or "full" (the whole projection, OLMoE)
     noise_keys: tuple = ()  # config keys of the router's random draws while training (jitter; 0 = off)
+    attention: str = "mha"  # "mha" (q/k/v projections) or "mla" (multi-head latent attention, ``mla.py``)
+    route: object = None    # (gate, x) -> (logits, top-k weights, top-k experts); None: the HF router module's own
+    aux_loss: bool = True   # HF trains the load-balancing loss (router_aux_loss_coef) for this family
+    layout: ExpertLayout = DEFAULT_LAYOUT  # how the fused expert tensors hold an expert (``ExpertLayout``)
+    sinks: bool = False     # attention sinks: a learned logit per head (gpt-oss; eager attention)
+    sliding: bool = False   # per-layer sliding windows (``config.layer_types``; the module's ``sliding_window``)
 
     def num_experts(self, config) -> int:
         return getattr(config, self.experts_key)
@@ -88,10 +99,29 @@ class MoeAdapter:
 
     DROPOUT_KEYS = ("attention_dropout",)
     CONTEXT_PARALLEL = True
-    LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")  # not experts
 
     def __init__(self, family: MoeFamily, check_moe, max_tp: tuple[int, str] | None = None):
         self.FAMILY, self.check_moe, self.max_tp = family, check_moe, max_tp
+        # the attention projections the op graph calls (not the experts: fused tensors, no modules)
+        self.LORA_TARGETS = MLA_LORA_TARGETS if family.attention == "mla" else \
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+
+    def check_cp(self, config, cp: int, comm: str) -> None:
+        """Context parallelism the family's attention cannot take, refused in one line."""
+        f = self.FAMILY
+        if cp > 1 and f.sinks:
+            raise ValueError(f"context_parallel.size {cp} with {f.name}'s attention sinks (eager attention with a "
+                             f"sink logit per head) is not supported yet; use context_parallel.size 1")
+        if cp > 1 and comm == "ring" and f.attention == "mla":
+            raise ValueError(f"context_parallel.comm 'ring' with {f.name}'s multi-head latent attention (q/k and v "
+                             f"of other widths) is not supported; use context_parallel.comm 'ulysses'")
+
+    def check_aux(self, coef: float | None) -> None:
+        """``ValueError`` for a load-balancing loss weight on a family whose HF model trains none."""
+        if coef and not self.FAMILY.aux_loss:
+            raise ValueError(f"dhelix.expert_parallel.aux_loss_coef {coef} with {self.FAMILY.name}: its HF model has no "
+                             f"load-balancing loss (the router balances through e_score_correction_bias); remove "
+                             f"the key or set it to 0")
 
     @property
     def NOISE_KEYS(self) -> tuple[str, ...]:
@@ -124,6 +154,42 @@ class MoeAdapter:
                            **options)
 
 
+def grouped_sigmoid_route(gate, x):
+    """``MoeFamily.route`` of DeepSeek-V3 and GLM-4.5 (``moe.router.grouped_sigmoid_topk``): fp32
+    logits of the router weight, ``e_score_correction_bias`` for the choice only."""
+    logits = F.linear(x.float(), gate.weight.float())
+    weights, experts = grouped_sigmoid_topk(logits, gate.top_k, gate.e_score_correction_bias, gate.num_group,
+                                            gate.topk_group, gate.norm_topk_prob, gate.routed_scaling_factor)
+    return logits, weights, experts
+
+
+def biased_softmax_route(gate, x):
+    """``MoeFamily.route`` of gpt-oss (``moe.router.softmax_after_topk``): a linear router with a bias."""
+    logits = F.linear(x, gate.weight, gate.bias)
+    weights, experts = softmax_after_topk(logits, gate.top_k)
+    return logits, weights, experts
+
+
+def check_groups(config, name: str) -> None:
+    """``ValueError`` for group-limited routing settings HF's router cannot run."""
+    num, k = config.n_routed_experts, config.num_experts_per_tok
+    groups, keep = config.n_group, config.topk_group
+    if groups < 1 or num % groups:
+        raise ValueError(f"{name}: n_group {groups} must divide n_routed_experts {num}")
+    if groups > 1 and num // groups < 2:
+        raise ValueError(f"{name}: n_group {groups} leaves {num // groups} expert per group; a group scores its two "
+                         f"best experts: use n_group <= {num // 2}")
+    if not 1 <= keep <= groups:
+        raise ValueError(f"{name}: topk_group {keep} must lie in 1..n_group {groups}")
+    if not 1 <= k <= keep * (num // groups):
+        raise ValueError(f"{name}: num_experts_per_tok {k} with topk_group {keep} of n_group {groups}: a token picks "
+                         f"among {keep * (num // groups)} experts; use 1..{keep * (num // groups)}")
+
+
+MLA_LORA_TARGETS = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+                    "self_attn.kv_b_proj", "self_attn.o_proj")
+
+
 def check_top_k(config, key: str) -> None:
     """``ValueError`` unless a token goes to between 1 and all of the ``key`` experts."""
     num, top_k = getattr(config, key), config.num_experts_per_tok
@@ -131,15 +197,37 @@ def check_top_k(config, key: str) -> None:
         raise ValueError(f"num_experts_per_tok {top_k} with {key} {num}: a token goes to between 1 and {num} experts")
 
 
-def check_all_sparse(config, name: str) -> None:
-    """``ValueError`` when some decoder layers are dense MLPs (Qwen's ``mlp_only_layers`` /
-    ``decoder_sparse_step``)."""
-    dense = list(getattr(config, "mlp_only_layers", None) or [])
+def dense_layers(config) -> list[int]:
+    """The decoder layers of ``config`` that are dense MLPs, by the rule of its HF model: the first
+    ``first_k_dense_replace`` (DeepSeek, GLM-4.5); Qwen-MoE's ``mlp_only_layers`` and every layer
+    ``i`` with ``(i + 1) % decoder_sparse_step != 0``."""
+    n = config.num_hidden_layers
+    first = getattr(config, "first_k_dense_replace", None)
+    if first is not None:
+        return list(range(min(first, n)))
+    only = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return [i for i in range(n) if i in only or (i + 1) % step != 0]
+
+
+def check_layers(config, name: str) -> None:
+    """``ValueError`` for layer settings that leave no MoE layer or name layers that do not exist."""
+    n = config.num_hidden_layers
+    bad = sorted(i for i in (getattr(config, "mlp_only_layers", None) or []) if not 0 <= i < n)
+    if bad:
+        raise ValueError(f"{name}: mlp_only_layers {bad} are not layers of this model (0..{n - 1})")
     step = getattr(config, "decoder_sparse_step", 1)
-    if dense or step != 1:
-        raise ValueError(f"{name} with dense MLP layers (mlp_only_layers {dense}, decoder_sparse_step {step}) is "
-                         f"not supported yet: every layer must be an MoE layer (mlp_only_layers [], "
-                         f"decoder_sparse_step 1)")
+    if step is not None and step < 1:
+        raise ValueError(f"{name}: decoder_sparse_step {step} must be >= 1")
+    if len(dense_layers(config)) == n:
+        raise ValueError(f"{name}: every one of its {n} layers is dense (first_k_dense_replace / mlp_only_layers / "
+                         f"decoder_sparse_step), so the model has no experts; train it as a dense model or keep "
+                         f"some MoE layers")
+
+
+def is_sparse(layer) -> bool:
+    """A decoder layer whose ``mlp`` is an MoE block (its experts), not a dense MLP."""
+    return hasattr(layer.mlp, "experts")
 
 
 def checkpoint_source(family: MoeFamily, name: str, config):
@@ -148,7 +236,7 @@ def checkpoint_source(family: MoeFamily, name: str, config):
     ``down_proj[e]`` (None: the name itself)."""
     from .loading import Joined, Key
     head, sep, leaf = name.partition(".mlp.")
-    if not sep:
+    if not sep or family.files_experts is None:
         return None
     block = f"{head}.{family.files_block}"
     n, inter = family.num_experts(config), getattr(config, family.inter_key)
@@ -164,14 +252,22 @@ def checkpoint_source(family: MoeFamily, name: str, config):
 
 
 def shard(model, tp: int, tp_rank: int, ep_groups: ExpertGroups) -> None:
-    """TP: q/k/v by output rows, o_proj by input columns. EP: keep this rank's experts."""
+    """TP: q/k/v by output rows (MLA: its head-wise projections, ``mla.shard``), attention sinks by
+    head, o_proj by input columns. EP: keep this rank's experts (MoE layers only: a dense layer's
+    MLP stays whole on every rank)."""
     for layer in model.model.layers:
         at = layer.self_attn
-        for lin in (at.q_proj, at.k_proj, at.v_proj):
-            shard_param(lin, "weight", 0, tp_rank, tp)
-            shard_param(lin, "bias", 0, tp_rank, tp)
-        shard_param(at.o_proj, "weight", 1, tp_rank, tp)
-        shard_experts(layer.mlp.experts, ep_groups)
+        if mla.is_mla(at):
+            mla.shard(at, tp, tp_rank)
+        else:
+            for lin in (at.q_proj, at.k_proj, at.v_proj):
+                shard_param(lin, "weight", 0, tp_rank, tp)
+                shard_param(lin, "bias", 0, tp_rank, tp)
+            shard_param(at.o_proj, "weight", 1, tp_rank, tp)
+        if hasattr(at, "sinks"):
+            shard_param(at, "sinks", 0, tp_rank, tp)
+        if is_sparse(layer):
+            shard_experts(layer.mlp.experts, ep_groups)
 
 
 def qkv_op(at, qk_norm: str | None):
@@ -201,12 +297,19 @@ def attention_ops(index: int, layer, config, tp: int, tp_group, draws, family: M
     ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (layer.input_layernorm(h),))]
     if tp > 1:
         ops.append(comm("attn.ag", SeqAllGather(tp_group, tp), "x", "xf"))
+    if family.attention == "mla":  # the latent projections and their norms: not linear on the way to q_b/kv_b
+        qkv, rope, widths = comp("attn.qkv", (xin,), ("q", "k", "v"), mla.qkv_fn(at)), \
+            mla.rotary_fn(at, config, family.hf), mla.head_dims(at)
+    else:
+        qk_norm = family.qk_norm if hasattr(at, "q_norm") else None  # (GLM-4.5: only with use_qk_norm)
+        qkv = comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_op(at, qk_norm), linear=qk_norm is None)
+        rope, widths = rotary(family.hf.apply_rotary_pos_emb), None
+    window = layer_window(at, config) if family.sliding else None
     ops += context_attention(
-        cp, cp_heads(config, tp),
-        comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_op(at, family.qk_norm), linear=family.qk_norm is None),
-        attn_core_op(at, config, family.hf.eager_attention_forward, rotary=rotary(family.hf.apply_rotary_pos_emb),
-                     drop=drop),
-        comp("attn.out", ("o",), ("ao",), lambda side, o: (project(at.o_proj, o, bias=False),), linear=True))
+        cp, cp_heads(config, tp), qkv,
+        attn_core_op(at, config, family.hf.eager_attention_forward, rotary=rope, drop=drop, window=window),
+        comp("attn.out", ("o",), ("ao",), lambda side, o: (project(at.o_proj, o, bias=False),), linear=True),
+        widths=widths)
     if tp > 1:
         ops.append(comm("attn.rs", SeqReduceScatter(tp_group, tp), "ao", "ar"))
 
@@ -235,50 +338,73 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
                 x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
             if gate.training and getattr(gate, "input_jitter_noise", 0) > 0:
                 x = x.clone()  # Phi-MoE's router jitters its input in place: the experts see it too
-            logits, weights, selected = gate(x)
+            logits, weights, selected = gate(x) if family.route is None else family.route(gate, x)
         xs, route = route_tokens(x, selected, num_experts, cf)
         if ep == 1 or route.padded:
             local_counts(route, ep)
         side["moe"][index] = route
         if not side.get("recomputing"):  # a recomputed layer routes again: count its load once
             metrics.record_route(index, route.counts, route.dropped)
-        return xs, weights, aux_piece(logits, top_k)
+        return (xs, weights) + ((aux_piece(logits, top_k),) if family.aux_loss else ())
 
     def add(side, h2, ys, w, *shared):
         routed = combine_copies(ys, w, side["moe"][index]).view(h2.shape)
         return (h2 + (routed + shared[0] if shared else routed),)  # HF's order: (routed + shared) + residual
 
     xr, yr = ("xr", "yr") if ep > 1 else ("xs", "ys")
-    ops = [comp("moe.router", ("x2",), ("xs", "w", f"aux.{index}"), router)]
+    ops = [comp("moe.router", ("x2",), ("xs", "w") + ((f"aux.{index}",) if family.aux_loss else ()), router)]
     if ep > 1:
         if cf is None:  # dropless: the split sizes travel first, asynchronously
             ops.append(comm("moe.counts", CountExchange(index, ep_groups, metrics), "xs", "xc"))
         ops.append(comm("moe.dispatch", ExpertAllToAll(index, ep_groups, True, metrics),
                         "xs" if cf is not None else "xc", "xr"))
-    if family.shared_expert:  # right after the dispatch: it computes while the routed tokens are in flight
+    if family.shared_expert == "gated":  # right after the dispatch: it computes while the routed tokens are in flight
         ops.append(comp("moe.shared", ("x2",), ("ysh",), lambda side, x: (
             torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x),)))
-    experts = block.experts
+    elif family.shared_expert == "plain":
+        ops.append(comp("moe.shared", ("x2",), ("ysh",), lambda side, x: (block.shared_experts(x),)))
+    experts, layout = block.experts, family.layout
+    act = layout_act(layout, experts)
     ops += [comp("moe.experts.up", (xr,), ("xg",),
-                 lambda side, x: (run_expert_up(x, side["moe"][index], experts, ep, grouped),), linear=True),
-            comp("moe.experts.act", ("xg",), ("xa",), lambda side, g: (expert_act(g, experts.act_fn),),
-                 selective=True),
+                 lambda side, x: (run_expert_up(x, side["moe"][index], experts, ep, grouped, layout),), linear=True),
+            comp("moe.experts.act", ("xg",), ("xa",), lambda side, g: (act(g),), selective=True),
             comp("moe.experts.down", ("xa",), (yr,),
-                 lambda side, a: (run_expert_down(a, side["moe"][index], experts, ep, grouped),), linear=True)]
+                 lambda side, a: (run_expert_down(a, side["moe"][index], experts, ep, grouped, layout),),
+                 linear=True)]
     if ep > 1:
         ops.append(comm("moe.combine", ExpertAllToAll(index, ep_groups, False, metrics), "yr", "ys"))
     ops.append(comp("moe.add", ("h2", "ys", "w") + (("ysh",) if family.shared_expert else ()), ("h",), add))
     return ops
 
 
-def loss_op(config, num_layers: int, coef: float, tp: int, tp_grad_group, metrics: MoeMetrics, num_experts: int):
+def dense_mlp_ops(layer) -> list:
+    """A dense layer's MLP among MoE layers (``first_k_dense_replace``, ``mlp_only_layers``), on this
+    rank's sequence shard with the whole MLP, as the experts run (its weights replicated over TP,
+    their gradients summed there)::
+
+        mlp.up    COMP  x2 -> gate,up   gate_proj / up_proj
+        mlp.down  COMP  gate,up -> mo   act(gate) x up, down_proj
+        mlp.add   COMP  h2,mo -> h      residual add
+    """
+    mlp = layer.mlp
+
+    def glu(g, u):
+        return mlp.act_fn(g) * u
+
+    return [comp("mlp.up", ("x2",), ("gate", "up"), lambda side, x: (mlp.gate_proj(x), mlp.up_proj(x)), linear=True),
+            comp("mlp.down", ("gate", "up"), ("mo",), lambda side, g, u: (mlp.down_proj(lean(glu, g, u)),),
+                 linear=True, selective=True),
+            comp("mlp.add", ("h2", "mo"), ("h",), lambda side, h2, m: (h2 + m,))]
+
+
+def loss_op(config, sparse: list[int], coef: float, tp: int, tp_grad_group, metrics: MoeMetrics, num_experts: int):
     """``head.loss``: this rank's share of cross-entropy + ``coef`` x HF's load-balancing loss.
 
     With TP the pieces are summed over the TP group first (the loss is over all tokens of the
     micro-batch) and each TP rank adds 1/t of the aux term, so the shares still sum to the loss.
     With context parallelism ``tp`` / ``tp_grad_group`` are the tp x cp ranks of a sequence. A half
     micro-batch of the intra schedule weighs its aux term by its share of the rows."""
-    keys = tuple(f"aux.{i}" for i in range(num_layers))
+    keys = tuple(f"aux.{i}" for i in sparse)  # (HF: the router logits of the MoE layers only)
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         from torch.distributed.nn.functional import all_reduce
@@ -287,6 +413,8 @@ def loss_op(config, num_layers: int, coef: float, tp: int, tp_grad_group, metric
     def fn(side, logits, *pieces):
         ce = F.cross_entropy(logits.float().flatten(0, 1), side["targets"].flatten(),
                              ignore_index=-100, reduction="sum") / loss_denominator(side)
+        if not pieces:  # a family without HF's load-balancing loss (DeepSeek-V3, GLM-4.5)
+            return (ce,)
         tokens = logits.shape[0] * logits.shape[1]
         aux = load_balancing_loss(pieces, tokens, num_experts, reduce if tp > 1 else None, tp)
         metrics.record_aux(aux)
@@ -316,9 +444,12 @@ def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_grou
     if tp > 1:  # every parameter TP does not cut (norms, router, experts, embedding, head) sees a sequence shard
         replicated = mark_replicated([p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)],
                                      tp_grad_group)
+    if aux_loss_coef and not family.aux_loss:
+        raise ValueError(f"aux_loss_coef {aux_loss_coef} with {family.name}: its HF model has no load-balancing loss")
     if aux_loss_coef is None:
-        aux_loss_coef = default_aux_loss_coef(config)
+        aux_loss_coef = default_aux_loss_coef(config) if family.aux_loss else 0.0
     num_layers = len(inner.layers)
+    sparse = [i for i, layer in enumerate(inner.layers) if is_sparse(layer)]
     metrics = MoeMetrics(num_layers, family.num_experts(config))
     draws = Draws(seed)  # router noise and attention dropout
     settings = {"capacity_factor": capacity_factor, "grouped_mm": grouped_mm, "seed": draws.base, "rank": draws.rank,
@@ -327,20 +458,26 @@ def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_grou
     blocks = [[embed_op(inner.embed_tokens)]]
     for i, layer in enumerate(inner.layers):
         blocks.append(attention_ops(i, layer, config, tp, tp_group, draws, family, cp)
-                      + moe_ops(i, layer, ep_groups, settings, metrics, family))
+                      + (moe_ops(i, layer, ep_groups, settings, metrics, family) if i in sparse else
+                         dense_mlp_ops(layer)))
     blocks.append(head_ops(inner.norm, model.lm_head)[:2]
-                  + [loss_op(config, num_layers, aux_loss_coef, *sequence_ranks(tp, tp_grad_group, cp), metrics,
-                             family.num_experts(config))])
+                  + [loss_op(config, sparse if family.aux_loss else [], aux_loss_coef,
+                             *sequence_ranks(tp, tp_grad_group, cp), metrics, family.num_experts(config))])
     meta = {"moe_metrics": metrics, "expert_groups": ep_groups, "capacity_factor": capacity_factor,
-            "aux_loss_coef": aux_loss_coef}
+            "aux_loss_coef": aux_loss_coef, "sparse_layers": sparse}
     return ModelGraph(blocks, make_side_fn(tp, tp_rank, side_inputs(model, family), cp), family=family.family,
                       meta=meta, replicated=replicated)
 
 
 def default_aux_loss_coef(config) -> float:
     """The load-balancing loss coefficient HF trains with: ``router_aux_loss_coef`` when the config
-    has ``output_router_logits`` on, else 0."""
-    return config.router_aux_loss_coef if getattr(config, "output_router_logits", False) else 0.0
+    has ``output_router_logits`` on, else 0 (always 0 for a family whose HF model has no such loss:
+    DeepSeek-V3, GLM-4.5)."""
+    from .adapters import adapter_for
+    family = getattr(adapter_for(config), "FAMILY", None)
+    if family is not None and not getattr(family, "aux_loss", True):
+        return 0.0
+    return getattr(config, "router_aux_loss_coef", 0.0) if getattr(config, "output_router_logits", False) else 0.0
 
 
 def sequence_ranks(tp: int, tp_grad_group, cp: ContextShards | None):
@@ -349,8 +486,11 @@ def sequence_ranks(tp: int, tp_grad_group, cp: ContextShards | None):
 
 
 def side_inputs(model, family: MoeFamily):
-    """Rotary cos/sin (+ eager mask) and the MoE routing slots."""
+    """Rotary cos/sin (+ eager mask, the sliding windows' masks) and the MoE routing slots."""
     config, inner = model.config, model.model
+    if family.sliding:  # per-layer windows (gpt-oss): the dense machinery's side inputs, and the routing slots
+        dense = rotary_side_fn(inner.rotary_emb, inner.embed_tokens, config, layer_windows(model))
+        return lambda batch, side: {**dense(batch, side), "moe": {}}
 
     def extra(batch, side):
         s = side["seq_len"]

@@ -2,13 +2,13 @@
 tensor/sequence parallel (TP) attention, through the shared MoE layer machinery
 (``moe_family.py``): the router is HF's softmax top-k (``mlp.gate``; the top-k weights renormalised
 when ``norm_topk_prob``), q and k get an RMSNorm per head, experts have ``moe_intermediate_size``,
-files store one ``gate_proj``/``up_proj``/``down_proj`` per expert under ``mlp``. Every decoder
-layer must be sparse (dense MLP layers among them are refused)."""
+files store one ``gate_proj``/``up_proj``/``down_proj`` per expert under ``mlp``. Dense MLP layers
+(``mlp_only_layers``, ``decoder_sparse_step``) run as ``moe_family.dense_mlp_ops``."""
 from __future__ import annotations
 
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
-from .moe_family import MoeAdapter, MoeFamily, check_all_sparse, check_top_k
+from .moe_family import MoeAdapter, MoeFamily, check_layers, check_top_k
 
 FAMILY = MoeFamily(name="Qwen3-MoE", family="qwen3_moe", hf=hf, router="gate", block_jitter=None,
                    experts_key="num_experts", files_block="mlp", files_router="gate",
@@ -18,7 +18,7 @@ FAMILY = MoeFamily(name="Qwen3-MoE", family="qwen3_moe", hf=hf, router="gate", b
 
 def check_moe(config) -> None:
     check_top_k(config, FAMILY.experts_key)
-    check_all_sparse(config, FAMILY.name)
+    check_layers(config, FAMILY.name)
 
 
 ADAPTER = MoeAdapter(FAMILY, check_moe)

@@ -7,7 +7,8 @@
 
 Attention runs with ``attn_implementation="sdpa"`` (torch scaled_dot_product_attention): it is faster
 than "eager" on CPU and GPU and is deterministic on CPU in fp32, so schedule-parity checks stay exact
-as long as both sides use the same implementation. Pass "eager" when attention weights are needed.
+as long as both sides use the same implementation. Pass "eager" when attention weights are needed. A family without sdpa attention in transformers
+(gpt-oss: its attention sinks) runs eager instead (``family_attn_implementation``).
 """
 
 from __future__ import annotations
@@ -91,15 +92,31 @@ def resolve_attn_implementation(requested: str | None, name_or_path: str | os.Pa
         with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
         choice = raw.get("_attn_implementation") or raw.get("attn_implementation")
-    choice = choice or DEFAULT_ATTN_IMPLEMENTATION
+    if choice is None:
+        choice = family_attn_implementation(load_config(name_or_path))
     if choice not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {choice!r} is not supported; use one of {list(ATTN_IMPLEMENTATIONS)}")
+    if choice == "sdpa" and not sdpa_supported(load_config(name_or_path)):
+        raise ValueError(f"attention implementation 'sdpa': transformers' {load_config(name_or_path).model_type} model "
+                         f"has none (gpt-oss: its attention sinks); use eager (the default for it) or flash_attention_2")
     if choice == "flash_attention_2":
         import importlib.util
         if importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available():
             raise ValueError("flash_attention_2 needs the flash-attn package and a CUDA device "
                              "(pip install flash-attn); use sdpa or eager")
     return choice
+
+
+def sdpa_supported(config) -> bool:
+    """Whether transformers' causal LM of ``config`` runs sdpa attention (gpt-oss does not)."""
+    from transformers import AutoModelForCausalLM
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return bool(getattr(cls, "_supports_sdpa", True))
+
+
+def family_attn_implementation(config, requested: str = DEFAULT_ATTN_IMPLEMENTATION) -> str:
+    """``requested``, except sdpa for a family without it: eager (gpt-oss)."""
+    return "eager" if requested == "sdpa" and not sdpa_supported(config) else requested
 
 
 def load_config(name_or_path: str | os.PathLike):
@@ -174,6 +191,7 @@ def build_model(
         if not hasattr(config, key):
             raise ValueError(f"{config.model_type} config has no key {key!r}")
         setattr(config, key, value)
+    attn_implementation = family_attn_implementation(config, attn_implementation)
     if is_preset(name):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -63,6 +63,8 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
     if not hasattr(adapter, "check_ep") and (ep.capacity_factor is not None or ep.aux_loss_coef is not None):
         raise ValueError(f"dhelix.expert_parallel is set but model_type {model_config.model_type!r} has no "
                          f"experts; remove the section or use an MoE model (e.g. tiny-phimoe)")
+    if hasattr(adapter, "check_aux"):
+        adapter.check_aux(ep.aux_loss_coef)
     _check_not_yet(ds_config)
     fold = None
     if dims.pp == 1 and dh.schedule not in ONE_STAGE_SCHEDULES:

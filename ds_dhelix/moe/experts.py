@@ -8,6 +8,8 @@ reduces their gradients over the expert-data-parallel group, and carry ``expert_
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -17,7 +19,28 @@ from ..runtime.groups import ExpertGroups
 from .router import Route
 from ..graph.shards import select
 
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # (biases: gpt-oss)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a family's fused expert tensors hold each expert's FFN.
+
+    default   ``gate_up_proj [E, 2I, h]`` rows ``[gate | up]``, ``down_proj [E, h, I]`` (``F.linear``),
+              ``act(gate) * up``: Mixtral, Qwen-MoE, OLMoE, DeepSeek-V3, GLM-4.5
+    gpt-oss   ``gate_up_proj [E, h, 2I]`` (``x @ W``) with gate and up in alternate columns,
+              ``down_proj [E, I, h]``, a bias per expert on both, the clamped SwiGLU
+              ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=l)``
+    """
+
+    transposed: bool = False   # weights [E, in, out] (x @ W), else [E, out, in]
+    bias: bool = False         # gate_up_proj_bias [E, 2I] and down_proj_bias [E, h]
+    interleaved: bool = False  # gate = columns 0::2, up = 1::2 (else the two halves)
+    clamped: bool = False      # the clamped SwiGLU (the experts' ``alpha`` and ``limit``)
+
+
+DEFAULT_LAYOUT = ExpertLayout()
+GPT_OSS_LAYOUT = ExpertLayout(transposed=True, bias=True, interleaved=True, clamped=True)
 
 
 def valid_ep_sizes(num_experts: int, dp_size: int | None = None) -> list[int]:
@@ -46,7 +69,9 @@ def shard_experts(experts: nn.Module, groups: ExpertGroups) -> None:
     local = num // groups.size
     lo = groups.rank * local
     for name in EXPERT_PARAMS:
-        p = getattr(experts, name)
+        p = getattr(experts, name, None)
+        if p is None:
+            continue
         if groups.size > 1:
             part = select(p, 0, slice(lo, lo + local))
             p = nn.Parameter(p.data[lo:lo + local].clone(), requires_grad=p.requires_grad)
@@ -105,18 +130,26 @@ def expert_major_index(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[in
     return index.to(recv_counts.device), sizes
 
 
-def expert_linear(x, sizes, weight, grouped: bool) -> torch.Tensor:
+def expert_linear(x, sizes, weight, grouped: bool, bias=None, transposed: bool = False) -> torch.Tensor:
     """Rows ``x`` grouped by local expert (``sizes`` rows each) times each expert's matrix of
     ``weight [E_local, out, in]``: the gate/up (``moe.experts.up``) and down (``moe.experts.down``)
     projections. A loop of ``F.linear`` per expert, as HF's ``PhimoeExperts`` (every expert runs,
     even on 0 rows, so every shard always gets a gradient); ``grouped``: one
-    ``torch.nn.functional.grouped_mm``."""
+    ``torch.nn.functional.grouped_mm``. ``transposed``: ``weight [E_local, in, out]`` (``x @ W``,
+    gpt-oss); ``bias [E_local, out]``: each expert's bias added to its rows."""
     if grouped:
         offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
-        return F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
+        out = F.grouped_mm(x, weight if transposed else weight.transpose(1, 2), offs=offs)
+        if bias is not None:
+            out = out + bias.repeat_interleave(torch.tensor(sizes, device=x.device), dim=0, output_size=x.shape[0])
+        return out
     outs, start = [], 0
     for e, n in enumerate(sizes):
-        outs.append(F.linear(x[start:start + n], weight[e]))
+        rows = x[start:start + n]
+        if transposed:
+            outs.append(rows @ weight[e] if bias is None else rows @ weight[e] + bias[e])
+        else:
+            outs.append(F.linear(rows, weight[e], None if bias is None else bias[e]))
         start += n
     return torch.cat(outs)
 
@@ -125,6 +158,22 @@ def expert_act(gate_up_out: torch.Tensor, act) -> torch.Tensor:
     """``moe.experts.act``: ``act(gate) * up`` (the only non-linear part of an expert)."""
     gate, up = gate_up_out.chunk(2, dim=-1)
     return act(gate) * up
+
+
+def clamped_swiglu(gate_up_out: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's ``moe.experts.act`` (gate and up in alternate columns): ``g = clamp(gate, max=limit)``,
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` (HF's ``GptOssExperts._apply_gate``)."""
+    gate, up = gate_up_out[..., ::2], gate_up_out[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def layout_act(layout: ExpertLayout, experts: nn.Module):
+    """``moe.experts.act``'s body for ``layout``: ``g -> activations``."""
+    if layout.clamped:
+        return lambda g: clamped_swiglu(g, experts.alpha, experts.limit)
+    return lambda g: expert_act(g, experts.act_fn)
 
 
 def expert_ffn(x, sizes, gate_up, down, act, grouped: bool) -> torch.Tensor:
@@ -172,18 +221,20 @@ def source_rows(ye: torch.Tensor, route: Route, ep: int, local: int) -> torch.Te
 
 
 def run_expert_up(xr: torch.Tensor, route: Route, experts: nn.Module, ep: int,
-                  grouped: bool | None = None) -> torch.Tensor:
+                  grouped: bool | None = None, layout: ExpertLayout = DEFAULT_LAYOUT) -> torch.Tensor:
     """``moe.experts.up``: received rows (source-major) -> regrouped by local expert -> gate/up
     pre-activations. The expert computation is three ops (``.up``, ``.act``, ``.down``) so that the
     two projections are linear ops whose weight gradients the SI executor may defer: the input
     gradient first, the backward's expert all-to-all launched sooner."""
     xe, sizes = expert_rows(xr, route, ep, experts.gate_up_proj.shape[0])
-    return expert_linear(xe, sizes, experts.gate_up_proj, use_grouped_mm(xr, grouped))
+    return expert_linear(xe, sizes, experts.gate_up_proj, use_grouped_mm(xr, grouped),
+                         experts.gate_up_proj_bias if layout.bias else None, layout.transposed)
 
 
 def run_expert_down(a: torch.Tensor, route: Route, experts: nn.Module, ep: int,
-                    grouped: bool | None = None) -> torch.Tensor:
+                    grouped: bool | None = None, layout: ExpertLayout = DEFAULT_LAYOUT) -> torch.Tensor:
     """``moe.experts.down``: activations -> down projection -> rows back in the received order."""
     local = experts.down_proj.shape[0]
-    ye = expert_linear(a, expert_sizes(route, ep, local), experts.down_proj, use_grouped_mm(a, grouped))
+    ye = expert_linear(a, expert_sizes(route, ep, local), experts.down_proj, use_grouped_mm(a, grouped),
+                       experts.down_proj_bias if layout.bias else None, layout.transposed)
     return source_rows(ye, route, ep, local)

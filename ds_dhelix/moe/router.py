@@ -123,3 +123,38 @@ def load_balancing_loss(pieces, num_tokens: int, num_experts: int, reduce=None, 
         tokens_sum, prob_sum = reduce(torch.stack([tokens_sum, prob_sum]))
         total = total * world
     return torch.sum((tokens_sum / total) * (prob_sum / total).unsqueeze(0)) * num_experts
+
+
+# ---------------------------------------------------------------------------- router functions
+def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None, n_group: int = 1,
+                         topk_group: int = 1, norm_topk_prob: bool = True,
+                         scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / GLM-4.5 routing of router ``logits [N, E]`` (fp32): ``(weights [N, k], experts [N, k])``.
+
+    Scores are ``sigmoid(logits)``. The choice reads ``scores + bias`` (``e_score_correction_bias``,
+    aux-free balancing; it never weighs a token): the experts split into ``n_group`` groups, each
+    group scores the sum of its two best experts, a token may only pick among its ``topk_group``
+    best groups, then its ``top_k`` best experts there. The weights are the chosen experts' plain
+    scores, renormalised to sum 1 when ``norm_topk_prob``, times ``scaling``
+    (``routed_scaling_factor``). Same operations in the same order as HF's ``DeepseekV3TopkRouter``."""
+    scores = logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    n, num = choice.shape
+    if n_group > 1 or topk_group < n_group:
+        group_scores = choice.view(n, n_group, num // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, best, 1)
+        keep = keep.unsqueeze(-1).expand(-1, n_group, num // n_group).reshape(n, num)
+        choice = choice.masked_fill(~keep.bool(), float("-inf"))
+    experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, experts
+
+
+def softmax_after_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing: the ``top_k`` largest logits per token, softmax over those only:
+    ``(weights [N, k], experts [N, k])`` (HF's ``GptOssTopKRouter``)."""
+    top, experts = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top, dim=1, dtype=top.dtype), experts
