@@ -262,6 +262,32 @@ def materialize(model, files: CheckpointFiles, dtype: torch.dtype | None = None,
         total += data.numel() * data.element_size()
         if progress is not None:
             progress(i + 1, len(todo), name)
+    with torch.no_grad():
+        total += load_buffers(model, files)
+    return total
+
+
+def persistent_buffers(model):
+    """``(name, tensor)`` of every buffer ``model``'s state_dict holds (DeepSeek-V3's and GLM-4.5's
+    ``e_score_correction_bias``; rotary frequencies are not persistent): read and written with the
+    parameters."""
+    for path, module in model.named_modules():
+        for leaf, buf in module._buffers.items():
+            if buf is not None and leaf not in module._non_persistent_buffers_set:
+                yield (f"{path}.{leaf}" if path else leaf), buf
+
+
+def load_buffers(model, files: CheckpointFiles) -> int:
+    """Copy every persistent buffer of ``model`` from ``files``, in the buffer's own dtype (fp32 where
+    HF keeps it so); ``ValueError`` naming it when the checkpoint lacks it. Returns the bytes read."""
+    total = 0
+    for name, buf in persistent_buffers(model):
+        source = _find(model, files, [name])
+        if files.shape(source) != list(buf.shape):
+            raise ValueError(f"{files.path}: {name} is {files.shape(source)} in the checkpoint, the model's is "
+                             f"{list(buf.shape)} (does config.json match the weights?)")
+        buf.copy_(files.read(source, {}).to(buf.dtype))
+        total += buf.numel() * buf.element_size()
     return total
 
 

@@ -1,4 +1,4 @@
-"""HF MoE checkpoint (every family) -> EP=2 training, each rank reading only its experts
+"""HF MoE checkpoint (every family, DeepSeek-V3's and GLM-4.5's router biases included) -> EP=2 training, each rank reading only its experts
 (``ds_dhelix.empty_model`` + ``weights=``) -> streamed HF checkpoint: plain transformers and an EP=1
 run both reproduce the trained model's loss."""
 import torch
@@ -25,7 +25,13 @@ def _batches(seed, n):
     return out
 
 
-PRESETS = ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe"]
+PRESETS = ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-deepseek-v3",
+           "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-moe-mixed"]
+
+
+def _biases(model) -> dict:
+    """The routers' ``e_score_correction_bias`` buffers (DeepSeek-V3, GLM-4.5) by name."""
+    return {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
 
 
 def _train_and_export(src, dst, rank):
@@ -64,8 +70,13 @@ def _every_family(rank, world, root):
 def test_hf_to_ep2_to_hf_and_ep1(tmp_path):
     from transformers import AutoModelForCausalLM
     from hf_models.registry import build_model
+    g = torch.Generator().manual_seed(5)
+    sources = {}
     for preset in PRESETS:
         model, _ = build_model(preset, seed=3)
+        for b in _biases(model).values():  # not HF's zeros: the loading must read them, the export write them
+            b.copy_(0.1 * torch.randn(b.shape, generator=g))
+        sources[preset] = _biases(model)
         model.save_pretrained(tmp_path / preset / "in")
     ranks = run_ranks(_every_family, 2, args=(str(tmp_path),), timeout=600)
     probe = _batches(99, 1)[0]
@@ -74,6 +85,10 @@ def test_hf_to_ep2_to_hf_and_ep1(tmp_path):
         assert trained == other, preset  # the loss is averaged over both data-parallel ranks
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / preset / "out")
         hf.eval()
+        exported = _biases(hf)
+        assert exported.keys() == sources[preset].keys(), preset
+        for name, bias in exported.items():  # fp32, never trained (HF does not update it)
+            assert bias.dtype == torch.float32 and torch.equal(bias, sources[preset][name]), (preset, name)
         with torch.no_grad():
             hf_loss = hf(**probe).loss.item()
         # fp32; the sharded run sums in another order (sequence-first tokens, per-expert batches)

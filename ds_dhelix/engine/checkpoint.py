@@ -232,13 +232,18 @@ def _write_side_files(model, tmp: str, tokenizer, meta: dict, dtype) -> None:
 
 
 def hf_tensors(model, tp_group=None, tp_size: int = 1, only=None):
-    """``(name, full HF tensor)`` for every parameter (``only(name)``: those it accepts), gathered
-    one at a time (collective over the TP group, experts over their EP group): the export never
+    """``(name, full HF tensor)`` for every parameter and persistent buffer (``only(name)``: those
+    it accepts), gathered one at a time (collective over the TP group, experts over their EP group): the export never
     holds more than one full tensor."""
+    from hf_models.loading import persistent_buffers
+
     from ..moe.experts import gather_expert_param, is_expert_param
     for name, p in model.named_parameters():
         if only is None or only(name):
             yield name, gather_expert_param(p) if is_expert_param(p) else gather_param(p, tp_group, tp_size)
+    for name, buf in persistent_buffers(model):  # whole on every rank (e_score_correction_bias)
+        if only is None or only(name):
+            yield name, buf.detach().clone()
 
 
 def model_tensors(model, stream):
@@ -342,8 +347,9 @@ class ExportWriter:
         return self.out_dir
 
     def _check_complete(self) -> None:
-        from hf_models.loading import empty_model
-        whole = {n for n, _ in empty_model(None, config=self.model.config).named_parameters()}
+        from hf_models.loading import empty_model, persistent_buffers
+        empty = empty_model(None, config=self.model.config)
+        whole = {n for n, _ in empty.named_parameters()} | {n for n, _ in persistent_buffers(empty)}
         missing, unexpected = sorted(whole - set(self.names)), sorted(set(self.names) - whole)
         if missing or unexpected:
             raise RuntimeError(f"HF export does not cover the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
