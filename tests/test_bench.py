@@ -112,11 +112,50 @@ def test_failed_modes_become_rows():
     ({"modes": ("si+fast",)}, ["si+fast", "none, selective, full"]),
     ({"modes": ("autotp+full",)}, ["autotp+full", "ds_dhelix mode"]),
     ({"modes": ("si", "si")}, ["twice"]),
+    ({"model": "tiny-qwen3-moe", "tp": 1, "modes": ("autoep", "si")}, ["autoep", "--ep 1", "--ep 2"]),
 ])
 def test_bad_options_name_the_value(kwargs, words):
     with pytest.raises(ValueError) as err:
         BenchOptions(**kwargs)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_autoep_refused_before_any_model_where_it_cannot_apply():
+    """``--modes autoep`` on a model or layout AutoEP cannot run: one line naming the fix, from the
+    config alone; in the default mode list the same reason becomes a skipped row instead."""
+    from hf_models.registry import load_config
+
+    from ds_dhelix.bench.options import autoep_preset, autoep_unfit, check_modes_fit
+    dense = BenchOptions(model="tiny-llama", tp=1, ep=2, modes=("autoep", "deepspeed"))
+    with pytest.raises(ValueError, match="autoep needs an MoE model: model_type 'llama' has no experts"):
+        check_modes_fit(dense, load_config("tiny-llama"))
+    phimoe = BenchOptions(model="tiny-phimoe", tp=1, ep=2, modes=("autoep", "si"))
+    with pytest.raises(ValueError, match="no preset for model_type 'phimoe'.*drop autoep"):
+        check_modes_fit(phimoe, load_config("tiny-phimoe"))
+    default = BenchOptions()  # tiny-llama, TP=2, EP=1: autoep is in the list, not refused
+    check_modes_fit(default, load_config("tiny-llama"))
+    assert "--ep 1" in autoep_unfit(default, load_config("tiny-llama"))
+    assert autoep_preset(load_config("tiny-qwen2-moe")) == "qwen3_moe"  # AutoEP's preset covers both
+    moe = BenchOptions(model="tiny-qwen3-moe", tp=1, ep=2, modes=("autoep",))
+    assert autoep_unfit(moe, load_config("tiny-qwen3-moe")) is None
+    assert moe.autoep_ds_config("qwen3_moe")["expert_parallel"] == {"enabled": True, "autoep_size": 2,
+                                                                     "preset_model": "qwen3_moe"}
+
+
+def test_deepspeed_modes_run_without_a_ds_dhelix_adapter(monkeypatch):
+    """A model type ds_dhelix has no adapter for yet still runs DeepSpeed's own modes (the ds_dhelix
+    modes report the adapter error as rows); with ds_dhelix modes alone the bench is refused."""
+    import hf_models.adapters
+
+    from ds_dhelix.commands.bench import check_bench_model
+    monkeypatch.setattr(hf_models.adapters, "ADAPTERS",
+                        {k: v for k, v in hf_models.adapters.ADAPTERS.items() if k != "qwen3_moe"})
+    notes = []
+    check_bench_model(BenchOptions(model="tiny-qwen3-moe", tp=1, ep=2, modes=("autoep", "deepspeed", "si")),
+                      notes.append)
+    assert len(notes) == 1 and "no ds_dhelix adapter for model_type 'qwen3_moe': si will report" in notes[0]
+    with pytest.raises(ValueError, match="no ds_dhelix adapter"):
+        check_bench_model(BenchOptions(model="tiny-qwen3-moe", tp=1, ep=2, modes=("si",)), notes.append)
 
 
 def test_layouts_world_and_tokens():
@@ -237,9 +276,8 @@ def _run_bench(tmp_path, *extra):
 @pytest.mark.timeout(240)
 def test_bench_moe_expert_parallel(tmp_path):
     rows = _run_bench(tmp_path, "--model", "tiny-phimoe", "--tp", "1", "--ep", "2", "--num-layers", "1",
-                      "--micro-batches", "2", "--modes", "deepspeed", "autotp", "autoep", "sequential", "si", "si-ends")
+                      "--micro-batches", "2", "--modes", "deepspeed", "autotp", "sequential", "si", "si-ends")
     assert rows["autotp"]["status"] == "skipped" and "AutoTP" in rows["autotp"]["reason"]
-    assert rows["autoep"]["status"] == "skipped" and "no preset for model_type 'phimoe'" in rows["autoep"]["reason"]
     for mode in ("deepspeed", "sequential", "si", "si-ends"):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["tokens_per_s"] > 0
@@ -259,6 +297,20 @@ def test_bench_autoep_peer_on_its_preset_family(tmp_path):
     assert autoep["autoep_preset"] == "qwen3_moe" and autoep["autoep_layers"] == 2
     assert autoep["tokens_per_s"] > 0 and autoep["speedup_vs_sequential"] > 0
     assert rows["si"]["status"] == "ok" and rows["si"]["comm_s"] > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "hf_models", "presets", "tiny-deepseek-v3.json")),
+                    reason="the tiny-deepseek-v3 preset is not in this checkout")
+def test_bench_autoep_on_deepseek_v3(tmp_path):
+    # AutoEP's deepseek_v3 preset on 2 CPU gloo ranks: layer 0 is dense (first_k_dense_replace), so
+    # of two layers AutoEP replaces one MoE block (routed experts over EP=2, the shared expert kept)
+    rows = _run_bench(tmp_path, "--model", "tiny-deepseek-v3", "--tp", "1", "--ep", "2", "--num-layers", "2",
+                      "--micro-batches", "2", "--modes", "autoep")
+    autoep = rows["autoep"]
+    assert autoep["status"] == "ok", autoep
+    assert autoep["autoep_preset"] == "deepseek_v3" and autoep["autoep_layers"] == 1
+    assert autoep["tokens_per_s"] > 0 and autoep["steps"] == 1
 
 
 @pytest.mark.timeout(240)

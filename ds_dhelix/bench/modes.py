@@ -12,7 +12,7 @@ import contextlib
 import torch.distributed as dist
 
 from ..runtime.comm import release_deepspeed_shm
-from .options import DHELIX_MODES, BenchOptions, split_mode
+from .options import DHELIX_MODES, BenchOptions, autoep_preset, autoep_unfit, split_mode
 
 
 class SkipMode(Exception):
@@ -174,14 +174,10 @@ def _deepspeed_config(opts: BenchOptions, mode: str, model) -> dict:
             raise SkipMode(f"AutoTP needs tensor parallelism over the whole world (tp {opts.tp}, "
                            f"ep {opts.ep}); it applies to the dense --tp runs")
         return opts.autotp_ds_config()
-    from deepspeed.module_inject.auto_ep_presets.registry import available_preset_names
-    model_type = model.config.model_type
-    if opts.ep < 2:
-        raise SkipMode(f"AutoEP shards experts over --ep ranks (ep {opts.ep}); it applies to the MoE --ep runs")
-    if model_type not in available_preset_names():
-        raise SkipMode(f"DeepSpeed AutoEP has no preset for model_type {model_type!r} "
-                       f"(its presets: {', '.join(available_preset_names())})")
-    return opts.autoep_ds_config(model_type)
+    reason = autoep_unfit(opts, model.config)  # the default mode list (named in --modes: refused already)
+    if reason is not None:
+        raise SkipMode(reason)
+    return opts.autoep_ds_config(autoep_preset(model.config))
 
 
 @contextlib.contextmanager

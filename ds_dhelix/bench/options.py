@@ -5,9 +5,10 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
 
     deepspeed   plain DeepSpeed engine, data parallel over the whole world (no TP, no overlap)
     autotp      DeepSpeed AutoTP ("tensor_parallel": {"autotp_size": tp}), collectives inside modules
-    autoep      DeepSpeed AutoEP ("expert_parallel": {"autoep_size": ep}) on MoE models with a DeepSpeed
-                preset (mixtral, qwen3_moe): data parallel over the world, experts sharded over ep ranks,
-                its own dispatch/combine all-to-alls inside the MoE blocks
+    autoep      DeepSpeed AutoEP ("expert_parallel": {"enabled": true, "autoep_size": ep, "preset_model": p})
+                on the HF MoE model types DeepSpeed has a preset for (mixtral, qwen3_moe / qwen2_moe,
+                deepseek_v2, deepseek_v3, ...): data parallel over the world, experts sharded over ep
+                ranks, its own dispatch/combine all-to-alls inside the MoE blocks it replaced
     sequential  ds_dhelix TP/SP, micro-batches one after another, every comm waited at once
     si          ds_dhelix TP/SP with strand interleaving, reactive pairs (the default "si_execution")
     si-plan     SI run by the fixed default plan, a barrier after each plan round ("si_execution": "plan")
@@ -48,6 +49,9 @@ MODES = ("deepspeed", "autotp", "autoep", "sequential", "si", "si-ends", "si-pla
 
 DEFAULT_MODES = tuple(m for m in MODES if m not in ("si-ends", "auto"))
 """Modes measured unless ``--modes`` says otherwise (``si-ends`` and ``auto`` are asked for by name)."""
+
+DEEPSPEED_MODES = ("deepspeed", "autotp", "autoep")
+"""Modes that run DeepSpeed's own engine on the HF model (no ds_dhelix adapter involved)."""
 
 DHELIX_MODES = ("sequential", "si", "si-ends", "si-plan", "si-planned", "intra", "auto", "w", "dualpipev-si")
 """Modes that run the ds_dhelix executor (they report compute / comm / exposed time)."""
@@ -209,6 +213,8 @@ class BenchOptions:
             raise ValueError(f"--cp {self.cp} with --pp {self.pp}: the pipeline bench measures DeepSpeed's 1F1B and "
                              f"DualPipeV, which have no context parallelism; bench CP with one stage (training and "
                              f"dhelix parity run CP inside pipeline stages)")
+        if self.pp == 1 and "autoep" in self.modes and self.modes != DEFAULT_MODES and self.ep < 2:
+            raise ValueError(_autoep_needs_ep(self.ep))  # named explicitly (the default list: a skipped row)
         cp_peers = [m for m in self.modes if m in ("autotp", "autoep")]
         if self.cp > 1 and cp_peers:
             raise ValueError(f"--cp {self.cp}: modes {cp_peers} have no context parallelism to compare; measure "
@@ -279,7 +285,8 @@ class BenchOptions:
         return self.base_ds_config(self.step_micro_batches // self.world)
 
     def autoep_ds_config(self, preset: str) -> dict:
-        """DeepSpeed AutoEP: data parallel over the world like ``deepspeed``, experts over ``ep`` ranks."""
+        """DeepSpeed AutoEP: data parallel over the world like ``deepspeed`` (same micro-batches per rank),
+        experts over ``ep`` ranks; ``preset`` is AutoEP's name for the model type (``autoep_preset``)."""
         return {**self.deepspeed_ds_config(),
                 "expert_parallel": {"enabled": True, "autoep_size": self.ep, "preset_model": preset}}
 
@@ -287,6 +294,45 @@ class BenchOptions:
         """DeepSpeed AutoTP over the whole world: every rank sees all micro-batches."""
         return {**self.base_ds_config(self.micro_batches),
                 "tensor_parallel": {"autotp_size": self.tp}}
+
+
+def autoep_preset(model_config) -> str | None:
+    """DeepSpeed AutoEP's preset for the HF ``model_type`` of ``model_config`` (None: it has none)."""
+    from deepspeed.module_inject.auto_ep_presets.registry import preset_name_for_hf_model_type
+    return preset_name_for_hf_model_type(model_config.model_type)
+
+
+def _autoep_needs_ep(ep: int) -> str:
+    return (f"autoep shards the experts over --ep ranks, got --ep {ep}: pass --ep 2 (or more) with an MoE "
+            f"model, e.g. --model tiny-qwen3-moe --tp 1 --ep 2, or drop autoep")
+
+
+def autoep_unfit(opts: BenchOptions, model_config) -> str | None:
+    """Why the ``autoep`` mode cannot run on this model and layout, naming the fix (None: it can).
+    AutoEP is only run on a model type it has a preset for: on another MoE family its generic
+    patterns could replace the blocks with routing math that is not the model's."""
+    if opts.ep < 2:
+        return _autoep_needs_ep(opts.ep)
+    model_type = model_config.model_type
+    if autoep_preset(model_config) is not None:
+        return None
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+    covered = ", ".join(t for preset in PRESET_MODELS.values() for t in preset.hf_model_types)
+    experts = any(getattr(model_config, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+    if not experts:
+        return (f"autoep needs an MoE model: model_type {model_type!r} has no experts; use an MoE model "
+                f"DeepSpeed AutoEP has a preset for ({covered}), e.g. --model tiny-qwen3-moe, or drop autoep")
+    return (f"DeepSpeed AutoEP has no preset for model_type {model_type!r} (its presets cover {covered}); "
+            f"drop autoep for this model")
+
+
+def check_modes_fit(opts: BenchOptions, model_config) -> None:
+    """A mode named in ``--modes`` that cannot run on this model: ``ValueError`` naming the fix, before
+    any model is built. (In the default mode list such a mode becomes a skipped row instead.)"""
+    if opts.pp == 1 and "autoep" in opts.modes and opts.modes != DEFAULT_MODES:
+        reason = autoep_unfit(opts, model_config)
+        if reason is not None:
+            raise ValueError(reason)
 
 
 def quick(opts: BenchOptions, **overrides) -> BenchOptions:

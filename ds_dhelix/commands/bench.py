@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ds_dhelix.bench.options import DEFAULT_MODES, MIN_REPEATS, MODES, PP_MODES, BenchOptions, quick
+from ds_dhelix.bench.options import (DEEPSPEED_MODES, DEFAULT_MODES, MIN_REPEATS, MODES, PP_MODES, BenchOptions,
+                                     check_modes_fit, quick)
 
 from .common import bench_link_rate, check_model, stdout_to_stderr
 
@@ -85,12 +86,33 @@ def options_from_args(args) -> BenchOptions:
     return BenchOptions(**given)
 
 
+def check_bench_model(opts: BenchOptions, log) -> None:
+    """Bad model / layout for the modes asked for: ``ValueError`` before any process starts. A model
+    without a ds_dhelix adapter still runs DeepSpeed's own modes (deepspeed, autotp, autoep) when some
+    are asked for; the ds_dhelix modes then become rows carrying the adapter error."""
+    from hf_models.adapters import ADAPTERS
+    from hf_models.registry import load_config
+    config = load_config(opts.model)
+    check_modes_fit(opts, config)
+    theirs = [m for m in opts.modes if m in DEEPSPEED_MODES]
+    if opts.pp > 1 or config.model_type in ADAPTERS or not theirs:
+        check_model(opts)
+        return
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit and opts.seq_len > limit:
+        raise ValueError(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions")
+    ours = [m for m in opts.modes if m not in DEEPSPEED_MODES]
+    if ours:
+        log(f"[bench] note: no ds_dhelix adapter for model_type {config.model_type!r}: {', '.join(ours)} will "
+            f"report that error; {', '.join(theirs)} run on DeepSpeed alone")
+
+
 def run(args) -> int:
     from ds_dhelix.bench import run_bench
     from ds_dhelix.bench.report import dumps, markdown_table, write_outputs
     opts = options_from_args(args)
-    check_model(opts)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    check_bench_model(opts, log)
     if opts.repeats < MIN_REPEATS:
         log(f"[bench] note: {opts.repeats} timed steps per mode, fewer than the {MIN_REPEATS} a reported row needs: "
             f"the rows are marked repeats_below_minimum (n={opts.repeats} in the table)")
