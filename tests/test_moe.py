@@ -1,5 +1,5 @@
 """MoE with expert parallelism, one suite for every family (Phi-MoE, Mixtral, Qwen3-MoE, Qwen2-MoE,
-OLMoE; CPU, fp32, gloo): (a), (b), (d), (e) run for each; (c) and (f) for Phi-MoE (the other
+OLMoE, DeepSeek-V3, GLM-4.5, gpt-oss, Qwen3-MoE with a dense layer; CPU, fp32, gloo): (a), (b), (d), (e) run for each; (c) and (f) for Phi-MoE (the other
 families' engine runs are in tests/test_moe_families.py).
 
     (a) EP=2 op graph vs unsharded HF PhimoeForCausalLM (jitter 0): losses and every gradient close,
@@ -8,7 +8,9 @@ families' engine runs are in tests/test_moe_families.py).
         them; reactive with pair_ends) vs sequential with EP=2 and router/input jitter on, 4 micro-batches: bitwise equal
     (c) SI vs sequential through the DeepSpeed engine (DP2 x EP2, ZeRO 1, 3 steps): losses and
         parameters bitwise equal; close to HF. TP=2 attention x EP=2 on 4 ranks vs HF.
-    (d) dispatch then combine returns its input exactly; experts that receive no token work
+    (d) dispatch then combine returns its input exactly; experts that receive no token work (forced by
+        shifted router logits, or by the family's own bias: gpt-oss's router bias, DeepSeek-V3's and
+        GLM-4.5's e_score_correction_bias)
     (e) expert shards gather back to the HF tensors bit for bit; a shard with foreign ids is refused
     (f) bad input: EP not dividing the experts, top-k > experts, EP on a dense model
 
@@ -31,14 +33,16 @@ TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
 SEED, BATCH, SEQ, MICRO = 3, 2, 16, 2
 
 
-MOE_PRESETS = ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe")
+MOE_PRESETS = ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-deepseek-v3",
+               "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-moe-mixed")
 
 
 def make_config(preset="tiny-phimoe", **overrides):
     from hf_models.registry import load_config
     config = load_config(preset)
-    config.num_hidden_layers = 2
-    config._attn_implementation = "sdpa"
+    from hf_models.registry import family_attn_implementation, with_num_layers
+    config = with_num_layers(config, 2)  # (DeepSeek-V3, GLM-4.5: a dense layer, then an MoE one)
+    config._attn_implementation = family_attn_implementation(config)
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
@@ -48,7 +52,7 @@ def make_model(config):
     from transformers import AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
     return model.train()
 
 
@@ -62,15 +66,28 @@ def make_batches(world: int, vocab: int) -> list[list[dict]]:
     return out
 
 
+def sparse_layers(model) -> list:
+    return [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+
+
 def force_experts(model, bias):
     """Route every token by ``logits + bias`` (the family's own routing on shifted logits: Phi-MoE's
-    sparsemixer, else softmax top-k, renormalised where the family does)."""
+    sparsemixer, else softmax top-k, renormalised where the family does). The families with a bias of
+    their own take it there: gpt-oss's router bias, DeepSeek-V3's and GLM-4.5's
+    ``e_score_correction_bias`` (the choice only: the weights stay the plain scores)."""
     from transformers.models.phimoe.modeling_phimoe import sparsemixer
     import torch.nn.functional as F
     from hf_models.adapters import adapter_for
     family = adapter_for(model.config).FAMILY
-    for layer in model.model.layers:
+    for layer in sparse_layers(model):
         router = getattr(layer.mlp, family.router)
+        own = getattr(router, "e_score_correction_bias", None)
+        if own is None and family.route is not None:
+            own = router.bias
+        if own is not None:
+            with torch.no_grad():
+                own.copy_(torch.tensor(bias))
+            continue
 
         def forward(x, router=router):
             logits = F.linear(x, router.weight) + torch.tensor(bias, dtype=x.dtype)
@@ -155,12 +172,13 @@ def _rank_main(rank, world, preset):
         graph = ep_graph(model, lay, capacity_factor=cf)
         losses = run(graph, batches[rank], "sequential")
         res[name] = {"losses": losses, "hf": hf_losses[rank], "grad_diff": grad_diff(model, hf_grads),
-                     "load": graph.meta["moe_metrics"].load.sum(dim=1).tolist(),
+                     "load": graph.meta["moe_metrics"].load.sum(dim=1)[graph.meta["sparse_layers"]].tolist(),
+                     "sparse": len(sparse_layers(model)),
                      "dropped": sum(graph.meta["moe_metrics"].dropped)}
     full = full_state_dict(model)
-    fresh = make_model(config).state_dict()
+    fresh = dict(make_model(config).named_parameters())  # (full_state_dict: the parameters; buffers stay whole)
     res["gather_equal"] = sorted(full) == sorted(fresh) and all(torch.equal(full[k], fresh[k]) for k in full)
-    p = model.model.layers[0].mlp.experts.gate_up_proj
+    p = sparse_layers(model)[0].mlp.experts.gate_up_proj
     p.expert_ids = tuple(i + 1 for i in p.expert_ids) if rank == 1 else p.expert_ids
     try:
         full_state_dict(model)
@@ -188,7 +206,7 @@ def _rank_main(rank, world, preset):
         force_experts(model, bias)
         graph = ep_graph(model, lay)
         losses = run(graph, batches[rank], schedule)
-        experts = model.model.layers[0].mlp.experts
+        experts = sparse_layers(model)[0].mlp.experts
         res[f"zero_{schedule}"] = {"losses": losses, "hf": ref_losses[rank], "grad_diff": grad_diff(model, ref_grads),
                                    "grad_is_zero": bool((experts.gate_up_proj.grad == 0).all())}
     res["roundtrip"] = dispatch_roundtrip(rank, lay)
@@ -230,8 +248,9 @@ def test_ep2_matches_hf(ep2):
             assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(got["hf"]), **TOL), got
             assert got["grad_diff"] <= 1e-5
             assert got["dropped"] == 0
-            # every token goes to 2 experts in each of the 2 layers, over the 2 micro-batches
-            assert got["load"] == [2.0 * BATCH * SEQ * MICRO] * 2
+            # every token goes to 2 experts in each MoE layer (both, or the second after a dense one),
+            # over the 2 micro-batches
+            assert got["load"] == [2.0 * BATCH * SEQ * MICRO] * got["sparse"]
 
 
 def test_si_bitwise_with_router_jitter(ep2):
@@ -423,3 +442,78 @@ def test_deepspeed_checkpoint_resume_keeps_experts(tmp_path):
     assert m["load"] == [2.0 * 2 * BATCH * SEQ * 2] * 2
     assert 1.0 < m["aux"] < 4.0  # E x sum(f_e p_e): 2 for a perfectly balanced top-2 router
     assert m["a2a_ms"] > 0 and 0 <= m["exposed_ms"] <= m["a2a_ms"]
+
+
+# ------------------------------------------------------------------------------ routers and experts
+@pytest.mark.parametrize("groups, keep", [(1, 1), (2, 1), (4, 2)])
+def test_grouped_sigmoid_router_is_hfs(groups, keep):
+    """``grouped_sigmoid_topk`` (DeepSeek-V3 / GLM-4.5) chooses the same experts with the same weights
+    as HF's ``DeepseekV3TopkRouter``, bit for bit, with a correction bias that changes the choice."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from ds_dhelix.moe.router import grouped_sigmoid_topk
+    from hf_models.moe_family import grouped_sigmoid_route
+    config = DeepseekV3Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=groups,
+                              topk_group=keep, routed_scaling_factor=2.5, norm_topk_prob=True)
+    gen = torch.Generator().manual_seed(0)
+    router = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(8, generator=gen))
+    x = torch.randn(40, 16, generator=gen)
+    logits, w, sel = router(x)
+    ours = grouped_sigmoid_route(router, x)
+    order, ours_order = sel.sort(dim=-1).indices, ours[2].sort(dim=-1).indices
+    assert torch.equal(sel.gather(1, order), ours[2].gather(1, ours_order))
+    assert torch.equal(w.gather(1, order), ours[1].gather(1, ours_order)) and torch.equal(logits, ours[0])
+    _, unbiased = grouped_sigmoid_topk(logits, 2, None, groups, keep, True, 2.5)
+    assert not torch.equal(unbiased.sort(dim=-1).values, sel.sort(dim=-1).values)  # the bias moved the choice
+
+
+def test_gpt_oss_router_and_experts_are_hfs():
+    """``softmax_after_topk`` and the gpt-oss expert layout (biases, alternate gate/up columns, the
+    clamped SwiGLU) give HF's ``GptOssTopKRouter`` / ``GptOssExperts`` outputs."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+    from ds_dhelix.moe.experts import GPT_OSS_LAYOUT, expert_linear, layout_act
+    from hf_models.moe_family import biased_softmax_route
+    config = GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    gen = torch.Generator().manual_seed(1)
+    router, experts = GptOssTopKRouter(config), GptOssExperts(config)
+    with torch.no_grad():
+        for p in list(router.parameters()) + list(experts.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 3)  # large enough for the clamps to bite
+    x = torch.randn(24, 16, generator=gen)
+    logits, w, sel = router(x)
+    ours = biased_softmax_route(router, x)
+    assert torch.equal(logits, ours[0]) and torch.equal(w, ours[1]) and torch.equal(sel, ours[2])
+    ref = experts(x, sel, w)
+    rows = torch.cat([torch.nonzero(sel == e)[:, 0] for e in range(4)])  # token of each copy, by expert
+    sizes = [int((sel == e).sum()) for e in range(4)]
+    weight = torch.cat([w[sel == e] for e in range(4)])
+    h = expert_linear(x[rows], sizes, experts.gate_up_proj, False, experts.gate_up_proj_bias, True)
+    assert (h.abs() > config.swiglu_limit).any()  # the clamp is exercised
+    y = expert_linear(layout_act(GPT_OSS_LAYOUT, experts)(h), sizes, experts.down_proj, False,
+                      experts.down_proj_bias, True)
+    got = torch.zeros_like(x).index_add_(0, rows, y * weight[:, None])
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)  # another summation order of the copies
+
+
+def test_dense_layers_follow_hfs_rule():
+    """``dense_layers``: DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step,
+    matching the MLP class HF builds for each layer; a model left without MoE layers is refused."""
+    from hf_models.moe_family import dense_layers, check_layers
+    from hf_models.registry import build_model, load_config
+    for preset, overrides in (("tiny-deepseek-v3", {}), ("tiny-qwen3-moe-mixed", {}),
+                              ("tiny-qwen3-moe", {"decoder_sparse_step": 2}), ("tiny-glm4-moe", {})):
+        model, _ = build_model(preset, seed=0, overrides=overrides)
+        hf_dense = [i for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "experts")]
+        assert dense_layers(model.config) == hf_dense and hf_dense, (preset, hf_dense)
+    config = load_config("tiny-deepseek-v3")
+    config.first_k_dense_replace = config.num_hidden_layers
+    with pytest.raises(ValueError, match="every one of its 3 layers is dense"):
+        check_layers(config, "DeepSeek-V3")
+    config = load_config("tiny-qwen3-moe")
+    config.mlp_only_layers = [7]
+    with pytest.raises(ValueError, match=r"mlp_only_layers \[7\] are not layers"):
+        check_layers(config, "Qwen3-MoE")

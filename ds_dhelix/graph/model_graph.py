@@ -76,8 +76,26 @@ class ModelGraph:
     def num_layers(self) -> int:
         return len(self.blocks) - 2
 
+    def block_specs(self, block: int) -> tuple[OpSpec, ...]:
+        """Op list of block ``block`` (1 .. num_layers: decoder layer ``block - 1``)."""
+        return tuple(op.spec for op in self.blocks[block])
+
+    def layer_kinds(self) -> dict[tuple[OpSpec, ...], list[int]]:
+        """Each kind of decoder layer (its op list) -> its blocks: one kind for most models; a dense
+        layer among MoE ones (``first_k_dense_replace``, ``mlp_only_layers``) is a kind of its own."""
+        kinds: dict[tuple[OpSpec, ...], list[int]] = {}
+        for b in range(1, len(self.blocks) - 1):
+            kinds.setdefault(self.block_specs(b), []).append(b)
+        return kinds
+
+    def main_block(self) -> int:
+        """The first block of the main layer kind: the kind most layers have (ties: the last layer's)."""
+        kinds = self.layer_kinds()
+        last = self.block_specs(len(self.blocks) - 2)
+        best = max(kinds, key=lambda k: (len(kinds[k]), k == last))
+        return kinds[best][0]
+
     def layer_specs(self) -> tuple[OpSpec, ...]:
-        """Op list of a decoder layer (all layers of a model share it)."""
-        specs = {tuple(op.spec for op in blk) for blk in self.blocks[1:-1]}
-        assert len(specs) == 1, "layers of one model must share one op list"
-        return next(iter(specs))
+        """Op list of the main layer kind (every layer's, when all share one): what the planner
+        profiles and plans; pairs with a layer of another kind run by their default plan."""
+        return self.block_specs(self.main_block())

@@ -379,6 +379,7 @@ class Executor:
                  watchdog=None, defer_weight_grads: bool | None = None, reactive: bool | None = None,
                  pair_ends: bool = False, recompute: str = "none"):
         self.graph, self.plan, self.meter = graph, plan, meter
+        self._pair_plans: dict = {}  # (forward kind, backward kind) -> default plan (mixed layer kinds)
         self.recompute = RecomputePolicy(recompute, graph)
         self.reactive = plan is None if reactive is None else reactive
         if self.reactive and plan is not None:
@@ -716,6 +717,20 @@ class Executor:
         self.run_round(self._strand(first, True), self._strand(second, True, swapped=True), trail=True)
         self.drain_deferred()
 
+    def pair_plan(self, fb: int, bb: int) -> SIPlan:
+        """The plan of forward block ``fb`` beside backward block ``bb``: the SI plan when both are
+        layers of the kind it is for, else (a dense layer beside an MoE one) the default plan of
+        the two op lists, made once per pair of kinds."""
+        from ..graph.ops import backward_order
+        from ..planning.plan import default_plan
+        fs, bs = self.graph.block_specs(fb), self.graph.block_specs(bb)
+        if fs == bs == tuple(self.plan.fwd_ops):
+            return self.plan
+        key = (fs, bs)
+        if key not in self._pair_plans:
+            self._pair_plans[key] = default_plan(fs, backward_order(bs))
+        return self._pair_plans[key]
+
     def co_execute(self, f_mb: MicroBatch, f_blocks: list[int], b_mb: MicroBatch, b_blocks: list[int]) -> None:
         """Forward ``f_blocks`` (in order) of ``f_mb`` together with backward ``b_blocks`` (in the
         order given, i.e. last layer first) of ``b_mb``. Reactive (no plan): both as one round. With
@@ -734,7 +749,7 @@ class Executor:
             bb = b_blocks[j] if j < len(b_blocks) else None
             both_layers = fb is not None and bb is not None and 0 < fb < nb - 1 and 0 < bb < nb - 1
             if both_layers and self.plan is not None:
-                for r in self.plan.rounds:
+                for r in self.pair_plan(fb, bb).rounds:
                     self.run_round(self.tasks(b_mb, bb, True, *r.bwd), self.tasks(f_mb, fb, False, *r.fwd))
             else:
                 self.run_round(self.tasks(b_mb, bb, True) if bb is not None else [],

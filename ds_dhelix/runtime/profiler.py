@@ -73,7 +73,8 @@ def meta_key(meta: dict) -> str:
 class LayerProbe:
     """One decoder layer (block ``block``) of ``graph`` ready to be timed segment by segment."""
 
-    def __init__(self, graph, batch: dict, block: int = 1):
+    def __init__(self, graph, batch: dict, block: int | None = None):
+        block = graph.main_block() if block is None else block  # (a layer of the kind the plan is for)
         self.graph, self.block = graph, block
         self.executor = Executor(graph, reactive=False)  # plan-mode semantics: what plans run by
         self.side = graph.make_side(batch)
