@@ -10,6 +10,7 @@ of another summation order; measured <= 5.4e-7 and 3e-8).
     selective  dhelix.recompute "selective"
     tp2        TP=2 attention (MLA: its head-wise projections cut; gpt-oss: its sinks), EP=1
     cp2        Ulysses CP=2 (MLA: q/k and v of other widths padded for the all-to-all)
+    ring2      ring attention CP=2
     tp2ep2     TP=2 x EP=2 x DP=2 on 4 ranks
 
 ``make test`` runs ep2 for every family and the settings in CORE; the rest is the extended tier
@@ -31,11 +32,14 @@ SETTINGS = {
     "capacity": {**EP2, "extra": {"expert_parallel": {"size": 2, "capacity_factor": 4.0}}},
     "bf16": {**EP2, "dtype": "bf16"}, "selective": {**EP2, "recompute": "selective"},
     "tp2": {"tp": 2, "dp": 1}, "cp2": {"tp": 1, "dp": 1, "cp": 2},
+    "ring2": {"tp": 1, "dp": 1, "cp": 2, "cp_comm": "ring"},
     "tp2ep2": {"tp": 2, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
 }
 NOT_RUN = {("tiny-olmoe", "tp2"): "OLMoE's q/k norm over the whole projection needs TP=1",
-           ("tiny-olmoe", "cp2"): "OLMoE's q/k norm over the whole projection",
+           ("tiny-olmoe", "tp2ep2"): "OLMoE's q/k norm over the whole projection needs TP=1",
            ("tiny-gpt-oss", "cp2"): "gpt-oss's attention sinks refuse context parallelism",
+           ("tiny-gpt-oss", "ring2"): "gpt-oss's attention sinks refuse context parallelism",
+           ("tiny-deepseek-v3", "ring2"): "MLA refuses ring attention (q/k and v of other widths)",
            ("tiny-phimoe", "cp2"): "covered by tests/test_context_parallel.py"}
 CORE = {("tiny-deepseek-v3", s) for s in ("zero0", "zero2", "capacity", "tp2", "cp2", "tp2ep2")} | {
     ("tiny-glm4-moe", "tp2"), ("tiny-gpt-oss", "tp2"), ("tiny-gpt-oss", "capacity"), ("tiny-qwen3-moe", "tp2"),
@@ -140,3 +144,59 @@ def test_shared_expert_runs_while_the_routed_tokens_are_in_flight():
         assert names[at - 1] == "moe.dispatch" and names[at + 1] == "moe.experts.up", names
     assert [op.name for op in graph.blocks[1]][-3:] == ["mlp.up", "mlp.down", "mlp.add"]
     assert len(graph.layer_kinds()) == 2 and graph.main_block() == 2
+
+
+OTHER_SIZES = {  # transformers configs at other sizes than the presets (the adapters must not assume theirs)
+    "deepseek_v3": dict(hidden_size=192, intermediate_size=320, moe_intermediate_size=96, num_hidden_layers=3,
+                        first_k_dense_replace=1, num_attention_heads=6, num_key_value_heads=6, q_lora_rank=None,
+                        kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+                        n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3, n_group=2, topk_group=1,
+                        routed_scaling_factor=1.5, rope_interleave=False, max_position_embeddings=256),
+    "glm4_moe": dict(hidden_size=96, intermediate_size=160, moe_intermediate_size=64, num_hidden_layers=3,
+                     first_k_dense_replace=1, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                     use_qk_norm=False, attention_bias=True, n_routed_experts=8, n_shared_experts=1,
+                     num_experts_per_tok=2, n_group=2, topk_group=1, max_position_embeddings=256),
+    "gpt_oss": dict(hidden_size=96, intermediate_size=64, num_hidden_layers=3, num_attention_heads=6,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=8, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                    output_router_logits=True, max_position_embeddings=256),
+    "qwen3_moe": dict(hidden_size=96, intermediate_size=160, moe_intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_experts=8,
+                      num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[2], output_router_logits=True,
+                      max_position_embeddings=256),
+}
+
+
+def save_other_sizes(root) -> dict[str, str]:
+    """``save_pretrained`` directories of OTHER_SIZES (random init, vocabulary 2048)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from hf_models.registry import family_attn_implementation
+    out = {}
+    for model_type, fields in OTHER_SIZES.items():
+        config = AutoConfig.for_model(model_type, vocab_size=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      **fields)
+        torch.manual_seed(7)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=family_attn_implementation(config))
+        for name, buf in model.named_buffers():  # a router bias that matters (HF initialises it to 0)
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.05 * torch.randn(buf.shape))
+        out[model_type] = str(root / model_type)
+        model.save_pretrained(out[model_type])
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_checkpoints_of_other_sizes(tmp_path):
+    """The same parity on directories of other shapes: hidden 96/192, 3 layers, 8 experts, top-3,
+    grouped routing n_group 2 / topk_group 1, DeepSeek-V3 without q_lora_rank (q_proj) and without
+    rope interleaving, GLM-4.5 without its q/k norm, Qwen3-MoE with decoder_sparse_step 2."""
+    from hf_models.moe_family import dense_layers
+    from hf_models.registry import load_config
+    dirs = save_other_sizes(tmp_path)
+    assert dense_layers(load_config(dirs["qwen3_moe"])) == [0, 2]
+    many = [ParityOptions(model=d, tp=1, dp=2, seq_len=32, steps=2, extra={"expert_parallel": {"size": 2}})
+            for d in dirs.values()]
+    for model_type, r in zip(dirs, run_parities(many, timeout=560)):
+        assert r["bitwise_equal"] and r["hf_close"] and r["ok"], (model_type, r["max_abs_diff_vs_hf"],
+                                                                  r["max_loss_diff_vs_hf"])
