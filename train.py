@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-llama",
                    help="preset (tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-gemma3, tiny-phi3, tiny-smollm3, "
                         "tiny-olmo3, tiny-gpt2, tiny-gpt-neox; MoE tiny-phimoe, tiny-mixtral, tiny-qwen3-moe, "
-                        "tiny-qwen2-moe, tiny-olmoe; small-llama, small-phimoe: ~100M) or a local HF checkpoint dir "
+                        "tiny-qwen2-moe, tiny-olmoe, tiny-deepseek-v3, tiny-glm4-moe, tiny-gpt-oss, tiny-qwen3-moe-mixed; small-llama, "
+                        "small-phimoe: ~100M) or a local HF checkpoint dir "
                         "(each rank reads only its shards under dhelix)")
     p.add_argument("--data", default=None,
                    help="training data: .txt, .jsonl, .json, .parquet or a datasets.save_to_disk directory, read "

@@ -57,6 +57,9 @@ LAYOUTS = {
     "qwen3moe-ep2": dict(model="tiny-qwen3-moe", tp=1, dp=2, extra={"expert_parallel": {"size": 2}},
                          lora=lora(["q_proj", "k_proj", "v_proj", "o_proj"])),
     "qwen3-cp2": dict(model="tiny-qwen3", tp=1, cp=2, lora=lora(["q_proj", "v_proj", "down_proj"])),
+    # MLA: the latent projections stay whole on both TP ranks, their factors too; q_b / kv_b are cut
+    "deepseek-tp2": dict(model="tiny-deepseek-v3", lora=lora(["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                               "kv_b_proj", "o_proj"])),
 }
 
 

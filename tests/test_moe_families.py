@@ -46,6 +46,14 @@ CORE = {("tiny-deepseek-v3", s) for s in ("zero0", "zero2", "capacity", "tp2", "
     ("tiny-qwen2-moe", "tp2"), ("tiny-mixtral", "tp2ep2")}
 
 
+RING = ("tiny-olmoe", "tiny-glm4-moe", "tiny-qwen3-moe-mixed")  # ring CP on CPU takes ~95 s a run: these three
+# (the q/k norm over all heads, partial RoPE, mixed layers); every family passed it once (see docs/guides/moe.md)
+
+
+def runs(family: str, setting: str) -> bool:
+    return (family, setting) not in NOT_RUN and (setting != "ring2" or family in RING)
+
+
 def core(family: str, setting: str) -> bool:
     """In ``make test``'s tier (else the extended one)."""
     return setting == "ep2" or (family, setting) in CORE
@@ -59,7 +67,7 @@ def options(family: str, setting: str) -> ParityOptions:
 @functools.lru_cache(maxsize=None)
 def world_results(is_core: bool, world: int) -> dict:
     keys = [(f, s) for f in FAMILIES for s in SETTINGS
-            if (f, s) not in NOT_RUN and core(f, s) == is_core and options(f, s).world == world]
+            if runs(f, s) and core(f, s) == is_core and options(f, s).world == world]
     return dict(zip(keys, run_parities([options(f, s) for f, s in keys], timeout=840))) if keys else {}
 
 
@@ -68,7 +76,7 @@ def results_of(family: str, setting: str) -> dict:
 
 
 CASES = [pytest.param(f, s, marks=() if core(f, s) else pytest.mark.extended, id=f"{f}-{s}")
-         for f in FAMILIES for s in SETTINGS]
+         for f in FAMILIES for s in SETTINGS if runs(f, s) or (f, s) in NOT_RUN]
 
 
 @pytest.mark.timeout(900)
