@@ -1,36 +1,44 @@
 """One MoE decoder layer machinery for every HF MoE family whose experts are fused tensors
-(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) behind a router module returning
-``(logits, top-k weights, top-k experts)``: Phi-MoE (sparsemixer), Mixtral (softmax top-k,
-renormalised), Qwen3-MoE and OLMoE (softmax top-k, renormalised when ``norm_topk_prob``; RMSNorm of q
-and k per head or over the whole projection), Qwen2-MoE (a sigmoid-gated shared expert, ``moe.shared``,
-placed right after the dispatch so it computes while the routed tokens are in flight). A family is a ``MoeFamily``: where its router and jitter live, how many experts its
-config has, how its files store the experts. The adapters (``phimoe.py``, ``mixtral.py``) are that
-description plus their checks.
+(``ExpertLayout``: ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, or gpt-oss's transposed,
+biased, interleaved ones) behind a router returning ``(logits, top-k weights, top-k experts)``:
+Phi-MoE (sparsemixer), Mixtral (softmax top-k, renormalised), Qwen3-MoE and OLMoE (softmax top-k,
+renormalised when ``norm_topk_prob``; RMSNorm of q and k per head or over the whole projection),
+Qwen2-MoE (a sigmoid-gated shared expert), DeepSeek-V3 and GLM-4.5 (group-limited sigmoid routing,
+ungated shared experts; DeepSeek's multi-head latent attention, ``mla.py``), gpt-oss (softmax
+after top-k of a biased router, attention sinks, sliding layers). A family is a ``MoeFamily``:
+its attention op set, router function, shared expert, expert layout, where its router and jitter
+live, its expert keys, how its files store the experts. The adapters (``phimoe.py``,
+``deepseek_v3.py``, ...) are that description plus their checks.
 
 Layer ops (``s`` sequence, ``t`` TP size, ``N`` tokens of this rank, hidden sequence-first)::
 
     attn.norm     COMP  h[s/t] -> x               input_layernorm
     attn.ag       COMM  x -> xf[s]                all-gather (sequence)           t > 1
-    attn.qkv      COMP  xf -> q,k,v               q/k/v_proj (column-parallel)
-    attn.core     COMP  q,k,v -> o                rotary + HF attention function (sdpa/eager)
+    attn.qkv      COMP  xf -> q,k,v               q/k/v_proj (column-parallel); MLA: ``mla.qkv_fn``
+    attn.core     COMP  q,k,v -> o                rotary + HF attention function (sdpa/eager; sinks, windows)
     attn.out      COMP  o -> ao                   o_proj (row-parallel, partial sums)
     attn.rs       COMM  ao -> ar[s/t]             reduce-scatter (sequence)       t > 1
     mlp.norm      COMP  h,ar -> h2,x2             residual add + post_attention_layernorm
-    moe.router    COMP  x2 -> xs,w,aux.<i>        the family's HF router; copies sorted by expert
+    moe.router    COMP  x2 -> xs,w[,aux.<i>]      the family's router; copies sorted by expert
     moe.counts    COMM  xs -> xc                  rows per (rank, expert), async    ep > 1, dropless
     moe.dispatch  COMM  xs|xc -> xr               all-to-all to the experts' EP ranks  ep > 1
-    moe.shared    COMP  x2 -> ysh                 shared expert x sigmoid(gate)        Qwen2-MoE
+    moe.shared    COMP  x2 -> ysh                 the shared expert(s)      Qwen2-MoE, DeepSeek-V3, GLM-4.5
     moe.experts.up    COMP  xr -> xg              regroup rows by expert; gate/up projections
-    moe.experts.act   COMP  xg -> xa              act(gate) x up
+    moe.experts.act   COMP  xg -> xa              act(gate) x up (gpt-oss: the clamped SwiGLU)
     moe.experts.down  COMP  xa -> yr              down projection; rows back in received order
     moe.combine   COMM  yr -> ys                  all-to-all back                      ep > 1
     moe.add       COMP  h2,ys,w[,ysh] -> h        weighted sum of each token's copies (+ shared) + residual
 
+A dense layer among them (``dense_layers``: ``first_k_dense_replace``, ``mlp_only_layers``,
+``decoder_sparse_step``) has ``mlp.up``, ``mlp.down``, ``mlp.add`` after ``mlp.norm`` instead
+(``dense_mlp_ops``): a layer kind of its own.
+
 Each TP rank routes its own sequence shard; EP groups are DP peers with the same TP rank. The
-router's per-layer load-balancing pieces (``aux.<i>``) flow to ``head.loss``, which adds HF's
-``router_aux_loss_coef x load_balancing_loss`` over all layers, so its gradient reaches every router
-through the ordinary backward of the op graph, under SI as well. HF state_dict keys never change:
-expert shards keep their names and are gathered back to ``[E, ...]`` by global expert id.
+router's per-layer load-balancing pieces (``aux.<i>``, MoE layers only) flow to ``head.loss``,
+which adds HF's ``router_aux_loss_coef x load_balancing_loss``, so its gradient reaches every
+router through the ordinary backward of the op graph, under SI as well (families whose HF model has
+no such loss emit none). HF state_dict keys never change: expert shards keep their names and are
+gathered back to ``[E, ...]`` by global expert id.
 """
 from __future__ import annotations
 
