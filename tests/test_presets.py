@@ -69,9 +69,10 @@ TINY = tuple(n for n in PRESETS if n.startswith("tiny-"))
 
 
 def test_preset_names():
-    assert PRESETS == ("small-llama", "small-phimoe", "tiny-gemma3", "tiny-gpt-neox", "tiny-gpt2", "tiny-llama",
-                       "tiny-mistral", "tiny-mixtral", "tiny-olmo3", "tiny-olmoe", "tiny-phi3", "tiny-phimoe", "tiny-qwen2",
-                       "tiny-qwen2-moe", "tiny-qwen3", "tiny-qwen3-moe", "tiny-smollm3")
+    assert PRESETS == ("small-llama", "small-phimoe", "tiny-deepseek-v3", "tiny-gemma3", "tiny-glm4-moe",
+                       "tiny-gpt-neox", "tiny-gpt-oss", "tiny-gpt2", "tiny-llama", "tiny-mistral", "tiny-mixtral",
+                       "tiny-olmo3", "tiny-olmoe", "tiny-phi3", "tiny-phimoe", "tiny-qwen2", "tiny-qwen2-moe", "tiny-qwen3",
+                       "tiny-qwen3-moe", "tiny-qwen3-moe-mixed", "tiny-smollm3")
     assert all(is_preset(n) for n in PRESETS) and not is_preset("llama")
 
 
