@@ -56,7 +56,8 @@ from ds_dhelix.runtime.groups import ExpertGroups
 from ds_dhelix.moe.experts import (DEFAULT_LAYOUT, ExpertLayout, layout_act, run_expert_down, run_expert_up,
                                    shard_experts)
 from ds_dhelix.moe.metrics import MoeMetrics
-from ds_dhelix.moe.router import (aux_piece, combine_copies, grouped_sigmoid_topk, load_balancing_loss, local_counts,
+from ds_dhelix.moe.kernels import make_kernels
+from ds_dhelix.moe.router import (aux_piece, grouped_sigmoid_topk, load_balancing_loss, local_counts,
                                   route_tokens, softmax_after_topk)
 
 from . import mla
@@ -334,7 +335,8 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
     block = layer.mlp
     gate = getattr(block, family.router)
     num_experts, top_k, ep = family.num_experts(settings["config"]), gate.top_k, ep_groups.size
-    cf, grouped, base_seed, rank = (settings[k] for k in ("capacity_factor", "grouped_mm", "seed", "rank"))
+    cf, grouped, base_seed, rank, kernels = (settings[k] for k in ("capacity_factor", "grouped_mm", "seed", "rank",
+                                                                   "kernels"))
 
     def router(side, x2):
         x = x2.reshape(-1, x2.shape[-1])
@@ -347,7 +349,7 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
             if gate.training and getattr(gate, "input_jitter_noise", 0) > 0:
                 x = x.clone()  # Phi-MoE's router jitters its input in place: the experts see it too
             logits, weights, selected = gate(x) if family.route is None else family.route(gate, x)
-        xs, route = route_tokens(x, selected, num_experts, cf)
+        xs, route = route_tokens(x, selected, num_experts, cf, kernels)
         if ep == 1 or route.padded:
             local_counts(route, ep)
         side["moe"][index] = route
@@ -356,7 +358,7 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
         return (xs, weights) + ((aux_piece(logits, top_k),) if family.aux_loss else ())
 
     def add(side, h2, ys, w, *shared):
-        routed = combine_copies(ys, w, side["moe"][index]).view(h2.shape)
+        routed = kernels.decode(ys, w, side["moe"][index]).view(h2.shape)
         return (h2 + (routed + shared[0] if shared else routed),)  # HF's order: (routed + shared) + residual
 
     xr, yr = ("xr", "yr") if ep > 1 else ("xs", "ys")
@@ -433,13 +435,14 @@ def loss_op(config, sparse: list[int], coef: float, tp: int, tp_grad_group, metr
 
 def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None, *,
                 ep_groups: ExpertGroups | None = None, capacity_factor: float | None = None,
-                aux_loss_coef: float | None = None, grouped_mm: bool | None = None,
+                aux_loss_coef: float | None = None, grouped_mm: bool | None = None, kernels: str = "torch",
                 seed: int | None = None, check_ep=None, cp: ContextShards | None = None) -> ModelGraph:
     """Shard ``model`` in place for this TP rank and EP rank and return its op graph.
 
     ``capacity_factor`` None = dropless; ``aux_loss_coef`` None = the config's
     ``router_aux_loss_coef`` (0 when ``output_router_logits`` is off, as in HF); ``grouped_mm``
-    None = auto (grouped GEMM on CUDA bf16, else a loop over experts)."""
+    None = auto (grouped GEMM on CUDA bf16, else a loop over experts); ``kernels``: the dispatch and
+    combine kernels (``ds_dhelix.moe.kernels``: "torch" or "tutel")."""
     config = model.config
     ep_groups = ep_groups or ExpertGroups()
     check_tp(config, tp)
@@ -461,7 +464,7 @@ def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_grou
     metrics = MoeMetrics(num_layers, family.num_experts(config))
     draws = Draws(seed)  # router noise and attention dropout
     settings = {"capacity_factor": capacity_factor, "grouped_mm": grouped_mm, "seed": draws.base, "rank": draws.rank,
-                "config": config}
+                "config": config, "kernels": make_kernels(kernels)}
 
     blocks = [[embed_op(inner.embed_tokens)]]
     for i, layer in enumerate(inner.layers):
@@ -471,7 +474,7 @@ def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_grou
     blocks.append(head_ops(inner.norm, model.lm_head)[:2]
                   + [loss_op(config, sparse if family.aux_loss else [], aux_loss_coef,
                              *sequence_ranks(tp, tp_grad_group, cp), metrics, family.num_experts(config))])
-    meta = {"moe_metrics": metrics, "expert_groups": ep_groups, "capacity_factor": capacity_factor,
+    meta = {"moe_metrics": metrics, "expert_groups": ep_groups, "capacity_factor": capacity_factor, "moe_kernels": kernels,
             "aux_loss_coef": aux_loss_coef, "sparse_layers": sparse}
     return ModelGraph(blocks, make_side_fn(tp, tp_rank, side_inputs(model, family), cp), family=family.family,
                       meta=meta, replicated=replicated)

@@ -252,7 +252,8 @@ def test_dispatch_without_counts_op_is_refused():
     from ds_dhelix.moe.dispatch import ExpertAllToAll
     from ds_dhelix.runtime.groups import ExpertGroups
     from ds_dhelix.moe.router import Route
-    route = Route(num_tokens=2, top_k=1, counts=torch.tensor([1, 1]), copy_row=torch.arange(2))
+    route = Route(num_tokens=2, top_k=1, counts=torch.tensor([1, 1]), copy_row=torch.arange(2), rows=2,
+                  token_of=torch.arange(2))
     body = ExpertAllToAll(3, ExpertGroups(size=2), to_experts=True)
     with pytest.raises(RuntimeError, match="layer 3.*moe.counts"):
         body.forward(torch.zeros(2, 4), {"moe": {3: route}})

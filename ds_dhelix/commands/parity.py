@@ -45,6 +45,12 @@ def register(sub) -> None:
                         "forward is compared) on --lora-targets; 0: the whole model")
     p.add_argument("--lora-targets", default=None, metavar="NAMES",
                    help="comma-separated module names for --lora-r (default: every attention and MLP projection)")
+    p.add_argument("--capacity-factor", type=float, default=None, metavar="CF",
+                   help="MoE: expert capacity factor (copies past ceil(CF x tokens x top-k / experts) per expert "
+                        "are dropped); default: dropless")
+    p.add_argument("--moe-kernels", default="torch", choices=["torch", "tutel"],
+                   help="MoE dispatch / combine kernels (dhelix.moe.kernels); tutel: the first step is also "
+                        "compared with torch's kernels (vs_torch_kernels)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the world is killed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
@@ -65,6 +71,19 @@ def _lora(args) -> dict:
     return {"r": args.lora_r, "lora_alpha": 2 * args.lora_r, "target_modules": targets}
 
 
+def _moe_extra(args) -> dict:
+    """The legs' expert_parallel / moe keys of --ep, --capacity-factor and --moe-kernels."""
+    ep = {"size": args.ep} if args.ep > 1 else {}
+    if args.capacity_factor is not None:
+        if not args.capacity_factor > 0:
+            raise ValueError(f"--capacity-factor {args.capacity_factor} must be > 0 (leave it out for dropless)")
+        ep["capacity_factor"] = args.capacity_factor
+    extra = {"expert_parallel": ep} if ep else {}
+    if args.moe_kernels != "torch":
+        extra["moe"] = {"kernels": args.moe_kernels}
+    return extra
+
+
 def run(args) -> int:
     from ds_dhelix.engine.parity import ParityOptions, run_parity
     if args.tp is None:
@@ -81,7 +100,7 @@ def run(args) -> int:
                          seq_len=args.seq_len, zero_stage=args.zero, pp=args.pp, clip=args.clip, dtype=args.dtype,
                          dropout=args.dropout, recompute=args.recompute, packing=args.packing, cp=args.cp,
                          cp_comm=args.cp_comm, lora=_lora(args),
-                         extra={"expert_parallel": {"size": args.ep}} if args.ep > 1 else {})
+                         extra=_moe_extra(args))
     _check_setup(opts)
     result = run_parity(opts, timeout=args.timeout)
     if args.json:
@@ -117,6 +136,12 @@ def run(args) -> int:
                 from ds_dhelix.engine.parity import describe_settings
                 print(f"  HF compared with these switched off, on the first step only (the trained legs keep "
                       f"them): {describe_settings(result['hf_stochastic_off'])}")
+        if "vs_torch_kernels" in result:
+            k = result["vs_torch_kernels"]
+            print(f"  {k['kernels']} kernels vs torch kernels (first step): loss "
+                  f"{'BITWISE EQUAL' if k['loss_bitwise_equal'] else 'DIFFERENT'}, max |grad diff| "
+                  f"{k['max_first_step_grad_diff']:.3g} (tolerance {k['grad_tolerance']:.3g}: "
+                  f"{'ok' if k['close'] else 'EXCEEDED'})")
         if result["note"]:
             print(f"  note: {result['note']}")
         pk = result["peak_activation_bytes"]

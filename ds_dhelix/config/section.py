@@ -242,6 +242,30 @@ class ExpertParallelConfig(_Section):
             raise self._fail("aux_loss_coef", "must be >= 0 (or null for the model's own coefficient)")
 
 
+MOE_KERNELS = ("torch", "tutel")
+"""Valid values of ``dhelix.moe.kernels`` (``ds_dhelix.moe.kernels``)."""
+
+
+@dataclass(frozen=True)
+class MoeConfig(_Section):
+    """How the MoE layers move their tokens (the expert layout is ``expert_parallel``'s)."""
+
+    _path: ClassVar[str] = "dhelix.moe"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"kernels": MOE_KERNELS}
+
+    kernels: str = "torch"
+    """Dispatch (token rows -> the expert-sorted send buffer) and combine (expert outputs -> each
+    token's weighted sum) kernels of every MoE family: "torch" (index_select / index_copy and a
+    weighted sum) or "tutel" (tutel's fast_encode / fast_decode JIT kernels, forward and backward;
+    needs tutel installed, see the MoE guide). Dropless and capacity mode, under EP and SI; the
+    router stays the family's own."""
+
+    def __post_init__(self):
+        self._check_types()
+        if self.kernels not in MOE_KERNELS:
+            raise self._fail("kernels", f"choose one of {', '.join(MOE_KERNELS)}")
+
+
 CP_COMMS = ("ulysses", "ring")
 """Valid values of ``dhelix.context_parallel.comm``."""
 
@@ -427,6 +451,8 @@ class DhelixConfig(_Section):
     """Tensor/sequence parallelism."""
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     """MoE expert parallelism."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """MoE dispatch / combine kernels."""
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     """Context parallelism (sequence shards; Ulysses all-to-alls around attention, or ring attention)."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

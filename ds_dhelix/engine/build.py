@@ -17,6 +17,7 @@ import copy
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
 from ..runtime.comm import ReplicatedGrads, release_deepspeed_shm
@@ -25,6 +26,7 @@ from ..config.section import (ONE_STAGE_SCHEDULES, PIPELINE_SCHEDULES, BatchSize
 from ..config.dims import ParallelDims
 from ..config.ds_keys import check_deepspeed_keys
 from ..runtime.groups import ProcessGroups
+from ..moe.kernels import check_kernels
 from ..graph.ops import backward_order
 from ..pipe.folding import LayerFold, fold_layers
 from .precision import check_fp16
@@ -65,6 +67,7 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
                          f"experts; remove the section or use an MoE model (e.g. tiny-phimoe)")
     if hasattr(adapter, "check_aux"):
         adapter.check_aux(ep.aux_loss_coef)
+    _check_moe_kernels(ds_config, dh, adapter, model_config)
     _check_not_yet(ds_config)
     fold = None
     if dims.pp == 1 and dh.schedule not in ONE_STAGE_SCHEDULES:
@@ -81,6 +84,13 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
                          f"1: 'intra' needs 2 or more samples per micro-batch, which leaves one candidate; add "
                          f"'sequential' or 'si', or use a micro-batch of 2")
     return Setup(dh, dims, batch, fold)
+
+
+def _check_moe_kernels(ds_config: dict, dh: DhelixConfig, adapter, model_config) -> None:
+    """``dhelix.moe.kernels`` this run cannot use (tutel missing, a model without experts, a dtype)."""
+    check_kernels(dh.moe.kernels, moe=hasattr(adapter, "check_ep"),
+                  fp16=bool((ds_config.get("fp16") or {}).get("enabled")), device=get_accelerator().device_name(),
+                  hidden_size=getattr(model_config, "hidden_size", None))
 
 
 def _check_not_yet(ds_config: dict) -> None:
@@ -185,7 +195,7 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
     if hasattr(adapter, "check_ep"):
         ep = dh.expert_parallel
         moe = {"ep_groups": groups.expert_groups(), "capacity_factor": ep.capacity_factor,
-               "aux_loss_coef": ep.aux_loss_coef}
+               "aux_loss_coef": ep.aux_loss_coef, "kernels": dh.moe.kernels}
     if dims.cp > 1:
         moe["cp"] = groups.context_shards()
     graph = adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, seed=dh.seed, **moe)

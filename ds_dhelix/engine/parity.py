@@ -29,6 +29,12 @@ HF_GRAD_TOLERANCE = 1e-5  # max |grad diff| at step 1, relative to max |HF grad|
 HF_LOSS_TOLERANCE = 1e-5
 DTYPES = ("fp32", "bf16", "fp16")
 
+# tutel's kernels (``dhelix.moe.kernels``) write the same rows and weigh the copies in float32 as
+# torch's do, so the first-step loss is the same; their backward sums each routing weight's
+# gradient over the hidden size in tutel's own order, which moves the router's gradients (and what
+# flows back from them) by rounding of a sum of ``hidden`` terms: held within 1e-6 x max |g|.
+KERNELS_GRAD_TOLERANCE = 1e-6
+
 # The intra schedule sums each weight gradient as two halves' sums (and each loss as two halves'),
 # so it is not bitwise equal to sequential: its first-step gradients and every step's loss are held
 # to sequential's within the HF tolerances above in fp32 (the same kind of rounding: one more
@@ -246,13 +252,43 @@ def _rank_main(rank, world, opts: ParityOptions):
             other["first_step"] = first_step(opts, batches, "intra")
         if intra_has_halves_reference(opts):
             halves = train_schedule(halved(opts), "sequential", halve_batches(batches))
+    torch_kernels = None
     if opts.dtype == "fp32":
         seq["first_step"] = first_step(opts, batches)
+        if moe_kernels(opts) != "torch":  # the same first step on torch's dispatch / combine kernels
+            torch_kernels = first_step(with_moe_kernels(opts, "torch"), batches)
     if rank != 0:
         return None
     hf = train_hf(opts, batches) if opts.dtype == "fp32" and not _hf_cannot_take_the_mask(opts) else None
     out = compare(opts, seq, other, hf, note=note)
+    if torch_kernels is not None:
+        compare_kernels(out, seq["first_step"], torch_kernels, moe_kernels(opts))
     return judge_halves(out, other, halves) if opts.schedule == "intra" else out
+
+
+def moe_kernels(opts: ParityOptions) -> str:
+    """The legs' ``dhelix.moe.kernels``."""
+    return opts.extra.get("moe", {}).get("kernels", "torch")
+
+
+def with_moe_kernels(opts: ParityOptions, kernels: str) -> ParityOptions:
+    from dataclasses import replace
+    return replace(opts, extra={**opts.extra, "moe": {**opts.extra.get("moe", {}), "kernels": kernels}})
+
+
+def compare_kernels(out: dict, first: dict, reference: dict, kernels: str) -> None:
+    """``out["vs_torch_kernels"]``: the first step on ``kernels`` against the same step on torch's
+    kernels (loss bitwise or not, gradients within ``KERNELS_GRAD_TOLERANCE``); ``ok`` requires it."""
+    scale = max(1.0, max(float(g.abs().max()) for g in reference["grads"].values()))
+    grad_diff = max_diff(first["grads"], reference["grads"])
+    bitwise = all(torch.equal(first["grads"][k], reference["grads"][k]) for k in reference["grads"])
+    close = grad_diff <= KERNELS_GRAD_TOLERANCE * scale and abs(first["loss"] - reference["loss"]) <= HF_LOSS_TOLERANCE
+    out["vs_torch_kernels"] = {"kernels": kernels, "first_step_loss": first["loss"],
+                               "torch_first_step_loss": reference["loss"],
+                               "loss_bitwise_equal": first["loss"] == reference["loss"],
+                               "grads_bitwise_equal": bitwise, "max_first_step_grad_diff": grad_diff,
+                               "grad_tolerance": KERNELS_GRAD_TOLERANCE * scale, "close": close}
+    out["ok"] = out["ok"] and close
 
 
 def judge_halves(out: dict, intra: dict, halves: dict | None) -> dict:

@@ -27,7 +27,10 @@ class Route:
     num_tokens: int              # N tokens routed on this rank
     top_k: int                   # copies per token
     counts: torch.Tensor         # [E] copies sent to each global expert (before capacity)
-    copy_row: torch.Tensor       # [N*k] row of the combined buffer holding each copy's output
+    copy_row: torch.Tensor       # [N*k] row of the send buffer holding each copy (dropped: ``rows``)
+    rows: int                    # rows of the send buffer: N*k (dropless) or E*C (capacity)
+    token_of: torch.Tensor       # token of each buffer row (dropless) / of each kept copy (capacity)
+    kept_rows: torch.Tensor | None = None  # capacity mode: the buffer row of each kept copy
     capacity: int | None = None  # slots per expert (capacity mode) or None (dropless)
     dropped: int = 0             # copies dropped by capacity
     # filled by the dispatch launch (dropless, ep > 1) or by ``local_counts`` (ep == 1)
@@ -48,11 +51,25 @@ def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor:
 
 
 def route_tokens(x: torch.Tensor, selected: torch.Tensor, num_experts: int,
-                 capacity_factor: float | None = None) -> tuple[torch.Tensor, Route]:
+                 capacity_factor: float | None = None, kernels=None) -> tuple[torch.Tensor, Route]:
     """Token rows ``x [N, h]`` and expert ids ``selected [N, k]`` -> (send buffer, ``Route``).
 
     The send buffer holds the copies grouped by expert in ascending id order (stable: earlier tokens
-    first), so gradients flow back to ``x`` through a plain ``index_select``/``index_copy``."""
+    first), so gradients flow back to ``x`` through a plain ``index_select``/``index_copy``;
+    ``kernels`` (``moe.kernels``; None: torch's) writes it."""
+    route = plan_route(selected, num_experts, capacity_factor)
+    return (encode_rows if kernels is None else kernels.encode)(x, route), route
+
+
+def encode_rows(x: torch.Tensor, route: Route) -> torch.Tensor:
+    """Token rows ``x [N, h]`` -> the send buffer ``[rows, h]`` (torch's encode)."""
+    if not route.padded:
+        return x.index_select(0, route.token_of)
+    return x.new_zeros(route.rows, x.shape[-1]).index_copy(0, route.kept_rows, x.index_select(0, route.token_of))
+
+
+def plan_route(selected: torch.Tensor, num_experts: int, capacity_factor: float | None = None) -> Route:
+    """Expert ids ``selected [N, k]`` -> the ``Route``: each copy's row of the send buffer."""
     n_tok, k = selected.shape
     sel = selected.reshape(-1)
     order = torch.argsort(sel, stable=True)  # sorted position -> copy
@@ -61,18 +78,17 @@ def route_tokens(x: torch.Tensor, selected: torch.Tensor, num_experts: int,
     if capacity_factor is None:
         copy_row = torch.empty_like(order)
         copy_row[order] = torch.arange(order.numel(), device=order.device)
-        return x.index_select(0, token_of), Route(n_tok, k, counts, copy_row)
+        return Route(n_tok, k, counts, copy_row, rows=order.numel(), token_of=token_of)
     cap = capacity_for(n_tok, k, num_experts, capacity_factor)
     sorted_sel = sel[order]
     starts = torch.cumsum(counts, 0) - counts
     pos = torch.arange(order.numel(), device=order.device) - starts[sorted_sel]
     keep = pos < cap
     slot = sorted_sel * cap + pos
-    buf = x.new_zeros(num_experts * cap, x.shape[-1]).index_copy(
-        0, slot[keep], x.index_select(0, token_of[keep]))
     copy_row = torch.full_like(order, num_experts * cap)  # dropped copies read a zero pad row
     copy_row[order[keep]] = slot[keep]
-    return buf, Route(n_tok, k, counts, copy_row, capacity=cap, dropped=int((~keep).sum()))
+    return Route(n_tok, k, counts, copy_row, rows=num_experts * cap, token_of=token_of[keep], kept_rows=slot[keep],
+                 capacity=cap, dropped=int((~keep).sum()))
 
 
 def combine_copies(ys: torch.Tensor, weights: torch.Tensor, route: Route) -> torch.Tensor:
