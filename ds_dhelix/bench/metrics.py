@@ -72,10 +72,23 @@ def summarize_link(opts: BenchOptions, gbps: float | None, result: dict,
                "build_s": out.get("build_s"), **(out.get("info") or {})}
         if out.get("steps"):
             row.update(_timing(opts, out["steps"], seq_med, ideal, mode, peak_flops, flops_per_token, cores))
+        row.update(first_step_loss=out.get("first_step_loss"), **_loss_vs_sequential(mode, out, seq))
         if mode == "si-planned" and row.get("plan_is_default"):
             row["reason"] = f"the planner kept the default plan (plan source {row.get('plan_source')!r})"
         rows.append(row)
     return rows
+
+
+def _loss_vs_sequential(mode: str, out: dict, seq: dict) -> dict:
+    """A peer's first-step loss against sequential's (the same model, batches and objective): the
+    difference and whether it is within the peer's stated tolerance (tutel: ``LOSS_TOLERANCE``)."""
+    from .tutel_peer import LOSS_TOLERANCE, TUTEL_MODES
+    ours, theirs = seq.get("first_step_loss"), out.get("first_step_loss")
+    if mode not in TUTEL_MODES or ours is None or theirs is None:
+        return {}
+    diff = abs(theirs - ours)
+    return {"first_step_loss_diff_vs_sequential": diff, "loss_tolerance": LOSS_TOLERANCE,
+            "loss_close": diff <= LOSS_TOLERANCE}
 
 
 def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, cores=None) -> dict:

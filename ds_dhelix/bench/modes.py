@@ -12,7 +12,8 @@ import contextlib
 import torch.distributed as dist
 
 from ..runtime.comm import release_deepspeed_shm
-from .options import DHELIX_MODES, BenchOptions, autoep_preset, autoep_unfit, split_mode
+from .options import (DATA_PARALLEL_MODES, DHELIX_MODES, TUTEL_MODES, BenchOptions, autoep_preset, autoep_unfit,
+                      split_mode)
 
 
 class SkipMode(Exception):
@@ -78,10 +79,10 @@ class DhelixRunner(_Settling):
     def step(self, batches: list[dict]) -> dict:
         share = len(batches) // self.engine.groups.dp_size  # this data-parallel group's micro-batches
         dp_rank = self.engine.groups.dp_rank
-        self.engine.train_batch(iter(batches[dp_rank * share:(dp_rank + 1) * share]))
+        loss = self.engine.train_batch(iter(batches[dp_rank * share:(dp_rank + 1) * share]))
         s = self.engine.last_stats
         comm, exposed = s.comm_and_exposed  # CUDA: from CUDA events (the host never waits on NCCL)
-        return {"compute_s": s.compute_s, "comm_s": comm, "exposed_s": exposed,
+        return {"compute_s": s.compute_s, "comm_s": comm, "exposed_s": exposed, "loss": float(loss),
                 "num_comms": s.num_comms, "peak_activation_bytes": s.peak_activation_bytes}
 
     def close(self) -> None:
@@ -89,9 +90,9 @@ class DhelixRunner(_Settling):
 
 
 class DeepSpeedRunner:
-    """Plain DeepSpeed (``deepspeed``: data parallel), AutoTP (``autotp``) or AutoEP (``autoep``):
-    forward, backward, step per micro-batch; activation bytes counted with the same saved-tensor
-    meter."""
+    """Plain DeepSpeed (``deepspeed``: data parallel), AutoTP (``autotp``), AutoEP (``autoep``) or
+    tutel's MoE layer on DeepSpeed (``tutel*``): forward, backward, step per micro-batch; activation
+    bytes counted with the same saved-tensor meter."""
 
     def __init__(self, opts: BenchOptions, mode: str):
         import deepspeed
@@ -99,9 +100,14 @@ class DeepSpeedRunner:
         self.mode, self.world = mode, opts.world
         model = build_model(opts)
         config, self.info = _deepspeed_config(opts, mode, model), {}
-        with _autoep_registry_compat() if mode == "autoep" else contextlib.nullcontext():
-            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                   config=config)
+        if mode in TUTEL_MODES:
+            from .tutel_peer import TUTEL_MODES as DEGREES, tutel_engine, with_tutel_blocks
+            self.engine = tutel_engine(with_tutel_blocks(model, opts.ep, DEGREES[mode]), opts.ep, config)
+            self.info = {"tutel_overlap_degree": DEGREES[mode]}
+        else:
+            with _autoep_registry_compat() if mode == "autoep" else contextlib.nullcontext():
+                self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                       config=config)
         release_deepspeed_shm()
         if mode == "autoep":
             replaced = sum(type(m).__name__ == "AutoEPMoELayer" for m in self.engine.module.modules())
@@ -112,7 +118,7 @@ class DeepSpeedRunner:
         self.meter = ActivationMeter(self.engine.module.parameters())
 
     def my_batches(self, batches: list[dict]) -> list[dict]:
-        if self.mode == "autotp":
+        if self.mode not in DATA_PARALLEL_MODES:
             return batches
         share = len(batches) // self.world
         rank = dist.get_rank()
@@ -120,12 +126,24 @@ class DeepSpeedRunner:
 
     def step(self, batches: list[dict]) -> dict:
         self.meter.reset_peak()
-        for b in self.my_batches(batches):
+        mine, total = self.my_batches(batches), 0.0
+        for b in mine:
             with self.meter.hooks():
                 out = self.engine(input_ids=b["input_ids"], labels=b["labels"])
             self.engine.backward(out.loss)
             self.engine.step()
-        return {"peak_activation_bytes": self.meter.peak}
+            total += float(out.loss.detach())
+        return {"peak_activation_bytes": self.meter.peak, "loss": self._mean_loss(total / len(mine))}
+
+    def _mean_loss(self, mine: float) -> float:
+        """The step's loss: the mean over its micro-batches (on every rank: the world's mean where
+        the mode is data parallel)."""
+        if self.mode == "autotp":
+            return mine
+        import torch
+        t = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t) / self.world
 
     def close(self) -> None:
         self.engine.destroy()
@@ -164,10 +182,17 @@ class PipeRunner(_Settling):
 
 def _deepspeed_config(opts: BenchOptions, mode: str, model) -> dict:
     """The ds_config of a DeepSpeed mode (``SkipMode`` where the mode does not apply)."""
-    if mode in ("deepspeed", "autoep") and opts.step_micro_batches % opts.world:
+    if mode in DATA_PARALLEL_MODES and opts.step_micro_batches % opts.world:
         raise SkipMode(f"{opts.step_micro_batches} micro-batches do not split over {opts.world} "
                        f"data-parallel ranks; pass --micro-batches as a multiple of {opts.world}")
     if mode == "deepspeed":
+        return opts.deepspeed_ds_config()
+    if mode in TUTEL_MODES:
+        from deepspeed.accelerator import get_accelerator
+        from .tutel_peer import tutel_unfit
+        reason = tutel_unfit(mode, opts.ep, opts.world, model.config, get_accelerator().device_name())
+        if reason is not None:
+            raise SkipMode(reason)
         return opts.deepspeed_ds_config()
     if mode == "autotp":
         if opts.tp < 2 or opts.ep > 1:
@@ -212,6 +237,6 @@ def build_runner(opts: BenchOptions, mode: str, example_batch: dict, link_gbps: 
         return PipeRunner(opts, mode, link_gbps)
     if split_mode(mode)[0] in DHELIX_MODES:
         return DhelixRunner(opts, mode, example_batch, link_gbps)
-    if mode in ("deepspeed", "autotp", "autoep"):
+    if mode in ("deepspeed", "autotp", "autoep", *TUTEL_MODES):
         return DeepSpeedRunner(opts, mode)
     raise SkipMode(f"mode {mode!r} has no runner yet")  # pipeline modes: add a runner here

@@ -17,6 +17,10 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
                 too (no strand alone; one more micro-batch of activations)
     intra       Domino's intra-batch overlap ("schedule": "intra"): each micro-batch in two halves along
                 the batch, one half's collectives behind the other's compute, same direction
+    tutel       tutel's MoE layer (``tutel.moe.moe_layer``) in place of each MoE block, on plain DeepSpeed,
+                data parallel over the world like autoep, experts sharded over it, the same expert weights
+                and router logits; ``tutel-overlap2`` / ``tutel-overlap4``: with its all-to-all / expert-FFN
+                overlap (a2a_ffn_overlap_degree 2 / 4; CUDA only). Asked for by name (tutel is optional)
     auto        "schedule": "auto": the engine times sequential, si and intra on its first steps and
                 keeps the fastest; its row is timed after that decision (the trial steps run in its
                 warm-up and are reported in the row: auto_trial_steps, auto_chosen, auto_figures,
@@ -44,14 +48,22 @@ from dataclasses import asdict, dataclass, field
 from ..runtime.linkemu import DEFAULT_BURST_KB
 from ..graph.recompute import MODES as RECOMPUTE_MODES
 
-MODES = ("deepspeed", "autotp", "autoep", "sequential", "si", "si-ends", "si-plan", "si-planned", "intra", "auto")
+TUTEL_MODES = ("tutel", "tutel-overlap2", "tutel-overlap4")
+"""The tutel peer's modes (``bench/tutel_peer.py``)."""
+
+MODES = ("deepspeed", "autotp", "autoep", *TUTEL_MODES, "sequential", "si", "si-ends", "si-plan", "si-planned",
+         "intra", "auto")
 """Modes a run can measure, in table order."""
 
-DEFAULT_MODES = tuple(m for m in MODES if m not in ("si-ends", "auto"))
-"""Modes measured unless ``--modes`` says otherwise (``si-ends`` and ``auto`` are asked for by name)."""
+DEFAULT_MODES = tuple(m for m in MODES if m not in ("si-ends", "auto", *TUTEL_MODES))
+"""Modes measured unless ``--modes`` says otherwise (``si-ends``, ``auto`` and the tutel modes are asked for
+by name)."""
 
-DEEPSPEED_MODES = ("deepspeed", "autotp", "autoep")
+DEEPSPEED_MODES = ("deepspeed", "autotp", "autoep", *TUTEL_MODES)
 """Modes that run DeepSpeed's own engine on the HF model (no ds_dhelix adapter involved)."""
+
+DATA_PARALLEL_MODES = ("deepspeed", "autoep", *TUTEL_MODES)
+"""DeepSpeed modes data parallel over the world (each rank 1/world of a step's micro-batches)."""
 
 DHELIX_MODES = ("sequential", "si", "si-ends", "si-plan", "si-planned", "intra", "auto", "w", "dualpipev-si")
 """Modes that run the ds_dhelix executor (they report compute / comm / exposed time)."""
@@ -143,6 +155,8 @@ class BenchOptions:
     """Seconds one link rate may take before its world is killed."""
     extra_dhelix: dict = field(default_factory=dict)
     """Extra keys for the "dhelix" section of the ds_dhelix modes."""
+    moe_kernels: str = "torch"
+    """MoE dispatch / combine kernels of the ds_dhelix modes (``dhelix.moe.kernels``: torch or tutel)."""
 
     def __post_init__(self):
         if self.pp > 1 and self.modes == DEFAULT_MODES:  # the default list: the pipeline's
@@ -175,6 +189,8 @@ class BenchOptions:
             raise ValueError(f"zero stage {self.zero_stage} not supported here; use 0, 1 or 2")
         if self.lora_r < 0:
             raise ValueError(f"lora-r must be >= 1 (or 0: full fine-tune), got {self.lora_r}")
+        if self.moe_kernels not in ("torch", "tutel"):
+            raise ValueError(f"moe-kernels {self.moe_kernels!r}: choose torch or tutel")
         if self.lora_r and self.pp > 1:
             raise ValueError(f"--lora-r with --pp {self.pp}: DeepSpeed's pipeline peers train no PEFT model; "
                              f"benchmark LoRA with one stage")
@@ -278,6 +294,8 @@ class BenchOptions:
             section["pair_ends"] = True
         if mode == "si-planned":
             section["planner"] = {**section.get("planner", {}), "profile": "auto"}
+        if self.moe_kernels != "torch":
+            section["moe"] = {**section.get("moe", {}), "kernels": self.moe_kernels}
         return {**self.base_ds_config(self.micro_batches), "dhelix": section}
 
     def deepspeed_ds_config(self) -> dict:
@@ -328,11 +346,19 @@ def autoep_unfit(opts: BenchOptions, model_config) -> str | None:
 
 def check_modes_fit(opts: BenchOptions, model_config) -> None:
     """A mode named in ``--modes`` that cannot run on this model: ``ValueError`` naming the fix, before
-    any model is built. (In the default mode list such a mode becomes a skipped row instead.)"""
+    any model is built. (In the default mode list such a mode becomes a skipped row instead; so does
+    a tutel overlap mode on a machine without CUDA.)"""
     if opts.pp == 1 and "autoep" in opts.modes and opts.modes != DEFAULT_MODES:
         reason = autoep_unfit(opts, model_config)
         if reason is not None:
             raise ValueError(reason)
+    tutel = [m for m in opts.modes if m in TUTEL_MODES]
+    if tutel:
+        from .tutel_peer import tutel_unfit
+        reason = opts.pp > 1 and f"--pp {opts.pp}: the tutel modes have no pipeline; drop --pp" or \
+            tutel_unfit("tutel", opts.ep, opts.world, model_config, "cuda")
+        if reason:
+            raise ValueError(f"--modes {' '.join(tutel)}: {reason}")
 
 
 def quick(opts: BenchOptions, **overrides) -> BenchOptions:

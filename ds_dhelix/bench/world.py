@@ -67,12 +67,16 @@ def _timed_step(runner, batches) -> dict:
     return record
 
 
-def _warm_up(runner, batches, steps: int) -> None:
-    """``steps`` untimed steps, then any the runner needs to settle (``auto``'s trial phase)."""
+def _warm_up(runner, batches, steps: int) -> float | None:
+    """``steps`` untimed steps, then any the runner needs to settle (``auto``'s trial phase); the
+    first step's loss (every mode starts from the same model on the same batches; None: no step)."""
+    first = None
     for _ in range(steps):
-        _timed_step(runner, batches)
+        record = _timed_step(runner, batches)
+        first = record.get("loss") if first is None else first
     while getattr(runner, "settling_steps", 0):
         _timed_step(runner, batches)
+    return first
 
 
 def build_runners(opts: BenchOptions, batches: list[dict], gbps: float | None) -> tuple[dict, dict]:
@@ -97,7 +101,8 @@ def rank_main(rank: int, world: int, opts: BenchOptions, gbps: float | None):
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     runners, outcome = build_runners(opts, batches, gbps)
     for mode, runner in list(runners.items()):  # warm-up (and auto's trials); a mode failing here is dropped
-        _, failure = _guarded(lambda: _warm_up(runner, batches, opts.warmup))
+        first, failure = _guarded(lambda: _warm_up(runner, batches, opts.warmup))
+        outcome[mode]["first_step_loss"] = first
         if failure is not None:
             outcome[mode].update(status=failure[0], reason=f"warm-up step failed: {failure[1]}")
             runners.pop(mode)
@@ -109,6 +114,8 @@ def rank_main(rank: int, world: int, opts: BenchOptions, gbps: float | None):
         k = rep % len(order)
         for mode in order[k:] + order[:k]:
             records[mode].append(_timed_step(runners[mode], batches))
+            if outcome[mode]["first_step_loss"] is None:  # no warm-up: the first timed step is the first
+                outcome[mode]["first_step_loss"] = records[mode][-1].get("loss")
     gathered = [None] * world
     dist.all_gather_object(gathered, records)
     for runner in runners.values():
@@ -142,7 +149,8 @@ def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
     steps = []
     for recs in zip(*per_rank):
         peaks = [r["peak_activation_bytes"] for r in recs if r.get("peak_activation_bytes") is not None]
-        step = {"step_s": max(r["step_s"] for r in recs), "peak_activation_bytes": max(peaks, default=None)}
+        step = {"step_s": max(r["step_s"] for r in recs), "peak_activation_bytes": max(peaks, default=None),
+                "loss": recs[0].get("loss")}
         for key in ("compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s"):
             values = [r.get(key) for r in recs]
             if key in recs[0]:

@@ -59,6 +59,8 @@ def register(sub) -> None:
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2], help="ZeRO stage (default 0)")
     p.add_argument("--lora-r", type=int, default=None, metavar="R",
                    help="train a LoRA adapter of rank R on the frozen model in every mode (default 0: full fine-tune)")
+    p.add_argument("--moe-kernels", default=None, choices=["torch", "tutel"],
+                   help="MoE dispatch / combine kernels of the ds_dhelix modes (dhelix.moe.kernels; default torch)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per link rate before the world is killed")
     p.add_argument("--planner-cache", default=None, metavar="DIR",
                    help="cache dir of the overlap tables si-planned profiles (default: the planner's, "
@@ -77,7 +79,8 @@ def options_from_args(args) -> BenchOptions:
              "link_burst_kb": args.link_burst_kb,
              "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
              "seq_len": args.seq_len, "num_layers": args.num_layers, "warmup": args.warmup,
-             "repeats": args.repeats, "zero_stage": args.zero, "timeout": args.timeout, "lora_r": args.lora_r}
+             "repeats": args.repeats, "zero_stage": args.zero, "timeout": args.timeout, "lora_r": args.lora_r,
+             "moe_kernels": args.moe_kernels}
     if args.planner_cache:
         given["extra_dhelix"] = {"planner": {"cache_dir": args.planner_cache}}
     given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
@@ -94,6 +97,12 @@ def check_bench_model(opts: BenchOptions, log) -> None:
     from hf_models.registry import load_config
     config = load_config(opts.model)
     check_modes_fit(opts, config)
+    if opts.moe_kernels != "torch":
+        from deepspeed.accelerator import get_accelerator
+        from ds_dhelix.moe.kernels import check_kernels
+        from hf_models.adapters import num_experts
+        check_kernels(opts.moe_kernels, moe=num_experts(config) > 0, fp16=False,
+                      device=get_accelerator().device_name(), hidden_size=config.hidden_size)
     theirs = [m for m in opts.modes if m in DEEPSPEED_MODES]
     if opts.pp > 1 or config.model_type in ADAPTERS or not theirs:
         check_model(opts)

@@ -23,23 +23,35 @@ import os
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
+from deepspeed.runtime.engine import DeepSpeedEngine
 
 from .dhelix_engine import DhelixEngine
 
 
-class DhelixMoeEngine(DhelixEngine):
+class ExpertShardsMixin:
+    """Tells DeepSpeed a model has MoE layers when trained parameters are marked as expert shards
+    (``allreduce = False``, ``group_name``), before it builds the optimizer and broadcasts the
+    model: each EP rank keeps its own experts, their gradients reduced over the expert-data-parallel
+    group. (DeepSpeed itself only recognises its own ``MoE`` module class.)"""
+
+    def _configure_distributed_model(self, model):
+        if any(is_moe_param(p) and p.requires_grad for p in model.parameters()):  # trained experts, sharded
+            self.has_moe_layers = True
+            from hf_models.adapters import num_experts
+            self.num_experts.append(num_experts(model.config))
+        super()._configure_distributed_model(model)
+
+
+class DeepSpeedExpertEngine(ExpertShardsMixin, DeepSpeedEngine):
+    """Plain DeepSpeed on a model whose expert shards are marked (the bench's tutel peer)."""
+
+
+class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
     moe_aux_loss: float | None = None
     moe_expert_load: torch.Tensor | None = None
     moe_dropped_tokens: int = 0
     moe_a2a_ms: float = 0.0
     moe_a2a_exposed_ms: float = 0.0
-
-    def _configure_distributed_model(self, model):
-        if any(is_moe_param(p) and p.requires_grad for p in model.parameters()):  # trained experts, sharded
-            self.has_moe_layers = True  # before DeepSpeed builds the optimizer and broadcasts the model
-            from hf_models.adapters import num_experts
-            self.num_experts.append(num_experts(model.config))
-        super()._configure_distributed_model(model)
 
     def clip_fp32_gradients(self):
         """ZeRO 0 clipping with the exact global norm. DeepSpeed's ``clip_grad_norm_`` averages the
