@@ -29,10 +29,18 @@ go to ``<out>/gpu_checks.json``.
    longer matmul chain ~0; the host wait is ~0 in both (what host timers would report).
 7. ``connections`` (CUDA only): ``CUDA_DEVICE_MAX_CONNECTIONS`` and the warning the engines give
    when it serializes kernels.
+8. ``tutel_kernels`` (where tutel imports): ``dhelix.moe.kernels`` torch against tutel on the device,
+   fp32 and bf16: the send buffer and combined rows equal or not, and the encode + decode forward +
+   backward time of each (median).
+9. ``tutel_overlap`` (CUDA, where tutel imports): tutel's MoE layer on a one-rank NCCL world,
+   forward + backward time at ``a2a_ffn_overlap_degree`` 1, 2 and 4 (the bench's ``tutel``,
+   ``tutel-overlap2``, ``tutel-overlap4``). One GPU means one EP rank: the all-to-all is a local
+   copy, so these rows show what the chunking costs, not what it hides.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gzip
 import json
@@ -46,6 +54,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from ds_dhelix.moe.kernels import tutel_missing  # noqa: E402
 from ds_dhelix.runtime.comm import cuda_connections_warning  # noqa: E402
 from ds_dhelix.runtime.executor import Executor  # noqa: E402
 from ds_dhelix.runtime.trace import TraceRecorder  # noqa: E402
@@ -192,6 +201,23 @@ def check_stream_overlap(device, reps: int = 20) -> dict:
             "overlap": round((alone_c + alone_x - both) / min(alone_c, alone_x), 3)}
 
 
+@contextlib.contextmanager
+def one_rank_world(device):
+    """A one-rank NCCL process group for the checks that launch collectives (kept if one exists)."""
+    import torch.distributed as dist
+
+    from ds_dhelix.runtime.spawn import free_port
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                device_id=device)
+    try:
+        yield
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 def check_device_events(device, size_mib: int = 512, reps: int = 40) -> dict:
     """``comm.Pending``'s CUDA events on a one-rank NCCL world: a collective waited at once is
     exposed for about its whole duration; one launched before a matmul chain longer than itself
@@ -199,12 +225,7 @@ def check_device_events(device, size_mib: int = 512, reps: int = 40) -> dict:
     import torch.distributed as dist
 
     from ds_dhelix.runtime.comm import Pending
-    from ds_dhelix.runtime.spawn import free_port
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                device_id=device)
-    try:
+    with one_rank_world(device):
         x = torch.ones(size_mib * 2 ** 18, device=device)
         out = torch.empty_like(x)
         a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
@@ -231,9 +252,62 @@ def check_device_events(device, size_mib: int = 512, reps: int = 40) -> dict:
                                    "host_wait_ms": round(host_b, 3)},
                 "exposed_share_at_once": round(exposed_a / max(busy_a, 1e-9), 3),
                 "exposed_share_hidden": round(exposed_b / max(busy_b, 1e-9), 3)}
-    finally:
-        if started:
-            dist.destroy_process_group()
+
+
+def _median_ms(fn, device, reps: int) -> float:
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times[1:]) * 1e3, 3)
+
+
+def check_tutel_kernels(device, tokens: int = 8192, hidden: int = 2048, experts: int = 8, top_k: int = 2,
+                        reps: int = 10) -> dict:
+    """torch's and tutel's dispatch / combine kernels on the same routes (``ds_dhelix.moe.kernels``)."""
+    from ds_dhelix.moe.kernels import make_kernels
+    from ds_dhelix.moe.router import route_tokens
+    kernels = {name: make_kernels(name) for name in ("torch", "tutel")}
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(tokens, experts, generator=gen).to(device)
+    weights, selected = torch.topk(logits.softmax(-1), top_k)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(tokens, hidden, generator=gen).to(device, dtype).requires_grad_()
+        runs = {}
+        for name, k in kernels.items():
+            def step(k=k):
+                xs, route = route_tokens(x, selected, experts, None, k)
+                y = k.decode(xs, weights, route)
+                y.backward(torch.ones_like(y))
+                return xs.detach(), y.detach()
+            runs[name] = step() + (_median_ms(step, device, reps),)
+        (xs_a, y_a, ms_a), (xs_b, y_b, ms_b) = runs["torch"], runs["tutel"]
+        out[str(dtype).removeprefix("torch.")] = {
+            "buffer_equal": torch.equal(xs_a, xs_b), "combined_equal": torch.equal(y_a, y_b),
+            "combined_max_diff": float((y_a.float() - y_b.float()).abs().max()),
+            "torch_ms": ms_a, "tutel_ms": ms_b}
+    return {"tokens": tokens, "hidden": hidden, "experts": experts, "top_k": top_k, **out}
+
+
+def check_tutel_overlap(device, tokens: int = 16384, hidden: int = 2048, ffn: int = 4096, experts: int = 8,
+                        reps: int = 10) -> dict:
+    """tutel's MoE layer (bf16) at a2a_ffn_overlap_degree 1, 2, 4 on a one-rank world."""
+    from tutel import moe as tutel_moe
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    out = {}
+    with one_rank_world(device):
+        layer = tutel_moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": 1.0},
+                                    experts={"type": "ffn", "count_per_node": experts, "hidden_size_per_expert": ffn},
+                                    model_dim=hidden).to(device, torch.bfloat16)
+        for degree in (1, 2, 4):
+            def step(degree=degree):
+                layer(x, a2a_ffn_overlap_degree=degree).float().sum().backward()
+            out[f"overlap{degree}_ms"] = _median_ms(step, device, reps)
+    return {"tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts, "ranks": 1, **out}
 
 
 def main(argv=None) -> int:
@@ -271,6 +345,14 @@ def main(argv=None) -> int:
         report("device_events", lambda: check_device_events(device))
         report("connections", lambda: {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
                                        "warning": cuda_connections_warning(device)})
+    missing = tutel_missing()
+    if missing:
+        report("tutel_kernels", lambda: {"skipped": missing})
+    else:
+        report("tutel_kernels", lambda: check_tutel_kernels(device) if device.type == "cuda" else
+               check_tutel_kernels(device, tokens=256, hidden=64, reps=2))
+        if device.type == "cuda":
+            report("tutel_overlap", lambda: check_tutel_overlap(device))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_checks.json"), "w") as f:
