@@ -46,7 +46,9 @@ A pair F(k+1)(x)B(k) runs in one of two ways:
   gradients (at most ``MAX_DEFERRED`` waiting) fill the time when both strands wait, and all are
   done before the pair ends. The forward strand enters block depth j only after the backward
   strand has finished depth j-1 (and its deferred weight gradients), so it never saves
-  activations ahead of those the backward strand frees::
+  activations ahead of those the backward strand frees, and it saves an op's tensors only while
+  the live activation bytes stay within one micro-batch's whole forward plus
+  ``ACTIVATION_SLACK`` (layers of different sizes, e.g. a dense layer among MoE ones)::
 
       comm lane:     [F: attn.ag ........]   [B: mlp.ag(grad) ...]     [F: attn.rs ..]
       compute lane:  [B: mlp.down dX][B: mlp.up]  [F: qkv][F: core][F: out] [B: mlp.down dW]
@@ -290,14 +292,16 @@ class _Round:
     def _gate_open(self) -> bool:
         """The forward strand may not start a block deeper than the backward strand's current one,
         nor while a weight gradient of a shallower block is deferred (it still holds its
-        activations), so it does not save activations ahead of those the backward strand frees."""
-        f_depth = self.queues[1][0].depth
-        if self.ex.oldest_deferred_depth() < f_depth:
+        activations), so it does not save activations ahead of those the backward strand frees;
+        nor an op whose saved tensors would lift the live activations above the step's budget
+        (``Executor.within_budget``: layers of different sizes, e.g. a dense layer among MoE ones)."""
+        head = self.queues[1][0]
+        if self.ex.oldest_deferred_depth() < head.depth:
             return False
         if not (self.queues[0] or self.pending[0]):
             return True
         b_head = self.pending[0][0] if self.pending[0] is not None else self.queues[0][0]
-        return f_depth <= b_head.depth
+        return head.depth <= b_head.depth and self.ex.within_budget(head)
 
     # ---- turns
     def finish_completed(self) -> None:
@@ -374,6 +378,10 @@ class Executor:
     ``start_step()`` begins a step's ``StepStats``."""
 
     MAX_DEFERRED = 2  # weight-gradient passes waiting at once (each keeps its op's saved tensors)
+    # SI's second strand may hold at most this share more activation bytes than one micro-batch's
+    # whole forward (the step's first, lone forward; measured by the meter): the block-depth gate
+    # alone keeps that true for layers of one size, not for a large layer beside small ones
+    ACTIVATION_SLACK = 0.02
 
     def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, *, meter=None, recorder=None,
                  watchdog=None, defer_weight_grads: bool | None = None, reactive: bool | None = None,
@@ -409,6 +417,8 @@ class Executor:
             getattr(op.comm, "strand_safe", False) for block in graph.blocks for op in block if op.is_comm)
         self._cuda = False  # set by the first collective launched on a CUDA tensor
         self._device_events: list = []  # this step's ``comm.DeviceEvents`` (CUDA)
+        self._op_bytes: dict = {}  # (block, op index) -> bytes its forward saves (the meter's, largest seen)
+        self._budget: float | None = None  # live activation bytes SI pairs stay within (``within_budget``)
 
     @property
     def reacts_to_completions(self) -> bool:
@@ -464,6 +474,13 @@ class Executor:
         """Time the step spent blocked outside the executor's own collectives (pipeline receives)."""
         self.stats.exposed_s += seconds
 
+    def within_budget(self, t: Task) -> bool:
+        """Whether forward task ``t`` may save its tensors now: the live activation bytes plus what
+        its op saved before stay within this step's budget (no meter or no budget: always)."""
+        if self._budget is None or self.meter is None:
+            return True
+        return self.meter.current + self._op_bytes.get((t.block, t.op_index), 0) <= self._budget
+
     def weights_of(self, t: Task) -> _OpWeights:
         """The parameters ``t``'s op adds to (known after its first forward)."""
         return self._op_weights.get((t.block, t.op_index), _NO_WEIGHTS)
@@ -473,6 +490,7 @@ class Executor:
         self._beat(t)
         if t.backward and self._deferred_params:
             self._drain_for(t)
+        live = self.meter.current if self.meter is not None else 0
         self._before_forward(t)
         with self._label(t.op.name):
             t0 = time.perf_counter()
@@ -481,6 +499,9 @@ class Executor:
             else:
                 self._comp_forward(t)
             t1 = time.perf_counter()
+        if self.meter is not None and not t.backward and not t.recompute:  # what this op saves (``within_budget``)
+            key = (t.block, t.op_index)
+            self._op_bytes[key] = max(self._op_bytes.get(key, 0), self.meter.current - live)
         self.stats.compute_s += t1 - t0
         if self.recorder is not None:
             self.recorder.add_span("compute", t.op.name, t0, t1, self._args(t))
@@ -777,6 +798,8 @@ class Executor:
                 self._deferring = False
         elif schedule == "si":
             self.forward(mbs[0])
+            if self.meter is not None and self.reactive:  # one micro-batch's activations, and the slack
+                self._budget = self.meter.current * (1 + self.ACTIVATION_SLACK)
             self._deferring = self.defer_weight_grads
             try:
                 for k in range(len(mbs) - 1):
@@ -786,6 +809,7 @@ class Executor:
                 self._deferring = False
         else:
             raise ValueError(f"unknown schedule {schedule!r}; expected 'sequential', 'si' or 'intra'")
+        self._budget = None
         self._end_microbatches(mbs)
         return mbs
 
