@@ -1,6 +1,6 @@
 """MoE with expert parallelism: routing bookkeeping (``router``), the dispatch/combine all-to-alls
-(``dispatch``), expert shards and their computation (``experts``) and per-step numbers
-(``metrics``). May import ``runtime`` and the layers below it; the DeepSpeed engine that knows
+(``dispatch``), expert shards and their computation (``experts``), per-step numbers
+(``metrics``) and the dispatch / combine kernels (``kernels``: torch's or tutel's). May import ``runtime`` and the layers below it; the DeepSpeed engine that knows
 about expert parameters is ``ds_dhelix.engine.moe_engine``.
 
     moe.router ─► moe.counts ─► moe.dispatch ─► moe.experts.{up,act,down} ─► moe.combine ─► moe.add
