@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ds_dhelix.graph.model_graph import comp
 
-from .common import check_divisible, project, shard_param
+from .common import check_divisible, lean, project, shard_param
 
 KIND = "linear_attention"  # the layer kind's name in config.layer_types
 
@@ -122,11 +122,14 @@ def mixer_ops(la, hf, tp: int, xin: str) -> list:
         q, k, v = out.split([kd, kd, vd], dim=-1)
         return q.reshape(b, s, -1, dk), k.reshape(b, s, -1, dk), v.reshape(b, s, -1, dv)
 
+    def delta_rule(q, k, v, g, beta):
+        return hf.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                                               use_qk_l2norm_in_kernel=True)[0]
+
     def core(side, q, k, v, a, beta_in, z):
         beta = beta_in.transpose(0, 1).sigmoid()  # [b, s, nv]
         g = -la.A_log.float().exp() * F.softplus(a.transpose(0, 1).float() + la.dt_bias)
-        o, _ = hf.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
-                                               output_final_state=False, use_qk_l2norm_in_kernel=True)
+        o = delta_rule(q, k, v, g, beta) if fast_kernel(q.device) else lean(delta_rule, q, k, v, g, beta)
         b, s = o.shape[:2]
         gate = z.transpose(0, 1).reshape(-1, dv)
         o = la.norm(o.reshape(-1, dv), gate).view(b, s, -1)
@@ -136,6 +139,17 @@ def mixer_ops(la, hf, tp: int, xin: str) -> list:
             comp("attn.conv", ("mixed",), ("q", "k", "v"), conv, selective=True),
             comp("attn.core", ("q", "k", "v", "a", "b", "z"), ("o",), core, selective=True),
             comp("attn.out", ("o",), ("ao",), lambda side, o: (project(la.out_proj, o, bias=False),), linear=True)]
+
+
+def fast_kernel(device: torch.device) -> bool:
+    """Whether transformers' chunked delta rule runs flash-linear-attention's kernel here (installed,
+    CUDA inputs), which keeps only its inputs for backward by itself. Its torch fallback keeps every
+    intermediate of its chunk loop (~6x a full-attention core's bytes at the presets' sizes), so
+    ``attn.core`` then runs it through ``common.lean``: only q, k, v, g, beta are kept and backward
+    runs the same fallback again (the same kernels on the same inputs: the gradients are bitwise
+    plain autograd's)."""
+    import importlib.util
+    return device.type == "cuda" and importlib.util.find_spec("fla") is not None
 
 
 def no_documents(extra, name: str):
