@@ -49,6 +49,14 @@ EXPECTED = {
                            num_key_value_heads=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, qkv_bias=True,
                            output_router_logits=True, router_aux_loss_coef=0.01),
+    "tiny-qwen3-5": dict(model_type="qwen3_5_text", hidden_size=128, num_hidden_layers=4, head_dim=32,
+                         layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                         linear_num_value_heads=4),
+    "tiny-qwen3-5-moe": dict(model_type="qwen3_5_moe_text", hidden_size=128, num_hidden_layers=4, head_dim=32,
+                             layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                             linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                             shared_expert_intermediate_size=256, output_router_logits=True,
+                             router_aux_loss_coef=0.01),
 }
 
 
@@ -72,7 +80,7 @@ def test_preset_names():
     assert PRESETS == ("small-llama", "small-phimoe", "tiny-deepseek-v3", "tiny-gemma3", "tiny-glm4-moe",
                        "tiny-gpt-neox", "tiny-gpt-oss", "tiny-gpt2", "tiny-llama", "tiny-mistral", "tiny-mixtral",
                        "tiny-olmo3", "tiny-olmoe", "tiny-phi3", "tiny-phimoe", "tiny-qwen2", "tiny-qwen2-moe", "tiny-qwen3",
-                       "tiny-qwen3-moe", "tiny-qwen3-moe-mixed", "tiny-smollm3")
+                       "tiny-qwen3-5", "tiny-qwen3-5-moe", "tiny-qwen3-moe", "tiny-qwen3-moe-mixed", "tiny-smollm3")
     assert all(is_preset(n) for n in PRESETS) and not is_preset("llama")
 
 
@@ -124,7 +132,7 @@ def test_build_forward_backward_and_round_trip(name, batch, tmp_path):
     model.train()
     out = model(**batch)
     assert torch.isfinite(out.loss) and 6.0 < out.loss.item() < 9.0  # ~ln(2048) = 7.6 at random init
-    if name in ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe", "tiny-qwen2-moe"):
+    if name in ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe", "tiny-qwen2-moe", "tiny-qwen3-5-moe"):
         assert out.aux_loss is not None and torch.isfinite(out.aux_loss)
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
