@@ -68,7 +68,10 @@ def check_model(dims, model_config):
 
 def check_packing(config, packing: str) -> None:
     """``ValueError`` for a data packing (``train.py --packing``: concat, docs, none) the family of
-    ``config`` cannot honour (Gated DeltaNet layers refuse packed documents), before any model is built."""
+    ``config`` cannot honour (Gated DeltaNet layers refuse packed documents), before any model is built;
+    a model without an adapter (plain DeepSpeed runs it) has none."""
+    if getattr(config, "model_type", None) not in ADAPTERS:
+        return
     check = getattr(adapter_for(config), "check_packing", None)
     if check is not None:
         check(config, packing)
