@@ -111,6 +111,7 @@ def mixer_ops(la, hf, tp: int, xin: str) -> list:
     family's transformers modeling module (its conv and delta-rule functions)."""
     dk, dv = la.head_k_dim, la.head_v_dim
     kd, vd = la.key_dim // tp, la.value_dim // tp
+    fla = fla_installed()
 
     def project_in(side, xf):
         return la.in_proj_qkv(xf), la.in_proj_z(xf), la.in_proj_b(xf), la.in_proj_a(xf)
@@ -129,7 +130,7 @@ def mixer_ops(la, hf, tp: int, xin: str) -> list:
     def core(side, q, k, v, a, beta_in, z):
         beta = beta_in.transpose(0, 1).sigmoid()  # [b, s, nv]
         g = -la.A_log.float().exp() * F.softplus(a.transpose(0, 1).float() + la.dt_bias)
-        o = delta_rule(q, k, v, g, beta) if fast_kernel(q.device) else lean(delta_rule, q, k, v, g, beta)
+        o = delta_rule(q, k, v, g, beta) if fla and q.is_cuda else lean(delta_rule, q, k, v, g, beta)
         b, s = o.shape[:2]
         gate = z.transpose(0, 1).reshape(-1, dv)
         o = la.norm(o.reshape(-1, dv), gate).view(b, s, -1)
@@ -141,15 +142,15 @@ def mixer_ops(la, hf, tp: int, xin: str) -> list:
             comp("attn.out", ("o",), ("ao",), lambda side, o: (project(la.out_proj, o, bias=False),), linear=True)]
 
 
-def fast_kernel(device: torch.device) -> bool:
-    """Whether transformers' chunked delta rule runs flash-linear-attention's kernel here (installed,
-    CUDA inputs), which keeps only its inputs for backward by itself. Its torch fallback keeps every
-    intermediate of its chunk loop (~6x a full-attention core's bytes at the presets' sizes), so
-    ``attn.core`` then runs it through ``common.lean``: only q, k, v, g, beta are kept and backward
-    runs the same fallback again (the same kernels on the same inputs: the gradients are bitwise
-    plain autograd's)."""
+def fla_installed() -> bool:
+    """Whether flash-linear-attention is installed: transformers' chunked delta rule then runs its
+    kernel on CUDA inputs, which keeps only its inputs for backward by itself. The torch fallback
+    (CPU, or without the package) keeps every intermediate of its chunk loop (~6x a full-attention
+    core's bytes at the presets' sizes), so ``attn.core`` then runs it through ``common.lean``: only
+    q, k, v, g, beta are kept and backward runs the same fallback again (the same kernels on the
+    same inputs: the gradients are bitwise plain autograd's)."""
     import importlib.util
-    return device.type == "cuda" and importlib.util.find_spec("fla") is not None
+    return importlib.util.find_spec("fla") is not None
 
 
 def no_documents(extra, name: str):

@@ -1,9 +1,12 @@
 """One dense decoder layer machinery for Llama and the families built like it (Qwen2/2.5, Qwen3,
-Mistral, Gemma 3, Phi-3/Phi-4, SmolLM3): a family is a ``DenseFamily`` (what differs: fused
-projections, where the norms sit, q/k norm, residual dropout, logit softcapping); everything else
-is read off the HF modules themselves (biases, ``scaling``, a layer's ``sliding_window``, its RoPE
-kind in ``config.layer_types``, NoPE layers' ``use_rope``). An adapter is then a spec of a few
-lines (``llama.py``, ``qwen3.py``, ...).
+Mistral, Gemma 3, Phi-3/Phi-4, SmolLM3, OLMo 3, Qwen3.5): a family is a ``DenseFamily`` (what
+differs: fused projections, where the norms sit, q/k norm, residual dropout, logit softcapping,
+output-gated attention, Gated DeltaNet layers); everything else is read off the HF modules
+themselves (biases, ``scaling``, a layer's ``sliding_window``, its RoPE kind in
+``config.layer_types``, NoPE layers' ``use_rope``, which layers are linear attention). An adapter
+is then a spec of a few lines (``llama.py``, ``qwen3.py``, ...). A Gated DeltaNet layer
+(``deltanet.py``) or an output-gated attention layer (``gated_attention.py``) has its own op set
+between ``attn.ag`` and ``attn.rs``; the rest of the layer is the list below.
 
 Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
 

@@ -5,7 +5,9 @@ Phi-MoE (sparsemixer), Mixtral (softmax top-k, renormalised), Qwen3-MoE and OLMo
 renormalised when ``norm_topk_prob``; RMSNorm of q and k per head or over the whole projection),
 Qwen2-MoE (a sigmoid-gated shared expert), DeepSeek-V3 and GLM-4.5 (group-limited sigmoid routing,
 ungated shared experts; DeepSeek's multi-head latent attention, ``mla.py``), gpt-oss (softmax
-after top-k of a biased router, attention sinks, sliding layers). A family is a ``MoeFamily``:
+after top-k of a biased router, attention sinks, sliding layers), Qwen3.5-MoE (Gated DeltaNet
+layers, ``deltanet.py``, among output-gated attention layers, ``gated_attention.py``; a gated
+shared expert). A family is a ``MoeFamily``:
 its attention op set, router function, shared expert, expert layout, where its router and jitter
 live, its expert keys, how its files store the experts. The adapters (``phimoe.py``,
 ``deepseek_v3.py``, ...) are that description plus their checks.
