@@ -264,6 +264,8 @@ def _check_packing(args, setup, model_config) -> None:
     if args.packing == "docs" and args.attn_implementation == "flash_attention_2":
         raise ValueError("--packing docs masks attention across documents, which the ds_dhelix graph does not yet "
                          "pass to flash_attention_2; use sdpa or eager")
+    from hf_models.adapters import check_packing  # the family's own (Gated DeltaNet layers: no packed documents;
+    check_packing(model_config, args.packing)     # plain DeepSpeed's HF model would not keep them apart either)
 
 
 def _check_lengths(args, setup, model_config) -> None:

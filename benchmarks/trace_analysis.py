@@ -2,6 +2,7 @@
 waited, and every reactive SI pair re-timed on an idealised machine (``pair_retime``).
 
     python -m benchmarks.trace_analysis runs/trace.json [--json]
+    python -m benchmarks.trace_analysis runs/trace.json --op attn.core --blocks 1 3   # one op's share of the step
 
 The periods of ``idle_breakdown``: before the step's first backward op (forward alone), while
 forwards and backwards interleave (co-executed), after its last forward op (backward alone).
@@ -61,6 +62,33 @@ def idle_breakdown(trace: dict, min_gap_us: float = 50.0) -> dict:
     return out
 
 
+def op_share(trace: dict, op: str, blocks=None) -> dict:
+    """Per rank, the compute-lane time of ``op`` (forward, backward, recomputed and deferred
+    weight-gradient spans of that name) in ``blocks`` (None: every block), per step, against the
+    step's wall time (first to last compute span of the step): ``{"steps", "op_ms", "step_ms",
+    "compute_ms", "share_of_step", "share_of_compute"}``, means over the trace's steps. E.g. the
+    delta rule of Qwen3.5's Gated DeltaNet layers: ``op="attn.core"``, ``blocks`` = the linear
+    layers' blocks (layer i is block i + 1)."""
+    lanes = lane_names(trace)
+    wanted = {op, f"{op}.wgrad"}
+    out = {}
+    for pid in sorted({e["pid"] for e in trace.get("traceEvents", []) if e.get("ph") == "X"}):
+        compute = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == pid
+                          and lanes.get((pid, e.get("tid"))) == "compute"), key=lambda e: e["ts"])
+        steps = split_steps(compute)
+        op_ms = step_ms = busy_ms = 0.0
+        for step in steps:
+            op_ms += sum(e["dur"] for e in step if e["name"] in wanted
+                         and (blocks is None or e["args"].get("block") in blocks)) / 1e3
+            step_ms += (max(e["ts"] + e["dur"] for e in step) - step[0]["ts"]) / 1e3
+            busy_ms += sum(e["dur"] for e in step) / 1e3
+        n = max(len(steps), 1)
+        out[pid] = {"steps": len(steps), "op_ms": op_ms / n, "step_ms": step_ms / n, "compute_ms": busy_ms / n,
+                    "share_of_step": op_ms / step_ms if step_ms else 0.0,
+                    "share_of_compute": op_ms / busy_ms if busy_ms else 0.0}
+    return out
+
+
 def print_report(trace: dict) -> None:
     """The idle breakdown and (reactive SI traces) the pair re-timing, per rank, as text."""
     for rank, entry in idle_breakdown(trace).items():
@@ -80,10 +108,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="idle breakdown and pair re-timing of a dhelix trace")
     p.add_argument("trace", help="trace JSON written by `dhelix trace` or the engine's trace option")
     p.add_argument("--json", action="store_true", help="print {idle, pair_retime} as JSON")
+    p.add_argument("--op", default=None, help="print this op's share of the step instead (op_share)")
+    p.add_argument("--blocks", type=int, nargs="+", default=None, help="with --op: only these blocks (layer i: i + 1)")
     args = p.parse_args(argv)
     with open(args.trace) as f:
         trace = json.load(f)
-    if args.json:
+    if args.op is not None:
+        print(json.dumps(op_share(trace, args.op, args.blocks), indent=1))
+    elif args.json:
         print(json.dumps({"idle": idle_breakdown(trace), "pair_retime": retime_trace(trace)}, indent=1))
     else:
         print_report(trace)

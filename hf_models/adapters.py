@@ -18,11 +18,23 @@ ADAPTERS = {"llama": "hf_models.llama", "gpt2": "hf_models.gpt2", "gpt_neox": "h
             "gemma3_text": "hf_models.gemma3", "phi3": "hf_models.phi3", "smollm3": "hf_models.smollm3", "olmo3": "hf_models.olmo3",
             "phimoe": "hf_models.phimoe", "mixtral": "hf_models.mixtral", "qwen3_moe": "hf_models.qwen3_moe",
             "qwen2_moe": "hf_models.qwen2_moe", "olmoe": "hf_models.olmoe",
-            "deepseek_v3": "hf_models.deepseek_v3", "glm4_moe": "hf_models.glm4_moe", "gpt_oss": "hf_models.gpt_oss"}
+            "deepseek_v3": "hf_models.deepseek_v3", "glm4_moe": "hf_models.glm4_moe", "gpt_oss": "hf_models.gpt_oss",
+            "qwen3_5_text": "hf_models.qwen3_5", "qwen3_5_moe_text": "hf_models.qwen3_5_moe"}
+
+_TEXT_FIX = ("ds_dhelix trains its language model from a text checkpoint: write one with "
+             "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(TEXT_DIR) (model_type {text}; the vision "
+             "tower is left out) and pass TEXT_DIR")
+REFUSED = {"qwen3_5": "a multimodal Qwen3.5 checkpoint (vision tower + language model); "
+                      + _TEXT_FIX.format(text="qwen3_5_text"),
+           "qwen3_5_moe": "a multimodal Qwen3.5-MoE checkpoint (vision tower + language model); "
+                          + _TEXT_FIX.format(text="qwen3_5_moe_text")}
+"""model_types refused with their own reason and fix (instead of "no adapter")."""
 
 
 def adapter_for(config):
     model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED:
+        raise ValueError(f"model_type {model_type!r} is {REFUSED[model_type]}")
     if model_type not in ADAPTERS:
         raise ValueError(f"no ds_dhelix adapter for model_type {model_type!r}; supported: {sorted(ADAPTERS)}")
     try:
@@ -52,6 +64,17 @@ def check_model(dims, model_config):
         raise ValueError(f"expert_parallel.size {dims.ep}: model_type {model_config.model_type!r} has no "
                          f"experts; use 1 (or an MoE model, e.g. tiny-phimoe)")
     return adapter
+
+
+def check_packing(config, packing: str) -> None:
+    """``ValueError`` for a data packing (``train.py --packing``: concat, docs, none) the family of
+    ``config`` cannot honour (Gated DeltaNet layers refuse packed documents), before any model is built;
+    a model without an adapter (plain DeepSpeed runs it) has none."""
+    if getattr(config, "model_type", None) not in ADAPTERS:
+        return
+    check = getattr(adapter_for(config), "check_packing", None)
+    if check is not None:
+        check(config, packing)
 
 
 def num_experts(config) -> int:

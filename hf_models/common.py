@@ -245,11 +245,15 @@ def lean(fn, *xs: torch.Tensor) -> torch.Tensor:
     return _Lean.apply(fn, *xs)
 
 
-def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, residual, mlp_up, mlp_down,
-                    mlp_hidden=("act",), cp: ContextShards | None = None, heads: tuple[int, int] | None = None):
+def dense_layer_ops(tp: int, tp_group, *, attn_norm, residual, mlp_up, mlp_down, qkv=None, attn_core=None,
+                    attn_out=None, mixer=None, mlp_hidden=("act",), cp: ContextShards | None = None,
+                    heads: tuple[int, int] | None = None):
     """The op list of a dense decoder layer, COMM ops included when ``tp > 1``.
 
-    Each argument except ``attn_core`` (an Op) and ``residual`` is a COMP body ``fn(side, *inputs)``:
+    The token mixer between ``attn.ag`` and ``attn.rs`` is attention from ``qkv``, ``attn_core``
+    and ``attn_out``, or ``mixer(xin) -> ops`` (another op set reading ``xin`` and writing ``ao``:
+    output-gated attention, Gated DeltaNet). Each argument except ``attn_core`` (an Op),
+    ``residual`` and ``mixer`` is a COMP body ``fn(side, *inputs)``:
     ``attn_norm(h) -> x``, ``qkv(xf) -> q, k, v``, ``attn_out(o) -> ao`` (row-parallel partial
     sums, no bias), ``mlp_up(x2f) -> *hidden`` (the projections only, named ``mlp_hidden``),
     ``mlp_down(*hidden) -> mo`` (activation, then the row-parallel projection: the activation sits
@@ -268,12 +272,15 @@ def dense_layer_ops(tp: int, tp_group, *, attn_norm, qkv, attn_core, attn_out, r
     def when_sharded(op):
         return [op] if sharded else []
 
+    def attention(xin):
+        return context_attention(cp, heads, comp("attn.qkv", (xin,), ("q", "k", "v"), qkv, linear=True), attn_core,
+                                 comp("attn.out", ("o",), ("ao",), attn_out, linear=True))
+
     mlp_norm, mlp_add = residual(ar, mr)
     return [
         comp("attn.norm", ("h",), ("x",), attn_norm),
         *when_sharded(comm("attn.ag", gather, "x", "xf")),
-        *context_attention(cp, heads, comp("attn.qkv", (xin,), ("q", "k", "v"), qkv, linear=True), attn_core,
-                           comp("attn.out", ("o",), ("ao",), attn_out, linear=True)),
+        *(mixer or attention)(xin),
         *when_sharded(comm("attn.rs", scatter, "ao", "ar")),
         mlp_norm,
         *when_sharded(comm("mlp.ag", gather, "x2", "x2f")),
@@ -485,9 +492,9 @@ def layer_window(attn_module, config) -> int | None:
 
 
 def layer_windows(model) -> tuple[int, ...]:
-    """The distinct sliding windows of a model's attention layers."""
-    return tuple(sorted({w for layer in model.model.layers
-                         if (w := layer_window(layer.self_attn, model.config)) is not None}))
+    """The distinct sliding windows of a model's attention layers (linear-attention layers have none)."""
+    return tuple(sorted({w for layer in model.model.layers if hasattr(layer, "self_attn")
+                         and (w := layer_window(layer.self_attn, model.config)) is not None}))
 
 
 def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None, window: int | None = None):

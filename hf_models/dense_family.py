@@ -1,9 +1,12 @@
 """One dense decoder layer machinery for Llama and the families built like it (Qwen2/2.5, Qwen3,
-Mistral, Gemma 3, Phi-3/Phi-4, SmolLM3): a family is a ``DenseFamily`` (what differs: fused
-projections, where the norms sit, q/k norm, residual dropout, logit softcapping); everything else
-is read off the HF modules themselves (biases, ``scaling``, a layer's ``sliding_window``, its RoPE
-kind in ``config.layer_types``, NoPE layers' ``use_rope``). An adapter is then a spec of a few
-lines (``llama.py``, ``qwen3.py``, ...).
+Mistral, Gemma 3, Phi-3/Phi-4, SmolLM3, OLMo 3, Qwen3.5): a family is a ``DenseFamily`` (what
+differs: fused projections, where the norms sit, q/k norm, residual dropout, logit softcapping,
+output-gated attention, Gated DeltaNet layers); everything else is read off the HF modules
+themselves (biases, ``scaling``, a layer's ``sliding_window``, its RoPE kind in
+``config.layer_types``, NoPE layers' ``use_rope``, which layers are linear attention). An adapter
+is then a spec of a few lines (``llama.py``, ``qwen3.py``, ...). A Gated DeltaNet layer
+(``deltanet.py``) or an output-gated attention layer (``gated_attention.py``) has its own op set
+between ``attn.ag`` and ``attn.rs``; the rest of the layer is the list below.
 
 Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
 
@@ -41,6 +44,7 @@ from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
 from ds_dhelix.runtime.comm import TensorAllReduce
 from ds_dhelix.runtime.groups import ContextShards
 
+from . import deltanet, gated_attention
 from .common import (Dropout, attn_core_op, check_divisible, check_dropout, config_window, cp_heads, dense_layer_ops, embed_op,
                      head_ops, layer_window, layer_windows, lean, make_side_fn, project, mark_replicated, qkv_projections,
                      residual_ops, rotary, rotary_key, rotary_side_fn, shard_kv_replica, shard_param)
@@ -62,9 +66,14 @@ class DenseFamily:
     norms: str = "pre"             # one of NORM_PLACEMENTS
     resid_dropout: str | None = None  # config key of the dropout on the attention / MLP outputs (Phi-3)
     softcap: str | None = None     # config key of the final logits' tanh softcapping (Gemma 3)
+    attention: str = "mha"         # "mha", or "gated": q_proj rows [q | gate] per head, the output x sigmoid(gate)
+                                   # before o_proj (Qwen3.5; ``gated_attention.py``)
+    linear_attention: bool = False  # layer_types' "linear_attention" layers are Gated DeltaNets (Qwen3.5;
+                                    # ``deltanet.py``): a layer kind of their own
 
     def __post_init__(self):
         assert self.norms in NORM_PLACEMENTS and self.qk_norm in (None, "head", "full"), (self.norms, self.qk_norm)
+        assert self.attention in ("mha", "gated") and not (self.attention == "gated" and self.fused_qkv)
 
     @property
     def dropout_keys(self) -> tuple[str, ...]:
@@ -119,12 +128,25 @@ class DenseAdapter:
             raise ValueError(f"tensor_parallel.size {tp} > num_key_value_heads={kv} with {self.FAMILY.name}'s fused "
                              f"qkv_proj: replicating kv heads inside a fused projection is not supported yet; use a TP "
                              f"size that divides {kv}")
+        if self.FAMILY.linear_attention:
+            deltanet.check_tp(config, tp, self.FAMILY.name)
         if self.check is not None:
             self.check(config)
 
+    def check_packing(self, config, packing: str) -> None:
+        """``ValueError`` for a data packing the family's layers cannot honour (``deltanet.check_packing``)."""
+        if self.FAMILY.linear_attention and deltanet.linear_layers(config):
+            deltanet.check_packing(packing, self.FAMILY.name)
+
     def check_cp(self, config, cp: int, comm: str) -> None:
         """Ring attention splits attention into blocks by position; a sliding window would cut
-        through them: refused (Ulysses gives each rank whole heads over the whole sequence)."""
+        through them: refused (Ulysses gives each rank whole heads over the whole sequence).
+        Gated DeltaNet layers and output-gated attention: refused (not built)."""
+        if self.FAMILY.linear_attention and deltanet.linear_layers(config):
+            deltanet.check_cp(cp, self.FAMILY.name)
+        if cp > 1 and self.FAMILY.attention == "gated":
+            raise ValueError(f"context_parallel.size {cp} with {self.FAMILY.name}'s output-gated attention is not "
+                             f"supported yet; use context_parallel.size 1")
         if cp > 1 and self.FAMILY.qk_norm == "full":
             raise ValueError(f"context_parallel.size {cp} with {self.FAMILY.name}'s q/k norm over all heads (a "
                              f"statistic over every head of a token, which context parallelism splits) is not "
@@ -168,34 +190,44 @@ def half_rows(inter: int, tp: int, tp_rank: int) -> torch.Tensor:
 def shard(family: DenseFamily, model, tp: int, tp_rank: int) -> None:
     """Column-parallel projections by output rows (fused ones by head group / by half), o_proj and
     down_proj by input columns, in place; with fewer kv heads than TP ranks each rank keeps the kv
-    head its query heads use (``shard_kv_replica``)."""
+    head its query heads use (``shard_kv_replica``); a Gated DeltaNet by its heads (``deltanet.shard``)."""
     if tp == 1:
         return
-    config = model.config
-    nk = kv_heads(config)
     for layer in model.model.layers:
-        at, mlp = layer.self_attn, layer.mlp
-        column = [] if family.fused_qkv else [at.q_proj] + ([at.k_proj, at.v_proj] if nk >= tp else [])
-        if not family.fused_qkv and nk < tp:
-            for lin in (at.k_proj, at.v_proj):
-                for name in ("weight", "bias"):
-                    shard_kv_replica(lin, name, at.head_dim, nk, tp_rank, tp)
-        column += [] if family.fused_gate_up else [mlp.gate_proj, mlp.up_proj]
-        if family.fused_qkv:
-            for name in ("weight", "bias"):
-                shard_param(at.qkv_proj, name, 0, tp_rank, tp, index=head_rows(config, at.head_dim, tp, tp_rank))
+        if deltanet.is_linear(layer):
+            deltanet.shard(layer.linear_attn, tp, tp_rank)
+        else:
+            shard_attention(family, layer.self_attn, model.config, tp, tp_rank)
+        mlp = layer.mlp
         if family.fused_gate_up:
             for name in ("weight", "bias"):
-                shard_param(mlp.gate_up_proj, name, 0, tp_rank, tp, index=half_rows(config.intermediate_size, tp,
-                                                                                    tp_rank))
-        for lin in column:
+                shard_param(mlp.gate_up_proj, name, 0, tp_rank, tp, index=half_rows(model.config.intermediate_size,
+                                                                                    tp, tp_rank))
+        for lin in [] if family.fused_gate_up else [mlp.gate_proj, mlp.up_proj]:
             shard_param(lin, "weight", 0, tp_rank, tp)
             shard_param(lin, "bias", 0, tp_rank, tp)
-        if family.qk_norm == "full":  # the norms' weights span every head: cut with the projections
-            shard_param(at.q_norm, "weight", 0, tp_rank, tp)
-            shard_param(at.k_norm, "weight", 0, tp_rank, tp)
-        for lin in (at.o_proj, mlp.down_proj):
-            shard_param(lin, "weight", 1, tp_rank, tp)
+        shard_param(mlp.down_proj, "weight", 1, tp_rank, tp)
+
+
+def shard_attention(family: DenseFamily, at, config, tp: int, tp_rank: int) -> None:
+    """An attention module's projections (see ``shard``): q (an output-gated one's rows ``[q | gate]``
+    per head go together), k, v by heads, o_proj by input columns."""
+    nk = kv_heads(config)
+    column = [] if family.fused_qkv else [at.q_proj] + ([at.k_proj, at.v_proj] if nk >= tp else [])
+    if not family.fused_qkv and nk < tp:
+        for lin in (at.k_proj, at.v_proj):
+            for name in ("weight", "bias"):
+                shard_kv_replica(lin, name, at.head_dim, nk, tp_rank, tp)
+    if family.fused_qkv:
+        for name in ("weight", "bias"):
+            shard_param(at.qkv_proj, name, 0, tp_rank, tp, index=head_rows(config, at.head_dim, tp, tp_rank))
+    for lin in column:
+        shard_param(lin, "weight", 0, tp_rank, tp)
+        shard_param(lin, "bias", 0, tp_rank, tp)
+    if family.qk_norm == "full":  # the norms' weights span every head: cut with the projections
+        shard_param(at.q_norm, "weight", 0, tp_rank, tp)
+        shard_param(at.k_norm, "weight", 0, tp_rank, tp)
+    shard_param(at.o_proj, "weight", 1, tp_rank, tp)
 
 
 # ---------------------------------------------------------------------------------- layer ops
@@ -235,7 +267,8 @@ def mlp_fns(family: DenseFamily, mlp):
 def residual_fn(family: DenseFamily, layer, drop=None):
     """``residual(ar, mr)`` of ``dense_layer_ops`` for the family's norm placement (see
     ``common.residual_ops``); ``drop`` (a ``Dropout``) is the residual dropout on both branches."""
-    biases = (layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias)
+    attn_bias = layer.self_attn.o_proj.bias if hasattr(layer, "self_attn") else None  # (DeltaNet: out_proj has none)
+    biases = (attn_bias, layer.mlp.down_proj.bias)
     if family.norms == "pre":
         return residual_ops(*biases, before_mlp=layer.post_attention_layernorm, drop=drop)
     before_mlp = layer.pre_feedforward_layernorm if family.norms == "sandwich" else None
@@ -243,27 +276,37 @@ def residual_fn(family: DenseFamily, layer, drop=None):
                         after_mlp=layer.post_feedforward_layernorm, drop=drop)
 
 
-def layer_ops(family: DenseFamily, index: int, layer, config, tp: int, tp_group, draws: Draws, rotary_emb,
-              cp=None):
-    at, mlp = layer.self_attn, layer.mlp
-    norm = (lambda side, h: (h.view_as(h),)) if family.norms == "post" else \
-        (lambda side, h: (layer.input_layernorm(h),))
+def token_mixer(family: DenseFamily, index: int, layer, config, tp: int, draws: Draws, rotary_emb) -> dict:
+    """The token mixer of layer ``index`` as ``dense_layer_ops`` keywords: ``mixer`` (a Gated DeltaNet,
+    ``deltanet.mixer_ops``; output-gated attention, ``gated_attention.mixer_ops``) or attention's
+    ``qkv`` / ``attn_core`` / ``attn_out``."""
+    if deltanet.is_linear(layer):
+        return {"mixer": lambda xin: deltanet.mixer_ops(layer.linear_attn, family.hf, tp, xin)}
+    at = layer.self_attn
     qk_norm = (at.q_norm, at.k_norm) if family.qk_norm == "head" else None
     apply = family.hf.apply_rotary_pos_emb if getattr(at, "use_rope", True) else None
-    up, down = mlp_fns(family, mlp)
+    core = attn_core_op(at, config, family.hf.eager_attention_forward, drop=Dropout.make(
+        draws, config.attention_dropout, index, at), window=layer_window(at, config),
+        rotary=rotary(apply, rotary_key(rotary_emb, config, index), qk_norm))
+    if family.attention == "gated":
+        return {"mixer": lambda xin: gated_attention.mixer_ops(at, xin, core)}
+    return {"qkv": qkv_fn(family, at, config, tp), "attn_core": core,
+            "attn_out": lambda side, o: (project(at.o_proj, o, bias=False),)}
+
+
+def layer_ops(family: DenseFamily, index: int, layer, config, tp: int, tp_group, draws: Draws, rotary_emb,
+              cp=None):
+    norm = (lambda side, h: (h.view_as(h),)) if family.norms == "post" else \
+        (lambda side, h: (layer.input_layernorm(h),))
+    up, down = mlp_fns(family, layer.mlp)
     resid = family.resid_dropout and getattr(config, family.resid_dropout, 0.0)
     ops = dense_layer_ops(
-        tp, tp_group, cp=cp, heads=cp_heads(config, tp),
-        attn_norm=norm,
-        qkv=qkv_fn(family, at, config, tp),
-        attn_core=attn_core_op(at, config, family.hf.eager_attention_forward, drop=Dropout.make(
-            draws, config.attention_dropout, index, at), window=layer_window(at, config),
-            rotary=rotary(apply, rotary_key(rotary_emb, config, index), qk_norm)),
-        attn_out=lambda side, o: (project(at.o_proj, o, bias=False),),
+        tp, tp_group, cp=cp, heads=cp_heads(config, tp), attn_norm=norm,
+        **token_mixer(family, index, layer, config, tp, draws, rotary_emb),
         residual=residual_fn(family, layer, Dropout.make(draws, resid, index, layer) if resid else None),
         mlp_up=up, mlp_down=down, mlp_hidden=("gate", "up"),
     )
-    return full_qk_norm(ops, at, config, tp, tp_group) if family.qk_norm == "full" else ops
+    return full_qk_norm(ops, layer.self_attn, config, tp, tp_group) if family.qk_norm == "full" else ops
 
 
 def full_qk_norm(ops: list, at, config, tp: int, tp_group) -> list:
@@ -319,4 +362,6 @@ def build_graph(family: DenseFamily, model, tp: int, tp_rank: int, tp_group, tp_
     cap = getattr(config, family.softcap, None) if family.softcap else None
     blocks.append(head_ops(inner.norm, model.lm_head, softcap=cap))
     side = rotary_side_fn(inner.rotary_emb, inner.embed_tokens, config, layer_windows(model))
+    if family.linear_attention and deltanet.linear_layers(config):
+        side = deltanet.no_documents(side, family.name)
     return ModelGraph(blocks, make_side_fn(tp, tp_rank, side, cp), family=family.family, replicated=replicated)

@@ -81,6 +81,33 @@ def file_name(model, name: str) -> str:
 _RENAMINGS: dict[type, list] = {}  # model class -> transformers' renamings, reversed (model -> files)
 
 
+def prefixed_source(model, source):
+    """``source`` under transformers' prefix changes of ``model`` (model names -> the names of files
+    that keep a prefix: a Qwen3.5 language model saved from its multimodal checkpoint keeps
+    ``model.language_model.``), or None when the model's files have none."""
+    if type(model) not in _PREFIXES:
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+        except ImportError:  # a transformers without key renamings
+            _PREFIXES[type(model)] = []
+        else:
+            _PREFIXES[type(model)] = [t.reverse_transform() for t in get_model_conversion_mapping(model, add_legacy=False)
+                                      if isinstance(t, PrefixChange)]
+    changes = _PREFIXES[type(model)]
+    return _renamed(source, changes) if changes else None
+
+
+def _renamed(source, renamings):
+    from transformers.core_model_loading import apply_renamings
+    if isinstance(source, Key):
+        return Key(apply_renamings(source.name, renamings))
+    return Joined(source.dim, tuple(_renamed(p, renamings) for p in source.parts), source.sizes, source.stack)
+
+
+_PREFIXES: dict[type, list] = {}  # model class -> transformers' prefix changes, reversed (model -> files)
+
+
 # -------------------------------------------------------------------------------------- selections
 def _as_index(sel, size: int) -> torch.Tensor:
     if isinstance(sel, slice):
@@ -294,7 +321,8 @@ def load_buffers(model, files: CheckpointFiles) -> int:
 def _find(model, files: CheckpointFiles, names: list[str]):
     tried = []
     for name in names:
-        for source in (Key(name), checkpoint_source(model, name)):
+        plain = (Key(name), checkpoint_source(model, name))
+        for source in plain + tuple(s for s in (prefixed_source(model, p) for p in plain) if s is not None):
             leaves = _leaves(source)
             if all(leaf.name in files for leaf in leaves):
                 return source

@@ -5,7 +5,9 @@ Phi-MoE (sparsemixer), Mixtral (softmax top-k, renormalised), Qwen3-MoE and OLMo
 renormalised when ``norm_topk_prob``; RMSNorm of q and k per head or over the whole projection),
 Qwen2-MoE (a sigmoid-gated shared expert), DeepSeek-V3 and GLM-4.5 (group-limited sigmoid routing,
 ungated shared experts; DeepSeek's multi-head latent attention, ``mla.py``), gpt-oss (softmax
-after top-k of a biased router, attention sinks, sliding layers). A family is a ``MoeFamily``:
+after top-k of a biased router, attention sinks, sliding layers), Qwen3.5-MoE (Gated DeltaNet
+layers, ``deltanet.py``, among output-gated attention layers, ``gated_attention.py``; a gated
+shared expert). A family is a ``MoeFamily``:
 its attention op set, router function, shared expert, expert layout, where its router and jitter
 live, its expert keys, how its files store the experts. The adapters (``phimoe.py``,
 ``deepseek_v3.py``, ...) are that description plus their checks.
@@ -60,7 +62,7 @@ from ds_dhelix.moe.kernels import make_kernels
 from ds_dhelix.moe.router import (aux_piece, grouped_sigmoid_topk, load_balancing_loss, local_counts,
                                   route_tokens, softmax_after_topk)
 
-from . import mla
+from . import deltanet, gated_attention, mla
 from .common import (ContextShards, Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout,
                      context_attention, cp_heads, embed_op, head_ops, layer_window, layer_windows, lean,
                      loss_denominator, make_side_fn, mark_replicated, project, qkv_projections, rotary,
@@ -85,7 +87,9 @@ class MoeFamily:
                                       # "plain": shared_experts(x), an MLP of n_shared_experts x the expert width
     qk_norm: str | None = None  # RMSNorm of q and k: "head" (over head_dim, Qwen3) or "full" (the whole projection, OLMoE)
     noise_keys: tuple = ()  # config keys of the router's random draws while training (jitter; 0 = off)
-    attention: str = "mha"  # "mha" (q/k/v projections) or "mla" (multi-head latent attention, ``mla.py``)
+    attention: str = "mha"  # "mha" (q/k/v projections), "mla" (multi-head latent attention, ``mla.py``) or "gated"
+                            # (q_proj rows [q | gate] per head, output x sigmoid(gate): ``gated_attention.py``)
+    linear_attention: bool = False  # layer_types' "linear_attention" layers are Gated DeltaNets (``deltanet.py``)
     route: object = None    # (gate, x) -> (logits, top-k weights, top-k experts); None: the HF router module's own
     aux_loss: bool = True   # HF trains the load-balancing loss (router_aux_loss_coef) for this family
     layout: ExpertLayout = DEFAULT_LAYOUT  # how the fused expert tensors hold an expert (``ExpertLayout``)
@@ -118,6 +122,11 @@ class MoeAdapter:
     def check_cp(self, config, cp: int, comm: str) -> None:
         """Context parallelism the family's attention cannot take, refused in one line."""
         f = self.FAMILY
+        if f.linear_attention and deltanet.linear_layers(config):
+            deltanet.check_cp(cp, f.name)
+        if cp > 1 and f.attention == "gated":
+            raise ValueError(f"context_parallel.size {cp} with {f.name}'s output-gated attention is not supported "
+                             f"yet; use context_parallel.size 1")
         if cp > 1 and f.sinks:
             raise ValueError(f"context_parallel.size {cp} with {f.name}'s attention sinks (eager attention with a "
                              f"sink logit per head) is not supported yet; use context_parallel.size 1")
@@ -141,7 +150,14 @@ class MoeAdapter:
         if self.max_tp is not None and tp > self.max_tp[0]:
             raise ValueError(f"tensor_parallel.size {tp} with {self.FAMILY.name}: {self.max_tp[1]}")
         check_tp(config, tp, world)
+        if self.FAMILY.linear_attention:
+            deltanet.check_tp(config, tp, self.FAMILY.name)
         self.check_moe(config)
+
+    def check_packing(self, config, packing: str) -> None:
+        """``ValueError`` for a data packing the family's layers cannot honour (``deltanet.check_packing``)."""
+        if self.FAMILY.linear_attention and deltanet.linear_layers(config):
+            deltanet.check_packing(packing, self.FAMILY.name)
 
     def check_ep(self, config, ep: int, dp_size: int | None = None) -> None:
         """``ValueError`` unless ``ep`` divides the experts (and the DP size), listing valid sizes."""
@@ -262,21 +278,28 @@ def checkpoint_source(family: MoeFamily, name: str, config):
 
 def shard(model, tp: int, tp_rank: int, ep_groups: ExpertGroups) -> None:
     """TP: q/k/v by output rows (MLA: its head-wise projections, ``mla.shard``), attention sinks by
-    head, o_proj by input columns. EP: keep this rank's experts (MoE layers only: a dense layer's
-    MLP stays whole on every rank)."""
+    head, o_proj by input columns; a Gated DeltaNet by its heads (``deltanet.shard``). EP: keep this
+    rank's experts (MoE layers only: a dense layer's MLP stays whole on every rank)."""
     for layer in model.model.layers:
-        at = layer.self_attn
-        if mla.is_mla(at):
-            mla.shard(at, tp, tp_rank)
+        if deltanet.is_linear(layer):
+            deltanet.shard(layer.linear_attn, tp, tp_rank)
         else:
-            for lin in (at.q_proj, at.k_proj, at.v_proj):
-                shard_param(lin, "weight", 0, tp_rank, tp)
-                shard_param(lin, "bias", 0, tp_rank, tp)
-            shard_param(at.o_proj, "weight", 1, tp_rank, tp)
-        if hasattr(at, "sinks"):
-            shard_param(at, "sinks", 0, tp_rank, tp)
+            shard_attention(layer.self_attn, tp, tp_rank)
         if is_sparse(layer):
             shard_experts(layer.mlp.experts, ep_groups)
+
+
+def shard_attention(at, tp: int, tp_rank: int) -> None:
+    """One attention module's TP shards (see ``shard``)."""
+    if mla.is_mla(at):
+        mla.shard(at, tp, tp_rank)
+    else:
+        for lin in (at.q_proj, at.k_proj, at.v_proj):
+            shard_param(lin, "weight", 0, tp_rank, tp)
+            shard_param(lin, "bias", 0, tp_rank, tp)
+        shard_param(at.o_proj, "weight", 1, tp_rank, tp)
+    if hasattr(at, "sinks"):
+        shard_param(at, "sinks", 0, tp_rank, tp)
 
 
 def qkv_op(at, qk_norm: str | None):
@@ -299,31 +322,47 @@ def qkv_op(at, qk_norm: str | None):
     return full
 
 
-def attention_ops(index: int, layer, config, tp: int, tp_group, draws, family: MoeFamily, cp=None):
-    at = layer.self_attn
+def mixer_ops(index: int, layer, config, tp: int, draws, family: MoeFamily, xin: str, cp=None) -> list:
+    """The token mixer of layer ``index``, reading ``xin`` and writing ``ao``: a Gated DeltaNet
+    (``deltanet.mixer_ops``), output-gated attention (``gated_attention.mixer_ops``, q/k norm and
+    rotary in ``attn.core``), or MHA / MLA through ``context_attention``."""
+    if deltanet.is_linear(layer):
+        return deltanet.mixer_ops(layer.linear_attn, family.hf, tp, xin)
+    at, hf = layer.self_attn, family.hf
     drop = Dropout.make(draws, config.attention_dropout, index, at)
+    window = layer_window(at, config) if family.sliding else None
+    if family.attention == "gated":
+        norms = (at.q_norm, at.k_norm) if hasattr(at, "q_norm") else None
+        core = attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb, None, norms),
+                            drop=drop, window=window)
+        return gated_attention.mixer_ops(at, xin, core)
+    if family.attention == "mla":  # the latent projections and their norms: not linear on the way to q_b/kv_b
+        qkv, rope, widths = comp("attn.qkv", (xin,), ("q", "k", "v"), mla.qkv_fn(at)), \
+            mla.rotary_fn(at, config, hf), mla.head_dims(at)
+    else:
+        qk_norm = family.qk_norm if hasattr(at, "q_norm") else None  # (GLM-4.5: only with use_qk_norm)
+        qkv = comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_op(at, qk_norm), linear=qk_norm is None)
+        rope, widths = rotary(hf.apply_rotary_pos_emb), None
+    return context_attention(
+        cp, cp_heads(config, tp), qkv,
+        attn_core_op(at, config, hf.eager_attention_forward, rotary=rope, drop=drop, window=window),
+        comp("attn.out", ("o",), ("ao",), lambda side, o: (project(at.o_proj, o, bias=False),), linear=True),
+        widths=widths)
+
+
+def attention_ops(index: int, layer, config, tp: int, tp_group, draws, family: MoeFamily, cp=None):
+    """``attn.norm`` .. ``mlp.norm`` of layer ``index`` (the token mixer: ``mixer_ops``)."""
     xin, ar = ("xf", "ar") if tp > 1 else ("x", "ao")
     ops = [comp("attn.norm", ("h",), ("x",), lambda side, h: (layer.input_layernorm(h),))]
     if tp > 1:
         ops.append(comm("attn.ag", SeqAllGather(tp_group, tp), "x", "xf"))
-    if family.attention == "mla":  # the latent projections and their norms: not linear on the way to q_b/kv_b
-        qkv, rope, widths = comp("attn.qkv", (xin,), ("q", "k", "v"), mla.qkv_fn(at)), \
-            mla.rotary_fn(at, config, family.hf), mla.head_dims(at)
-    else:
-        qk_norm = family.qk_norm if hasattr(at, "q_norm") else None  # (GLM-4.5: only with use_qk_norm)
-        qkv = comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_op(at, qk_norm), linear=qk_norm is None)
-        rope, widths = rotary(family.hf.apply_rotary_pos_emb), None
-    window = layer_window(at, config) if family.sliding else None
-    ops += context_attention(
-        cp, cp_heads(config, tp), qkv,
-        attn_core_op(at, config, family.hf.eager_attention_forward, rotary=rope, drop=drop, window=window),
-        comp("attn.out", ("o",), ("ao",), lambda side, o: (project(at.o_proj, o, bias=False),), linear=True),
-        widths=widths)
+    ops += mixer_ops(index, layer, config, tp, draws, family, xin, cp)
     if tp > 1:
         ops.append(comm("attn.rs", SeqReduceScatter(tp_group, tp), "ao", "ar"))
+    bias = layer.self_attn.o_proj.bias if hasattr(layer, "self_attn") else None  # (DeltaNet's out_proj has none)
 
     def mlp_norm(side, h, a):
-        h2 = h + (a if at.o_proj.bias is None else a + at.o_proj.bias)
+        h2 = h + (a if bias is None else a + bias)
         return h2, layer.post_attention_layernorm(h2)
 
     ops.append(comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm))
@@ -502,6 +541,14 @@ def side_inputs(model, family: MoeFamily):
     if family.sliding:  # per-layer windows (gpt-oss): the dense machinery's side inputs, and the routing slots
         dense = rotary_side_fn(inner.rotary_emb, inner.embed_tokens, config, layer_windows(model))
         return lambda batch, side: {**dense(batch, side), "moe": {}}
+    if family.linear_attention and deltanet.linear_layers(config):
+        return deltanet.no_documents(attention_side(model, family), family.name)
+    return attention_side(model, family)
+
+
+def attention_side(model, family: MoeFamily):
+    """Rotary cos/sin over the full sequence (+ eager's mask) and the MoE routing slots."""
+    config, inner = model.config, model.model
 
     def extra(batch, side):
         s = side["seq_len"]

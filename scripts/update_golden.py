@@ -31,7 +31,9 @@ LAYOUTS = {"tiny-llama": {"tp": 2}, "tiny-gpt2": {"tp": 2}, "tiny-gpt-neox": {"t
            "tiny-deepseek-v3": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
            "tiny-glm4-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
            "tiny-gpt-oss": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-qwen3-moe-mixed": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}}}
+           "tiny-qwen3-moe-mixed": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+           "tiny-qwen3-5": {"tp": 2},
+           "tiny-qwen3-5-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}}}
 
 
 def golden_options(preset: str):

@@ -34,7 +34,7 @@ from tests.conftest import (gathered_grad, hf_reference, make_batches, make_conf
                             run_ranks)
 
 DENSE_FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3",
-                  "tiny-olmo3")
+                  "tiny-olmo3", "tiny-qwen3-5")
 """The presets of the dense family machinery (``hf_models/dense_family.py``)."""
 PRESETS = DENSE_FAMILIES + ("tiny-gpt2", "tiny-gpt-neox")
 SUITE_OVERRIDES = {  # what these tests' short sequences (SEQ = 16) need to exercise each family's twist
@@ -168,6 +168,9 @@ SHAPE_VARIANTS = {  # other shapes than the presets': the adapters must not depe
     "gemma3-h96": ("tiny-gemma3", (("hidden_size", 96), ("intermediate_size", 192))),
     "phi3-h192": ("tiny-phi3", (("hidden_size", 192), ("intermediate_size", 256))),
     "qwen3-h96": ("tiny-qwen3", (("hidden_size", 96), ("intermediate_size", 192))),
+    "qwen3_5-h96": ("tiny-qwen3-5", (("hidden_size", 96), ("intermediate_size", 192), ("attention_bias", True),
+                                     ("linear_num_value_heads", 6), ("linear_value_head_dim", 16),
+                                     ("linear_conv_kernel_dim", 3))),
     "llama3-rope": ("tiny-llama", (("rope_parameters", {  # Llama 3's rope_type: low frequencies rescaled
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),)),

@@ -17,8 +17,9 @@ from hf_models.registry import build_model
 
 SHARD = {"tiny-gpt2": gpt2.shard, "tiny-gpt-neox": gpt_neox.shard}
 DENSE = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3",
-         "tiny-olmo3")
-"""The dense family machinery's presets (Phi-3: fused q|k|v and gate|up rows; Gemma 3: tied head)."""
+         "tiny-olmo3", "tiny-qwen3-5")
+"""The dense family machinery's presets (Phi-3: fused q|k|v and gate|up rows; Gemma 3: tied head;
+Qwen3.5: a Gated DeltaNet's q|k|v rows and conv channels by key / value head)."""
 
 
 def _save(tmp_path, preset, dtype=torch.float32, max_shard_size=None):
@@ -116,7 +117,7 @@ def test_bin_only_and_mismatched_checkpoints_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe",
-                                    "tiny-qwen2-moe", "tiny-gpt-neox"])
+                                    "tiny-qwen2-moe", "tiny-gpt-neox", "tiny-qwen3-5-moe"])
 def test_export_layout_is_what_save_pretrained_writes(tmp_path, preset):
     full, path = _save(tmp_path, preset)
     keys = {k for n, p in full.named_parameters() for k, _ in file_tensors(checkpoint_source(full, n), p.detach())}
@@ -191,3 +192,29 @@ def test_attention_choice_defaults_to_the_checkpoint_setting(tmp_path):
     with pytest.raises(ValueError, match="use one of"):
         resolve_attn_implementation("flash", "tiny-llama")
     assert empty_model(path, attn_implementation="eager").config._attn_implementation == "eager"
+
+
+def test_qwen3_5_language_model_of_a_multimodal_checkpoint(tmp_path):
+    """A multimodal Qwen3.5 checkpoint is refused in one line; the text checkpoint its fix writes
+    keeps transformers' ``model.language_model.`` prefix in its files, and each TP rank's shards
+    read from them equal the shards cut from the model transformers loads."""
+    from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from hf_models.registry import load_config
+    text = {k: v for k, v in load_config("tiny-qwen3-5").to_dict().items() if k not in ("model_type", "architectures")}
+    config = Qwen3_5Config(text_config={**text, "num_hidden_layers": 2, "layer_types": text["layer_types"][:2]},
+                           vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                              out_hidden_size=128))
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(config).save_pretrained(tmp_path / "mm")
+    with pytest.raises(ValueError, match="multimodal Qwen3.5 checkpoint"):
+        adapter_for(load_config(tmp_path / "mm"))
+    AutoModelForCausalLM.from_pretrained(tmp_path / "mm").save_pretrained(tmp_path / "text")  # the fix
+    path = str(tmp_path / "text")
+    assert load_config(path).model_type == "qwen3_5_text"
+    assert all(k.startswith(("model.language_model.", "lm_head.")) for k in CheckpointFiles(path).keys())
+    for rank in (0, 1):
+        want = dict(_cut(AutoModelForCausalLM.from_pretrained(path), "tiny-qwen3-5", 2, rank).named_parameters())
+        model = _cut(empty_model(path), "tiny-qwen3-5", 2, rank)
+        materialize(model, CheckpointFiles(path))
+        assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())

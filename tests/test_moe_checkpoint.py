@@ -26,7 +26,7 @@ def _batches(seed, n):
 
 
 PRESETS = ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-deepseek-v3",
-           "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-moe-mixed"]
+           "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-moe-mixed", "tiny-qwen3-5-moe"]
 
 
 def _biases(model) -> dict:

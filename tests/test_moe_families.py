@@ -13,6 +13,9 @@ of another summation order; measured <= 5.4e-7 and 3e-8).
     ring2      ring attention CP=2
     tp2ep2     TP=2 x EP=2 x DP=2 on 4 ranks
 
+Qwen3.5-MoE (Gated DeltaNet layers among output-gated attention layers, 2 layers: one of each
+kind) refuses context parallelism (``hf_models/deltanet.py``).
+
 ``make test`` runs ep2 for every family and the settings in CORE; the rest is the extended tier
 (``pytest -m extended``, part of ``make test-all``).
 """
@@ -25,7 +28,7 @@ import pytest
 from ds_dhelix.engine.parity import ParityOptions, run_parities
 
 FAMILIES = ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-deepseek-v3",
-            "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-moe-mixed")
+            "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-moe-mixed", "tiny-qwen3-5-moe")
 EP2 = {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}}
 SETTINGS = {
     "ep2": EP2, "zero0": {**EP2, "zero_stage": 0}, "zero2": {**EP2, "zero_stage": 2},
@@ -40,7 +43,9 @@ NOT_RUN = {("tiny-olmoe", "tp2"): "OLMoE's q/k norm over the whole projection ne
            ("tiny-gpt-oss", "cp2"): "gpt-oss's attention sinks refuse context parallelism",
            ("tiny-gpt-oss", "ring2"): "gpt-oss's attention sinks refuse context parallelism",
            ("tiny-deepseek-v3", "ring2"): "MLA refuses ring attention (q/k and v of other widths)",
-           ("tiny-phimoe", "cp2"): "covered by tests/test_context_parallel.py"}
+           ("tiny-phimoe", "cp2"): "covered by tests/test_context_parallel.py",
+           ("tiny-qwen3-5-moe", "cp2"): "Gated DeltaNet layers refuse context parallelism",
+           ("tiny-qwen3-5-moe", "ring2"): "Gated DeltaNet layers refuse context parallelism"}
 CORE = {("tiny-deepseek-v3", s) for s in ("zero0", "zero2", "capacity", "tp2", "cp2", "tp2ep2")} | {
     ("tiny-glm4-moe", "tp2"), ("tiny-gpt-oss", "tp2"), ("tiny-gpt-oss", "capacity"), ("tiny-qwen3-moe", "tp2"),
     ("tiny-qwen2-moe", "tp2"), ("tiny-mixtral", "tp2ep2")}
@@ -172,6 +177,13 @@ OTHER_SIZES = {  # transformers configs at other sizes than the presets (the ada
                       num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_experts=8,
                       num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[2], output_router_logits=True,
                       max_position_embeddings=256),
+    "qwen3_5_moe_text": dict(hidden_size=96, num_hidden_layers=3, layer_types=["linear_attention", "linear_attention",
+                             "full_attention"], num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                             attention_bias=True, linear_num_key_heads=2, linear_num_value_heads=6,
+                             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=3,
+                             num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=48, output_router_logits=True,
+                             max_position_embeddings=256),
 }
 
 
@@ -198,7 +210,9 @@ def save_other_sizes(root) -> dict[str, str]:
 def test_checkpoints_of_other_sizes(tmp_path):
     """The same parity on directories of other shapes: hidden 96/192, 3 layers, 8 experts, top-3,
     grouped routing n_group 2 / topk_group 1, DeepSeek-V3 without q_lora_rank (q_proj) and without
-    rope interleaving, GLM-4.5 without its q/k norm, Qwen3-MoE with decoder_sparse_step 2."""
+    rope interleaving, GLM-4.5 without its q/k norm, Qwen3-MoE with decoder_sparse_step 2,
+    Qwen3.5-MoE with two Gated DeltaNet layers (3 value heads per key head, value heads wider than
+    key heads, conv kernel 3) before an output-gated attention layer with biases."""
     from hf_models.moe_family import dense_layers
     from hf_models.registry import load_config
     dirs = save_other_sizes(tmp_path)

@@ -61,10 +61,18 @@ EXPECTED = {
                          num_experts_per_tok=2, attention_bias=True, output_router_logits=True),
     "tiny-qwen3-moe-mixed": dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=4, num_experts=4,
                                  mlp_only_layers=[1], decoder_sparse_step=1, output_router_logits=True),
+    "tiny-qwen3-5": dict(model_type="qwen3_5_text", hidden_size=128, num_hidden_layers=4, head_dim=32,
+                         layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                         linear_num_value_heads=4),
+    "tiny-qwen3-5-moe": dict(model_type="qwen3_5_moe_text", hidden_size=128, num_hidden_layers=4, head_dim=32,
+                             layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                             linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                             shared_expert_intermediate_size=256, output_router_logits=True,
+                             router_aux_loss_coef=0.01),
 }
 EAGER = {"tiny-gpt-oss": "transformers has no sdpa kernel for gpt-oss's attention sinks"}
 AUX_LOSS = ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe", "tiny-qwen2-moe", "tiny-gpt-oss",
-            "tiny-qwen3-moe-mixed")  # (DeepSeek-V3 and GLM-4.5 train no load-balancing loss)
+            "tiny-qwen3-moe-mixed", "tiny-qwen3-5-moe")  # (DeepSeek-V3 and GLM-4.5 train no load-balancing loss)
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +95,7 @@ def test_preset_names():
     assert PRESETS == ("small-llama", "small-phimoe", "tiny-deepseek-v3", "tiny-gemma3", "tiny-glm4-moe",
                        "tiny-gpt-neox", "tiny-gpt-oss", "tiny-gpt2", "tiny-llama", "tiny-mistral", "tiny-mixtral",
                        "tiny-olmo3", "tiny-olmoe", "tiny-phi3", "tiny-phimoe", "tiny-qwen2", "tiny-qwen2-moe", "tiny-qwen3",
-                       "tiny-qwen3-moe", "tiny-qwen3-moe-mixed", "tiny-smollm3")
+                       "tiny-qwen3-5", "tiny-qwen3-5-moe", "tiny-qwen3-moe", "tiny-qwen3-moe-mixed", "tiny-smollm3")
     assert all(is_preset(n) for n in PRESETS) and not is_preset("llama")
 
 

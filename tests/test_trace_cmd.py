@@ -98,3 +98,8 @@ def test_trace_analysis_command_reads_a_trace(tmp_path, capsys):
     assert analysis_main([str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["idle"]["0"]["steps"] == 1 and out["idle"]["0"]["periods"]["forward_alone"] == pytest.approx(2.0)
+    # one op's share of the step (the delta rule of Qwen3.5's linear layers: attn.core in their blocks)
+    assert analysis_main([str(path), "--op", "head.loss", "--blocks", "1"]) == 0
+    share = json.loads(capsys.readouterr().out)["0"]
+    assert share["steps"] == 1 and share["op_ms"] == pytest.approx(2.0) and share["step_ms"] == pytest.approx(6.0)
+    assert share["share_of_step"] == pytest.approx(1 / 3) and share["share_of_compute"] == pytest.approx(0.5)

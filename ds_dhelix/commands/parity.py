@@ -163,3 +163,5 @@ def _check_setup(opts) -> None:
         force_fp16_capability()
     setup = check_setup(opts.ds_config(opts.schedule), load_config(opts.model), opts.world)
     setup.dims.check_seq_len(opts.seq_len, "--seq-len")
+    from hf_models.adapters import check_packing
+    check_packing(load_config(opts.model), opts.packing)
