@@ -106,48 +106,53 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result, indent=1), file=args.stdout)
     else:
-        from ds_dhelix.engine.parity import pipe_label
-        s = args.schedule if args.pp == 1 else pipe_label(opts)
-        print(f"{args.model} pp={args.pp} tp={args.tp} cp={args.cp}{' (ring)' if args.cp_comm == 'ring' else ''} dp={args.dp} ep={args.ep} zero={args.zero} {args.steps} steps x "
-              f"{args.micro_batches} micro-batches")
-        print(f"  losses sequential: {result['losses']['sequential']}")
-        print(f"  losses {s}:{' ' * (10 - len(s))} {result['losses'][s]}")
-        if "hf" in result["losses"]:
-            print(f"  losses hf:         {result['losses']['hf']}")
-        ref = "PP=1 sequential" if args.pp > 1 else "sequential"
-        same = "BITWISE EQUAL" if result["bitwise_equal"] else "DIFFERENT"
-        print(f"  {s} vs {ref}: {same} (max |param diff| {result['max_abs_diff_vs_sequential']:.3g})")
-        if "intra_tolerance" in result:
-            grads = result.get("max_grad_diff_vs_sequential")
-            print(f"  intra vs sequential: max |loss diff| {result['max_loss_diff_vs_sequential']:.3g}"
-                  + (f", max |first-step grad diff| {grads:.3g}" if grads is not None else "")
-                  + f" (held to: {result['intra_tolerance']})")
-        if "bitwise_equal_to_half_microbatches" in result:
-            same = "BITWISE EQUAL" if result["bitwise_equal_to_half_microbatches"] else "DIFFERENT"
-            print(f"  intra vs sequential over half-size micro-batches (2x as many): {same}")
-        if result["hf_close"] is None:
-            print(f"  vs unsharded HF: {result['hf_comparison']}")
-        else:
-            print(f"  vs unsharded HF: max |first-step grad diff| {result['max_abs_diff_vs_hf']:.3g}, "
-                  f"max |loss diff| {result['max_loss_diff_vs_hf']:.3g} (tolerances "
-                  f"{result['hf_grad_tolerance']:.3g} / {result['hf_loss_tolerance']:g}: "
-                  f"{'ok' if result['hf_close'] else 'EXCEEDED'})")
-            if result["hf_stochastic_off"]:
-                from ds_dhelix.engine.parity import describe_settings
-                print(f"  HF compared with these switched off, on the first step only (the trained legs keep "
-                      f"them): {describe_settings(result['hf_stochastic_off'])}")
-        if "vs_torch_kernels" in result:
-            k = result["vs_torch_kernels"]
-            print(f"  {k['kernels']} kernels vs torch kernels (first step): loss "
-                  f"{'BITWISE EQUAL' if k['loss_bitwise_equal'] else 'DIFFERENT'}, max |grad diff| "
-                  f"{k['max_first_step_grad_diff']:.3g} (tolerance {k['grad_tolerance']:.3g}: "
-                  f"{'ok' if k['close'] else 'EXCEEDED'})")
-        if result["note"]:
-            print(f"  note: {result['note']}")
-        pk = result["peak_activation_bytes"]
-        print(f"  peak activation bytes: sequential {pk['sequential']}, {s} {pk[s]} "
-              f"({pk[s] / max(pk['sequential'], 1):.3f}x)")
+        _print_result(args, opts, result)
     return 0 if result["ok"] else 1
+
+
+def _print_result(args, opts, result: dict) -> None:
+    """The text form of a parity result."""
+    from ds_dhelix.engine.parity import pipe_label
+    s = args.schedule if args.pp == 1 else pipe_label(opts)
+    print(f"{args.model} pp={args.pp} tp={args.tp} cp={args.cp}{' (ring)' if args.cp_comm == 'ring' else ''} dp={args.dp} ep={args.ep} zero={args.zero} {args.steps} steps x "
+          f"{args.micro_batches} micro-batches")
+    print(f"  losses sequential: {result['losses']['sequential']}")
+    print(f"  losses {s}:{' ' * (10 - len(s))} {result['losses'][s]}")
+    if "hf" in result["losses"]:
+        print(f"  losses hf:         {result['losses']['hf']}")
+    ref = "PP=1 sequential" if args.pp > 1 else "sequential"
+    same = "BITWISE EQUAL" if result["bitwise_equal"] else "DIFFERENT"
+    print(f"  {s} vs {ref}: {same} (max |param diff| {result['max_abs_diff_vs_sequential']:.3g})")
+    if "intra_tolerance" in result:
+        grads = result.get("max_grad_diff_vs_sequential")
+        print(f"  intra vs sequential: max |loss diff| {result['max_loss_diff_vs_sequential']:.3g}"
+              + (f", max |first-step grad diff| {grads:.3g}" if grads is not None else "")
+              + f" (held to: {result['intra_tolerance']})")
+    if "bitwise_equal_to_half_microbatches" in result:
+        same = "BITWISE EQUAL" if result["bitwise_equal_to_half_microbatches"] else "DIFFERENT"
+        print(f"  intra vs sequential over half-size micro-batches (2x as many): {same}")
+    if result["hf_close"] is None:
+        print(f"  vs unsharded HF: {result['hf_comparison']}")
+    else:
+        print(f"  vs unsharded HF: max |first-step grad diff| {result['max_abs_diff_vs_hf']:.3g}, "
+              f"max |loss diff| {result['max_loss_diff_vs_hf']:.3g} (tolerances "
+              f"{result['hf_grad_tolerance']:.3g} / {result['hf_loss_tolerance']:g}: "
+              f"{'ok' if result['hf_close'] else 'EXCEEDED'})")
+        if result["hf_stochastic_off"]:
+            from ds_dhelix.engine.parity import describe_settings
+            print(f"  HF compared with these switched off, on the first step only (the trained legs keep "
+                  f"them): {describe_settings(result['hf_stochastic_off'])}")
+    if "vs_torch_kernels" in result:
+        k = result["vs_torch_kernels"]
+        print(f"  {k['kernels']} kernels vs torch kernels (first step): loss "
+              f"{'BITWISE EQUAL' if k['loss_bitwise_equal'] else 'DIFFERENT'}, max |grad diff| "
+              f"{k['max_first_step_grad_diff']:.3g} (tolerance {k['grad_tolerance']:.3g}: "
+              f"{'ok' if k['close'] else 'EXCEEDED'})")
+    if result["note"]:
+        print(f"  note: {result['note']}")
+    pk = result["peak_activation_bytes"]
+    print(f"  peak activation bytes: sequential {pk['sequential']}, {s} {pk[s]} "
+          f"({pk[s] / max(pk['sequential'], 1):.3f}x)")
 
 
 def _check_setup(opts) -> None:
