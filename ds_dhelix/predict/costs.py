@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..pipe.folding import fold_layers
 from .hardware import Hardware
-from .links import Placement, collective_ms, placement
+from .links import collective_ms, placement
 from .roofline import BlockContext, Kernel, OpWork, op_work
 from .shapes import ModelOutline, ModelShape, RunLayout
 
@@ -48,6 +48,7 @@ class StepTimes:
     p2p_ms: float = 0.0
     slowdown: float = 0.0
     reacts: bool = False
+    notes: dict = field(default_factory=dict)  # how the times were derived (reported with the assumptions)
 
     def compute_ms(self) -> float:
         """Compute of one micro-batch's forward and backward."""
@@ -161,6 +162,3 @@ def step_tail(hw: Hardware, shape: ModelShape, outline: ModelOutline, layout: Ru
         "optimizer": update / (hw.gpu.memory_gbs * 1e9 * hw.assumptions.memory_efficiency) * 1e3,
     }
 
-
-__all__ = ["OpTime", "Placement", "RankParams", "StepTimes", "block_context", "kernel_ms", "rank_params",
-           "roofline_times", "step_tail"]

@@ -247,7 +247,8 @@ def _shared(ctx: BlockContext) -> OpWork:
     sh, n, e = ctx.shape, ctx.n_loc, ctx.e
     up, down = gemm(n, sh.hidden, 2 * sh.shared_intermediate, e), gemm(n, sh.shared_intermediate, sh.hidden, e)
     act = mem(3 * n * sh.shared_intermediate * e)
-    return OpWork(fwd=(up, act, down), bwd=(down, down, act, up, up))
+    gate = (gemm(n, sh.hidden, 1, e),) if sh.shared_gate else ()
+    return OpWork(fwd=(up, act, down, *gate), bwd=(*gate, *gate, down, down, act, up, up))
 
 
 def _moe_add(ctx: BlockContext) -> OpWork:

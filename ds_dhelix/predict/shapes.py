@@ -56,6 +56,7 @@ class ModelShape:
     top_k: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0  # all shared experts together
+    shared_gate: bool = False  # the shared expert's output scaled by a sigmoid gate (Qwen2-MoE)
     q_lora_rank: int = 0  # multi-head latent attention (DeepSeek-V3): 0 = none
     kv_lora_rank: int = 0
     qk_rope_dim: int = 0
@@ -93,7 +94,7 @@ def _moe_fields(config) -> dict:
     shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
     shared += int(getattr(config, "n_shared_experts", 0) or 0) * inter
     return {"experts": experts, "top_k": int(config.num_experts_per_tok), "expert_intermediate": inter,
-            "shared_intermediate": shared}
+            "shared_intermediate": shared, "shared_gate": bool(getattr(config, "shared_expert_intermediate_size", 0))}
 
 
 def _mla_fields(config) -> dict:
