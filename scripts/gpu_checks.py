@@ -208,8 +208,9 @@ def check_device_events(device, size_mib: int = 512, reps: int = 40) -> dict:
     from ds_dhelix.runtime.spawn import free_port
     started = not dist.is_initialized()
     if started:
+        index = device.index if device.index is not None else torch.cuda.current_device()
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                device_id=device)
+                                device_id=torch.device("cuda", index))  # torch 2.11 wants the index
     try:
         x = torch.ones(size_mib * 2 ** 18, device=device)
         out = torch.empty_like(x)

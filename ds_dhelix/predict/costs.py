@@ -50,13 +50,16 @@ class StepTimes:
     reacts: bool = False
     notes: dict = field(default_factory=dict)  # how the times were derived (reported with the assumptions)
 
-    def compute_ms(self) -> float:
-        """Compute of one micro-batch's forward and backward."""
-        return sum(o.fwd_ms + o.bwd_ms + o.wgrad_ms for b in self.blocks for o in b if not o.comm)
+    def compute_ms(self, blocks=None) -> float:
+        """Compute of one micro-batch's forward and backward (over ``blocks``, default all)."""
+        return sum(o.fwd_ms + o.bwd_ms + o.wgrad_ms for b in self._pick(blocks) for o in b if not o.comm)
 
-    def comm_ms(self) -> float:
-        """Collectives of one micro-batch's forward and backward."""
-        return sum(o.fwd_ms + o.bwd_ms for b in self.blocks for o in b if o.comm)
+    def comm_ms(self, blocks=None) -> float:
+        """Collectives of one micro-batch's forward and backward (over ``blocks``, default all)."""
+        return sum(o.fwd_ms + o.bwd_ms for b in self._pick(blocks) for o in b if o.comm)
+
+    def _pick(self, blocks):
+        return self.blocks if blocks is None else [self.blocks[b] for b in blocks]
 
 
 def kernel_ms(hw: Hardware, k: Kernel, dtype: str) -> float:
