@@ -3,6 +3,7 @@ of a bench run, the step time of sequential and SI predicted from an overlap tab
 profile``, unshaped) against the measured median, and the predicted against the measured speedup.
 
     python -m benchmarks.predict_check benchmarks/results/predict/tiny-llama-tp2 [--json]
+    python -m benchmarks.predict_check --projections benchmarks/results/predict/projections
 
 The folder holds the bench's ``bench.json`` and the table ``table-unshaped.json``; the model and
 layout are the bench's own options.
@@ -72,11 +73,38 @@ def markdown(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def projection_rows(folder: str) -> str:
+    """A markdown table of the ``dhelix predict --json`` files in ``folder`` (one per configuration)."""
+    import glob
+    head = ("| configuration | layout | hardware | baseline s | si (PP: w) s | best SI s (mode) | gain over the best "
+            "without SI | intra vs sequential | comm / comp per rank |\n|---|---|---|--:|--:|--:|--:|--:|--:|\n")
+    lines = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path, encoding="utf-8") as fh:
+            r = json.load(fh)
+        m, lay, g, step = r["modes"], r["layout"], r["si_gain"], r["per_step"]
+        base_mode = "sequential" if lay["pp"] == 1 else "ds-1f1b"
+        base = m[base_mode]
+        si = m.get("si") or m.get("w")
+        intra = f"{m['sequential']['step_time_s'] / m['intra']['step_time_s']:.2f}×" if "intra" in m else "–"
+        layout = f"TP{lay['tp']} PP{lay['pp']} DP{lay['dp']}" + (f" EP{lay['ep']}" if lay["ep"] > 1 else "")
+        hw = r["hardware"]
+        lines.append(f"| {os.path.basename(path)[:-5]} | {layout}, {lay['micro_batches']}×{lay['micro_batch_size']}×"
+                     f"{lay['seq_len']} | {hw['gpu']['name']} ×{lay['world']}, {hw['nics_per_node']}×"
+                     f"{hw['network']['name']} | {base['step_time_s']:.2f} ({base_mode}) | {si['step_time_s']:.2f} | "
+                     f"{m[g['mode']]['step_time_s']:.2f} ({g['mode']}) | {g['speedup']:.2f}× vs {g['baseline']} | "
+                     f"{intra} | {step['comm_s'] / step['compute_s']:.2f} |")
+    return head + "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folders", nargs="+", help="bench folders holding bench.json and table-unshaped.json")
+    p.add_argument("folders", nargs="*", help="bench folders holding bench.json and table-unshaped.json")
+    p.add_argument("--projections", metavar="DIR", help="print the table of the dhelix predict --json files in DIR")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.projections:
+        print(projection_rows(args.projections), end="")
     out = {folder: compare(folder) for folder in args.folders}
     if args.json:
         print(json.dumps(out, indent=1))

@@ -283,3 +283,29 @@ def test_predict_refuses_bad_input(capsys, argv, message):
     code, _, err = _predict(capsys, *argv)
     assert code == 2 and re.search(message, err), err
     assert err.startswith("dhelix predict: error:") and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------ checked against the bench
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+def test_cpu_projection_against_a_small_bench(tmp_path):
+    """The comparison of docs/guides/predict.md, small: profile tiny-llama TP=2 (unshaped), bench
+    sequential and SI at 2 Gbit/s, predict both from the table. A gross-error bound only (a factor
+    of 2 on a shared 2-core machine): it catches a unit, a missing micro-batch or a wrong byte
+    count, not the model's accuracy, which the docs report from full runs."""
+    from benchmarks.predict_check import compare
+    from ds_dhelix.bench import run_bench
+    from ds_dhelix.bench.options import BenchOptions
+    from ds_dhelix.bench.profile_runs import profile_world
+    from ds_dhelix.bench.report import write_outputs
+    opts = {"model": "tiny-llama", "tp": 2, "micro_batch_size": 2, "seq_len": 64, "warmup": 1, "repeats": 2,
+            "link_gbps": None}
+    table, _ = profile_world(opts, timeout=300)
+    table.save(str(tmp_path / "table-unshaped.json"))
+    bench = BenchOptions(model="tiny-llama", tp=2, modes=("sequential", "si"), link_gbps=(2.0,), micro_batches=4,
+                         micro_batch_size=2, seq_len=64, warmup=1, repeats=3, timeout=240)
+    write_outputs(run_bench(bench), str(tmp_path))
+    (row,) = compare(str(tmp_path))
+    for mode in ("sequential", "si"):
+        assert 0.5 < row[mode]["predicted_s"] / row[mode]["measured_s"] < 2.0, row
+    assert row["speedup"]["predicted"] >= 1.0  # collectives to hide: SI is never predicted slower

@@ -57,11 +57,8 @@ def choose_modes(asked: list[str] | None, layout: RunLayout, half_times: bool = 
                 raise ValueError(f"--schedule {mode}: {reason}; schedules for this layout: "
                                  f"{', '.join(available_modes(layout))}")
         return list(dict.fromkeys(asked)), {}
-    modes, skipped = [], {}
-    for mode in available_modes(layout):
-        reason = why_not(mode, layout, half_times)
-        (skipped.__setitem__(mode, reason) if reason else modes.append(mode))
-    return modes, skipped
+    reasons = {mode: why_not(mode, layout, half_times) for mode in available_modes(layout)}
+    return [m for m, why in reasons.items() if why is None], {m: why for m, why in reasons.items() if why}
 
 
 def mode_lap(mode: str, st: StepTimes, layout: RunLayout, shape: ModelShape,
