@@ -309,3 +309,64 @@ def test_cpu_projection_against_a_small_bench(tmp_path):
     for mode in ("sequential", "si"):
         assert 0.5 < row[mode]["predicted_s"] / row[mode]["measured_s"] < 2.0, row
     assert row["speedup"]["predicted"] >= 1.0  # collectives to hide: SI is never predicted slower
+
+
+# ------------------------------------------------------------------------ the CPU path
+def _cpu_table(q: float = 0.3):
+    """A hand-made overlap table of tiny-llama's layer at TP=2 (4 x 256 tokens): op i takes i+1 ms
+    forward and 2(i+1) backward (a collective 1 ms each way); each compute op beside a collective
+    that it outlasts costs compute + q x collective."""
+    from ds_dhelix.graph.ops import backward_order, op_specs
+    from ds_dhelix.planning.planner import EMPTY, OverlapTable
+    names = [("attn.norm", "comp"), ("attn.ag", "comm"), ("attn.qkv", "comp"), ("attn.core", "comp"),
+             ("attn.out", "comp"), ("attn.rs", "comm"), ("mlp.norm", "comp"), ("mlp.ag", "comm"),
+             ("mlp.up", "comp"), ("mlp.down", "comp"), ("mlp.rs", "comm"), ("mlp.add", "comp")]
+    fwd = op_specs(names)
+    bwd = backward_order(fwd)
+    n = len(fwd)
+    table = OverlapTable({"layout": "world=2,tp=2,ep=1", "batch_shape": [4, 256], "dtype": "float32",
+                          "link_gbps": None}, fwd, bwd)
+    f_ms = {i: 1.0 if fwd[i].is_comm else i + 1.0 for i in range(n)}
+    b_ms = {j: 1.0 if bwd[j].is_comm else 2.0 * (n - j) for j in range(n)}
+    for i in range(n):
+        table.set_entry(((i, i + 1), EMPTY), f_ms[i])
+        table.set_entry((EMPTY, (i, i + 1)), b_ms[i])
+    for i in range(n):
+        for j in range(n):
+            if fwd[i].is_comm != bwd[j].is_comm:
+                comm, comp = (f_ms[i], b_ms[j]) if fwd[i].is_comm else (b_ms[j], f_ms[i])
+                if comm < 0.8 * comp:
+                    table.set_entry(((i, i + 1), (j, j + 1)), comp + q * comm)
+    table.block_ops = {"pre": {"ops": ["embed"], "fwd_ms": [0.5], "bwd_ms": [0.7]},
+                       "post": {"ops": ["head.norm", "head.logits", "head.loss"], "fwd_ms": [0.1, 3.0, 2.0],
+                                "bwd_ms": [0.2, 6.0, 4.0]}}
+    return table
+
+
+def test_cpu_times_come_from_the_table():
+    from ds_dhelix.predict.cpu import pair_slowdown_share, table_times
+    from hf_models.outline import model_outline
+    from hf_models.registry import load_config
+    config, dims = load_config("tiny-llama"), ParallelDims(2, tp=2)
+    outline, shape = model_outline(config, dims), model_shape(config)
+    layout = RunLayout(dims, 256, 4, 16, "fp32")
+    table = _cpu_table(q=0.3)
+    assert pair_slowdown_share(table) == pytest.approx(0.3)
+    unshaped, slow = table_times(table, outline, shape, layout, None), table_times(table, outline, shape, layout, 1.0)
+    layer = {o.name: o for o in unshaped.blocks[1]}
+    assert layer["attn.qkv"].fwd_ms == 3.0 and layer["attn.qkv"].bwd_ms + layer["attn.qkv"].wgrad_ms == 2.0 * 3
+    assert layer["attn.qkv"].wgrad_ms == pytest.approx(3.0)  # a GEMM: input and weight gradient alike
+    assert layer["attn.core"].wgrad_ms == 0.0 and layer["attn.core"].bwd_ms == 2.0 * 4
+    # the all-gather moves 4 x 256 x 128 fp32 per rank, half of it to the other rank, both ranks
+    # through one loopback at 1 Gbit/s: 524288 B / 125 MB/s = 4.19 ms, longer than gloo's 1 ms
+    assert layer["attn.ag"].fwd_ms == 1.0
+    assert {o.name: o for o in slow.blocks[1]}["attn.ag"].fwd_ms == pytest.approx(524288 / 125e6 * 1e3)
+    head = {o.name: o for o in unshaped.blocks[-1]}
+    assert head["head.logits"].fwd_ms == 3.0 and head["head.logits"].wgrad_ms == pytest.approx(3.0)
+    # behind the shaped link the same CPU work spreads over a 4x longer collective: less slowdown
+    assert 0 < slow.slowdown < unshaped.slowdown == pytest.approx(0.3 / 0.7)
+    with pytest.raises(ValueError, match="batch_shape"):
+        table_times(table, outline, shape, RunLayout(dims, 128, 4, 16, "fp32"), None)
+    table.meta["link_gbps"] = 2.0
+    with pytest.raises(ValueError, match="profile unshaped"):
+        table_times(table, outline, shape, layout, 1.0)
