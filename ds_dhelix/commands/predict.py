@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from ds_dhelix.predict.pipeline import PIPE_MODES
+from ds_dhelix.predict.step import MODES
+
 from .common import link_rate
 
-MODE_NAMES = ("sequential", "si", "si-ends", "si-plan", "si-planned", "intra",
-              "ds-1f1b", "ds-dualpipev", "w", "dualpipev-si")
+MODE_NAMES = tuple(dict.fromkeys(MODES + PIPE_MODES))
 
 
 def register(sub) -> None:
@@ -40,8 +42,8 @@ def register(sub) -> None:
     p.add_argument("--micro-batches", type=int, default=16,
                    help="micro-batches per optimizer step on each data-parallel group (default 16)")
     p.add_argument("--schedule", nargs="+", default=None, metavar="MODE", choices=MODE_NAMES,
-                   help="schedules to project (default: all that apply): sequential si si-ends si-plan si-planned "
-                        "intra; with --pp > 1: ds-1f1b ds-dualpipev sequential w dualpipev-si")
+                   help=f"schedules to project (default: all that apply): {' '.join(MODES)}; with --pp > 1: "
+                        f"{' '.join(PIPE_MODES)}")
     p.add_argument("--hardware", required=True,
                    help="a preset (A40, A800, H100, H200), a YAML file of one system, or cpu (with --table)")
     p.add_argument("--intra-link", default=None, help="replace the system's link inside a node (nvlink3, nvlink4, "

@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..graph.ops import OpKind, OpSpec, backward_order
-from ..planning.plan import SIPlan, default_plan
+from ..planning.plan import SIPlan, default_plan, segment_has_comm
 from ..planning.planner import EMPTY, OverlapTable, candidate_segments, plan_dp, predict_ms
-from ..planning.plan import segment_has_comm
 from .costs import OpTime, StepTimes
 from .retime import ChainOp, PairRetime, RoundRules, retime_pair
 
