@@ -1,7 +1,7 @@
 """A folded pipeline step (pp > 1) from predicted op times: each rank's chunk forward F, chunk
-backward B and co-executed pair c (re-timed the way ``co_execute`` runs them: reactive, gated, no
-deferred weight gradients, as the pipeline engine runs its pairs), then the schedule's instruction
-lists replayed for every rank (``pipe.simulate.replay``) with a stage-to-stage transfer as latency::
+backward B and co-executed pair c (the pipeline engine runs a pair by the default SI plan's rounds,
+``step.plan_pair``; a chunk alone block by block), then the schedule's instruction lists replayed
+for every rank (``pipe.simulate.replay``) with a stage-to-stage transfer as latency::
 
     sequential    the sequential fold (one micro-batch at a time)
     w             the W schedule: F0(k) x B1(k-p) and F1(k) x B0(k-p) pairs
@@ -20,8 +20,9 @@ from ..pipe.folding import fold_layers
 from ..pipe.schedule import Forward, ForwardBackward, build_schedule, check_args
 from ..pipe.simulate import replay
 from .costs import StepTimes
-from .retime import RoundRules, retime_pair
-from .step import Lap, backward_chain, forward_chain
+from ..graph.ops import backward_order
+from ..planning.plan import default_plan
+from .step import Lap, main_block, plan_pair, specs_of
 
 PIPE_MODES = ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si")
 SCHEDULES = {"sequential": "sequential", "w": "w", "dualpipev-si": "dualpipev", "ds-dualpipev": "dualpipev"}
@@ -41,24 +42,24 @@ def chunk_blocks(num_layers: int, p: int) -> dict[tuple[int, int], list[int]]:
     return out
 
 
+def _alone(st: StepTimes, blocks: list[int], backward: bool) -> Lap:
+    """A chunk's forward or backward alone: every op in turn, every collective waited for."""
+    ops = [o for b in blocks for o in st.blocks[b]]
+    ms = [(o.bwd_ms + o.wgrad_ms if backward else o.fwd_ms, o.comm) for o in ops]
+    return Lap(sum(t for t, _ in ms), sum(t for t, comm in ms if comm))
+
+
 def chunk_costs(st: StepTimes, num_layers: int, p: int) -> dict[str, Lap]:
     """The slowest chunk's forward (``F``), backward (``B``) and pair (``c``), with their waits."""
     chunks = chunk_blocks(num_layers, p)
-    rules = RoundRules(slowdown=st.slowdown, reacts=st.reacts)
-
-    def fwd(blocks):
-        return retime_pair([], forward_chain(st, blocks), rules=rules)
-
-    def bwd(blocks):
-        return retime_pair(backward_chain(st, blocks[::-1], False), [], rules=rules)
-
+    main = specs_of(st, main_block(st))
+    plan = default_plan(main, backward_order(main))
     worst = {}
     for (r, phase), blocks in chunks.items():
-        other = chunks[(r, 1 - phase)]
-        pair = retime_pair(backward_chain(st, other[::-1], False), forward_chain(st, blocks), rules=rules)
-        for key, res in (("F", fwd(blocks)), ("B", bwd(blocks)), ("c", pair)):
-            if key not in worst or res.makespan_ms > worst[key].ms:
-                worst[key] = Lap(res.makespan_ms, res.wait_ms)
+        pair = plan_pair(st, blocks, chunks[(r, 1 - phase)][::-1], plan)
+        for key, lap in (("F", _alone(st, blocks, False)), ("B", _alone(st, blocks, True)), ("c", pair)):
+            if key not in worst or lap.ms > worst[key].ms:
+                worst[key] = lap
     return worst
 
 

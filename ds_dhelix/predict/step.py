@@ -116,7 +116,7 @@ def plan_rules(st: StepTimes) -> RoundRules:
     return RoundRules(gated=False, reacts=False, order="strand0", slowdown=st.slowdown)
 
 
-def _specs(st: StepTimes, b: int) -> tuple[OpSpec, ...]:
+def specs_of(st: StepTimes, b: int) -> tuple[OpSpec, ...]:
     return tuple(OpSpec(o.name, OpKind.COMM if o.comm else OpKind.COMP) for o in st.blocks[b])
 
 
@@ -124,15 +124,15 @@ def main_block(st: StepTimes) -> int:
     """The first layer of the most common layer kind (ties: the last layer's), as ``ModelGraph.main_block``."""
     kinds: dict = {}
     for b in range(1, len(st.blocks) - 1):
-        kinds.setdefault(_specs(st, b), []).append(b)
-    last = _specs(st, len(st.blocks) - 2)
+        kinds.setdefault(specs_of(st, b), []).append(b)
+    last = specs_of(st, len(st.blocks) - 2)
     return kinds[max(kinds, key=lambda k: (len(kinds[k]), k == last))][0]
 
 
 def predicted_table(st: StepTimes, block: int) -> OverlapTable:
     """An overlap table of layer ``block`` priced by re-timing each candidate round: what
     ``dhelix profile`` would measure if the op times were these."""
-    fwd = _specs(st, block)
+    fwd = specs_of(st, block)
     bwd = backward_order(fwd)
     rules = plan_rules(st)
     fc, bc = candidate_segments(fwd), candidate_segments(bwd)
@@ -150,22 +150,32 @@ def predicted_table(st: StepTimes, block: int) -> OverlapTable:
     return table
 
 
+def plan_pair(st: StepTimes, f_blocks: list[int], b_blocks: list[int], plan: SIPlan) -> Lap:
+    """A forward over ``f_blocks`` beside a backward over ``b_blocks`` (last block first) in plan
+    mode (``Executor.co_execute``): the j-th forward block beside the j-th backward block, two
+    layers by the plan's rounds (the plan of their kinds: ``plan``, or the default plan of the two
+    op lists), anything else as one round; a barrier after each round."""
+    nb, rules, lap = len(st.blocks), plan_rules(st), ZERO
+    for j in range(max(len(f_blocks), len(b_blocks))):
+        fb = f_blocks[j] if j < len(f_blocks) else None
+        bb = b_blocks[j] if j < len(b_blocks) else None
+        if fb is not None and bb is not None and 0 < fb < nb - 1 and 0 < bb < nb - 1:
+            p = plan if specs_of(st, fb) == specs_of(st, bb) == plan.fwd_ops else \
+                default_plan(specs_of(st, fb), backward_order(specs_of(st, bb)))
+            for r in p.rounds:
+                lap += _lap(retime_pair(backward_chain(st, [bb], False, *r.bwd), forward_chain(st, [fb], *r.fwd),
+                                        rules=rules))
+        else:
+            lap += _lap(retime_pair(backward_chain(st, [bb], False) if bb is not None else [],
+                                    forward_chain(st, [fb]) if fb is not None else [], rules=rules))
+    return lap
+
+
 def planned(st: StepTimes, m: int, plan: SIPlan) -> Lap:
     """SI by ``plan``: F0 alone, m-1 pairs of plan rounds, B(m-1) alone (no deferral)."""
-    nb, rules = len(st.blocks), plan_rules(st)
+    every = list(range(len(st.blocks)))
     alone = Lap(st.compute_ms() + st.comm_ms(), st.comm_ms())
-    pair = ZERO
-    for j in range(nb):
-        fb, bb = j, nb - 1 - j
-        if 0 < fb < nb - 1 and 0 < bb < nb - 1:
-            p = plan if _specs(st, fb) == _specs(st, bb) == plan.fwd_ops else \
-                default_plan(_specs(st, fb), backward_order(_specs(st, bb)))
-            for r in p.rounds:
-                pair += _lap(retime_pair(backward_chain(st, [bb], False, *r.bwd), forward_chain(st, [fb], *r.fwd),
-                                         rules=rules))
-        else:
-            pair += _lap(retime_pair(backward_chain(st, [bb], False), forward_chain(st, [fb]), rules=rules))
-    return alone + pair * (m - 1)
+    return alone + plan_pair(st, every, every[::-1], plan) * (m - 1)
 
 
 def plans(st: StepTimes) -> dict:
