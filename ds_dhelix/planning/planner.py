@@ -102,6 +102,11 @@ class OverlapTable:
     """The embedding and head blocks' ops timed alone, one at a time (ms, median over runs):
     ``{"pre" | "post": {"ops": [names], "fwd_ms": [...], "bwd_ms": [...]}}``, backward times in
     forward op order. The planner does not use them; ``dhelix predict --hardware cpu`` does."""
+    comm_cpu_ms: dict = field(default_factory=dict)
+    """CPU time a collective costs beside the rank's compute thread (its process's CPU time
+    while the COMM op runs alone, less the main thread's; ms, median over runs):
+    ``{"fwd": [...], "bwd": [...]}`` along ``fwd_ops`` / ``bwd_ops``, None for compute ops. On a
+    CPU it is what the collective takes from the cores; ``dhelix predict --hardware cpu`` reads it."""
 
     def __post_init__(self):
         self.fwd_ops, self.bwd_ops = tuple(self.fwd_ops), tuple(self.bwd_ops)
@@ -189,7 +194,7 @@ class OverlapTable:
                 "fwd_ops": ops_to_json(self.fwd_ops), "bwd_ops": ops_to_json(self.bwd_ops),
                 "fwd_alone": alone(self.fwd_ops, self.fwd_alone_ms, lambda seg: (seg, EMPTY)),
                 "bwd_alone": alone(self.bwd_ops, self.bwd_alone_ms, lambda seg: (EMPTY, seg)), "pairs": pairs,
-                "block_ops": self.block_ops}
+                "block_ops": self.block_ops, "comm_cpu_ms": self.comm_cpu_ms}
 
     @classmethod
     def from_dict(cls, data: dict) -> "OverlapTable":
@@ -209,7 +214,8 @@ class OverlapTable:
         pairs = {(seg_of(e, "fwd", "fwd_ops", fwd_ops), seg_of(e, "bwd", "bwd_ops", bwd_ops)): float(e["ms"])
                  for e in data["pairs"]}
         table = cls(dict(data.get("meta") or {}), fwd_ops, bwd_ops, fwd, bwd, pairs, info=dict(data.get("info") or {}),
-                    block_ops=_block_ops(data.get("block_ops") or {}))
+                    block_ops=_block_ops(data.get("block_ops") or {}),
+                    comm_cpu_ms=_comm_cpu(data.get("comm_cpu_ms") or {}, len(fwd_ops)))
         keyed = [((parse_range(e["seg"]), EMPTY), e) for e in data["fwd_alone"]]
         keyed += [((EMPTY, parse_range(e["seg"])), e) for e in data["bwd_alone"]]
         keyed += [((parse_range(e["fwd"]), parse_range(e["bwd"])), e) for e in data["pairs"]]
@@ -231,6 +237,18 @@ class OverlapTable:
 
 
 _MISSING = object()
+
+
+def _comm_cpu(data: dict, n: int) -> dict:
+    """``comm_cpu_ms`` of a table file, checked: a value or None per op, each direction."""
+    if not data:
+        return {}
+    if set(data) != {"fwd", "bwd"} or any(len(data[d]) != n for d in data):
+        raise ValueError(f"table comm_cpu_ms: need 'fwd' and 'bwd' lists of {n} entries, got {data!r}")
+    for ms in data["fwd"] + data["bwd"]:
+        if ms is not None:
+            _check_ms(ms, "comm_cpu_ms")
+    return {d: [None if ms is None else float(ms) for ms in data[d]] for d in ("fwd", "bwd")}
 
 
 def _block_ops(data: dict) -> dict:

@@ -10,9 +10,10 @@ emulated link, for checking the predictor against ``dhelix bench`` here.
                wire time hides when longer: ``max(table, bytes / G)``. Collectives the table does
                not hold (the step's gradient all-reduces) move at the rate the table's collectives
                reached unshaped, or G when slower
-    slowdown   compute beside a collective in the table's pairs runs slower by a measured share:
-               gloo's threads take the cores; behind a shaped link the same CPU work spreads over
-               a longer collective, so the slowdown shrinks with the ratio unshaped / shaped time
+    slowdown   a collective takes CPU from the cores (gloo's threads, the kernel's TCP work): the
+               table's ``comm_cpu_ms``, measured while each COMM op ran alone. Compute beside
+               collectives runs slower by that CPU time over the collectives' time: behind a
+               shaped link the same CPU work spreads over a longer collective, and slows less
 
 Plain data.
 """
@@ -112,20 +113,15 @@ def _unshaped_bps(table: OverlapTable, works: list[OpWork], layout: RunLayout) -
     return statistics.median(rates)
 
 
-def pair_slowdown_share(table: OverlapTable) -> float:
-    """q: the share of a collective's time that compute beside it loses, from the table's pairs of
-    one collective with compute that outlasts it: (pair - compute alone) / collective alone."""
-    shares = []
-    for (fseg, bseg), pair in table.pair_ms.items():
-        f_comm = all(op.is_comm for op in table.fwd_ops[fseg[0]:fseg[1]])
-        b_comm = all(op.is_comm for op in table.bwd_ops[bseg[0]:bseg[1]])
-        if f_comm == b_comm:
-            continue
-        comm = table.fwd_alone_ms.get(fseg) if f_comm else table.bwd_alone_ms.get(bseg)
-        comp = table.bwd_alone_ms.get(bseg) if f_comm else table.fwd_alone_ms.get(fseg)
-        if comm and comp and comm < 0.8 * comp:
-            shares.append((pair - comp) / comm)
-    return min(max(statistics.median(shares), 0.0), 0.9) if shares else 0.0
+def comm_cpu_per_collective(table: OverlapTable) -> float:
+    """ms of CPU one collective takes from the cores (gloo's threads, the kernel's TCP work): the
+    median over the layer's collectives of the table's ``comm_cpu_ms`` (robust to one rank's
+    outlier run)."""
+    values = [ms for d in ("fwd", "bwd") for ms in table.comm_cpu_ms.get(d, ()) if ms is not None]
+    if not values:
+        raise ValueError("the overlap table has no CPU time of its collectives (profiled before it was kept): "
+                         "profile again")
+    return statistics.median(values)
 
 
 def _block_ms(table: OverlapTable, outline: ModelOutline, b: int) -> tuple[list[float], list[float]]:
@@ -147,7 +143,7 @@ def table_times(table: OverlapTable, outline: ModelOutline, shape: ModelShape, l
     main = 1
     works = [op_work(op.name, block_context(shape, layout, outline, main)) for op in outline.blocks[main]]
     link = _Link(link_gbps, _unshaped_bps(table, works, layout), layout.dims.world)
-    blocks, shaped, unshaped = [], 0.0, 0.0
+    blocks, shaped, count = [], 0.0, 0
     for b, ops in enumerate(outline.blocks):
         ctx = block_context(shape, layout, outline, b)
         fwd, bwd = _block_ms(table, outline, b)
@@ -157,15 +153,15 @@ def table_times(table: OverlapTable, outline: ModelOutline, shape: ModelShape, l
             if work.comm is not None:
                 c, n = work.comm, _group_size(layout, work.comm.group)
                 f2, b2 = link.op_ms(f_ms, c.fwd, n, c.nbytes), link.op_ms(b_ms, c.bwd, n, c.nbytes)
-                shaped, unshaped = shaped + f2 + b2, unshaped + f_ms + b_ms
+                shaped, count = shaped + f2 + b2, count + 2
                 row.append(OpTime(op.name, True, f2, b2, group=c.group, link="lo"))
             else:
                 share = _wgrad_share(work) if op.linear else 0.0
                 row.append(OpTime(op.name, False, f_ms, b_ms * (1 - share), b_ms * share, linear=op.linear))
         blocks.append(tuple(row))
-    share = pair_slowdown_share(table)
-    q = share * (unshaped / shaped if shaped else 1.0)
-    notes = {"pair_slowdown_share": share, "slowdown": q / (1 - q), "unshaped_link_gbps": link.unshaped_bps * 8 / 1e9,
+    per = comm_cpu_per_collective(table)
+    q = min(per * count / shaped, 0.9) if shaped else 0.0
+    notes = {"comm_cpu_ms_per_collective": per, "slowdown": q / (1 - q), "unshaped_link_gbps": link.unshaped_bps * 8 / 1e9,
              "cpu_stream_gbs": CPU_STREAM_GBS}
     return StepTimes(tuple(blocks), cpu_tail(shape, outline, layout, link), 0.0, q / (1 - q), reacts=True, notes=notes)
 

@@ -111,6 +111,18 @@ class LayerProbe:
         ex.run_round(ex.tasks(b, blk, True, bseg[1], self.n), ex.tasks(f, blk, False, fseg[1], self.n))
         return t1 - t0
 
+    def comm_cpu(self, fseg, bseg) -> float:
+        """Seconds of CPU the process spent beside this thread while one round ran (a COMM op
+        alone: what gloo's threads and the kernel's TCP work took from the cores)."""
+        ex, blk = self.executor, self.block
+        f, b = self._strands()
+        ex.run_round(ex.tasks(b, blk, True, 0, bseg[0]), ex.tasks(f, blk, False, 0, fseg[0]))
+        cpu0, main0 = time.process_time(), time.thread_time()
+        ex.run_round(ex.tasks(b, blk, True, *bseg), ex.tasks(f, blk, False, *fseg))
+        other = (time.process_time() - cpu0) - (time.thread_time() - main0)
+        ex.run_round(ex.tasks(b, blk, True, bseg[1], self.n), ex.tasks(f, blk, False, fseg[1], self.n))
+        return max(other, 0.0)
+
     def time_end_blocks(self) -> dict:
         """Seconds of each op of the first and last blocks (embedding; norm, head, loss), forward
         and backward, each alone, within one whole micro-batch's forward and backward (the layers
@@ -220,6 +232,7 @@ def profile_layer(graph, batch: dict, meta: dict, params=(), warmup: int = 2, re
     table = samples.table() if noisy_runs else table
     table, refined = _refine_plan(samples, table, repeats, show)
     table.block_ops = time_block_ops(samples.probe, warmup, repeats)
+    table.comm_cpu_ms = time_comm_cpu(samples.probe, fwd, bwd, warmup, repeats)
     for p in params:
         p.grad = None  # profiling must leave no gradients behind
     table.info = {"warmup": warmup, "repeats": repeats, "entries": len(jobs), "timed_runs": samples.timed,
@@ -243,6 +256,22 @@ def time_block_ops(probe: LayerProbe, warmup: int, repeats: int) -> dict:
         block = graph.blocks[0 if key == "pre" else nb - 1]
         entry = out.setdefault(key, {"ops": [op.name for op in block]})
         entry["bwd_ms" if d else "fwd_ms"], reduced = reduced[:n], reduced[n:]
+    return out
+
+
+def time_comm_cpu(probe: LayerProbe, fwd, bwd, warmup: int, repeats: int) -> dict:
+    """Each COMM op's CPU time beside the main thread, alone (``LayerProbe.comm_cpu``): medians of
+    ``repeats`` runs after ``warmup``, max over ranks, as ``OverlapTable.comm_cpu_ms``."""
+    keys = [((i, i + 1), EMPTY) for i, op in enumerate(fwd) if op.is_comm]
+    keys += [(EMPTY, (j, j + 1)) for j, op in enumerate(bwd) if op.is_comm]
+    for key in keys:
+        for _ in range(warmup):
+            probe.comm_cpu(*key)
+    medians = world_max([statistics.median(probe.comm_cpu(*key) for _ in range(repeats)) * 1e3 for key in keys])
+    out = {"fwd": [None] * len(fwd), "bwd": [None] * len(bwd)}
+    for (fseg, bseg), ms in zip(keys, medians):
+        direction, seg = ("fwd", fseg) if bseg == EMPTY else ("bwd", bseg)
+        out[direction][seg[0]] = ms
     return out
 
 
