@@ -6,12 +6,12 @@ them: compute ops with their measured duration (a backward op's deferred weight 
 ``<op>.wgrad`` span, rides along as free-floating work) and collectives with their *wire time*: for
 each collective op and direction, the median over the trace of completion minus the later of the
 two ranks' launches, over instances no other collective overlapped (or the shortest instance, when
-none ran alone). The re-timing then runs both
-chains the way the reactive executor does (``executor._Round``; keep the two in step): a
-collective starts the moment its strand reaches it; the one compute unit takes the strand with the
-fewest compute ops before its next collective (ties: backward), deferred weight gradients when more
-than ``max_deferred`` wait or when neither strand can compute; the forward strand stays within the
-backward strand's block depth; the link is shared evenly by the collectives in flight.
+none ran alone). The re-timing then runs both chains the way the reactive executor does
+(``ds_dhelix.predict.retime``, which ``dhelix predict`` uses too): a collective starts the moment
+its strand reaches it; the one compute unit takes the strand with the fewest compute ops before its
+next collective (ties: backward), deferred weight gradients when more than ``max_deferred`` wait or
+when neither strand can compute; the forward strand stays within the backward strand's block depth;
+the link is shared evenly by the collectives in flight.
 
     measured   the pair as traced (first span to last)
     retime     the same ops and order rule with no rank skew and no launch cost
@@ -27,174 +27,11 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
 
 from ds_dhelix.bench.tracing import lane_names, split_steps
+from ds_dhelix.predict.retime import ChainOp, PairRetime, retime_pair, search_pair
 
-
-@dataclass(frozen=True)
-class ChainOp:
-    """One entry of a strand's chain: ``comm`` (a collective of ``ms`` wire time) or compute of
-    ``ms``, plus ``deferred_ms`` of weight-gradient work it leaves for later; ``depth``: the block
-    depth of the pair it belongs to (forward block j and backward block L+1-j share depth j)."""
-
-    name: str
-    comm: bool
-    ms: float
-    deferred_ms: float = 0.0
-    depth: int = 0
-
-
-@dataclass(frozen=True)
-class PairRetime:
-    makespan_ms: float
-    compute_ms: float  # sum of compute (incl. deferred weight gradients)
-    wire_ms: float  # sum of the collectives' wire time
-
-    @property
-    def bound_ms(self) -> float:
-        return max(self.compute_ms, self.wire_ms)
-
-
-class _Pair:
-    """Two strands' chains on one compute unit and one evenly shared link, advanced decision by
-    decision. A decision is what the compute unit does next: ``("op", s)`` the next compute op of
-    strand s (0: backward), ``("wgrad",)`` the oldest deferred weight gradient, ``("wait",)``
-    nothing until a collective completes. Collectives start when their strand reaches them, at the
-    next decision."""
-
-    def __init__(self, backward, forward, max_deferred: int):
-        self.chains, self.max_deferred = (list(backward), list(forward)), max_deferred
-        self.t, self.pos = 0.0, [0, 0]
-        self.wire: dict[int, list] = {}  # strand -> [wire ms left, depth] of its collective in flight
-        self.deferred: list[tuple[float, int]] = []  # (ms, depth), oldest first
-
-    def copy(self) -> "_Pair":
-        c = object.__new__(_Pair)
-        c.chains, c.max_deferred, c.t, c.pos = self.chains, self.max_deferred, self.t, list(self.pos)
-        c.wire, c.deferred = {s: list(v) for s, v in self.wire.items()}, list(self.deferred)
-        return c
-
-    def key(self) -> tuple:
-        """What the search tells states apart by. The deferred queue needs only its length: only the
-        backward strand defers, in chain order, so positions and count fix its contents."""
-        return (*self.pos, len(self.deferred), *sorted((s, round(v[0], 3)) for s, v in self.wire.items()))
-
-    @property
-    def done(self) -> bool:
-        return not (self._left(0) or self._left(1) or self.wire or self.deferred)
-
-    def _left(self, s: int) -> bool:
-        return self.pos[s] < len(self.chains[s])
-
-    def _head(self, s: int) -> ChainOp:
-        return self.chains[s][self.pos[s]]
-
-    def may_go(self, s: int) -> bool:
-        """The executor's rule: a strand goes on when its collective has completed; the forward
-        strand not past the backward strand's block depth, nor while a weight gradient of an earlier
-        depth waits (``executor._Round``, gated)."""
-        if s in self.wire or not self._left(s):
-            return False
-        if s == 0:
-            return True
-        f_depth = self._head(1).depth
-        if self.deferred and self.deferred[0][1] < f_depth:
-            return False
-        if not (self._left(0) or 0 in self.wire):
-            return True
-        return f_depth <= (self.wire[0][1] if 0 in self.wire else self._head(0).depth)
-
-    def launch(self) -> None:
-        for s in (0, 1):
-            if self.may_go(s) and self._head(s).comm:
-                self.wire[s] = [self._head(s).ms, self._head(s).depth]
-                self.pos[s] += 1
-
-    def options(self) -> list[tuple]:
-        self.launch()
-        if len(self.deferred) > self.max_deferred:
-            return [("wgrad",)]
-        out = [("op", s) for s in (0, 1) if self.may_go(s)]
-        if self.deferred:
-            out.append(("wgrad",))
-        if not (out or self.wire):
-            raise ValueError(f"pair re-timing stuck at {self.pos}: no strand may go and nothing in flight")
-        return out or [("wait",)]
-
-    def until_comm(self, s: int) -> int:
-        chain = self.chains[s]
-        return next((i - self.pos[s] for i in range(self.pos[s], len(chain)) if chain[i].comm),
-                    len(chain) - self.pos[s])
-
-    def apply(self, choice: tuple) -> None:
-        work = None
-        if choice[0] == "op":
-            op = self._head(choice[1])
-            self.pos[choice[1]] += 1
-            if op.deferred_ms > 0:
-                self.deferred.append((op.deferred_ms, op.depth))
-            work = op.ms
-        elif choice[0] == "wgrad":
-            work = self.deferred.pop(0)[0]
-        end = None if work is None else self.t + work
-        while True:  # advance to the end of the work, or (none) to the next completed collective
-            share = len(self.wire)
-            to_next = min(v[0] for v in self.wire.values()) * share if share else None
-            dt = to_next if end is None else (end - self.t if to_next is None else min(to_next, end - self.t))
-            if dt is None:
-                break
-            for v in self.wire.values():
-                v[0] -= dt / share
-            self.t += dt
-            finished = [s for s, v in self.wire.items() if v[0] <= 1e-9]
-            for s in finished:
-                del self.wire[s]
-            if (end is not None and self.t >= end - 1e-9) or (end is None and finished):
-                break
-
-    def result(self) -> PairRetime:
-        chains = self.chains[0] + self.chains[1]
-        return PairRetime(self.t, sum(st.ms + st.deferred_ms for st in chains if not st.comm),
-                          sum(st.ms for st in chains if st.comm))
-
-
-def retime_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2) -> PairRetime:
-    """Run two strands' chains (strand 0: ``backward``, wins ties) under the executor's order rule:
-    deferred weight gradients first when more than ``max_deferred`` wait, else the compute op of
-    the strand with the fewest compute ops before its next collective, else a deferred weight
-    gradient, else wait. Pure function of its inputs."""
-    pair = _Pair(backward, forward, max_deferred)
-    while not pair.done:
-        opts = pair.options()
-        ops = [o for o in opts if o[0] == "op"]
-        pair.apply(min(ops, key=lambda o: (pair.until_comm(o[1]), o[1])) if ops else opts[0])
-    return pair.result()
-
-
-def search_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2,
-                width: int = 1000) -> PairRetime:
-    """The shortest makespan a beam search over the compute unit's decisions finds for the same
-    chains, machine and constraints as ``retime_pair`` (any work-conserving order, not just the
-    executor's rule): how much a better order could gain. Keeps the ``width`` earliest states per
-    number of decisions (one per queue position, deferred count and collectives in flight); the
-    rule's own order stays a candidate, so the result is never worse than ``retime_pair``'s."""
-    frontier, best = [_Pair(backward, forward, max_deferred)], None
-    while frontier:
-        states: dict = {}
-        for pair in frontier:
-            if pair.done:
-                best = pair if best is None or pair.t < best.t else best
-                continue
-            for choice in pair.options():
-                nxt = pair.copy()
-                nxt.apply(choice)
-                k = nxt.key()
-                if k not in states or states[k].t > nxt.t:
-                    states[k] = nxt
-        frontier = sorted(states.values(), key=lambda p: p.t)[:width]
-    rule = retime_pair(backward, forward, max_deferred)
-    return rule if rule.makespan_ms <= best.t else best.result()
+__all__ = ["ChainOp", "PairRetime", "pair_chains", "retime_pair", "retime_trace", "search_pair", "wire_times"]
 
 
 def _spans(trace: dict):

@@ -9,7 +9,7 @@ import os
 import sys
 
 # Subcommand modules, in the order `dhelix --help` lists them.
-COMMANDS = ("parity", "profile", "plan", "validate_plan", "simulate", "bench", "trace")
+COMMANDS = ("parity", "profile", "plan", "validate_plan", "simulate", "bench", "trace", "predict")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,13 +29,19 @@ go to ``<out>/gpu_checks.json``.
    longer matmul chain ~0; the host wait is ~0 in both (what host timers would report).
 7. ``connections`` (CUDA only): ``CUDA_DEVICE_MAX_CONNECTIONS`` and the warning the engines give
    when it serializes kernels.
-8. ``tutel_kernels`` (where tutel imports): ``dhelix.moe.kernels`` torch against tutel on the device,
+9. ``tutel_kernels`` (where tutel imports): ``dhelix.moe.kernels`` torch against tutel on the device,
    fp32 and bf16: the send buffer and combined rows equal or not, and the encode + decode forward +
    backward time of each (median).
-9. ``tutel_overlap`` (CUDA, where tutel imports): tutel's MoE layer on a one-rank NCCL world,
+10. ``tutel_overlap`` (CUDA, where tutel imports): tutel's MoE layer on a one-rank NCCL world,
    forward + backward time at ``a2a_ffn_overlap_degree`` 1, 2 and 4 (the bench's ``tutel``,
    ``tutel-overlap2``, ``tutel-overlap4``). One GPU means one EP rank: the all-to-all is a local
    copy, so these rows show what the chunking costs, not what it hides.
+8. ``roofline``: one Llama-shaped decoder layer with its embedding and head (bf16 on CUDA:
+   h 4096, MLP 14336, 32 heads / 8 kv heads, 2 x 2048 tokens; fp32 and tiny on CPU), op by op
+   through the op graph: measured forward and backward (input + weight gradient) times against
+   ``dhelix predict``'s roofline for the device's preset (``ds_dhelix.predict``; H200 / H100 / A800
+   / A40 by the device name, H100's numbers in a CPU dry run), and the GEMM efficiency each
+   projection reached (the preset assumes ``gemm_efficiency``).
 """
 from __future__ import annotations
 
@@ -209,8 +215,9 @@ def one_rank_world(device):
     from ds_dhelix.runtime.spawn import free_port
     started = not dist.is_initialized()
     if started:
+        index = device.index if device.index is not None else torch.cuda.current_device()
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                device_id=device)
+                                device_id=torch.device("cuda", index))  # torch 2.11 wants the index
     try:
         yield
     finally:
@@ -254,17 +261,6 @@ def check_device_events(device, size_mib: int = 512, reps: int = 40) -> dict:
                 "exposed_share_hidden": round(exposed_b / max(busy_b, 1e-9), 3)}
 
 
-def _median_ms(fn, device, reps: int) -> float:
-    times = []
-    for _ in range(reps + 1):  # the first is a warm-up
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return round(statistics.median(times[1:]) * 1e3, 3)
-
-
 def check_tutel_kernels(device, tokens: int = 8192, hidden: int = 2048, experts: int = 8, top_k: int = 2,
                         reps: int = 10) -> dict:
     """torch's and tutel's dispatch / combine kernels on the same routes (``ds_dhelix.moe.kernels``)."""
@@ -284,7 +280,7 @@ def check_tutel_kernels(device, tokens: int = 8192, hidden: int = 2048, experts:
                 y = k.decode(xs, weights, route)
                 y.backward(torch.ones_like(y))
                 return xs.detach(), y.detach()
-            runs[name] = step() + (_median_ms(step, device, reps),)
+            runs[name] = step() + (round(_timed_ms(step, device, reps), 3),)
         (xs_a, y_a, ms_a), (xs_b, y_b, ms_b) = runs["torch"], runs["tutel"]
         out[str(dtype).removeprefix("torch.")] = {
             "buffer_equal": torch.equal(xs_a, xs_b), "combined_equal": torch.equal(y_a, y_b),
@@ -306,8 +302,93 @@ def check_tutel_overlap(device, tokens: int = 16384, hidden: int = 2048, ffn: in
         for degree in (1, 2, 4):
             def step(degree=degree):
                 layer(x, a2a_ffn_overlap_degree=degree).float().sum().backward()
-            out[f"overlap{degree}_ms"] = _median_ms(step, device, reps)
+            out[f"overlap{degree}_ms"] = round(_timed_ms(step, device, reps), 3)
     return {"tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts, "ranks": 1, **out}
+
+
+ROOFLINE_SHAPES = {"cuda": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                 num_key_value_heads=8, vocab_size=32000, batch=2, seq=2048),
+                   "cpu": dict(hidden_size=128, intermediate_size=352, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=2048, batch=2, seq=64)}
+
+
+def _timed_ms(fn, device, reps: int = 5) -> float:
+    """Median ms of ``fn()`` (CUDA events on a GPU), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _op_times(graph, side: dict, device) -> dict:
+    """(block, op) -> (forward ms, backward ms: input and weight gradient) of every op, alone."""
+    env, out = {}, {}
+    for b, block in enumerate(graph.blocks):
+        for op in block:
+            args = [env[k] for k in op.inputs]
+            fwd = _timed_ms(lambda: op.fn(side, *args), device)
+            leaves = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
+
+            def backward():
+                outs = [o for o in op.fn(side, *leaves) if o.requires_grad]
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+            both = _timed_ms(backward, device)
+            with torch.no_grad():
+                env.update(zip(op.outputs, op.fn(side, *args)))
+            out[(b, op.name)] = (fwd, max(both - fwd, 0.0))
+    return out
+
+
+def check_roofline(device) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_dhelix.config.dims import ParallelDims
+    from ds_dhelix.predict.costs import block_context, kernel_ms
+    from ds_dhelix.predict.hardware import load_hardware
+    from ds_dhelix.predict.roofline import op_work
+    from ds_dhelix.predict.shapes import ModelOutline, OpLine, RunLayout, model_shape
+    sizes = dict(ROOFLINE_SHAPES[device.type])
+    batch, seq = sizes.pop("batch"), sizes.pop("seq")
+    config = AutoConfig.for_model("llama", num_hidden_layers=1, head_dim=sizes["hidden_size"] // sizes["num_attention_heads"],
+                                  max_position_embeddings=seq, **sizes)
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+                                             attn_implementation="sdpa").to(device)
+    graph = adapter_for(config).build_graph(model)
+    ids = torch.randint(3, config.vocab_size, (batch, seq), device=device)
+    measured = _op_times(graph, graph.make_side({"input_ids": ids, "labels": ids}), device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    preset = next((p for p in ("H200", "H100", "A800", "A40") if p in name), "H100")
+    hw, shape = load_hardware(preset), model_shape(config)
+    outline = ModelOutline(tuple(tuple(OpLine(o.name, o.is_comm, o.linear) for o in b) for b in graph.blocks), (None,))
+    layout = RunLayout(ParallelDims(1), seq, batch, 1, dtype)
+    ops, gemm_eff = {}, {}
+    for (b, op_name), (fwd, bwd) in measured.items():
+        work = op_work(op_name, block_context(shape, layout, outline, b))
+        pf = sum(kernel_ms(hw, k, dtype) for k in work.fwd)
+        pb = sum(kernel_ms(hw, k, dtype) for k in work.bwd + work.wgrad)
+        ops[op_name] = {"fwd_ms": round(fwd, 4), "fwd_pred_ms": round(pf, 4), "bwd_ms": round(bwd, 4),
+                        "bwd_pred_ms": round(pb, 4)}
+        flops = sum(k.flops for k in work.fwd if k.kind == "gemm")
+        if flops and op_name != "mlp.down":
+            gemm_eff[op_name] = round(flops / (fwd / 1e3) / hw.gpu.peak_flops(dtype), 3)
+    total = sum(v["fwd_ms"] + v["bwd_ms"] for v in ops.values())
+    pred = sum(v["fwd_pred_ms"] + v["bwd_pred_ms"] for v in ops.values())
+    return {"preset": preset, "dtype": dtype, "tokens": batch * seq, "ops": ops, "measured_ms": round(total, 3),
+            "predicted_ms": round(pred, 3), "measured_over_predicted": round(total / pred, 3),
+            "gemm_efficiency_reached": gemm_eff, "gemm_efficiency_assumed": hw.assumptions.gemm_efficiency}
 
 
 def main(argv=None) -> int:
@@ -345,6 +426,7 @@ def main(argv=None) -> int:
         report("device_events", lambda: check_device_events(device))
         report("connections", lambda: {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
                                        "warning": cuda_connections_warning(device)})
+    report("roofline", lambda: check_roofline(device))
     missing = tutel_missing()
     if missing:
         report("tutel_kernels", lambda: {"skipped": missing})

@@ -26,13 +26,21 @@ def test_profile_covers_every_candidate(table):
     assert all(ms > 0 for ms in table.pair_ms.values())
     plan = plan_dp(table)
     assert plan.predicted_ms > 0 and not plan.comm_conflicts()
+    # the embedding and head blocks are timed op by op too (dhelix predict --hardware cpu reads them)
+    assert table.block_ops["pre"]["ops"] == ["embed"]
+    assert table.block_ops["post"]["ops"] == ["head.norm", "head.logits", "head.loss"]
+    assert all(ms > 0 for b in table.block_ops.values() for ms in b["fwd_ms"] + b["bwd_ms"])
+    # and each collective's CPU time beside the main thread (None for compute ops)
+    for direction, ops in (("fwd", table.fwd_ops), ("bwd", table.bwd_ops)):
+        assert [ms is not None for ms in table.comm_cpu_ms[direction]] == [op.is_comm for op in ops]
 
 
 def test_table_round_trip_and_refusal(table, tmp_path):
     path = tmp_path / "t.json"
     table.save(str(path))
     again = OverlapTable.load(str(path))
-    assert again.pair_ms == table.pair_ms and again.meta == table.meta
+    assert again.pair_ms == table.pair_ms and again.meta == table.meta and again.block_ops == table.block_ops
+    assert again.comm_cpu_ms == table.comm_cpu_ms
     other = dict(table.meta, batch_shape=[8, 512])
     with pytest.raises(ValueError, match="batch_shape"):
         again.check_matches(other)

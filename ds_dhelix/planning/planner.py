@@ -43,7 +43,7 @@ from .plan import Round, SIPlan, default_plan, segment_has_comm
 Segment = tuple[int, int]  # half-open range of op indices
 
 TABLE_FORMAT = "dhelix.overlap_table"
-TABLE_VERSION = 2  # 2: entries carry spread_ms and samples (version 1 tables load with none)
+TABLE_VERSION = 3  # 2: entries carry spread_ms and samples; 3: the other blocks' op times (``block_ops``)
 REPROFILE_HINT = "re-profile (dhelix profile ...) or use planner.profile=off"
 EMPTY: Segment = (0, 0)
 """The absent side of an alone entry's key: ``(seg, EMPTY)`` forward alone, ``(EMPTY, seg)`` backward."""
@@ -98,6 +98,15 @@ class OverlapTable:
     """Runs each entry's median is taken over (same keys as ``spread_ms``)."""
     info: dict = field(default_factory=dict)
     """How the table was measured (repeats, re-measured entries, seconds); not compared."""
+    block_ops: dict = field(default_factory=dict)
+    """The embedding and head blocks' ops timed alone, one at a time (ms, median over runs):
+    ``{"pre" | "post": {"ops": [names], "fwd_ms": [...], "bwd_ms": [...]}}``, backward times in
+    forward op order. The planner does not use them; ``dhelix predict --hardware cpu`` does."""
+    comm_cpu_ms: dict = field(default_factory=dict)
+    """CPU time a collective costs beside the rank's compute thread (its process's CPU time
+    while the COMM op runs alone, less the main thread's; ms, median over runs):
+    ``{"fwd": [...], "bwd": [...]}`` along ``fwd_ops`` / ``bwd_ops``, None for compute ops. On a
+    CPU it is what the collective takes from the cores; ``dhelix predict --hardware cpu`` reads it."""
 
     def __post_init__(self):
         self.fwd_ops, self.bwd_ops = tuple(self.fwd_ops), tuple(self.bwd_ops)
@@ -184,12 +193,13 @@ class OverlapTable:
         return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "meta": self.meta, "info": self.info,
                 "fwd_ops": ops_to_json(self.fwd_ops), "bwd_ops": ops_to_json(self.bwd_ops),
                 "fwd_alone": alone(self.fwd_ops, self.fwd_alone_ms, lambda seg: (seg, EMPTY)),
-                "bwd_alone": alone(self.bwd_ops, self.bwd_alone_ms, lambda seg: (EMPTY, seg)), "pairs": pairs}
+                "bwd_alone": alone(self.bwd_ops, self.bwd_alone_ms, lambda seg: (EMPTY, seg)), "pairs": pairs,
+                "block_ops": self.block_ops, "comm_cpu_ms": self.comm_cpu_ms}
 
     @classmethod
     def from_dict(cls, data: dict) -> "OverlapTable":
         """Inverse of ``to_dict``; ValueError when op names disagree with the ranges."""
-        check_format(data, TABLE_FORMAT, (1, TABLE_VERSION), "overlap table")
+        check_format(data, TABLE_FORMAT, tuple(range(1, TABLE_VERSION + 1)), "overlap table")
         fwd_ops, bwd_ops = ops_from_json(data["fwd_ops"]), ops_from_json(data["bwd_ops"])
 
         def seg_of(entry, key, names_key, ops):
@@ -203,7 +213,9 @@ class OverlapTable:
         bwd = {seg_of(e, "seg", "ops", bwd_ops): float(e["ms"]) for e in data["bwd_alone"]}
         pairs = {(seg_of(e, "fwd", "fwd_ops", fwd_ops), seg_of(e, "bwd", "bwd_ops", bwd_ops)): float(e["ms"])
                  for e in data["pairs"]}
-        table = cls(dict(data.get("meta") or {}), fwd_ops, bwd_ops, fwd, bwd, pairs, info=dict(data.get("info") or {}))
+        table = cls(dict(data.get("meta") or {}), fwd_ops, bwd_ops, fwd, bwd, pairs, info=dict(data.get("info") or {}),
+                    block_ops=_block_ops(data.get("block_ops") or {}),
+                    comm_cpu_ms=_comm_cpu(data.get("comm_cpu_ms") or {}, len(fwd_ops)))
         keyed = [((parse_range(e["seg"]), EMPTY), e) for e in data["fwd_alone"]]
         keyed += [((EMPTY, parse_range(e["seg"])), e) for e in data["bwd_alone"]]
         keyed += [((parse_range(e["fwd"]), parse_range(e["bwd"])), e) for e in data["pairs"]]
@@ -225,6 +237,32 @@ class OverlapTable:
 
 
 _MISSING = object()
+
+
+def _comm_cpu(data: dict, n: int) -> dict:
+    """``comm_cpu_ms`` of a table file, checked: a value or None per op, each direction."""
+    if not data:
+        return {}
+    if set(data) != {"fwd", "bwd"} or any(len(data[d]) != n for d in data):
+        raise ValueError(f"table comm_cpu_ms: need 'fwd' and 'bwd' lists of {n} entries, got {data!r}")
+    for ms in data["fwd"] + data["bwd"]:
+        if ms is not None:
+            _check_ms(ms, "comm_cpu_ms")
+    return {d: [None if ms is None else float(ms) for ms in data[d]] for d in ("fwd", "bwd")}
+
+
+def _block_ops(data: dict) -> dict:
+    """``block_ops`` of a table file, checked: each block names its ops and one time per op and direction."""
+    out = {}
+    for name, entry in data.items():
+        ops, fwd, bwd = entry.get("ops"), entry.get("fwd_ms"), entry.get("bwd_ms")
+        if name not in ("pre", "post") or not ops or not (len(ops) == len(fwd or ()) == len(bwd or ())):
+            raise ValueError(f"table block_ops[{name!r}]: need 'pre'/'post' with ops, fwd_ms and bwd_ms of equal "
+                             f"length, got {entry!r}")
+        for ms in list(fwd) + list(bwd):
+            _check_ms(ms, f"block_ops[{name!r}]")
+        out[name] = {"ops": list(ops), "fwd_ms": [float(x) for x in fwd], "bwd_ms": [float(x) for x in bwd]}
+    return out
 
 
 def _check_segment(seg, cands: set, what: str) -> None:

@@ -111,6 +111,46 @@ class LayerProbe:
         ex.run_round(ex.tasks(b, blk, True, bseg[1], self.n), ex.tasks(f, blk, False, fseg[1], self.n))
         return t1 - t0
 
+    def comm_cpu(self, fseg, bseg) -> float:
+        """Seconds of CPU the process spent beside this thread while one round ran (a COMM op
+        alone: what gloo's threads and the kernel's TCP work took from the cores)."""
+        ex, blk = self.executor, self.block
+        f, b = self._strands()
+        ex.run_round(ex.tasks(b, blk, True, 0, bseg[0]), ex.tasks(f, blk, False, 0, fseg[0]))
+        cpu0, main0 = time.process_time(), time.thread_time()
+        ex.run_round(ex.tasks(b, blk, True, *bseg), ex.tasks(f, blk, False, *fseg))
+        other = (time.process_time() - cpu0) - (time.thread_time() - main0)
+        ex.run_round(ex.tasks(b, blk, True, bseg[1], self.n), ex.tasks(f, blk, False, fseg[1], self.n))
+        return max(other, 0.0)
+
+    def time_end_blocks(self) -> dict:
+        """Seconds of each op of the first and last blocks (embedding; norm, head, loss), forward
+        and backward, each alone, within one whole micro-batch's forward and backward (the layers
+        between run untimed): ``{"pre" | "post": (forward times, backward times in op order)}``."""
+        ex, nb = self.executor, len(self.graph.blocks)
+        mb = MicroBatch(2, self._own_side())
+        ends = {0: ([], []), nb - 1: ([], [])}
+        for b in range(nb):
+            self._run_block(mb, b, False, ends[b][0] if b in ends else None)
+        ex.start_backward(mb, 1.0)
+        for b in reversed(range(nb)):
+            self._run_block(mb, b, True, ends[b][1] if b in ends else None)
+        return {"pre": ends[0], "post": ends[nb - 1]}
+
+    def _run_block(self, mb: MicroBatch, b: int, backward: bool, times: list | None) -> None:
+        """Block ``b`` of ``mb`` in one direction; with ``times``, op by op, each op's seconds appended."""
+        ex = self.executor
+        if times is None:
+            ex.run_round(*((ex.tasks(mb, b, True), []) if backward else ([], ex.tasks(mb, b, False))))
+            return
+        for i in range(len(self.graph.blocks[b])):
+            tasks = ex.tasks(mb, b, backward, i, i + 1)
+            t0 = time.perf_counter()
+            ex.run_round(*((tasks, []) if backward else ([], tasks)))
+            times.append(time.perf_counter() - t0)
+        if backward:
+            times.reverse()  # backward positions -> forward op order
+
     def time_plan(self, plan) -> float:
         """Seconds of a whole layer pair run by ``plan`` (the makespan the planner predicts)."""
         ex, blk = self.executor, self.block
@@ -191,6 +231,8 @@ def profile_layer(graph, batch: dict, meta: dict, params=(), warmup: int = 2, re
     noisy_runs = _remeasure_noisy(samples, table, repeats, first_s * NOISE_BUDGET, show)
     table = samples.table() if noisy_runs else table
     table, refined = _refine_plan(samples, table, repeats, show)
+    table.block_ops = time_block_ops(samples.probe, warmup, repeats)
+    table.comm_cpu_ms = time_comm_cpu(samples.probe, fwd, bwd, warmup, repeats)
     for p in params:
         p.grad = None  # profiling must leave no gradients behind
     table.info = {"warmup": warmup, "repeats": repeats, "entries": len(jobs), "timed_runs": samples.timed,
@@ -198,6 +240,39 @@ def profile_layer(graph, batch: dict, meta: dict, params=(), warmup: int = 2, re
                   "noise_target": NOISE_TARGET, "first_pass_s": round(first_s, 2),
                   "seconds": round(time.perf_counter() - t0, 2)}
     return table
+
+
+def time_block_ops(probe: LayerProbe, warmup: int, repeats: int) -> dict:
+    """The embedding and head blocks' ops timed alone (``LayerProbe.time_end_blocks``): medians of
+    ``repeats`` runs after ``warmup``, max over ranks, as ``OverlapTable.block_ops``."""
+    for _ in range(warmup):
+        probe.time_end_blocks()
+    runs = [probe.time_end_blocks() for _ in range(repeats)]
+    graph, nb = probe.graph, len(probe.graph.blocks)
+    layout = [(key, d, len(graph.blocks[b])) for key, b in (("pre", 0), ("post", nb - 1)) for d in (0, 1)]
+    medians = [statistics.median(run[key][d][i] for run in runs) * 1e3 for key, d, n in layout for i in range(n)]
+    reduced, out = world_max(medians), {}
+    for key, d, n in layout:
+        block = graph.blocks[0 if key == "pre" else nb - 1]
+        entry = out.setdefault(key, {"ops": [op.name for op in block]})
+        entry["bwd_ms" if d else "fwd_ms"], reduced = reduced[:n], reduced[n:]
+    return out
+
+
+def time_comm_cpu(probe: LayerProbe, fwd, bwd, warmup: int, repeats: int) -> dict:
+    """Each COMM op's CPU time beside the main thread, alone (``LayerProbe.comm_cpu``): medians of
+    ``repeats`` runs after ``warmup``, max over ranks, as ``OverlapTable.comm_cpu_ms``."""
+    keys = [((i, i + 1), EMPTY) for i, op in enumerate(fwd) if op.is_comm]
+    keys += [(EMPTY, (j, j + 1)) for j, op in enumerate(bwd) if op.is_comm]
+    for key in keys:
+        for _ in range(warmup):
+            probe.comm_cpu(*key)
+    medians = world_max([statistics.median(probe.comm_cpu(*key) for _ in range(repeats)) * 1e3 for key in keys])
+    out = {"fwd": [None] * len(fwd), "bwd": [None] * len(bwd)}
+    for (fseg, bseg), ms in zip(keys, medians):
+        direction, seg = ("fwd", fseg) if bseg == EMPTY else ("bwd", bseg)
+        out[direction][seg[0]] = ms
+    return out
 
 
 def _noisy(table: OverlapTable, keys) -> list:
