@@ -297,7 +297,8 @@ def check_tutel_overlap(device, tokens: int = 16384, hidden: int = 2048, ffn: in
     out = {}
     with one_rank_world(device):
         layer = tutel_moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": 1.0},
-                                    experts={"type": "ffn", "count_per_node": experts, "hidden_size_per_expert": ffn},
+                                    experts={"type": "ffn", "count_per_node": experts, "hidden_size_per_expert": ffn,
+                                             "activation_fn": torch.nn.functional.silu},  # (its default names F unimported)
                                     model_dim=hidden).to(device, torch.bfloat16)
         for degree in (1, 2, 4):
             def step(degree=degree):
