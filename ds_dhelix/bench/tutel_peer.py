@@ -9,8 +9,8 @@
                     this on CUDA only; on CPU the rows carry that reason
 
 What tutel's gate can express: softmax over the router logits, the top-k, renormalised or not
-(``normalize_gate``), so Mixtral, Qwen3-MoE, Qwen2-MoE (+ its sigmoid-gated shared expert) and
-OLMoE route exactly as in HF; the other routers (Phi-MoE's sparsemixer, DeepSeek-V3 / GLM-4.5's
+(``normalize_gate``), so Mixtral, Qwen3-MoE, Qwen2-MoE and Qwen3.5-MoE (+ their sigmoid-gated
+shared expert) and OLMoE route exactly as in HF; the other routers (Phi-MoE's sparsemixer, DeepSeek-V3 / GLM-4.5's
 grouped sigmoid, gpt-oss's biased experts) are not expressible and their rows say so. The router
 module is HF's own (called for its logits), so HF's load-balancing loss sees the same logits and
 the objective is the model's. Tutel's capacity is dropless (``capacity_factor`` 0: every expert's
@@ -34,7 +34,7 @@ the same; tutel runs each rank's experts as one batched GEMM over padded buffers
 its own kernel, so the loss differs by summation order: far below 1e-5 for these losses (~8), while a
 routing or weight mistake moves it by more than 1e-3."""
 
-FAMILIES = {"mixtral": True, "qwen3_moe": None, "qwen2_moe": None, "olmoe": None}
+FAMILIES = {"mixtral": True, "qwen3_moe": None, "qwen2_moe": None, "olmoe": None, "qwen3_5_moe_text": True}
 """model_type -> renormalise the top-k weights (None: the config's ``norm_topk_prob``)."""
 
 
@@ -87,7 +87,7 @@ class TutelExperts(nn.Module):
 
 
 class TutelBlock(nn.Module):
-    """An HF sparse MoE block as tutel's MoE layer (+ Qwen2-MoE's gated shared expert)."""
+    """An HF sparse MoE block as tutel's MoE layer (+ Qwen2-MoE's / Qwen3.5-MoE's gated shared expert)."""
 
     def __init__(self, block: nn.Module, config, group, rank: int, ep: int, degree: int):
         from tutel import moe as tutel_moe
