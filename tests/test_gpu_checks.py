@@ -15,7 +15,8 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
                "--seq-len", "32", "--out", str(tmp_path)])
     rows = {r["check"]: r for r in json.loads((tmp_path / "gpu_checks.json").read_text())}
     assert rc == 0, rows
-    assert list(rows) == ["env", "parity", "step_time", "profiler", "roofline"]  # stream_overlap needs CUDA
+    # stream_overlap, device_events, connections and tutel_overlap need CUDA
+    assert list(rows) == ["env", "parity", "step_time", "profiler", "roofline", "tutel_kernels"]
     assert rows["parity"]["si"]["bitwise"] and rows["parity"]["si-ends"]["bitwise"]
     assert rows["step_time"]["hf_ms"] > 0 and rows["step_time"]["si_ms"] > 0
     assert rows["profiler"]["spans"] > 0 and rows["profiler"]["missing_ranges"] == []
@@ -24,8 +25,11 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
     assert set(roofline["ops"]) >= {"embed", "attn.qkv", "attn.core", "mlp.up", "mlp.down", "head.loss"}
     assert all(v["fwd_ms"] > 0 and v["fwd_pred_ms"] >= 0 for v in roofline["ops"].values())
     assert roofline["predicted_ms"] > 0 and roofline["measured_ms"] > 0
+    tutel = rows["tutel_kernels"]  # torch's and tutel's dispatch / combine on the same routes (or why not)
+    assert tutel["ok"] and (tutel.get("skipped") or (tutel["float32"]["buffer_equal"] and
+                                                     tutel["float32"]["combined_equal"]))
     lines = [l for l in capsys.readouterr().out.strip().splitlines() if l.startswith("{")]
-    assert len(lines) == 5  # one JSON line per check
+    assert len(lines) == 6  # one JSON line per check
 
 
 def test_cuda_connections_warning_names_the_setting():
