@@ -36,8 +36,8 @@ def why_not(mode: str, layout: RunLayout, half_times: bool = True) -> str | None
     if mode == "intra" and layout.micro_batch_size < 2:
         return "intra cuts each micro-batch in two along the batch: it needs --micro-batch-size >= 2"
     if mode == "intra" and not half_times:
-        return (f"intra runs half micro-batches ({layout.micro_batch_size // 2} sequences); the overlap table "
-                f"holds op times at {layout.micro_batch_size}: profile a table at the half size")
+        return (f"intra runs half micro-batches ({layout.micro_batch_size // 2} sequences) and the overlap table "
+                f"holds op times at {layout.micro_batch_size} only: not projected with --hardware cpu")
     if mode == "si-ends" and m < 2:
         return "si-ends pairs the first two forwards: it needs --micro-batches >= 2"
     if p > 1 and mode in SCHEDULES:
