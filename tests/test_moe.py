@@ -517,3 +517,14 @@ def test_dense_layers_follow_hfs_rule():
     config.mlp_only_layers = [7]
     with pytest.raises(ValueError, match=r"mlp_only_layers \[7\] are not layers"):
         check_layers(config, "Qwen3-MoE")
+
+
+def test_parity_result_says_why_hf_may_differ_in_capacity_mode():
+    """HF's MoE blocks are dropless: a parity run in capacity mode carries the note saying when
+    hf_close can hold; a dropless one carries none."""
+    from ds_dhelix.engine.parity import CAPACITY_NOTE, ParityOptions, _result_note
+    capacity = ParityOptions(model="tiny-mixtral", tp=1, dp=2,
+                             extra={"expert_parallel": {"size": 2, "capacity_factor": 1.25}})
+    dropless = ParityOptions(model="tiny-mixtral", tp=1, dp=2, extra={"expert_parallel": {"size": 2}})
+    assert _result_note(capacity) == CAPACITY_NOTE and "dropless" in CAPACITY_NOTE
+    assert _result_note(dropless) == ""

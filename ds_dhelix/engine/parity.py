@@ -34,6 +34,10 @@ DTYPES = ("fp32", "bf16", "fp16")
 # gradient over the hidden size in tutel's own order, which moves the router's gradients (and what
 # flows back from them) by rounding of a sum of ``hidden`` terms: held within 1e-6 x max |g|.
 KERNELS_GRAD_TOLERANCE = 1e-6
+# HF's MoE blocks are dropless: with a capacity factor that drops copies the model differs from
+# HF's by design, so only SI = sequential (and the kernels' agreement) can hold then.
+CAPACITY_NOTE = ("capacity mode: Hugging Face's model is dropless, so hf_close holds only when no copy is "
+                 "dropped (a capacity factor large enough for the busiest expert)")
 
 # The intra schedule sums each weight gradient as two halves' sums (and each loss as two halves'),
 # so it is not bitwise equal to sequential: its first-step gradients and every step's loss are held
@@ -242,7 +246,7 @@ def train_hf(opts: ParityOptions, batches) -> dict:
 
 def _rank_main(rank, world, opts: ParityOptions):
     from hf_models.registry import load_config
-    note = _precision_note(opts)
+    note = _result_note(opts)
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     seq = train_schedule(opts, "sequential", batches)
     other = train_schedule(opts, opts.schedule, batches) if opts.schedule != "sequential" else seq
@@ -337,13 +341,16 @@ def _hf_cannot_take_the_mask(opts: ParityOptions) -> bool:
     return opts.packing == "docs" and num_experts(load_config(opts.model)) > 0
 
 
-def _precision_note(opts: ParityOptions) -> str:
+def _result_note(opts: ParityOptions) -> str:
     """fp16 on a CPU without DeepSpeed's fp16 support: override the capability check (torch computes
-    fp16 on CPU) and say so in the result."""
-    if opts.dtype != "fp16":
-        return ""
-    from .precision import force_fp16_capability
-    return force_fp16_capability()
+    fp16 on CPU) and say so in the result. Capacity mode: say why HF may differ."""
+    notes = []
+    if opts.extra.get("expert_parallel", {}).get("capacity_factor") is not None:
+        notes.append(CAPACITY_NOTE)
+    if opts.dtype == "fp16":
+        from .precision import force_fp16_capability
+        notes.append(force_fp16_capability())
+    return "; ".join(notes)
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -497,13 +504,13 @@ def train_pipeline(opts: ParityOptions, schedule: str, batches) -> dict | None:
 
 def _rank_pipeline(rank, world, opts: ParityOptions):
     from hf_models.registry import load_config
-    _precision_note(opts)
+    _result_note(opts)
     return train_pipeline(opts, opts.schedule, make_batches(opts, load_config(opts.model).vocab_size))
 
 
 def _rank_reference(rank, world, opts: ParityOptions):
     from hf_models.registry import load_config
-    note = _precision_note(opts)
+    note = _result_note(opts)
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     seq = train_schedule(opts, "sequential", batches)
     hf = None
