@@ -266,6 +266,8 @@ class RingPass(SeqAllGather):
     gradient goes the other way, back to the rank the tensor came from."""
 
     lane = "comm:cp"  # trace lane
+    # gloo's send / receive works say they are complete only once waited for: never polled
+    reports_completion = False
 
     def forward(self, x, side, channel: int = 0) -> Pending:
         return ring_exchange(x, self.groups.channel(channel), self.world, +1)

@@ -39,7 +39,8 @@ A pair F(k+1)(x)B(k) runs in one of two ways:
   completed may go on at once (forward and backward collectives go to separate channels of
   ``comm.StrandGroups``, so this timing-dependent interleaving still issues every group's
   collectives in the same order on every rank); the executor waits only when neither strand can
-  compute. The backward strand's ops that the adapter marks ``linear`` (linear on the way to
+  compute, and then for whichever strand's collective completes first (ranks may let the forward
+  strand go at different times; waiting on one would tie the other strand to its peers). The backward strand's ops that the adapter marks ``linear`` (linear on the way to
   their weights: ``attn.qkv``, ``attn.out``, ``mlp.up``, ``mlp.down``, ``head.logits``,
   ``moe.experts.up`` / ``.down``) compute their input gradient first and leave their weight
   gradient for later, so the strand reaches its next collective sooner; the deferred weight
@@ -48,7 +49,7 @@ A pair F(k+1)(x)B(k) runs in one of two ways:
   strand has finished depth j-1 (and its deferred weight gradients), so it never saves
   activations ahead of those the backward strand frees, and it saves an op's tensors only while
   the live activation bytes stay within one micro-batch's whole forward plus
-  ``ACTIVATION_SLACK`` (layers of different sizes, e.g. a dense layer among MoE ones)::
+  ``ACTIVATION_SLACK`` (reacting to completions only; layers of different sizes, e.g. a dense layer among MoE ones)::
 
       comm lane:     [F: attn.ag ........]   [B: mlp.ag(grad) ...]     [F: attn.rs ..]
       compute lane:  [B: mlp.down dX][B: mlp.up]  [F: qkv][F: core][F: out] [B: mlp.down dW]
@@ -73,7 +74,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from .comm import CollectiveError, Pending, is_comm_failure
 from ..graph.model_graph import ModelGraph, Op
@@ -334,28 +334,30 @@ class _Round:
         self.ex.finish_comm(task, p)
 
     def wait_first(self) -> None:
-        """Wait for a collective in flight: the oldest, as every rank issues them, unless both
-        strands have one in flight on groups of different ranks (TP and CP, TP and EP) while
-        reacting to completions: then whichever completes first, polled. Blocking there on one
-        strand's collective would tie the other strand's progress to the first one's peers, and
-        four ranks can each wait on one another's other strand: a cycle. (Over the same ranks the
-        oldest is kept: the backward strand then frees activations before the forward strand goes on.)"""
-        if not self.ex.reacts_to_completions or len(self.order) == 1 or not self._groups_differ():
+        """Wait for a collective in flight: the oldest when only one strand has one (or pairs do not
+        react to completions); when both strands have one in flight while reacting to completions,
+        whichever completes first, polled. Blocking on one strand's collective would tie the other
+        strand's progress to the first one's peers: ranks decide when the forward strand may go by
+        their own progress and live bytes (``_gate_open``), so one rank can have launched a forward
+        collective its peer holds back until its backward strand frees activations, while that
+        backward strand waits for the first rank's next backward collective: a cycle (two ranks
+        over the same group; four ranks over TP and CP, TP and EP groups). Works that say they are
+        complete only once waited for (ring attention's send / receive on gloo: ``Executor.polls``)
+        are not polled; with only those in flight the oldest is waited for, and such graphs keep
+        the block-depth gate alone (``within_budget``)."""
+        polled = [s for s in self.order if self.ex.polls(self.pending[s][0].op)]
+        if not self.ex.reacts_to_completions or len(self.order) == 1 or not polled:
             self.finish(self.order[0])
             return
         t0 = time.perf_counter()
         while True:
-            for s in self.order:
+            for s in polled:
                 pending = self.pending[s][1]
                 if pending.work is None or pending.work.is_completed():
                     pending.waited_s += time.perf_counter() - t0  # polled: exposed like a blocking wait
                     self.finish(s)
                     return
             time.sleep(POLL_S)
-
-    def _groups_differ(self) -> bool:
-        a, b = (self.ex.comm_members(self.pending[s][0]) for s in self.order)
-        return a != b
 
     def note_completions(self) -> None:
         """Stamp the time a collective is first seen complete (its comm time ends there)."""
@@ -409,12 +411,13 @@ class Executor:
         self._deferred: deque = deque()  # (task, outputs, grads, op weights), oldest first
         self._deferred_params: dict[int, int] = {}  # id(param) -> deferred passes touching it
         self._op_weights: dict = {}  # (block, op index) -> _OpWeights, from the op's first forward
-        self._members: dict = {}  # id(process group) -> its global ranks (``comm_members``)
         # react to completed collectives at once when every COMM op keeps forward and backward
         # collectives on separate groups (timing may then reorder the two strands' launches);
         # never on CUDA, where the host's view of completion lags the device (``_cuda``)
         self._reacts = self.reactive and all(
             getattr(op.comm, "strand_safe", False) for block in graph.blocks for op in block if op.is_comm)
+        # every COMM op's in-flight work says when it is complete (``within_budget``, ``polls``)
+        self._all_poll = all(self.polls(op) for block in graph.blocks for op in block if op.is_comm)
         self._cuda = False  # set by the first collective launched on a CUDA tensor
         self._device_events: list = []  # this step's ``comm.DeviceEvents`` (CUDA)
         self._op_bytes: dict = {}  # (block, op index) -> bytes its forward saves (the meter's, largest seen)
@@ -423,24 +426,6 @@ class Executor:
     @property
     def reacts_to_completions(self) -> bool:
         return self._reacts and not self._cuda
-
-    def comm_members(self, t: Task) -> frozenset | None:
-        """The global ranks of the group ``t``'s collective runs on (None: not known)."""
-        body = t.op.comm
-        if hasattr(body, "process_group"):
-            group = body.process_group(t.channel)
-        else:
-            groups = getattr(body, "groups", None)
-            group = groups.channel(t.channel) if hasattr(groups, "channel") else None
-        if group is None:
-            return None
-        key = id(group)
-        if key not in self._members:
-            try:
-                self._members[key] = frozenset(dist.get_process_group_ranks(group))
-            except Exception:  # noqa: BLE001 -- not a process group of this world: unknown
-                self._members[key] = None
-        return self._members[key]
 
     def start_step(self) -> StepStats:
         """Begin a step: fresh ``StepStats`` (returned; ``self.stats`` until the next step)."""
@@ -474,10 +459,20 @@ class Executor:
         """Time the step spent blocked outside the executor's own collectives (pipeline receives)."""
         self.stats.exposed_s += seconds
 
+    @staticmethod
+    def polls(op: Op) -> bool:
+        """Whether COMM op ``op``'s in-flight work may be polled for completion (not gloo's send /
+        receive)."""
+        return getattr(op.comm, "reports_completion", True)
+
     def within_budget(self, t: Task) -> bool:
         """Whether forward task ``t`` may save its tensors now: the live activation bytes plus what
-        its op saved before stay within this step's budget (no meter or no budget: always)."""
-        if self._budget is None or self.meter is None:
+        its op saved before stay within this step's budget (no meter or no budget: always). Only
+        while pairs react to completions: a rank's live bytes are its own (EP ranks hold different
+        expert rows), so the gate may open on one rank before its peer, which only a pair that waits
+        for whichever collective completes first (``_Round.wait_first``) tolerates; in-order waits
+        (CUDA, shared groups) keep the block-depth gate alone."""
+        if self._budget is None or self.meter is None or not (self.reacts_to_completions and self._all_poll):
             return True
         return self.meter.current + self._op_bytes.get((t.block, t.op_index), 0) <= self._budget
 
