@@ -40,8 +40,8 @@ A pair F(k+1)(x)B(k) runs in one of two ways:
   ``comm.StrandGroups``, so this timing-dependent interleaving still issues every group's
   collectives in the same order on every rank); the executor waits only when neither strand can
   compute, and then for whichever strand's collective completes first (ranks may let the forward
-  strand go at different times; waiting on one would tie the other strand to its peers). The backward strand's ops that the adapter marks ``linear`` (linear on the way to
-  their weights: ``attn.qkv``, ``attn.out``, ``mlp.up``, ``mlp.down``, ``head.logits``,
+  strand go at different times; waiting on one would tie the other strand to its peers). The
+  backward strand's ops that the adapter marks ``linear`` (linear on the way to their weights: ``attn.qkv``, ``attn.out``, ``mlp.up``, ``mlp.down``, ``head.logits``,
   ``moe.experts.up`` / ``.down``) compute their input gradient first and leave their weight
   gradient for later, so the strand reaches its next collective sooner; the deferred weight
   gradients (at most ``MAX_DEFERRED`` waiting) fill the time when both strands wait, and all are
@@ -49,7 +49,8 @@ A pair F(k+1)(x)B(k) runs in one of two ways:
   strand has finished depth j-1 (and its deferred weight gradients), so it never saves
   activations ahead of those the backward strand frees, and it saves an op's tensors only while
   the live activation bytes stay within one micro-batch's whole forward plus
-  ``ACTIVATION_SLACK`` (reacting to completions only; layers of different sizes, e.g. a dense layer among MoE ones)::
+  ``ACTIVATION_SLACK`` (reacting to completions only; layers of different sizes, e.g. a dense
+  layer among MoE ones)::
 
       comm lane:     [F: attn.ag ........]   [B: mlp.ag(grad) ...]     [F: attn.rs ..]
       compute lane:  [B: mlp.down dX][B: mlp.up]  [F: qkv][F: core][F: out] [B: mlp.down dW]
@@ -345,8 +346,9 @@ class _Round:
         complete only once waited for (ring attention's send / receive on gloo: ``Executor.polls``)
         are not polled; with only those in flight the oldest is waited for, and such graphs keep
         the block-depth gate alone (``within_budget``)."""
-        polled = [s for s in self.order if self.ex.polls(self.pending[s][0].op)]
-        if not self.ex.reacts_to_completions or len(self.order) == 1 or not polled:
+        polled = [] if not self.ex.reacts_to_completions or len(self.order) == 1 else \
+            [s for s in self.order if self.ex.polls(self.pending[s][0].op)]
+        if not polled:
             self.finish(self.order[0])
             return
         t0 = time.perf_counter()
