@@ -82,16 +82,16 @@ def make_batches(vocab: int, num: int, size: int, seq: int, device) -> list[dict
     return out
 
 
-def _executor_step(model, batches, schedule: str, pair_ends: bool = False) -> tuple[list, dict]:
+def _executor_step(model, batches, schedule: str) -> tuple[list, dict]:
     graph = adapter_for(model.config).build_graph(model)
-    mbs = Executor(graph, None, pair_ends=pair_ends).run_microbatches(list(batches), schedule, 1 / len(batches))
+    mbs = Executor(graph, None).run_microbatches(list(batches), schedule, 1 / len(batches))
     return [mb.loss.detach() for mb in mbs], {n: p.grad for n, p in model.named_parameters()}
 
 
 def check_parity(ref, batches) -> dict:
     runs = {}
-    for name, schedule, ends in (("sequential", "sequential", False), ("si", "si", False), ("si-ends", "si", True)):
-        runs[name] = _executor_step(copy.deepcopy(ref), batches, schedule, ends)
+    for name in ("sequential", "si", "si-ends"):
+        runs[name] = _executor_step(copy.deepcopy(ref), batches, name)
     seq_losses, seq_grads = runs["sequential"]
     out = {}
     for name in ("si", "si-ends"):

@@ -165,9 +165,16 @@ def test_layouts_world_and_tokens():
     assert ep.dhelix_ds_config("si")["dhelix"]["expert_parallel"] == {"size": 2}
     assert ep.deepspeed_ds_config()["gradient_accumulation_steps"] == 8  # 16 over 2 DP ranks
     pp = BenchOptions(tp=1, pp=2)
-    assert pp.modes == ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si") and pp.world == 2
-    section = pp.dhelix_ds_config("dualpipev-si")["dhelix"]
+    assert pp.modes == ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev") and pp.world == 2
+    section = pp.dhelix_ds_config("dualpipev")["dhelix"]
     assert section["schedule"] == "dualpipev" and section["pipeline"] == {"stages": 2}
+    old = BenchOptions(tp=1, pp=2, modes=("w", "dualpipev-si"))  # the old name of the mode is read as its new one
+    assert old.modes == ("w", "dualpipev")
+    for mode, keys in (("si-ends", {"schedule": "si", "pair_ends": True}),
+                       ("si-planned", {"schedule": "si", "si_execution": "plan"})):  # variants: the registry's keys
+        got = BenchOptions().dhelix_ds_config(mode)["dhelix"]
+        assert {k: got[k] for k in keys} == keys
+    assert BenchOptions().dhelix_ds_config("si-planned")["dhelix"]["planner"]["profile"] == "auto"
     pptp = BenchOptions(tp=2, pp=2)  # TP inside the stages: 4 ranks, one data-parallel group
     assert pptp.world == 4 and pptp.dp == 1 and pptp.step_micro_batches == pptp.micro_batches
     assert pptp.dhelix_ds_config("w")["dhelix"]["tensor_parallel"] == {"size": 2}

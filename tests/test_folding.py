@@ -1,7 +1,7 @@
 """Model folding: layer -> (rank, phase), uneven counts, explicit splits, errors."""
 import pytest
 
-from ds_dhelix.pipe.folding import (
+from ds_dhelix.schedule.folding import (
     balanced_split, chunk_index, chunk_owner, fold_layers, next_chunk_owner, prev_chunk_owner)
 
 

@@ -11,7 +11,7 @@ import torch
 from ds_dhelix.planning.autoschedule import AutoSchedule, describe
 from ds_dhelix.engine.build import check_setup
 from ds_dhelix.config.section import DhelixConfig
-from ds_dhelix.runtime.executor import half_batches, half_serial
+from ds_dhelix.runtime.interpreter import half_batches, half_serial
 from ds_dhelix.engine.parity import ParityOptions, run_parity
 from hf_models.registry import load_config
 from tests.conftest import run_ranks

@@ -117,9 +117,8 @@ def run(graph, batches, schedule, deferred=None):
     from ds_dhelix.runtime.trace import TraceRecorder
     specs = graph.layer_specs()
     rec = TraceRecorder(0) if deferred is not None else None
-    ex = Executor(graph, default_plan(specs, backward_order(specs)) if schedule == "si" else None, recorder=rec,
-                  pair_ends=schedule == "si-ends")
-    mbs = ex.run_microbatches(batches, schedule.removesuffix("-reactive").removesuffix("-ends"), 1.0 / len(batches))
+    ex = Executor(graph, default_plan(specs, backward_order(specs)) if schedule == "si" else None, recorder=rec)
+    mbs = ex.run_microbatches(batches, schedule.removesuffix("-reactive"), 1.0 / len(batches))
     if rec is not None:
         deferred.update(e["name"].removesuffix(".wgrad") for e in rec.events() if e.get("name", "").endswith(".wgrad"))
     return [float(mb.loss) for mb in mbs]

@@ -10,7 +10,7 @@ import torch
 from ds_dhelix.engine.parity import ParityOptions, build, make_batches, train_pipeline, train_schedule
 from ds_dhelix.engine.build import check_setup
 from ds_dhelix.engine.pipe_engine import live_keys
-from ds_dhelix.pipe.folding import fold_layers
+from ds_dhelix.schedule.folding import fold_layers
 from ds_dhelix.engine.pipe_module import decoder_layers, prune_to_stage
 from ds_dhelix.runtime.spawn import run_ranks
 

@@ -11,7 +11,7 @@ from ds_dhelix.config.dims import ParallelDims
 from ds_dhelix.predict.costs import OpTime, StepTimes, roofline_times
 from ds_dhelix.predict.hardware import load_hardware
 from ds_dhelix.predict.links import collective_ms, group_ranks, placement
-from ds_dhelix.predict.retime import ChainOp, RoundRules, retime_pair
+from ds_dhelix.predict.retime import ChainOp, RoundRules, reactive_rules, retime_pair
 from ds_dhelix.predict.shapes import RunLayout, model_shape
 from ds_dhelix.predict import step as S
 
@@ -28,7 +28,7 @@ def comm(ms, depth=0, group="tp", link="tp"):
 def test_slowdown_stretches_compute_while_a_collective_flies():
     # B computes 2 ms while F's 1 ms collective flies: the first ms of compute runs at 1/1.5 speed
     # (2/3 ms of work done by t=1), the rest (4/3 ms) alone: 7/3 ms
-    r = retime_pair([comp(2)], [comm(1)], rules=RoundRules(slowdown=0.5))
+    r = retime_pair([comp(2)], [comm(1)], slowdown=0.5)
     assert r.makespan_ms == pytest.approx(7 / 3)
     assert r.compute_ms == pytest.approx(2.0) and r.wait_ms == pytest.approx(0.0)
 
@@ -48,10 +48,10 @@ def test_not_reacting_a_done_collective_waits_until_waited_for():
     assert retime_pair(b, f).makespan_ms == pytest.approx(4.0)
     # reacting, F's op could run at 1 but B's ops are nearer... none: B has no collective; F's op
     # (one op to no collective) ties: B first; not reacting gives the same here
-    assert retime_pair(b, f, rules=RoundRules(reacts=False)).makespan_ms == pytest.approx(4.0)
+    assert retime_pair(b, f, rules=reactive_rules(reacts=False)).makespan_ms == pytest.approx(4.0)
     # a chain where reacting matters: F's collective done at 1, F's op feeds a second collective
     b, f = [comp(1), comp(1), comp(1), comp(1)], [comm(1), comp(1), comm(2)]
-    react, blind = retime_pair(b, f), retime_pair(b, f, rules=RoundRules(reacts=False))
+    react, blind = retime_pair(b, f), retime_pair(b, f, rules=reactive_rules(reacts=False))
     assert react.makespan_ms == pytest.approx(5.0)  # F's op 1-2 (nearest collective), its 2 ms flies 2-4
     assert blind.makespan_ms == pytest.approx(7.0)  # F waited for only at 4: op 4-5, collective 5-7
 
@@ -61,25 +61,25 @@ def test_trailing_backward_follows_op_by_op():
     # collective flies from 1 (alone until 2: 1 ms left); B1's op 1-2; B1's collective from 2 shares
     # the link: B0's done at 4 (B1's has 1 left, alone until 5); B0's op 4-5, then B1's 5-6
     r = retime_pair([comp(1), comm(2), comp(1)], [comp(1), comm(2), comp(1)],
-                    rules=RoundRules(gated=False, trail=True))
+                    rules=reactive_rules(gated=False, trail=True))
     assert r.makespan_ms == pytest.approx(6.0)
     # B1's collective may not start before B0 ran its first op: both fly from 3, sharing the link
     # (done at 5), B1's op 5-6; free, B1's collective flies beside B0's op from 0: done at 4
     b0, b1 = [comp(3), comm(1)], [comm(1), comp(1)]
-    assert retime_pair(b0, b1, rules=RoundRules(gated=False, trail=True)).makespan_ms == pytest.approx(6.0)
-    assert retime_pair(b0, b1, rules=RoundRules(gated=False)).makespan_ms == pytest.approx(4.0)
+    assert retime_pair(b0, b1, rules=reactive_rules(gated=False, trail=True)).makespan_ms == pytest.approx(6.0)
+    assert retime_pair(b0, b1, rules=reactive_rules(gated=False)).makespan_ms == pytest.approx(4.0)
 
 
 def test_strand0_order_runs_the_backward_first():
     b, f = [comp(2), comm(1)], [comp(1), comm(3)]
-    assert retime_pair(b, f, rules=RoundRules(order="strand0", gated=False)).makespan_ms == pytest.approx(6.0)
+    assert retime_pair(b, f, rules=RoundRules(nearest=False, gated=False)).makespan_ms == pytest.approx(6.0)
 
 
 def test_round_rules_refuse_nonsense():
-    with pytest.raises(ValueError, match="order"):
-        RoundRules(order="random")
+    with pytest.raises(ValueError, match="max_deferred"):
+        RoundRules(max_deferred=-1)
     with pytest.raises(ValueError, match="slowdown"):
-        RoundRules(slowdown=-1)
+        retime_pair([comp(1)], [], slowdown=-1)
 
 
 # ------------------------------------------------------------------------ groups and links
@@ -186,34 +186,54 @@ def _times(f_comp=1.0, b_comp=2.0, comm_ms=1.0, layers=2, wgrad=0.5, slowdown=0.
     return StepTimes((edge,) + (layer,) * layers + (edge,), {"optimizer": 3.0}, 0.0, slowdown, reacts=True)
 
 
+def _step(name: str, st: StepTimes, m: int, half=None, plan=None):
+    """A one-stage step priced from the registry's instruction list of ``name``."""
+    from ds_dhelix.schedule.registry import ONE_STAGE, lookup
+    return S.schedule_step(lookup(name, ONE_STAGE), m, st, half, plan)
+
+
 def test_sequential_is_the_sum():
     st = _times()
-    lap = S.sequential(st, 4)
+    lap = _step("sequential", st, 4)
     assert lap.ms == pytest.approx(4 * (st.compute_ms() + st.comm_ms())) and lap.wait_ms == pytest.approx(4 * st.comm_ms())
 
 
 def test_si_hides_and_never_beats_the_compute():
     st, m = _times(), 8
-    seq, si = S.sequential(st, m), S.si(st, m)
+    seq, si = _step("sequential", st, m), _step("si", st, m)
     assert m * st.compute_ms() <= si.ms < seq.ms and si.wait_ms < seq.wait_ms
     quiet = _times(comm_ms=0.0)  # nothing to hide: SI is the sequential step
-    assert S.si(quiet, m).ms == pytest.approx(S.sequential(quiet, m).ms)
+    assert _step("si", quiet, m).ms == pytest.approx(_step("sequential", quiet, m).ms)
     slow = _times(slowdown=1.0)  # compute beside collectives at half speed: less gained
-    assert S.si(slow, m).ms > si.ms
+    assert _step("si", slow, m).ms > si.ms
+
+
+def test_si_is_its_instruction_list_priced():
+    """F0 alone, m-1 identical pairs, B(m-1) alone: the price of each from the round policy."""
+    st, m = _times(), 5
+    from ds_dhelix.schedule import instructions as I
+    from ds_dhelix.schedule.registry import ONE_STAGE, lookup
+    spec = lookup("si", ONE_STAGE)
+    f = S.price(I.Forward(0), spec, st, (st, st), None)
+    fb = S.price(I.ForwardBackward(1, 0, 0, 0), spec, st, (st, st), None)
+    b = S.price(I.Backward(4), spec, st, (st, st), None)
+    assert _step("si", st, m).ms == pytest.approx(f.ms + (m - 1) * fb.ms + b.ms)
+    fwd = sum(o.fwd_ms for blk in st.blocks for o in blk)
+    bwd = sum(o.bwd_ms + o.wgrad_ms for blk in st.blocks for o in blk)
+    assert f.ms == pytest.approx(fwd)  # a lone forward waits for every collective
+    assert b.ms < bwd  # a lone backward's deferred weight gradients fill its collectives' waits
 
 
 def test_pair_ends_and_intra_and_plans_run():
     st, m = _times(), 6
-    assert S.si_ends(st, m).ms < S.sequential(st, m).ms
+    assert _step("si-ends", st, m).ms < _step("sequential", st, m).ms
     half = _times(0.5, 1.0, 0.5, wgrad=0.25)
-    intra = S.intra(half, half, m)
-    assert m * half.compute_ms() * 2 <= intra.ms <= S.sequential(st, m).ms
+    intra = _step("intra", st, m, half=(half, half))
+    assert m * half.compute_ms() * 2 <= intra.ms <= _step("sequential", st, m).ms
     chosen = S.plans(st)
     assert chosen["dp_ms"] <= chosen["default_ms"] + 1e-9  # the DP plan is never predicted slower
-    for plan in (chosen["default"], chosen["dp"]):
-        assert m * st.compute_ms() <= S.planned(st, m, plan).ms <= S.sequential(st, m).ms + 1e-9
-    with pytest.raises(ValueError, match="2 micro-batches"):
-        S.si_ends(st, 1)
+    for name, plan in (("si-plan", chosen["default"]), ("si-planned", chosen["dp"])):
+        assert m * st.compute_ms() <= _step(name, st, m, plan=plan).ms <= _step("sequential", st, m).ms + 1e-9
 
 
 def test_pipeline_replay_matches_the_w_closed_form():
@@ -261,7 +281,7 @@ def test_predict_pipeline_schedules(capsys):
                             "--seq-len", "2048", "--micro-batch-size", "1", "--micro-batches", "8",
                             "--hardware", "H100", "--json")
     r = json.loads(out)
-    assert code == 0 and set(r["modes"]) == {"ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si"}
+    assert code == 0 and set(r["modes"]) == {"ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev"}
     assert r["modes"]["sequential"]["bubble_fraction"] >= 0.5  # 1 - 1/p, and the transfers between stages
     assert r["modes"]["w"]["step_time_s"] < r["modes"]["sequential"]["step_time_s"]
 

@@ -94,8 +94,8 @@ def _modes_rank(rank, world, preset, overrides):
         specs = graph.layer_specs()
         plan = default_plan(specs, backward_order(specs)) if kind == "plan" else None
         rec = TraceRecorder(rank)
-        ex = Executor(graph, plan, recorder=rec, defer_weight_grads=defer, pair_ends=name == "reactive-ends")
-        mbs = ex.run_microbatches(list(batches), schedule, 1.0 / len(batches))
+        ex = Executor(graph, plan, recorder=rec, defer_weight_grads=defer)
+        mbs = ex.run_microbatches(list(batches), "si-ends" if name == "reactive-ends" else schedule, 1.0 / len(batches))
         wgrad = sorted({e["name"] for e in rec.events() if e.get("name", "").endswith(".wgrad")})
         runs[name] = {"losses": [mb.loss.detach().clone() for mb in mbs],
                       "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
@@ -177,22 +177,22 @@ def test_pair_ends_keeps_accumulation_order(monkeypatch, preset, tied):
     micro-batch's strand, so without the trail rule the last micro-batch's ops would run first and add to the weights' gradients out of order; with it, gradients are bitwise
     those of sequential (tied embeddings too: used at both ends of the backward). TP=1, 3
     micro-batches: F0xF1 | F2xB0 | B1xB2."""
-    import ds_dhelix.runtime.executor as executor_module
-    monkeypatch.setattr(executor_module, "_until_comm", lambda queue: -queue[0].mb.index if queue else 0)
+    from ds_dhelix.schedule.policy import Round
+    monkeypatch.setattr(Round, "until_comm", lambda self, s: -self.head(s).mb.index)
     config = make_config(preset, **({"tie_word_embeddings": True} if tied else {}))
     ref = make_model(config)
     batches = make_batches(config.vocab_size, 3)
     grads, losses = {}, {}
-    for schedule in ("sequential", "si"):
+    for schedule in ("sequential", "si-ends"):
         model = copy.deepcopy(ref)
         graph = adapter_for(config).build_graph(model)
         rec = TraceRecorder(0)
-        mbs = Executor(graph, None, recorder=rec, pair_ends=True,  # TP=1: deferral forced (see above)
+        mbs = Executor(graph, None, recorder=rec,  # TP=1: deferral forced (see above)
                        defer_weight_grads=True).run_microbatches(list(batches), schedule, 1 / 3)
         grads[schedule] = {n: p.grad for n, p in model.named_parameters()}
         losses[schedule] = [mb.loss for mb in mbs]
-    assert all(torch.equal(a, b) for a, b in zip(losses["si"], losses["sequential"]))
-    differ = [n for n, g in grads["si"].items() if not torch.equal(g, grads["sequential"][n])]
+    assert all(torch.equal(a, b) for a, b in zip(losses["si-ends"], losses["sequential"]))
+    differ = [n for n, g in grads["si-ends"].items() if not torch.equal(g, grads["sequential"][n])]
     assert differ == []
     # deferred passes drained for a shared weight run before the op, not nested inside its span
     assert any(e.get("name", "").endswith(".wgrad") for e in rec.events())
@@ -203,8 +203,9 @@ def test_pair_ends_needs_reactive_execution():
     config = make_config("tiny-llama")
     graph = adapter_for(config).build_graph(make_model(config))
     specs = graph.layer_specs()
-    with pytest.raises(ValueError, match="pair_ends needs reactive execution"):
-        Executor(graph, default_plan(specs, backward_order(specs)), pair_ends=True)
+    ex = Executor(graph, default_plan(specs, backward_order(specs)))
+    with pytest.raises(ValueError, match="pair_ends, intra.*needs reactive execution"):
+        ex.run_microbatches(make_batches(config.vocab_size, 2), "si-ends", 0.5)
 
 
 # ------------------------------------------------------------------------ executor reactions

@@ -151,7 +151,7 @@ class DeepSpeedRunner:
 
 class PipeRunner(_Settling):
     """``pp > 1``: DeepSpeed's pipelines (``ds-1f1b``, ``ds-dualpipev``) and ours (``sequential``,
-    ``w``, ``dualpipev-si``, ``auto``) on the same HF model and micro-batches; ours report executor
+    ``w``, ``dualpipev``, ``auto``) on the same HF model and micro-batches; ours report executor
     stats."""
 
     def __init__(self, opts: BenchOptions, mode: str, link_gbps: float | None):

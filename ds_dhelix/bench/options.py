@@ -37,7 +37,7 @@ With ``pp > 1`` (folded pipeline over ``pp`` stages of ``tp`` ranks each) the mo
     ds-dualpipev  DeepSpeed DualPipeVEngine (V-folded, forward/backward pairs one after the other)
     sequential    ds_dhelix folded pipeline, pairs run one after the other (the reference)
     w             ds_dhelix W schedule: folded pipeline, pairs co-executed by SI
-    dualpipev-si  ds_dhelix DualPipeV order with SI pairs
+    dualpipev     ds_dhelix DualPipeV order with SI pairs (``dualpipev-si``, its old name, is read too)
     auto          "schedule": "auto" over sequential, w, dualpipev (on request; timed after its trials)
 """
 from __future__ import annotations
@@ -47,13 +47,13 @@ from dataclasses import asdict, dataclass, field
 
 from ..runtime.linkemu import DEFAULT_BURST_KB
 from ..graph.recompute import MODES as RECOMPUTE_MODES
+from ..schedule.registry import ALIASES, ONE_STAGE, PIPELINE, lookup, names
 
 TUTEL_MODES = ("tutel", "tutel-overlap2", "tutel-overlap4")
 """The tutel peer's modes (``bench/tutel_peer.py``)."""
 
-MODES = ("deepspeed", "autotp", "autoep", *TUTEL_MODES, "sequential", "si", "si-ends", "si-plan", "si-planned",
-         "intra", "auto")
-"""Modes a run can measure, in table order."""
+MODES = ("deepspeed", "autotp", "autoep", *TUTEL_MODES, *names(ONE_STAGE))
+"""Modes a run can measure, in table order: the peers, then every one-stage schedule of the registry."""
 
 DEFAULT_MODES = tuple(m for m in MODES if m not in ("si-ends", "auto", *TUTEL_MODES))
 """Modes measured unless ``--modes`` says otherwise (``si-ends``, ``auto`` and the tutel modes are asked for
@@ -65,22 +65,21 @@ DEEPSPEED_MODES = ("deepspeed", "autotp", "autoep", *TUTEL_MODES)
 DATA_PARALLEL_MODES = ("deepspeed", "autoep", *TUTEL_MODES)
 """DeepSpeed modes data parallel over the world (each rank 1/world of a step's micro-batches)."""
 
-DHELIX_MODES = ("sequential", "si", "si-ends", "si-plan", "si-planned", "intra", "auto", "w", "dualpipev-si")
-"""Modes that run the ds_dhelix executor (they report compute / comm / exposed time)."""
+DHELIX_MODES = names()
+"""Modes that run the ds_dhelix executor (they report compute / comm / exposed time): the registry's."""
 
-PP_MODES = ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si", "auto")
-"""Modes of a pipeline run (pp > 1), in table order."""
+PP_MODES = ("ds-1f1b", "ds-dualpipev", *names(PIPELINE))
+"""Modes of a pipeline run (pp > 1), in table order: DeepSpeed's, then the registry's pipeline schedules."""
 
 PP_DEFAULT_MODES = tuple(m for m in PP_MODES if m != "auto")
 """Modes of a pipeline run unless ``--modes`` says otherwise (``auto`` is asked for by name)."""
 
-PP_SCHEDULES = {"sequential": "sequential", "w": "w", "dualpipev-si": "dualpipev", "auto": "auto"}
-"""ds_dhelix pipeline modes -> their ``dhelix.schedule``."""
+
 
 def split_mode(mode: str) -> tuple[str, str | None]:
-    """``"si+full"`` -> ``("si", "full")``; ``"si"`` -> ``("si", None)``."""
+    """``"si+full"`` -> ``("si", "full")``; ``"si"`` -> ``("si", None)`` (an old name read as its new one)."""
     base, _, recompute = mode.partition("+")
-    return base, (recompute or None) if "+" in mode else None
+    return ALIASES.get(base, base), (recompute or None) if "+" in mode else None
 
 
 MIN_REPEATS = 5
@@ -161,6 +160,8 @@ class BenchOptions:
     def __post_init__(self):
         if self.pp > 1 and self.modes == DEFAULT_MODES:  # the default list: the pipeline's
             object.__setattr__(self, "modes", PP_DEFAULT_MODES)
+        renamed = tuple("+".join(filter(None, split_mode(m))) for m in self.modes)  # old names read as new
+        object.__setattr__(self, "modes", renamed)
         self._check_modes()
         self._check_layout()
         if not self.link_gbps:
@@ -278,22 +279,17 @@ class BenchOptions:
         if recompute is not None:
             section["recompute"] = recompute
         section.setdefault("seed", self.seed)
-        section.update(enabled=True, schedule=mode if mode in ("sequential", "intra", "auto") else "si",
-                       tensor_parallel={"size": self.tp})
+        section.update(enabled=True, tensor_parallel={"size": self.tp})
+        for key, value in lookup(mode, PIPELINE if self.pp > 1 else ONE_STAGE).section.items():
+            section[key] = {**section.get(key, {}), **value} if isinstance(value, dict) else value
         if self.pp > 1:
-            section.update(schedule=PP_SCHEDULES[mode], pipeline={"stages": self.pp})
+            section["pipeline"] = {"stages": self.pp}
         if self.ep > 1:
             section["expert_parallel"] = {**section.get("expert_parallel", {}), "size": self.ep}
         if self.cp > 1:
             section["context_parallel"] = {**section.get("context_parallel", {}), "size": self.cp,
                                            "comm": self.cp_comm}
         section["benchmark"] = {**section.get("benchmark", {}), "link_gbps": link_gbps}
-        if mode in ("si-plan", "si-planned"):
-            section["si_execution"] = "plan"
-        if mode == "si-ends":
-            section["pair_ends"] = True
-        if mode == "si-planned":
-            section["planner"] = {**section.get("planner", {}), "profile": "auto"}
         if self.moe_kernels != "torch":
             section["moe"] = {**section.get("moe", {}), "kernels": self.moe_kernels}
         return {**self.base_ds_config(self.micro_batches), "dhelix": section}

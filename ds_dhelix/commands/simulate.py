@@ -1,29 +1,31 @@
-"""``dhelix simulate``: replay a folded pipeline schedule for every rank and print its timeline.
+"""``dhelix simulate``: replay a schedule's instruction lists for every rank and print the timeline.
 
-Checks deadlocks, send/recv matching, buffer use and work coverage
-(:mod:`ds_dhelix.pipe.simulate`), and prints the bubble fraction, replayed and in closed form.
-Exit status 0 when the replay finds no error, 1 otherwise.
+Any schedule of the registry: a folded pipeline's (w, dualpipev, sequential with --stages) or a
+one-stage one (sequential, si, si-ends, intra, ... without --stages). Checks deadlocks, send/recv
+matching, buffer use and work coverage (:mod:`ds_dhelix.schedule.simulate`), and prints the bubble
+fraction, replayed and in closed form. Exit status 0 when the replay finds no error, 1 otherwise.
 """
 from __future__ import annotations
 
 import argparse
 import json
 
-from ds_dhelix.pipe.schedule import SCHEDULE_BUILDERS, build_schedule
-from ds_dhelix.pipe.simulate import (
-    replay, resolve_pair_cost, sequential_bubble_closed_form, w_bubble_closed_form)
+from ds_dhelix.schedule.registry import ONE_STAGE, PIPELINE, REGISTRY, lookup, names
+from ds_dhelix.schedule.simulate import replay, resolve_pair_cost, sequential_bubble_closed_form, w_bubble_closed_form
 
 CLOSED_FORMS = {"w": "(p-1)c / (p(F+B) + (m-1)c)", "sequential": "1 - 1/p"}
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "simulate", help="replay a folded pipeline schedule (W, DualPipeV+SI, sequential)",
+        "simulate", help="replay a schedule's instruction lists (W, DualPipeV+SI, SI, intra, ...)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedule", choices=sorted(SCHEDULE_BUILDERS), default="w",
-                        help="w: DHelix W schedule; dualpipev: DualPipeV order with SI pairs; "
-                             "sequential: one micro-batch at a time (default: w)")
-    parser.add_argument("--stages", type=int, required=True, help="pipeline ranks p")
+    parser.add_argument("--schedule", choices=names(built=True), default="w",
+                        help="; ".join(f"{row.name}: {row.summary}" for row in REGISTRY if row.build is not None
+                                       and (row.layout == PIPELINE or row.name not in names(PIPELINE)))
+                        + " (default: w)")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="pipeline ranks p (the fold); leave out for a one-stage schedule")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m per step")
     parser.add_argument("--fwd-cost", type=float, default=1.0, help="forward time F of one chunk")
     parser.add_argument("--bwd-cost", type=float, default=2.0, help="backward time B of one chunk")
@@ -54,9 +56,13 @@ def _closed_form(name: str, p: int, m: int, F: float, B: float, c: float) -> flo
 def run(args) -> int:
     F, B = args.fwd_cost, args.bwd_cost
     c = resolve_pair_cost(F, B, _pair_cost_arg(args.pair_cost))
-    p, m = args.stages, args.microbatches
-    result = replay(build_schedule(args.schedule, p, m), m, F, B, c)
-    closed = _closed_form(args.schedule, p, m, F, B, c)
+    one_stage = args.stages is None
+    if one_stage and args.schedule not in names(ONE_STAGE):
+        raise ValueError(f"--schedule {args.schedule} is a pipeline schedule: pass --stages (pipeline ranks)")
+    p, m = (1 if one_stage else args.stages), args.microbatches
+    spec = lookup(args.schedule, ONE_STAGE if one_stage else PIPELINE)
+    result = replay(spec.schedule(p, m), spec.units(m), F, B, c, one_stage=one_stage)
+    closed = None if one_stage else _closed_form(args.schedule, p, m, F, B, c)
     if args.json:
         print(json.dumps({
             "schedule": args.schedule, "stages": p, "microbatches": m,
@@ -68,8 +74,8 @@ def run(args) -> int:
             "timeline": [[{"start": ev.start, "end": ev.end, "label": ev.instruction.label()}
                           for ev in events] for events in result.events]}, indent=1), file=args.stdout)
         return 0 if result.ok else 1
-    print(f"schedule {args.schedule}: p={p} stages, m={m} micro-batches, F={F:g} B={B:g} "
-          f"pair={c:g}")
+    where = "one stage" if one_stage else f"p={p} stages"
+    print(f"schedule {args.schedule}: {where}, m={m} micro-batches, F={F:g} B={B:g} pair={c:g}")
     print(result.render_timeline())
     print(f"makespan {result.makespan:g}; chunk activations held at peak per rank "
           f"{result.peak_activations}")

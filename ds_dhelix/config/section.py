@@ -35,24 +35,25 @@ from typing import Any, ClassVar
 
 from .dims import ParallelDims
 from ..graph.recompute import MODES
+from ..schedule.registry import ONE_STAGE, PIPELINE, auto_candidates, names
 
-SCHEDULES = ("sequential", "si", "intra", "auto", "w", "dualpipev")
-"""Valid values of ``dhelix.schedule``."""
+SCHEDULES = names(configured=True)
+"""Valid values of ``dhelix.schedule`` (the schedule registry's, ``ds_dhelix.schedule.registry``)."""
 
-ONE_STAGE_SCHEDULES = ("sequential", "si", "intra", "auto")
+ONE_STAGE_SCHEDULES = names(ONE_STAGE, configured=True)
 """Schedules without a pipeline (``pipeline.stages`` 1)."""
 
-AUTO_CANDIDATES = ("sequential", "si", "intra")
+AUTO_CANDIDATES = auto_candidates(ONE_STAGE)
 """Schedules ``"schedule": "auto"`` may choose from on one stage (``dhelix.auto_candidates``)."""
 
 AUTO_KEYS = ("auto_candidates", "auto_trials", "auto_recheck_steps")
 """Keys of ``"schedule": "auto"`` only: refused with any other schedule, even at their defaults."""
 
-PIPELINE_SCHEDULES = ("sequential", "w", "dualpipev", "auto")
+PIPELINE_SCHEDULES = names(PIPELINE, configured=True)
 """Schedules of a folded pipeline (``pipeline.stages`` > 1); "sequential" is the fold without SI.
 Every one folds the layer list into 2 x stages chunks (rank r holds chunks r and 2p-1-r)."""
 
-PIPELINE_AUTO_CANDIDATES = ("sequential", "w", "dualpipev")
+PIPELINE_AUTO_CANDIDATES = auto_candidates(PIPELINE)
 """Schedules ``"schedule": "auto"`` may choose from in a pipeline: all run on the same fold, so a
 step may take any of them."""
 

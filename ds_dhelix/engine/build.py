@@ -28,9 +28,9 @@ from ..config.ds_keys import check_deepspeed_keys
 from ..runtime.groups import ProcessGroups
 from ..moe.kernels import check_kernels
 from ..graph.ops import backward_order
-from ..pipe.folding import LayerFold, fold_layers
+from ..schedule.folding import LayerFold, fold_layers
 from .precision import check_fp16
-from ..pipe.schedule import check_args as check_pipeline_microbatches
+from ..schedule.registry import PIPELINE, lookup
 from ..planning.plan import SIPlan, default_plan
 from hf_models.adapters import check_model, unwrap_peft
 from hf_models.lora import factors as lora_factors
@@ -178,7 +178,7 @@ def _check_pipeline(dh, ds_config: dict, dims: ParallelDims, batch: BatchSizes, 
     fold = fold_layers(num_layers, p, list(dh.pipeline.split) if dh.pipeline.split else None)
     for name in dh.auto_schedules if dh.schedule == "auto" else (dh.schedule,):
         try:
-            check_pipeline_microbatches(name, p, batch.gradient_accumulation_steps)
+            lookup(name, PIPELINE).minimum.check(name, p, batch.gradient_accumulation_steps)
         except ValueError as err:
             if dh.schedule != "auto":
                 raise

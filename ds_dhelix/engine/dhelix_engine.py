@@ -1,24 +1,30 @@
 """DhelixEngine: a DeepSpeed engine whose ``train_batch`` runs a whole step with strand
 interleaving. ``ds_dhelix.initialize`` (``build.py``) builds it like ``deepspeed.initialize``.
 
-A step of m micro-batches: the executor runs every forward and backward op by op (sequential, SI
-or intra; under "auto" the schedule ``autoschedule.AutoSchedule`` names for the step; each loss
-seeded with 1/m, times the fp16 loss scale), leaving gradients on the parameters;
-then DeepSpeed does the rest with its own code paths (overflow checks and the loss scale's
-update under fp16 included):
-its data-parallel gradient reduction (ZeRO 1/2: ``coalesce_grad_reduction``; ZeRO 0: the buffered
-all-reduce), gradient clipping over the model-parallel group, the optimizer and the LR schedule.
+A step of m micro-batches is its schedule's instruction list (``ds_dhelix.schedule``: sequential,
+si, si-ends, intra; under "auto" the one ``autoschedule.AutoSchedule`` names for the step) run by
+the interpreter (``runtime.interpreter``): the executor runs every forward and backward op by op
+(each loss seeded with 1/m, times the fp16 loss scale), leaving gradients on the parameters. The
+list ends in ``ReduceGrads`` and ``OptimizerStep``, which DeepSpeed's own code paths carry out
+(overflow checks and the loss scale's update under fp16 included): its data-parallel gradient
+reduction (ZeRO 1/2: ``coalesce_grad_reduction``; ZeRO 0: the buffered all-reduce), gradient
+clipping over the model-parallel group, the optimizer and the LR schedule.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
 from ..config.section import DhelixConfig
-from ..runtime.executor import MicroBatch
 from ..runtime.groups import ProcessGroups
+from ..runtime.interpreter import Interpreter, prepare, wholes
+from ..runtime.tasks import MicroBatch
 from ..planning.plan import SIPlan
+from ..schedule import instructions as S
+from ..schedule.registry import ONE_STAGE, ScheduleSpec, lookup
 from .precision import loss_seed
 from .stepping import DhelixStepMixin
 
@@ -53,8 +59,8 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         self.load_report = load_report
         self.setup_strands(dhelix, groups, graph, plan if dhelix.schedule in ("si", "auto") else None,
                            defer_weight_grads=None if dhelix.defer_weight_grads else False,  # None: where useful
-                           pair_ends=dhelix.pair_ends,
                            recompute=dhelix.recompute)
+        self.interpreter = Interpreter(self.executor)
         self._warned_few = False
 
     def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
@@ -93,18 +99,35 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         self.module.train()
         return self.guarded_step(batches, lambda: self._micro_batches_and_step(batches), self.mean_loss)
 
+    def schedule_spec(self) -> ScheduleSpec:
+        """The registry row of the next step's schedule (``si`` with ``pair_ends`` is ``si-ends``)."""
+        name = self.step_schedule()
+        return lookup("si-ends" if name == "si" and self.dhelix.pair_ends else name, ONE_STAGE)
+
     def _micro_batches_and_step(self, batches: list[dict]):
-        with self._reduction_context():
-            mbs = self.executor.run_microbatches(batches, self.step_schedule(), loss_seed(self, len(batches)),
-                                                 first_serial=self.global_steps * len(batches))
+        spec = self.schedule_spec()
+        mbs = prepare(self.graph, batches, spec, first_serial=self.global_steps * len(batches))
+        with contextlib.ExitStack() as reduction:
+            reduction.enter_context(self._reduction_context())  # ZeRO 1/2 reduce as it closes
+            handlers = {S.ReduceGrads: lambda ins: self._reduce_grads(reduction, mbs),
+                        S.OptimizerStep: lambda ins: self._optimizer_step(len(batches))}
+            self.interpreter.run(spec.schedule(1, len(batches))[0], mbs, loss_seed(self, len(batches)),
+                                 defer=spec.defers_weight_grads, handlers=handlers)
+        return wholes(spec, mbs)
+
+    def _reduce_grads(self, reduction: contextlib.ExitStack, mbs) -> None:
+        """TP-replicated weights over the TP group, then DeepSpeed's data-parallel reduction."""
+        self.executor.reduce_replicated_grads(mbs[-1].index)
         self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
+        reduction.close()
         self._is_gradient_accumulation_boundary = True
         if self.zero_optimization_stage() == 0:
             self.allreduce_gradients()
-        self.micro_steps += len(batches) - 1
+
+    def _optimizer_step(self, num_microbatches: int) -> None:
+        self.micro_steps += num_microbatches - 1
         self.step()
         self._is_gradient_accumulation_boundary = None
-        return mbs
 
     @torch.no_grad()
     def eval_batch(self, data_iter, num_microbatches: int | None = None, per_microbatch: bool = False) -> torch.Tensor:
@@ -114,12 +137,10 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         self.module.eval()
         self.watchdog.resume(step=self.global_steps)
         try:
-            mbs = []
+            mbs = [MicroBatch(k, self.graph.make_side(b)) for k, b in enumerate(batches)]
             with self.executor.inference():
-                for k, b in enumerate(batches):
-                    mb = MicroBatch(k, self.graph.make_side(b))
-                    self.executor.forward(mb)
-                    mbs.append(mb)
+                self.interpreter.run(S.forward_only(lookup("sequential", ONE_STAGE).schedule(1, len(mbs))[0]),
+                                     mbs, 1.0)
         finally:
             self.watchdog.pause()
             self.module.train()

@@ -326,7 +326,7 @@ def halved(opts: ParityOptions) -> ParityOptions:
 
 def halve_batches(batches):
     """``make_batches``' steps with every micro-batch cut into its two halves, in order."""
-    from ..runtime.executor import half_batches
+    from ..runtime.interpreter import half_batches
     out = []
     for step in batches:
         out.append([{k: v for k, v in half.items() if k not in ("loss_denominator", "loss_share")}

@@ -6,11 +6,11 @@ It subclasses :class:`deepspeed.runtime.pipe.engine.PipelineEngine` (constructed
 DeepSpeed's grid (pipe x data x model groups, the ``mpu``), its data-parallel gradient reduction
 (``_exec_reduce_grads``: ZeRO-1's ``reduce_gradients(pipeline_parallel=True)`` or the buffered
 all-reduce for ZeRO-0), its clipping over the pipe x model group and its optimizer step
-(``_exec_optimizer_step``). It replaces the per-instruction execution: a step is one rank's list of
-:mod:`ds_dhelix.pipe.schedule` instructions, run through a dispatch table::
+(``_exec_optimizer_step``). It replaces the per-instruction execution: a step is one rank's instruction list
+(:mod:`ds_dhelix.schedule`), run by the interpreter the one-stage engine uses too
+(:mod:`ds_dhelix.runtime.interpreter`: compute instructions on the rank's two chunks, phase 0 and
+phase 1, the loss at the end of phase 1 on stage 0), with this engine's handlers for the rest::
 
-    Forward / Backward      executor.forward / backward on the chunk's graph blocks
-    ForwardBackward         executor.co_execute(F chunk blocks, B chunk blocks reversed): SI pairs
     Send* / Recv*           torch.distributed isend / irecv on a p2p group, one tag per
                             (micro-batch, chunk boundary, kind, tensor); never blocking
     WaitRecv / WaitSends    wait for the posted receives / all sends
@@ -40,12 +40,14 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ..runtime.executor import MicroBatch
+from ..runtime.interpreter import Interpreter
+from ..runtime.tasks import MicroBatch
 from .precision import loss_seed
 from .stepping import DhelixStepMixin
 from hf_models.adapters import num_experts
-from ..pipe import schedule as S
-from ..pipe.folding import LayerFold, chunk_index
+from ..schedule import instructions as S
+from ..schedule.folding import LayerFold, chunk_index
+from ..schedule.registry import PIPELINE, lookup
 
 ACT, GRAD = 0, 1
 _KIND = {S.ACTIVATION: ACT, S.GRAD: GRAD}
@@ -82,7 +84,6 @@ def boundary_keys(graph, fold: LayerFold) -> list[tuple[str, ...]]:
 @dataclass
 class _StepState:
     mbs: list[MicroBatch]
-    seed: float
     recvs: dict = field(default_factory=dict)  # (kind, mb, phase) -> [(key, buffer, work)]
     sends: list = field(default_factory=list)  # [(work, tensor)]
 
@@ -98,6 +99,8 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         self.setup_strands(dhelix, groups, self.module.graph, plan, recompute=dhelix.recompute)
         self.fold = self.module.fold
         self.blocks = [self.module.chunk_blocks(0), self.module.chunk_blocks(1)]
+        loss_phase = 1 if chunk_index(self.stage_id, 1, self.num_stages) == 2 * self.num_stages - 1 else None
+        self.interpreter = Interpreter(self.executor, {0: self.blocks[0], 1: self.blocks[1]}, loss_phase)
         self.carried = boundary_keys(self.graph, self.fold)
         cfg = self.module.hf_model.config
         self._hidden, self._experts = cfg.hidden_size, num_experts(cfg)
@@ -127,7 +130,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
     # ------------------------------------------------------------------ steps
     def _rank_schedule(self, name: str, m: int) -> list:
         if (name, m) not in self._schedules:
-            self._schedules[name, m] = S.build_schedule(name, self.num_stages, m)[self.stage_id]
+            self._schedules[name, m] = lookup(name, PIPELINE).schedule(self.num_stages, m)[self.stage_id]
         return self._schedules[name, m]
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
@@ -144,9 +147,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         """Mean loss of one step's micro-batches (or ``num_microbatches``), forward only (the
         sequential fold's forwards); ``per_microbatch``: each one's loss on this replica."""
         batches = self.pull_batches(data_iter, num_microbatches)
-        keep = (S.Forward, S.SendActivation, S.RecvActivation, S.LoadMicroBatch, S.WaitSends)
-        order = [i for i in S.build_schedule("sequential", self.num_stages, len(batches))[self.stage_id]
-                 if isinstance(i, keep) or (isinstance(i, S.WaitRecv) and i.kind == S.ACTIVATION)]
+        order = S.forward_only(self._rank_schedule("sequential", len(batches)))
         self.module.eval()
         self.watchdog.resume(step=self.global_steps)
         try:
@@ -160,17 +161,11 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
     def _run(self, batches: list[dict], instructions: list) -> list[MicroBatch]:
         first = self.global_steps * len(batches)  # serials of this step's micro-batches
         mbs = [MicroBatch(k, self.graph.make_side(b, first + k)) for k, b in enumerate(batches)]
-        self._state = _StepState(mbs, loss_seed(self, len(mbs)))
+        self._state = _StepState(mbs)
         try:
-            for ins in instructions:
-                self._INSTRUCTION_MAP[type(ins)](self, ins)
+            return self.interpreter.run(instructions, mbs, loss_seed(self, len(mbs)), handlers=self._handlers())
         finally:
             self._state = None
-        for mb in mbs:
-            assert not mb.saved, f"micro-batch {mb.index}: op contexts left after the step"
-            mb.env.clear()
-            mb.grads.clear()
-        return mbs
 
     def _pipeline_loss(self, mbs, per_microbatch: bool = False) -> torch.Tensor:
         """Stage 0's mean loss (TP shares summed, DP averaged), broadcast over the pipeline;
@@ -182,36 +177,11 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         dist.broadcast(loss, src=self.grid.stage_to_global(0), group=self.grid.get_pipe_parallel_group())
         return loss
 
-    # ------------------------------------------------------------------ compute instructions
     def _chunk(self, phase: int) -> int:
         return chunk_index(self.stage_id, phase, self.num_stages)
 
-    def _is_loss(self, phase: int) -> bool:
-        return self._chunk(phase) == 2 * self.num_stages - 1
-
     def _mb(self, index: int) -> MicroBatch:
         return self._state.mbs[index]
-
-    def _exec_load(self, ins: S.LoadMicroBatch) -> None:
-        """Nothing to do: every rank built all side inputs at the start of the step."""
-
-    def _exec_forward(self, ins: S.Forward) -> None:
-        mb = self._mb(ins.mb)
-        self.executor.forward(mb, self.blocks[ins.phase])
-
-    def _exec_backward(self, ins: S.Backward) -> None:
-        mb = self._mb(ins.mb)
-        seed = self._state.seed if self._is_loss(ins.phase) else None
-        self.executor.backward(mb, seed, list(reversed(self.blocks[ins.phase])))
-
-    def _exec_forward_backward(self, ins: S.ForwardBackward) -> None:
-        f, b = self._mb(ins.f_mb), self._mb(ins.b_mb)
-        assert f is not b, f"SI pair of micro-batch {f.index} with itself"
-        if self._is_loss(ins.b_phase):
-            self.executor.start_backward(b, self._state.seed)
-        self.executor.co_execute(f, self.blocks[ins.f_phase], b, list(reversed(self.blocks[ins.b_phase])))
-        if self._is_loss(ins.f_phase):
-            f.loss = f.env.get("loss")
 
     # ------------------------------------------------------------------ p2p instructions
     def _spec(self, key: str, side: dict):
@@ -295,17 +265,9 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         self.watchdog.beat(microbatch="-", strand="-", op="optimizer step")
         PipelineEngine._exec_optimizer_step(self)
 
-    _INSTRUCTION_MAP = {
-        S.LoadMicroBatch: _exec_load,
-        S.Forward: _exec_forward,
-        S.Backward: _exec_backward,
-        S.ForwardBackward: _exec_forward_backward,
-        S.SendActivation: _exec_send_activation,
-        S.RecvActivation: _exec_recv_activation,
-        S.SendGrad: _exec_send_grad,
-        S.RecvGrad: _exec_recv_grad,
-        S.WaitRecv: _exec_wait_recv,
-        S.WaitSends: _exec_wait_sends,
-        S.ReduceGrads: _exec_reduce,
-        S.OptimizerStep: _exec_step,
-    }
+    def _handlers(self) -> dict:
+        """This engine's part of a step: p2p, DeepSpeed's reduction and optimizer step."""
+        return {S.SendActivation: self._exec_send_activation, S.RecvActivation: self._exec_recv_activation,
+                S.SendGrad: self._exec_send_grad, S.RecvGrad: self._exec_recv_grad,
+                S.WaitRecv: self._exec_wait_recv, S.WaitSends: self._exec_wait_sends,
+                S.ReduceGrads: self._exec_reduce, S.OptimizerStep: self._exec_step}

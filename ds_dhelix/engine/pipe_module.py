@@ -24,7 +24,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
 from torch import nn
 
-from ..pipe.folding import LayerFold, chunk_index
+from ..schedule.folding import LayerFold, chunk_index
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -25,7 +25,8 @@ from deepspeed.utils import logger
 from ..planning.autoschedule import AutoSchedule, nothing_to_hide
 from ..planning.autoschedule import describe as describe_decision
 from ..runtime.comm import collective_failures, cuda_connections_warning
-from ..runtime.executor import Executor, StepStats
+from ..runtime.executor import Executor
+from ..runtime.stats import StepStats
 from ..runtime.memory import ActivationMeter
 from ..runtime.trace import TraceRecorder, merge_traces
 from ..runtime.watchdog import Watchdog

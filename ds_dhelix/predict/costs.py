@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..pipe.folding import fold_layers
+from ..schedule.folding import fold_layers
 from .hardware import Hardware
 from .links import collective_ms, placement
 from .roofline import BlockContext, Kernel, OpWork, op_work

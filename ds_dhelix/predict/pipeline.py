@@ -1,11 +1,11 @@
 """A folded pipeline step (pp > 1) from predicted op times: each rank's chunk forward F, chunk
 backward B and co-executed pair c (the pipeline engine runs a pair by the default SI plan's rounds,
 ``step.plan_pair``; a chunk alone block by block), then the schedule's instruction lists replayed
-for every rank (``pipe.simulate.replay``) with a stage-to-stage transfer as latency::
+for every rank (``schedule.simulate.replay``) with a stage-to-stage transfer as latency::
 
     sequential    the sequential fold (one micro-batch at a time)
     w             the W schedule: F0(k) x B1(k-p) and F1(k) x B0(k-p) pairs
-    dualpipev-si  DualPipeV's order with SI pairs
+    dualpipev     DualPipeV's order with SI pairs
     ds-dualpipev  DualPipeV's order, each pair run forward then backward (c = F + B): DeepSpeed's
     ds-1f1b       1F1B over p stages of two chunks each, closed form (m + p - 1)(2F + 2B)
                   + 2(p - 1) transfers: Megatron's and DeepSpeed's plain schedule
@@ -15,17 +15,24 @@ slowest stage's pace; rank 0 also holds the embedding and the head). Plain data.
 """
 from __future__ import annotations
 
-from ..pipe.folding import fold_layers
-
-from ..pipe.schedule import Forward, ForwardBackward, build_schedule, check_args
-from ..pipe.simulate import replay
+from ..schedule.folding import fold_layers
+from ..schedule.instructions import Forward, ForwardBackward
+from ..schedule.registry import PIPELINE, lookup, names
+from ..schedule.simulate import replay
 from .costs import StepTimes
 from ..graph.ops import backward_order
 from ..planning.plan import default_plan
 from .step import Lap, main_block, plan_pair, specs_of
 
-PIPE_MODES = ("ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev-si")
-SCHEDULES = {"sequential": "sequential", "w": "w", "dualpipev-si": "dualpipev", "ds-dualpipev": "dualpipev"}
+PEERS = {"ds-1f1b": None, "ds-dualpipev": "dualpipev"}
+"""DeepSpeed's pipeline schedules, each with the registry schedule whose order it shares (None: closed form)."""
+
+PIPE_MODES = (*PEERS, *names(PIPELINE, built=True))
+
+
+def schedule_of(mode: str) -> str | None:
+    """The registry schedule a pipeline mode replays (None: ``ds-1f1b``, a closed form)."""
+    return PEERS[mode] if mode in PEERS else lookup(mode, PIPELINE).name
 
 
 def chunk_blocks(num_layers: int, p: int) -> dict[tuple[int, int], list[int]]:
@@ -70,10 +77,8 @@ def pipeline_step(st: StepTimes, mode: str, num_layers: int, p: int, m: int) -> 
     if mode == "ds-1f1b":
         ms = (m + p - 1) * 2 * (F.ms + B.ms) + 2 * (p - 1) * st.p2p_ms
         return Lap(ms, 2 * m * (F.wait_ms + B.wait_ms)), None
-    name = SCHEDULES[mode]
-    check_args(name, p, m)
     pair = F.ms + B.ms if mode == "ds-dualpipev" else c.ms
-    result = replay(build_schedule(name, p, m), m, F.ms, B.ms, pair, st.p2p_ms)
+    result = replay(lookup(schedule_of(mode), PIPELINE).schedule(p, m), m, F.ms, B.ms, pair, st.p2p_ms)
     if not result.ok:
         raise ValueError(f"{mode}: the schedule replay failed: {result.errors[0]}")
     waits = {"F": F.wait_ms, "B": B.wait_ms, "c": F.wait_ms + B.wait_ms if mode == "ds-dualpipev" else c.wait_ms}

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..pipe.schedule import check_args
+from ..schedule.registry import ALIASES, ONE_STAGE, PIPELINE, REGISTRY, lookup
 from .costs import StepTimes
-from .pipeline import PIPE_MODES, SCHEDULES, chunk_blocks, pipeline_step
+from .pipeline import PIPE_MODES, chunk_blocks, pipeline_step, schedule_of
 from .shapes import ModelShape, RunLayout
-from .step import MODES, Lap, intra, planned, plans, sequential, si, si_ends
+from .step import MODES, Lap, plans, schedule_step
 
-SI_MODES = ("si", "si-ends", "si-plan", "si-planned", "w", "dualpipev-si")
-"""Modes that co-execute two micro-batches (the rest are the baselines SI is measured against)."""
+SI_MODES = tuple(dict.fromkeys(row.name for row in REGISTRY if row.co_executes and row.name != "intra"))
+"""Modes that co-execute a forward with a backward (SI; the rest, intra included, are the baselines
+SI is measured against)."""
 
 
 def available_modes(layout: RunLayout) -> tuple[str, ...]:
@@ -30,6 +31,7 @@ def available_modes(layout: RunLayout) -> tuple[str, ...]:
 def why_not(mode: str, layout: RunLayout, half_times: bool = True) -> str | None:
     """Why ``mode`` cannot run this layout (None: it can)."""
     m, p = layout.micro_batches, layout.dims.pp
+    mode = ALIASES.get(mode, mode)
     if mode not in available_modes(layout):
         other = "a pipeline mode (needs --pp > 1)" if mode in PIPE_MODES else "not a pipeline mode (drop --pp)"
         return f"{mode} is {other}" if mode in PIPE_MODES + MODES else f"unknown schedule {mode!r}"
@@ -40,9 +42,9 @@ def why_not(mode: str, layout: RunLayout, half_times: bool = True) -> str | None
                 f"holds op times at {layout.micro_batch_size} only: not projected with --hardware cpu")
     if mode == "si-ends" and m < 2:
         return "si-ends pairs the first two forwards: it needs --micro-batches >= 2"
-    if p > 1 and mode in SCHEDULES:
+    if p > 1 and schedule_of(mode) is not None:
         try:
-            check_args(SCHEDULES[mode], p, m)
+            lookup(schedule_of(mode), PIPELINE).minimum.check(schedule_of(mode), p, m)
         except ValueError as err:
             return str(err)
     return None
@@ -51,6 +53,7 @@ def why_not(mode: str, layout: RunLayout, half_times: bool = True) -> str | None
 def choose_modes(asked: list[str] | None, layout: RunLayout, half_times: bool = True) -> tuple[list[str], dict]:
     """(modes to predict, {skipped mode: reason}). A mode asked for that cannot run is a ValueError."""
     if asked:
+        asked = [ALIASES.get(mode, mode) for mode in asked]
         for mode in asked:
             reason = why_not(mode, layout, half_times)
             if reason:
@@ -67,16 +70,11 @@ def mode_lap(mode: str, st: StepTimes, layout: RunLayout, shape: ModelShape,
     m = layout.micro_batches
     if layout.dims.pp > 1:
         return pipeline_step(st, mode, shape.num_layers, layout.dims.pp, m)
-    if mode == "sequential" or m == 1:
-        return sequential(st, m), None
-    if mode == "si":
-        return si(st, m), None
-    if mode == "si-ends":
-        return si_ends(st, m), None
-    if mode in ("si-plan", "si-planned"):
-        return planned(st, m, planned_plans["default" if mode == "si-plan" else "dp"]), None
+    spec = lookup(mode, ONE_STAGE)
+    plan = planned_plans["default" if mode == "si-plan" else "dp"] if mode in ("si-plan", "si-planned") else None
     b = layout.micro_batch_size
-    return intra(times_of((b + 1) // 2), times_of(b // 2), m), None
+    half = (times_of((b + 1) // 2), times_of(b // 2)) if spec.halves else None
+    return schedule_step(spec, m, st, half, plan), None
 
 
 def project(shape: ModelShape, layout: RunLayout, times_of: Callable[[int], StepTimes], modes: list[str],

@@ -1,29 +1,18 @@
-"""Two strands' op chains run the way the executor orders them, on one compute unit and the
-links of their collectives: the makespan of one round (an SI pair, two backwards, two forwards).
+"""Two strands' op chains run on one compute unit and the links of their collectives, decision by
+decision by the executor's own round policy (``ds_dhelix.schedule.policy``): the makespan of one
+round (an SI pair, two backwards, two forwards).
 
 A strand is a chain of ``ChainOp``: compute of ``ms`` (plus ``deferred_ms`` of weight-gradient work
-it leaves for later) or a collective of ``ms`` wire time on ``group`` over ``link``. The chains run
-under the rules of ``runtime.executor._Round`` (keep the two in step):
+it leaves for later) or a collective of ``ms`` wire time on ``group`` over ``link``. This module is
+the policy's host on a virtual clock: a collective has completed when its wire time has passed,
+every collective may be polled, no activation budget binds. Collectives in flight on the same
+``link`` share it evenly; on different links they run side by side. While any collective flies,
+compute runs ``slowdown`` slower (compute and communication kernels share the device; on a CPU,
+gloo's threads share the cores). A round ends with its deferred weight gradients run, as the
+executor drains them after a pair.
 
-    launch     a collective starts the moment its strand reaches it (strand 0 first)
-    compute    one compute op: of the strand with the fewest compute ops before its next
-               collective (``order="reactive"``, ties: strand 0) or strand 0 first
-               (``order="strand0"``: plan rounds, and the executor without reactive pairs)
-    fill       else a deferred weight gradient (first, when more than ``max_deferred`` wait)
-    wait       else wait for a collective in flight: the oldest, or whichever completes first
-               when the two in flight are on different groups and the executor reacts
-    who may go a strand with no collective in flight (``reacts``: one that completed lets its
-               strand go at once; not reacting, only once it is waited for, as on CUDA, where the
-               host does not see completions), ``gated``: the forward strand (1) not past the
-               backward strand's block depth, nor while a weight gradient of a shallower depth
-               waits; ``trail``: strand 1 runs position i only after strand 0 ran its own
-
-Collectives in flight on the same ``link`` share it evenly; on different links they run side by
-side. While any collective flies, compute runs ``slowdown`` slower (compute and communication
-kernels share the device; on a CPU, gloo's threads share the cores).
-
-    retime_pair   the executor's order rule
-    search_pair   the best order a beam search finds for the same chains and constraints
+    retime_pair   the executor's order (``Round.decide``)
+    search_pair   the best order a beam search over the same choices (``Round.choices``) finds
     bound         max(sum of compute, sum of wire time): perfect overlap
 
 Plain data: no torch, no torch.distributed.
@@ -32,7 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ORDERS = ("reactive", "strand0")
+from ..schedule import policy as P
+from ..schedule.policy import RoundRules
+
+__all__ = ["ChainOp", "PairRetime", "RoundRules", "retime_pair", "search_pair", "reactive_rules"]
 
 
 @dataclass(frozen=True)
@@ -63,125 +55,105 @@ class PairRetime:
         return max(self.compute_ms, self.wire_ms)
 
 
-@dataclass(frozen=True)
-class RoundRules:
-    """How a round runs: see the module docstring."""
-
-    max_deferred: int = 2
-    gated: bool = True
-    trail: bool = False
-    reacts: bool = True
-    order: str = "reactive"
-    slowdown: float = 0.0
-
-    def __post_init__(self):
-        if self.order not in ORDERS or self.slowdown < 0 or self.max_deferred < 0:
-            raise ValueError(f"round rules: order {self.order!r} (one of {ORDERS}), slowdown {self.slowdown} "
-                             f"(>= 0), max_deferred {self.max_deferred} (>= 0)")
+def reactive_rules(max_deferred: int = 2, **kw) -> RoundRules:
+    """An SI pair's rules as the executor runs it on separate strand groups: gated, reacting to
+    completions, nearest collective first."""
+    return RoundRules(**{"gated": True, "reacts": True, "nearest": True, "max_deferred": max_deferred, **kw})
 
 
 class _Flight:
-    """A collective in flight: its strand, wire ms left, depth, group and link."""
+    """A collective in flight: wire ms left and its link."""
 
-    __slots__ = ("strand", "left", "depth", "group", "link")
+    __slots__ = ("left", "link")
 
-    def __init__(self, strand: int, op: ChainOp):
-        self.strand, self.left, self.depth, self.group, self.link = strand, op.ms, op.depth, op.group, op.link
+    def __init__(self, op: ChainOp):
+        self.left, self.link = op.ms, op.link
 
-    def copy(self) -> "_Flight":
-        c = object.__new__(_Flight)
-        c.strand, c.left, c.depth, c.group, c.link = self.strand, self.left, self.depth, self.group, self.link
-        return c
+
+def _copy_flight(f: _Flight) -> _Flight:
+    c = object.__new__(_Flight)
+    c.left, c.link = f.left, f.link
+    return c
 
 
 class _Pair:
-    """Two strands' chains advanced decision by decision. A decision is what the compute unit does
-    next: ``("op", s)`` the next compute op of strand s (0: backward), ``("wgrad",)`` the oldest
-    deferred weight gradient, ``("wait",)`` nothing until a collective is done."""
+    """One round on the virtual clock: the policy's ``Round`` and what the host knows (time, wire
+    left per collective, the deferred weight gradients)."""
 
-    def __init__(self, strand0, strand1, rules: RoundRules):
-        self.chains, self.rules = (list(strand0), list(strand1)), rules
-        self.t, self.waited, self.pos = 0.0, 0.0, [0, 0]
-        self.flights: list[_Flight] = []  # in launch order; ``left`` 0: done, not yet waited for
-        self.deferred: list[tuple[float, int]] = []  # (ms, depth), oldest first
+    def __init__(self, strand0, strand1, rules: RoundRules, slowdown: float):
+        self.round = P.Round(list(strand0), list(strand1), rules, comm=lambda o: o.comm, depth=lambda o: o.depth)
+        self.slowdown = slowdown
+        self.t, self.waited = 0.0, 0.0
+        self.queue: list[tuple[float, int]] = []  # deferred (ms, depth), oldest first
 
     def copy(self) -> "_Pair":
         c = object.__new__(_Pair)
-        c.chains, c.rules, c.t, c.waited, c.pos = self.chains, self.rules, self.t, self.waited, list(self.pos)
-        c.flights, c.deferred = [f.copy() for f in self.flights], list(self.deferred)
+        c.round, c.slowdown, c.t, c.waited = self.round.copy(_copy_flight), self.slowdown, self.t, self.waited
+        c.queue = list(self.queue)
         return c
 
     def key(self) -> tuple:
-        """What the search tells states apart by: queue positions, how many weight gradients wait
-        (their contents follow from the positions) and the collectives in flight."""
-        return (*self.pos, len(self.deferred), *((f.strand, round(f.left, 3)) for f in self.flights))
+        """What the search tells states apart by: positions, deferred count, collectives in flight."""
+        r = self.round
+        return (*r.pos, len(self.queue), *((s, round(r.flight[s][1].left, 3)) for s in r.order))
 
+    # ---- the policy's host
+    def completed(self, flight: _Flight) -> bool:
+        return flight.left <= 1e-12
+
+    def pollable(self, item) -> bool:
+        return True
+
+    def deferred(self) -> tuple[int, float]:
+        return len(self.queue), (self.queue[0][1] if self.queue else float("inf"))
+
+    def may_save(self, item) -> bool:
+        return True
+
+    # ---- carrying out a decision
     @property
     def done(self) -> bool:
-        return not (self._left(0) or self._left(1) or self.flights or self.deferred)
+        return self.round.done and not self.queue
 
-    def _left(self, s: int) -> bool:
-        return self.pos[s] < len(self.chains[s])
+    def options(self) -> list[P.Decision]:
+        """Forced moves applied; then every legal choice (the deferred work once the lists are
+        run; none when the round is done)."""
+        while not self.round.done:
+            forced = self.round.forced(self)
+            if forced is None:
+                return self.round.choices(self)
+            self.apply(forced)
+        return [P.Decision(P.FILL)] if self.queue else []
 
-    def _head(self, s: int) -> ChainOp:
-        return self.chains[s][self.pos[s]]
+    def decide(self) -> P.Decision:
+        return self.round.decide(self) if not self.round.done else P.Decision(P.FILL)
 
-    def _flying(self, s: int) -> _Flight | None:
-        return next((f for f in self.flights if f.strand == s), None)
-
-    def may_go(self, s: int) -> bool:
-        if self._flying(s) is not None or not self._left(s):
-            return False
-        if self.rules.trail and s == 1 and self._left(0):
-            return self.pos[1] < self.pos[0]
-        if s == 0 or not self.rules.gated:
-            return True
-        f_depth = self._head(1).depth
-        if self.deferred and self.deferred[0][1] < f_depth:
-            return False
-        b = self._flying(0)
-        if not (self._left(0) or b is not None):
-            return True
-        return f_depth <= (b.depth if b is not None else self._head(0).depth)
-
-    def launch(self) -> None:
-        for s in (0, 1):
-            while self.may_go(s) and self._head(s).comm:
-                self.flights.append(_Flight(s, self._head(s)))
-                self.pos[s] += 1
-
-    def options(self) -> list[tuple]:
-        self.launch()
-        if len(self.deferred) > self.rules.max_deferred:
-            return [("wgrad",)]
-        out = [("op", s) for s in (0, 1) if self.may_go(s) and not self._head(s).comm]
-        if self.deferred:
-            out.append(("wgrad",))
-        if not (out or self.flights):
-            raise ValueError(f"pair re-timing stuck at {self.pos}: no strand may go and nothing in flight")
-        return out or [("wait",)]
-
-    def until_comm(self, s: int) -> int:
-        chain = self.chains[s]
-        return next((i - self.pos[s] for i in range(self.pos[s], len(chain)) if chain[i].comm),
-                    len(chain) - self.pos[s])
-
-    def apply(self, choice: tuple) -> None:
-        if choice[0] == "op":
-            op = self._head(choice[1])
-            self.pos[choice[1]] += 1
+    def apply(self, d: P.Decision) -> None:
+        r = self.round
+        if d.kind == P.COMPUTE:
+            op = r.take(d.strand)
             if op.deferred_ms > 0:
-                self.deferred.append((op.deferred_ms, op.depth))
+                self.queue.append((op.deferred_ms, op.depth))
             self._run(op.ms)
-        elif choice[0] == "wgrad":
-            self._run(self.deferred.pop(0)[0])
-        else:
-            self._wait()
+        elif d.kind == P.LAUNCH:
+            op = r.take(d.strand)
+            r.launched(d.strand, op, _Flight(op))
+        elif d.kind == P.FINISH:
+            r.finished(d.strand)
+        elif d.kind in (P.DRAIN, P.FILL):
+            self._run(self.queue.pop(0)[0])
+        elif d.kind == P.WAIT:
+            self._wait((d.strand,))
+        elif d.kind == P.WAIT_FIRST:
+            self._wait(d.strands)
+
+    def _flights(self) -> list[_Flight]:
+        return [f[1] for f in self.round.flight if f is not None and f[1].left > 1e-12]
 
     def _run(self, work: float) -> None:
         """Advance through ``work`` ms of compute, slowed while collectives fly."""
         while work > 1e-12:
-            rate = 1.0 / (1.0 + self.rules.slowdown) if self._active() else 1.0
+            rate = 1.0 / (1.0 + self.slowdown) if self._flights() else 1.0
             dt = work / rate
             nxt = self._next_completion()
             if nxt is not None and nxt < dt:
@@ -189,86 +161,70 @@ class _Pair:
             self._advance(dt)
             work -= dt * rate
 
-    def _wait(self) -> None:
-        """Wait for the oldest collective, or for the first to complete (reacting, different groups)."""
-        t0 = self.t
-        active = self._active()
-        if self.rules.reacts and len(active) > 1 and len({f.group for f in active}) > 1:
-            while len(self._active()) == len(active):  # (reacting: completed ones leave the list)
-                self._advance(self._next_completion())
-        else:
-            target = self.flights[0]
-            while target.left > 1e-12:
-                self._advance(self._next_completion())
-            if target in self.flights:
-                self.flights.remove(target)
+    def _wait(self, strands: tuple[int, ...]) -> None:
+        """Until one of ``strands``' collectives is done; it is finished (its strand goes on)."""
+        t0, r = self.t, self.round
+        while not any(self.completed(r.flight[s][1]) for s in strands):
+            self._advance(self._next_completion())
+        r.finished(next(s for s in strands if self.completed(r.flight[s][1])))
         self.waited += self.t - t0
 
-    def _active(self) -> list[_Flight]:
-        return [f for f in self.flights if f.left > 1e-12]
-
     def _next_completion(self) -> float | None:
-        active = self._active()
+        active = self._flights()
         if not active:
             return None
         return min(f.left * sum(g.link == f.link for g in active) for f in active)
 
     def _advance(self, dt: float) -> None:
-        active = self._active()
+        active = self._flights()
         for f in active:
             f.left -= dt / sum(g.link == f.link for g in active)
         self.t += dt
-        if self.rules.reacts:  # a completed collective lets its strand go at once
-            self.flights = [f for f in self.flights if f.left > 1e-12]
 
     def result(self) -> PairRetime:
-        chains = self.chains[0] + self.chains[1]
+        chains = list(self.round.items[0]) + list(self.round.items[1])
         return PairRetime(self.t, sum(st.ms + st.deferred_ms for st in chains if not st.comm),
                           sum(st.ms for st in chains if st.comm), self.waited)
 
 
-def _rules(max_deferred, rules: RoundRules | None) -> RoundRules:
-    return rules if rules is not None else RoundRules(max_deferred=max_deferred)
+def _pair(backward, forward, max_deferred: int, rules: RoundRules | None, slowdown: float) -> _Pair:
+    if slowdown < 0:
+        raise ValueError(f"slowdown {slowdown} must be >= 0 (compute's extra time while a collective flies)")
+    return _Pair(backward, forward, rules if rules is not None else reactive_rules(max_deferred), slowdown)
 
 
 def retime_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2,
-                rules: RoundRules | None = None) -> PairRetime:
-    """Run two strands' chains (strand 0: ``backward``, wins ties) under the executor's order rule
-    (``rules``, default: reactive SI with at most ``max_deferred`` weight gradients waiting).
-    Pure function of its inputs."""
-    pair = _Pair(backward, forward, _rules(max_deferred, rules))
-    reactive = pair.rules.order == "reactive"
+                rules: RoundRules | None = None, slowdown: float = 0.0) -> PairRetime:
+    """Run two strands' chains (strand 0: ``backward``, wins ties) by the round policy (``rules``,
+    default: reactive SI with at most ``max_deferred`` weight gradients waiting), compute
+    ``slowdown`` slower while a collective flies. Pure function of its inputs."""
+    pair = _pair(backward, forward, max_deferred, rules, slowdown)
     while not pair.done:
-        opts = pair.options()
-        ops = [o for o in opts if o[0] == "op"]
-        if ops:
-            pair.apply(min(ops, key=lambda o: (pair.until_comm(o[1]) if reactive else 0, o[1])))
-        else:
-            pair.apply(opts[0])
+        pair.apply(pair.decide())
     return pair.result()
 
 
 def search_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2,
-                width: int = 1000, rules: RoundRules | None = None) -> PairRetime:
-    """The shortest makespan a beam search over the compute unit's decisions finds for the same
+                width: int = 1000, rules: RoundRules | None = None, slowdown: float = 0.0) -> PairRetime:
+    """The shortest makespan a beam search over the compute unit's choices finds for the same
     chains, machine and constraints as ``retime_pair`` (any work-conserving order, not just the
-    executor's rule): how much a better order could gain. Keeps the ``width`` earliest states per
+    policy's pick): how much a better order could gain. Keeps the ``width`` earliest states per
     number of decisions; the rule's own order stays a candidate, so the result is never worse
     than ``retime_pair``'s."""
-    rules = _rules(max_deferred, rules)
-    frontier, best = [_Pair(backward, forward, rules)], None
+    frontier, best = [_pair(backward, forward, max_deferred, rules, slowdown)], None
     while frontier:
         states: dict = {}
         for pair in frontier:
-            if pair.done:
+            choices = pair.options()
+            if not choices:
                 best = pair if best is None or pair.t < best.t else best
                 continue
-            for choice in pair.options():
+            for choice in choices:
                 nxt = pair.copy()
                 nxt.apply(choice)
                 k = nxt.key()
                 if k not in states or states[k].t > nxt.t:
                     states[k] = nxt
         frontier = sorted(states.values(), key=lambda p: p.t)[:width]
-    rule = retime_pair(backward, forward, rules=rules)
+    rule = retime_pair(backward, forward, max_deferred, rules, slowdown)
     return rule if rule.makespan_ms <= best.t else best.result()

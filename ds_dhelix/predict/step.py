@@ -1,16 +1,18 @@
-"""One optimizer step of m micro-batches per schedule, from predicted op times (``StepTimes``),
-run the way the executor runs it (``runtime.executor``; keep the two in step)::
+"""One optimizer step of m micro-batches per schedule, from predicted op times (``StepTimes``):
+the schedule's instruction list (``ds_dhelix.schedule``) priced instruction by instruction, each
+compute instruction's rounds run by the executor's own round policy on a virtual clock
+(``retime``)::
 
-    sequential   F0 B0 F1 B1 ...                  every collective waited at once
-    si           F0 | F1(x)B0 | ... | B(m-1)      reactive pairs over the whole model (``retime``),
-                                                  weight gradients deferred when the graph communicates
-    si-ends      F0(x)F1 | F2(x)B0 | ... | B(m-2)(x)B(m-1)   (``pair_ends``)
-    si-plan      pairs by the default SI plan's rounds, a barrier after each (``si_execution: plan``)
-    si-planned   pairs by the DP planner's plan over a table predicted from the same op times
-    intra        F(a)(x)F(b) | B(a)(x)B(b) per micro-batch, its halves a and b (Domino's overlap)
+    Forward / Backward   one strand alone (a lone backward's weight gradients deferred where the
+                         schedule defers them and the graph communicates)
+    ForwardBackward      an SI pair: reactive (one gated round) or, under si-plan / si-planned,
+                         by the plan's rounds with a barrier after each (``plan_pair``)
+    ForwardForward       two forwards side by side; BackwardBackward: two backwards, the second
+                         trailing (intra: the two halves of a micro-batch, each at its own size)
 
 then what a step adds once (``StepTimes.tail``). Each mode gives its step time, the time the
-compute unit waited on collectives (exposed communication) and tokens/s. Plain data.
+compute unit waited on collectives (exposed communication) and tokens/s. A new one-stage schedule
+needs no code here: its instruction list is priced as it is. Plain data.
 """
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ from dataclasses import dataclass
 from ..graph.ops import OpKind, OpSpec, backward_order
 from ..planning.plan import SIPlan, default_plan, segment_has_comm
 from ..planning.planner import EMPTY, OverlapTable, candidate_segments, plan_dp, predict_ms
+from ..schedule import instructions as S
+from ..schedule.registry import ONE_STAGE, ScheduleSpec, names
 from .costs import OpTime, StepTimes
-from .retime import ChainOp, PairRetime, RoundRules, retime_pair
+from .retime import ChainOp, PairRetime, RoundRules, reactive_rules, retime_pair
 
-MODES = ("sequential", "si", "si-ends", "si-plan", "si-planned", "intra")
+MODES = names(ONE_STAGE, built=True)
 
 
 @dataclass(frozen=True)
@@ -64,56 +68,62 @@ def backward_chain(st: StepTimes, blocks: list[int], defer: bool, lo: int = 0, h
 
 
 def _rules(st: StepTimes, **kw) -> RoundRules:
-    return RoundRules(slowdown=st.slowdown, reacts=st.reacts, **kw)
+    return reactive_rules(reacts=st.reacts, **kw)
+
+
+def _run(st: StepTimes, backward: list[ChainOp], forward: list[ChainOp], rules: RoundRules) -> PairRetime:
+    """A round of the two chains by the round policy on ``st``'s machine (its slowdown)."""
+    return retime_pair(backward, forward, rules=rules, slowdown=st.slowdown)
 
 
 def communicates(st: StepTimes) -> bool:
     return any(o.comm for b in st.blocks for o in b)
 
 
-def sequential(st: StepTimes, m: int) -> Lap:
-    """F then B per micro-batch, each collective waited at once."""
-    comm = st.comm_ms()
-    return Lap(st.compute_ms() + comm, comm) * m
+def _strand_rules(st: StepTimes, plan_mode: bool, **kw) -> RoundRules:
+    return plan_rules(st) if plan_mode else _rules(st, **kw)
 
 
-def si(st: StepTimes, m: int) -> Lap:
+def price(ins: S.Instruction, spec: ScheduleSpec, st: StepTimes, half: tuple[StepTimes, StepTimes],
+          plan: SIPlan | None) -> Lap:
+    """One compute instruction of ``spec``'s list (``plan``: a plan schedule's); ``half``: the op
+    times of a micro-batch's two halves (intra)."""
     every = list(range(len(st.blocks)))
-    back = every[::-1]
-    defer = communicates(st)
-    first = _lap(retime_pair([], forward_chain(st, every), rules=_rules(st)))
-    pair = _lap(retime_pair(backward_chain(st, back, defer), forward_chain(st, every), rules=_rules(st)))
-    last = _lap(retime_pair(backward_chain(st, back, defer), [], rules=_rules(st)))
-    return first + pair * (m - 1) + last
+    back, defer = every[::-1], spec.defers_weight_grads and communicates(st)
+    rules = _strand_rules(st, plan is not None)
+    if isinstance(ins, S.Forward):
+        return _lap(_run(st, [], forward_chain(st, every), rules))
+    if isinstance(ins, S.Backward):
+        return _lap(_run(st, backward_chain(st, back, defer), [], rules))
+    if isinstance(ins, S.ForwardBackward):
+        if plan is not None:
+            return plan_pair(st, every, back, plan)
+        return _lap(_run(st, backward_chain(st, back, defer), forward_chain(st, every), _rules(st)))
+    a, b = half if spec.halves else (st, st)
+    if isinstance(ins, S.ForwardForward):
+        return _lap(_run(a, forward_chain(a, every), forward_chain(b, every), _rules(a, gated=False)))
+    if isinstance(ins, S.BackwardBackward):
+        return _lap(_run(a, backward_chain(a, back, defer), backward_chain(b, back, defer),
+                         _rules(a, gated=False, trail=True)))
+    return ZERO  # loads, the activation budget, the step's end (``StepTimes.tail``)
 
 
-def si_ends(st: StepTimes, m: int) -> Lap:
-    if m < 2:
-        raise ValueError(f"si-ends pairs the first two forwards: it needs at least 2 micro-batches, got {m}")
-    every = list(range(len(st.blocks)))
-    back, defer = every[::-1], communicates(st)
-    ff = _lap(retime_pair(forward_chain(st, every), forward_chain(st, every), rules=_rules(st, gated=False)))
-    pair = _lap(retime_pair(backward_chain(st, back, defer), forward_chain(st, every), rules=_rules(st)))
-    bb = _lap(retime_pair(backward_chain(st, back, defer), backward_chain(st, back, defer),
-                          rules=_rules(st, gated=False, trail=True)))
-    return ff + pair * (m - 2) + bb
-
-
-def intra(half_a: StepTimes, half_b: StepTimes, m: int) -> Lap:
-    """Each micro-batch's halves: forwards side by side, then backwards (the second trailing)."""
-    every = list(range(len(half_a.blocks)))
-    back, defer = every[::-1], communicates(half_a)
-    ff = _lap(retime_pair(forward_chain(half_a, every), forward_chain(half_b, every),
-                          rules=_rules(half_a, gated=False)))
-    bb = _lap(retime_pair(backward_chain(half_a, back, defer), backward_chain(half_b, back, defer),
-                          rules=_rules(half_a, gated=False, trail=True)))
-    return (ff + bb) * m
+def schedule_step(spec: ScheduleSpec, m: int, st: StepTimes, half: tuple[StepTimes, StepTimes] | None = None,
+                  plan: SIPlan | None = None) -> Lap:
+    """A step of ``m`` micro-batches under one-stage schedule ``spec``: its instruction list priced
+    (instructions of one kind cost the same: priced once each)."""
+    lap, prices = ZERO, {}
+    for ins in spec.schedule(1, m)[0]:
+        if type(ins) not in prices:
+            prices[type(ins)] = price(ins, spec, st, half or (st, st), plan)
+        lap += prices[type(ins)]
+    return lap
 
 
 # ------------------------------------------------------------------------------ plan rounds
 def plan_rules(st: StepTimes) -> RoundRules:
     """How a plan round runs: no reaction to completions, backward compute first, no deferral."""
-    return RoundRules(gated=False, reacts=False, order="strand0", slowdown=st.slowdown)
+    return RoundRules(gated=False, reacts=False, nearest=False)
 
 
 def specs_of(st: StepTimes, b: int) -> tuple[OpSpec, ...]:
@@ -140,13 +150,13 @@ def predicted_table(st: StepTimes, block: int) -> OverlapTable:
     b_chain = {s: backward_chain(st, [block], False, *s) for s in bc}
     table = OverlapTable({"device": "predicted"}, fwd, bwd)
     for s in fc:
-        table.set_entry((s, EMPTY), retime_pair([], f_chain[s], rules=rules).makespan_ms)
+        table.set_entry((s, EMPTY), _run(st, [], f_chain[s], rules).makespan_ms)
     for s in bc:
-        table.set_entry((EMPTY, s), retime_pair(b_chain[s], [], rules=rules).makespan_ms)
+        table.set_entry((EMPTY, s), _run(st, b_chain[s], [], rules).makespan_ms)
     for a in fc:
         for s in bc:
             if not (segment_has_comm(fwd, a) and segment_has_comm(bwd, s)):
-                table.set_entry((a, s), retime_pair(b_chain[s], f_chain[a], rules=rules).makespan_ms)
+                table.set_entry((a, s), _run(st, b_chain[s], f_chain[a], rules).makespan_ms)
     return table
 
 
@@ -163,19 +173,12 @@ def plan_pair(st: StepTimes, f_blocks: list[int], b_blocks: list[int], plan: SIP
             p = plan if specs_of(st, fb) == specs_of(st, bb) == plan.fwd_ops else \
                 default_plan(specs_of(st, fb), backward_order(specs_of(st, bb)))
             for r in p.rounds:
-                lap += _lap(retime_pair(backward_chain(st, [bb], False, *r.bwd), forward_chain(st, [fb], *r.fwd),
-                                        rules=rules))
+                lap += _lap(_run(st, backward_chain(st, [bb], False, *r.bwd), forward_chain(st, [fb], *r.fwd),
+                                        rules))
         else:
-            lap += _lap(retime_pair(backward_chain(st, [bb], False) if bb is not None else [],
-                                    forward_chain(st, [fb]) if fb is not None else [], rules=rules))
+            lap += _lap(_run(st, backward_chain(st, [bb], False) if bb is not None else [],
+                                    forward_chain(st, [fb]) if fb is not None else [], rules))
     return lap
-
-
-def planned(st: StepTimes, m: int, plan: SIPlan) -> Lap:
-    """SI by ``plan``: F0 alone, m-1 pairs of plan rounds, B(m-1) alone (no deferral)."""
-    every = list(range(len(st.blocks)))
-    alone = Lap(st.compute_ms() + st.comm_ms(), st.comm_ms())
-    return alone + plan_pair(st, every, every[::-1], plan) * (m - 1)
 
 
 def plans(st: StepTimes) -> dict:

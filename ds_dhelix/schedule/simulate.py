@@ -1,6 +1,8 @@
-"""Pure replay of every rank's instruction stream of a folded schedule.
+"""Pure replay of every rank's instruction stream of a schedule: the fold's (see
+:mod:`ds_dhelix.schedule.fold`) or one stage's (:mod:`ds_dhelix.schedule.one_stage`, ``one_stage=True``:
+one rank, one chunk, the whole model).
 
-:func:`replay` runs all ranks' lists (see :mod:`ds_dhelix.pipe.schedule`) against each other:
+:func:`replay` runs all ranks' lists against each other:
 
 * communication: ``Recv*``/``Send*`` post without blocking; ops on a directed channel (src, dst)
   match in posting order and must agree on kind, micro-batch and phase, and the peer must be the
@@ -23,7 +25,7 @@ its waits are satisfied. bubble fraction = idle / (p * makespan).
 W schedule bubble, closed form (:func:`w_bubble_closed_form`), for m >= p+1, latency 0 and a
 pair cost c >= max(F, B) (co-executing two strands is never faster than the slower one alone).
 
-Slot model (:mod:`ds_dhelix.pipe.schedule`): rank r's phase-0 slot k sits at slot time r+2k
+Slot model (:mod:`ds_dhelix.schedule.fold`): rank r's phase-0 slot k sits at slot time r+2k
 and holds F0(k)⊗B1(k-p), its phase-1 slot k sits at 2p-1-r+2k and holds F1(k)⊗B0(k-p),
 k = 0..m+p-1. A slot with k < p is forward-only (weight F), p <= k < m a pair (c), k >= m
 backward-only (B). Every rank thus does the same work  W = 2pF + 2(m-p)c + 2pB.
@@ -62,10 +64,38 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from .folding import chunk_index, next_chunk_owner, prev_chunk_owner
-from .schedule import (
-    ACTIVATION, GRAD, Backward, Forward, ForwardBackward, Instruction, LoadMicroBatch,
-    OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, Schedule, SendActivation, SendGrad,
-    WaitRecv, WaitSends, compute_parts)
+from .instructions import (
+    ACTIVATION, GRAD, WHOLE, Backward, BackwardBackward, FixActivationBudget, Forward, ForwardBackward,
+    ForwardForward, Instruction, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, Schedule,
+    SendActivation, SendGrad, WaitRecv, WaitSends, compute_parts)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a schedule's chunks live: the fold over ``num_ranks`` ranks (2p chunks, two phases per
+    rank), or one stage (one rank, one chunk: the whole model, phase ``WHOLE``)."""
+
+    num_ranks: int
+    folded: bool = True
+
+    @property
+    def num_chunks(self) -> int:
+        return 2 * self.num_ranks if self.folded else 1
+
+    @property
+    def phases(self) -> tuple[int, ...]:
+        return (0, 1) if self.folded else (WHOLE,)
+
+    def chunk(self, rank: int, phase: int) -> int:
+        return chunk_index(rank, phase, self.num_ranks) if self.folded else 0
+
+    def next_owner(self, rank: int, phase: int) -> tuple[int, int] | None:
+        """Where the forward output of (rank, phase) goes; None after the last chunk (the loss)."""
+        return next_chunk_owner(rank, phase, self.num_ranks) if self.folded else None
+
+    def prev_owner(self, rank: int, phase: int) -> tuple[int, int] | None:
+        """Where the forward input of (rank, phase) comes from; None for the first chunk (loaded)."""
+        return prev_chunk_owner(rank, phase, self.num_ranks) if self.folded else None
 
 
 @dataclass(frozen=True)
@@ -160,8 +190,8 @@ class _Rank:
 
 
 class _Replayer:
-    def __init__(self, schedule: Schedule, num_microbatches: int, costs: dict, latency: float):
-        self.schedule, self.p, self.m = schedule, len(schedule), num_microbatches
+    def __init__(self, schedule: Schedule, num_microbatches: int, costs: dict, latency: float, topo: Topology):
+        self.schedule, self.p, self.m, self.topo = schedule, len(schedule), num_microbatches, topo
         self.costs, self.latency = costs, latency
         self.ranks = [_Rank() for _ in range(self.p)]
         self.events: list[list[Event]] = [[] for _ in range(self.p)]
@@ -204,12 +234,14 @@ class _Replayer:
             return self.wait_sends(r)
         elif isinstance(ins, LoadMicroBatch):
             key = (ACTIVATION, ins.mb, 0)
-            if r != 0 or key in st.ready or (ins.mb, chunk_index(0, 0, self.p)) in self.forwarded:
+            if r != 0 or key in st.ready or (ins.mb, self.topo.chunk(0, self.topo.phases[0])) in self.forwarded:
                 self.fail("buffer", r, f"LoadMicroBatch({ins.mb}) on rank {r}: only rank 0 loads, "
                           f"once per micro-batch")
             st.ready.add(key)
         elif compute_parts(ins):
             self.compute(r, ins)
+        elif isinstance(ins, FixActivationBudget):
+            pass  # a memory rule for the executor: nothing to replay
         elif isinstance(ins, ReduceGrads):
             self.check_done(r, "ReduceGrads")
             st.reduced += 1
@@ -226,7 +258,7 @@ class _Replayer:
         st = self.ranks[r]
         kind = ACTIVATION if isinstance(ins, RecvActivation) else GRAD
         key = (kind, ins.mb, ins.phase)
-        src = (prev_chunk_owner if kind == ACTIVATION else next_chunk_owner)(r, ins.phase, self.p)
+        src = (self.topo.prev_owner if kind == ACTIVATION else self.topo.next_owner)(r, ins.phase)
         if not src or src[0] == r or ins.peer != src[0]:
             want = f"rank {src[0]}" if src and src[0] != r else "no rank (made locally or loaded)"
             self.fail("peer", r, f"{ins} receives from rank {ins.peer}; the fold sends it from "
@@ -242,7 +274,7 @@ class _Replayer:
         st = self.ranks[r]
         kind = ACTIVATION if isinstance(ins, SendActivation) else GRAD
         key = (kind, ins.mb, ins.phase)
-        dst = (next_chunk_owner if kind == ACTIVATION else prev_chunk_owner)(r, ins.phase, self.p)
+        dst = (self.topo.next_owner if kind == ACTIVATION else self.topo.prev_owner)(r, ins.phase)
         if not dst or dst[0] == r or ins.peer != dst[0]:
             want = f"rank {dst[0]}" if dst and dst[0] != r else "no rank (used locally)"
             self.fail("peer", r, f"{ins} sends to rank {ins.peer}; the fold sends it to {want}")
@@ -290,7 +322,9 @@ class _Replayer:
         st = self.ranks[r]
         parts = compute_parts(ins)
         if len(parts) == 2 and (parts[0].mb, parts[0].phase) == (parts[1].mb, parts[1].phase):
-            self.fail("work", r, f"{ins} pairs a chunk's forward with its own backward")
+            what = "a chunk's forward with its own backward" if isinstance(ins, ForwardBackward) else \
+                f"micro-batch {parts[0].mb} with itself"
+            self.fail("work", r, f"{ins} pairs {what}")
         for part in parts:
             (self.check_forward if isinstance(part, Forward) else self.check_backward)(r, part)
         for part in parts:
@@ -301,7 +335,7 @@ class _Replayer:
         st.peak = max(st.peak, len(st.saved))
 
     def check_forward(self, r: int, f: Forward) -> None:
-        chunk = (f.mb, chunk_index(r, f.phase, self.p))
+        chunk = (f.mb, self.topo.chunk(r, f.phase))
         if not 0 <= f.mb < self.m:
             self.fail("work", r, f"{f}: micro-batch outside 0..{self.m - 1}")
         if self.forwarded.get(chunk):
@@ -310,7 +344,7 @@ class _Replayer:
             self.fail("buffer", r, f"{f}: input activation used before it was received/loaded")
 
     def check_backward(self, r: int, b: Backward) -> None:
-        st, chunk = self.ranks[r], (b.mb, chunk_index(r, b.phase, self.p))
+        st, chunk = self.ranks[r], (b.mb, self.topo.chunk(r, b.phase))
         if (b.mb, b.phase) not in st.saved:
             why = ("frees its activations twice (backward twice)" if self.backwarded.get(chunk)
                    else "runs before the chunk's forward")
@@ -320,10 +354,10 @@ class _Replayer:
 
     def do_forward(self, r: int, f: Forward) -> None:
         st = self.ranks[r]
-        self.forwarded[(f.mb, chunk_index(r, f.phase, self.p))] = 1
+        self.forwarded[(f.mb, self.topo.chunk(r, f.phase))] = 1
         st.ready.discard((ACTIVATION, f.mb, f.phase))
         st.saved.add((f.mb, f.phase))
-        dst = next_chunk_owner(r, f.phase, self.p)
+        dst = self.topo.next_owner(r, f.phase)
         if dst is None:
             st.ready.add((GRAD, f.mb, f.phase))  # the loss: its gradient starts backward here
         elif dst[0] == r:
@@ -333,10 +367,10 @@ class _Replayer:
 
     def do_backward(self, r: int, b: Backward) -> None:
         st = self.ranks[r]
-        self.backwarded[(b.mb, chunk_index(r, b.phase, self.p))] = 1
+        self.backwarded[(b.mb, self.topo.chunk(r, b.phase))] = 1
         st.saved.discard((b.mb, b.phase))
         st.ready.discard((GRAD, b.mb, b.phase))
-        dst = prev_chunk_owner(r, b.phase, self.p)
+        dst = self.topo.prev_owner(r, b.phase)
         if dst is not None and dst[0] == r:
             st.ready.add((GRAD, b.mb, dst[1]))
         elif dst is not None:
@@ -344,8 +378,8 @@ class _Replayer:
 
     def check_done(self, r: int, what: str) -> None:
         st = self.ranks[r]
-        missing = [Backward(mb, ph).label() for ph in (0, 1) for mb in range(self.m)
-                   if not self.backwarded.get((mb, chunk_index(r, ph, self.p)))]
+        missing = [Backward(mb, ph).label() for ph in self.topo.phases for mb in range(self.m)
+                   if not self.backwarded.get((mb, self.topo.chunk(r, ph)))]
         if missing:
             self.fail("work", r, f"{what} before backward {', '.join(missing[:4])} ran")
         if st.unsent:
@@ -400,7 +434,7 @@ class _Replayer:
             if st.reduced != 1 or st.stepped != 1:
                 errors.append(ReplayError("work", f"ReduceGrads ran {st.reduced}x, OptimizerStep "
                                           f"{st.stepped}x (need once each)", r))
-        for chunk in range(2 * self.p):
+        for chunk in range(self.topo.num_chunks):
             for mb in range(self.m):
                 for done, what in ((self.forwarded, "forward"), (self.backwarded, "backward")):
                     if not done.get((mb, chunk)):
@@ -415,18 +449,27 @@ def _key(key) -> str:
 
 
 def replay(schedule: Schedule, num_microbatches: int, fwd_cost: float = 1.0,
-           bwd_cost: float = 2.0, pair_cost="max", latency: float = 0.0) -> Replay:
-    """Replay all ranks of ``schedule`` (a list per rank) for ``num_microbatches`` micro-batches.
+           bwd_cost: float = 2.0, pair_cost="max", latency: float = 0.0, one_stage: bool = False) -> Replay:
+    """Replay all ranks of ``schedule`` (a list per rank) for ``num_microbatches`` micro-batches
+    (``one_stage``: a one-stage schedule's single list, whose micro-batches are the ones its list
+    names: 2m halves under intra).
 
     Returns a :class:`Replay` with the timeline, bubble fraction and errors (empty when the
     schedule is correct). Stops at the first structural error; a deadlock lists every stuck rank.
+    Two strands of one direction (``ForwardForward``, ``BackwardBackward``) cost max(F, F) and
+    max(B, B) (``pair_cost`` "sum": twice; a number prices the forward/backward pair only).
     """
     if fwd_cost <= 0 or bwd_cost <= 0 or latency < 0:
         raise ValueError(f"fwd_cost={fwd_cost}, bwd_cost={bwd_cost} must be > 0 and "
                          f"latency={latency} >= 0")
+    same = pair_cost if pair_cost in ("max", "sum", None) else "max"
     costs = {Forward: fwd_cost, Backward: bwd_cost,
-             ForwardBackward: resolve_pair_cost(fwd_cost, bwd_cost, pair_cost)}
-    sim = _Replayer(schedule, num_microbatches, costs, latency)
+             ForwardBackward: resolve_pair_cost(fwd_cost, bwd_cost, pair_cost),
+             ForwardForward: resolve_pair_cost(fwd_cost, fwd_cost, same),
+             BackwardBackward: resolve_pair_cost(bwd_cost, bwd_cost, same)}
+    if one_stage and len(schedule) != 1:
+        raise ValueError(f"a one-stage schedule has one rank's list, got {len(schedule)}")
+    sim = _Replayer(schedule, num_microbatches, costs, latency, Topology(len(schedule), folded=not one_stage))
     errors = sim.run()
     return Replay(len(schedule), num_microbatches, sim.events, errors,
                   [st.peak for st in sim.ranks])
@@ -435,7 +478,7 @@ def replay(schedule: Schedule, num_microbatches: int, fwd_cost: float = 1.0,
 # ---- closed forms ------------------------------------------------------------------------------
 
 def w_bubble_closed_form(p: int, m: int, F: float = 1.0, B: float = 2.0, pair_cost="max") -> float:
-    """Bubble fraction of :func:`~ds_dhelix.pipe.schedule.w_schedule` (derivation: module
+    """Bubble fraction of :func:`~ds_dhelix.schedule.fold.w_schedule` (derivation: module
     docstring): (p-1)c / (p(F+B) + (m-1)c) with c the pair cost; needs m >= p+1, c >= max(F, B)."""
     c = resolve_pair_cost(F, B, pair_cost)
     if m < p + 1 or c < max(F, B):

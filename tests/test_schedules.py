@@ -1,16 +1,24 @@
-"""Folded pipeline schedules replayed for every rank: correctness, bubble closed form, and
-corrupted schedules that the replay must catch."""
+"""Schedules as data, replayed for every rank: the registry's one-stage and folded pipeline
+schedules, correctness, bubble closed form, and corrupted schedules that the replay must catch."""
 import json
 
 import pytest
 
 from ds_dhelix.cli import main
-from ds_dhelix.pipe.schedule import (
-    Backward, Forward, ForwardBackward, LoadMicroBatch, OptimizerStep, RecvActivation,
-    ReduceGrads, SendActivation, SendGrad, WaitRecv, WaitSends, build_schedule,
-    dualpipev_si_schedule, min_microbatches, sequential_fold_schedule, w_schedule)
-from ds_dhelix.pipe.simulate import (
-    replay, sequential_bubble_closed_form, w_bubble_closed_form)
+from ds_dhelix.schedule import registry as R
+from ds_dhelix.schedule.fold import dualpipev_si_schedule, sequential_fold_schedule, w_schedule
+from ds_dhelix.schedule.instructions import (
+    Backward, BackwardBackward, FixActivationBudget, Forward, ForwardBackward, ForwardForward, LoadMicroBatch,
+    OptimizerStep, RecvActivation, ReduceGrads, SendActivation, SendGrad, WaitRecv, WaitSends, forward_only)
+from ds_dhelix.schedule.simulate import replay, sequential_bubble_closed_form, w_bubble_closed_form
+
+
+def build_schedule(name, p, m):
+    return R.build(name, R.PIPELINE, p, m)
+
+
+def min_microbatches(name, p):
+    return R.lookup(name, R.PIPELINE).minimum.of(p)
 
 
 def _cases(name, stages=(1, 2, 3, 4)):
@@ -40,7 +48,7 @@ def test_minimum_microbatches():
         dualpipev_si_schedule(3, 4)
     with pytest.raises(ValueError, match="num_stages=0"):
         sequential_fold_schedule(0, 4)
-    with pytest.raises(ValueError, match="schedule='x'"):
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'x'"):
         min_microbatches("x", 2)
 
 
@@ -247,12 +255,18 @@ def test_cli_simulate_rejects_too_few_microbatches(capsys):
 def test_cli_simulate_exit_nonzero_on_error(monkeypatch, capsys):
     import ds_dhelix.commands.simulate as cmd
 
-    def broken(name, p, m):
-        schedule = build_schedule(name, p, m)
-        schedule[0].remove(SendActivation(0, 0, 1))
-        return schedule
+    real = cmd.lookup
 
-    monkeypatch.setattr(cmd, "build_schedule", broken)
+    def broken(name, layout):
+        spec = real(name, layout)
+
+        def build(p, m):
+            schedule = spec.build(p, m)
+            schedule[0].remove(SendActivation(0, 0, 1))
+            return schedule
+        return R.ScheduleSpec(spec.name, spec.layout, spec.summary, build, spec.minimum)
+
+    monkeypatch.setattr(cmd, "lookup", broken)
     assert main(["simulate", "--stages", "2", "--microbatches", "4"]) == 1
     assert "error: [order]" in capsys.readouterr().out
 
@@ -261,3 +275,66 @@ def test_latency_delays_the_receivers():
     fast = replay(w_schedule(2, 4), 4)
     slow = replay(w_schedule(2, 4), 4, latency=0.5)
     assert fast.ok and slow.ok and slow.makespan > fast.makespan
+
+
+# ---- one stage -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", R.names(R.ONE_STAGE, built=True))
+def test_one_stage_schedules_replay(name):
+    """Every one-stage row of the registry replays clean for 1..6 micro-batches: each micro-batch
+    forwarded once, backwarded once after, the step's end once; the activations held at once
+    stay within what the schedule promises (si: one micro-batch; si-ends / intra: two)."""
+    spec = R.lookup(name, R.ONE_STAGE)
+    for m in range(1, 7):
+        (rank,) = spec.schedule(1, m)
+        result = replay([rank], spec.units(m), one_stage=True)
+        assert result.ok, (name, m, [str(e) for e in result.errors])
+        assert rank[-2:] == [ReduceGrads(), OptimizerStep()]
+        assert max(result.peak_activations) <= (2 if name == "intra" or (name == "si-ends" and m > 1) else 1)
+
+
+def test_one_stage_lists_read_as_the_executor_runs_them():
+    assert R.build("si", R.ONE_STAGE, 1, 3)[0] == [
+        LoadMicroBatch(0), Forward(0), FixActivationBudget(), LoadMicroBatch(1), ForwardBackward(1, 0, 0, 0),
+        LoadMicroBatch(2), ForwardBackward(2, 0, 1, 0), Backward(2), ReduceGrads(), OptimizerStep()]
+    ends = [i for i in R.build("si-ends", R.ONE_STAGE, 1, 4)[0] if not isinstance(i, LoadMicroBatch)]
+    assert ends[:4] == [ForwardForward(0, 1), ForwardBackward(2, 0, 0, 0), ForwardBackward(3, 0, 1, 0),
+                        BackwardBackward(2, 3)]
+    intra = [i for i in R.build("intra", R.ONE_STAGE, 1, 2)[0] if not isinstance(i, LoadMicroBatch)]
+    assert intra[:4] == [ForwardForward(0, 1), BackwardBackward(0, 1), ForwardForward(2, 3), BackwardBackward(2, 3)]
+    assert [i for i in forward_only(R.build("si", R.ONE_STAGE, 1, 2)[0]) if not isinstance(i, LoadMicroBatch)] \
+        == [Forward(0), Forward(1)]
+
+
+def test_the_replay_catches_a_broken_one_stage_list():
+    (rank,) = R.build("si", R.ONE_STAGE, 1, 3)
+    twice = [*rank[:2], Forward(0), *rank[2:]]
+    assert "forwarded twice" in str(replay([twice], 3, one_stage=True).errors[0])
+    itself = [LoadMicroBatch(0), ForwardForward(0, 0), BackwardBackward(0, 1), ReduceGrads(), OptimizerStep()]
+    assert "with itself" in str(replay([itself], 2, one_stage=True).errors[0])
+    missing = [i for i in rank if i != Backward(2)]
+    assert any("backward" in str(e) for e in replay([missing], 3, one_stage=True).errors)
+
+
+def test_registry_is_the_one_list_of_names():
+    """Config, bench, predict and the CLI read their schedule names from the registry."""
+    from ds_dhelix.bench.options import DHELIX_MODES, PP_MODES
+    from ds_dhelix.config.section import ONE_STAGE_SCHEDULES, PIPELINE_SCHEDULES, SCHEDULES
+    from ds_dhelix.predict.pipeline import PIPE_MODES
+    from ds_dhelix.predict.step import MODES
+    assert ONE_STAGE_SCHEDULES == R.names(R.ONE_STAGE, configured=True)
+    assert PIPELINE_SCHEDULES == R.names(R.PIPELINE, configured=True)
+    assert set(SCHEDULES) == set(ONE_STAGE_SCHEDULES) | set(PIPELINE_SCHEDULES)
+    assert set(DHELIX_MODES) == set(R.names()) and set(R.names(R.PIPELINE)) <= set(PP_MODES)
+    assert MODES == R.names(R.ONE_STAGE, built=True) and set(R.names(R.PIPELINE, built=True)) <= set(PIPE_MODES)
+    assert R.lookup("dualpipev-si", R.PIPELINE).name == "dualpipev"  # the old name still reads
+    with pytest.raises(ValueError, match="did you mean 'si'"):
+        R.lookup("sii", R.ONE_STAGE)
+
+
+def test_cli_simulate_one_stage(capsys):
+    assert main(["simulate", "--schedule", "si", "--microbatches", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and [e["label"] for e in data["timeline"][0]] == ["F0", "F1B0", "F2B1", "F3B2", "B3"]
+    assert main(["simulate", "--schedule", "w", "--microbatches", "4"]) == 2
+    assert "pass --stages" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""Folded pipeline schedules as data: one list of instructions per rank.
+"""Folded pipeline schedules as data: one list of instructions per rank (vocabulary: ``instructions``).
 
-The fold (see :mod:`ds_dhelix.pipe.folding`): rank r runs chunk r in phase 0 (outbound) and chunk
+The fold (see :mod:`ds_dhelix.schedule.folding`): rank r runs chunk r in phase 0 (outbound) and chunk
 2p-1-r in phase 1 (return). A micro-batch's forward goes rank 0 phase 0 -> ... -> rank p-1 phase 0
 -> rank p-1 phase 1 -> ... -> rank 0 phase 1 (loss); its backward goes the reverse way. The
 forward of phase 0 and the backward of phase 1 both move towards rank p-1, the forward of phase 1
@@ -34,7 +34,7 @@ posted send was received. Sends and receives match per directed channel (src, ds
 order, as NCCL matches point-to-point ops (it has no tags), so a receiver posts a channel's
 receives in its sender's order, earlier than it needs them where the two orders differ. An
 executor keeps the channels independent by giving each direction of a rank pair its own
-communicator (or by tagging under gloo). ``dhelix simulate`` / :mod:`ds_dhelix.pipe.simulate`
+communicator (or by tagging under gloo). ``dhelix simulate`` / :mod:`ds_dhelix.schedule.simulate`
 replays all ranks to check this before anything runs.
 
 Plain data: no torch, no deepspeed.
@@ -45,174 +45,20 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .folding import next_chunk_owner, prev_chunk_owner
-
-ACTIVATION = "activation"
-GRAD = "grad"
-
-
-# ---- instruction vocabulary ----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Instruction:
-    """Base class; every instruction is a frozen record an engine dispatches on by type."""
-
-    def label(self) -> str:
-        return type(self).__name__
-
-
-def _tag(mb: int, phase: int) -> str:
-    return f"{mb}'" if phase else str(mb)
-
-
-@dataclass(frozen=True)
-class LoadMicroBatch(Instruction):
-    """Rank 0: load inputs and labels of micro-batch ``mb`` (input of its phase-0 forward)."""
-    mb: int
-
-
-@dataclass(frozen=True)
-class Forward(Instruction):
-    """Run this rank's ``phase`` chunk forward on micro-batch ``mb``; keep its activations."""
-    mb: int
-    phase: int
-
-    def label(self) -> str:
-        return "F" + _tag(self.mb, self.phase)
-
-
-@dataclass(frozen=True)
-class Backward(Instruction):
-    """Backward of this rank's ``phase`` chunk for ``mb`` (input and weight grads); frees them."""
-    mb: int
-    phase: int
-
-    def label(self) -> str:
-        return "B" + _tag(self.mb, self.phase)
-
-
-@dataclass(frozen=True)
-class ForwardBackward(Instruction):
-    """Co-execute (SI) ``Forward(f_mb, f_phase)`` with ``Backward(b_mb, b_phase)``; both finish."""
-    f_mb: int
-    f_phase: int
-    b_mb: int
-    b_phase: int
-
-    @property
-    def forward(self) -> Forward:
-        return Forward(self.f_mb, self.f_phase)
-
-    @property
-    def backward(self) -> Backward:
-        return Backward(self.b_mb, self.b_phase)
-
-    def label(self) -> str:
-        return self.forward.label() + self.backward.label()
-
-
-@dataclass(frozen=True)
-class SendActivation(Instruction):
-    """Post a send of the forward output of ``(mb, phase)`` to rank ``peer`` (non-blocking)."""
-    mb: int
-    phase: int
-    peer: int
-
-
-@dataclass(frozen=True)
-class RecvActivation(Instruction):
-    """Post a receive of the forward input of ``(mb, phase)`` from rank ``peer`` (non-blocking)."""
-    mb: int
-    phase: int
-    peer: int
-
-
-@dataclass(frozen=True)
-class SendGrad(Instruction):
-    """Post a send of the input gradient of ``(mb, phase)`` (made by its backward) to ``peer``."""
-    mb: int
-    phase: int
-    peer: int
-
-
-@dataclass(frozen=True)
-class RecvGrad(Instruction):
-    """Post a receive of the output gradient for ``(mb, phase)`` from rank ``peer``."""
-    mb: int
-    phase: int
-    peer: int
-
-
-@dataclass(frozen=True)
-class WaitRecv(Instruction):
-    """Block until the posted receive of ``kind`` (activation/grad) for (mb, phase) has landed."""
-    kind: str
-    mb: int
-    phase: int
-
-
-@dataclass(frozen=True)
-class WaitSends(Instruction):
-    """Block until every send this rank posted has been received."""
-
-
-@dataclass(frozen=True)
-class ReduceGrads(Instruction):
-    """All-reduce gradients over the data-parallel group (not the pipeline)."""
-
-
-@dataclass(frozen=True)
-class OptimizerStep(Instruction):
-    """Apply the optimizer to this rank's parameters (both chunks)."""
-
-
-Schedule = list[list[Instruction]]
-
-
-def compute_parts(ins: Instruction) -> tuple[Instruction, ...]:
-    """The Forward/Backward parts of a compute instruction (a pair gives both), else ``()``."""
-    if isinstance(ins, ForwardBackward):
-        return ins.forward, ins.backward
-    if isinstance(ins, (Forward, Backward)):
-        return (ins,)
-    return ()
+from .instructions import (
+    ACTIVATION, GRAD, Backward, Forward, ForwardBackward, Instruction, LoadMicroBatch, OptimizerStep,
+    RecvActivation, RecvGrad, ReduceGrads, Schedule, SendActivation, SendGrad, WaitRecv, WaitSends, compute_parts)
+from .instructions import ONE, Minimum
 
 
 # ---- minimum micro-batch counts ------------------------------------------------------------------
 
-def _min_w(p: int) -> int:
-    return p + 1  # the first SI pair on each rank is F0(p) with B1(0): m must exceed p
+MIN_W = Minimum("p + 1", lambda p: p + 1)
+"""The first SI pair on each rank is F0(p) with B1(0): m must exceed p."""
 
-
-def _min_dualpipev(p: int) -> int:
-    # DualPipeV's main step runs m - 2p + r + 1 >= 0 times on rank r; DeepSeek and DeepSpeed
-    # assert m >= 2p, one more than the order needs (replay checks m = 2p - 1).
-    return 2 * p - 1
-
-
-def _min_sequential(p: int) -> int:
-    return 1
-
-
-_MIN = {"w": (_min_w, "p + 1"), "dualpipev": (_min_dualpipev, "2 * p - 1"),
-        "sequential": (_min_sequential, "1")}
-
-
-def min_microbatches(schedule: str, p: int) -> int:
-    """Smallest micro-batch count ``schedule`` (w, dualpipev, sequential) accepts for p ranks."""
-    if schedule not in _MIN:
-        raise ValueError(f"schedule={schedule!r}: choose one of {sorted(_MIN)}")
-    return _MIN[schedule][0](p)
-
-
-def check_args(schedule: str, p: int, m: int) -> None:
-    """Raise ValueError naming the formula and the smallest valid m when (p, m) does not fit."""
-    if not isinstance(p, int) or p < 1:
-        raise ValueError(f"num_stages={p!r}: need a positive number of pipeline ranks")
-    need = min_microbatches(schedule, p)
-    if not isinstance(m, int) or m < need:
-        raise ValueError(f"{schedule} schedule with num_stages={p} needs num_microbatches >= "
-                         f"{_MIN[schedule][1]} = {need}, got {m}; use at least {need} "
-                         f"micro-batches")
+MIN_DUALPIPEV = Minimum("2 * p - 1", lambda p: 2 * p - 1)
+"""DualPipeV's main step runs m - 2p + r + 1 >= 0 times on rank r; DeepSeek and DeepSpeed assert
+m >= 2p, one more than the order needs (replay checks m = 2p - 1)."""
 
 
 # ---- per-rank compute orders ---------------------------------------------------------------------
@@ -352,35 +198,24 @@ def _wrap_rank(rank: int, compute: list[Instruction], incoming: list[list], p: i
     return out + [WaitSends(), ReduceGrads(), OptimizerStep()]
 
 
-def _build(name: str, compute: Callable[[int, int, int], list[Instruction]],
+def _build(name: str, compute: Callable[[int, int, int], list[Instruction]], minimum: Minimum,
            p: int, m: int) -> Schedule:
-    check_args(name, p, m)
+    minimum.check(name, p, m)
     return add_communication([compute(r, p, m) for r in range(p)], p)
 
 
 def w_schedule(num_stages: int, num_microbatches: int) -> Schedule:
     """DHelix W schedule (see module docstring); needs ``num_microbatches >= num_stages + 1``."""
-    return _build("w", _w_compute, num_stages, num_microbatches)
+    return _build("w", _w_compute, MIN_W, num_stages, num_microbatches)
 
 
 def dualpipev_si_schedule(num_stages: int, num_microbatches: int) -> Schedule:
     """DualPipeV's order with every F0/B1 and F1/B0 pair of its main steps as one SI
     :class:`ForwardBackward`; needs ``num_microbatches >= 2 * num_stages - 1``."""
-    return _build("dualpipev", _dualpipev_compute, num_stages, num_microbatches)
+    return _build("dualpipev", _dualpipev_compute, MIN_DUALPIPEV, num_stages, num_microbatches)
 
 
 def sequential_fold_schedule(num_stages: int, num_microbatches: int) -> Schedule:
     """Fold layout without pipelining or co-execution (parity baseline): each micro-batch runs its
     whole forward, then its whole backward, before the next starts."""
-    return _build("sequential", _sequential_compute, num_stages, num_microbatches)
-
-
-SCHEDULE_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {
-    "w": w_schedule, "dualpipev": dualpipev_si_schedule, "sequential": sequential_fold_schedule}
-
-
-def build_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Schedule by name: ``"w"``, ``"dualpipev"`` or ``"sequential"``."""
-    if name not in SCHEDULE_BUILDERS:
-        raise ValueError(f"schedule={name!r}: choose one of {sorted(SCHEDULE_BUILDERS)}")
-    return SCHEDULE_BUILDERS[name](num_stages, num_microbatches)
+    return _build("sequential", _sequential_compute, ONE, num_stages, num_microbatches)

@@ -1,0 +1,36 @@
+"""``StepStats``: what one training step measured (compute, communication, exposure, memory)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepStats:
+    """Per training step: compute seconds, comm seconds (launch to observed completion),
+    exposed comm seconds (time blocked waiting), number of collectives."""
+
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_s: float = 0.0
+    num_comms: int = 0
+    num_deferred: int = 0  # weight-gradient passes run after their op's input gradient
+    peak_activation_bytes: int = 0
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    # CUDA: the same from CUDA events (``comm.DeviceEvents``): collective launch to completion, and
+    # the time the compute stream stalled waiting on one (None on CPU, where the host waits)
+    device_comm_s: float | None = None
+    device_exposed_s: float | None = None
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of this step's own communication time that did not block compute (device-true on CUDA)."""
+        comm, exposed = self.comm_and_exposed
+        return 0.0 if comm <= 0 else max(0.0, 1.0 - exposed / comm)
+
+    @property
+    def comm_and_exposed(self) -> tuple[float, float]:
+        """(comm, exposed) seconds: from CUDA events where measured, else the host's."""
+        if self.device_comm_s is not None:
+            return self.device_comm_s, self.device_exposed_s
+        return self.comm_s, self.exposed_s
