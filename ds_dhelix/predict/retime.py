@@ -49,6 +49,7 @@ class PairRetime:
     compute_ms: float  # sum of compute (incl. deferred weight gradients), without the slowdown
     wire_ms: float  # sum of the collectives' wire time
     wait_ms: float = 0.0  # time the compute unit waited on collectives (exposed communication)
+    order: tuple[str, ...] = ()  # what ran and launched, in order: op names, "wgrad:<op>" for deferred work
 
     @property
     def bound_ms(self) -> float:
@@ -84,12 +85,13 @@ class _Pair:
         self.round = P.Round(list(strand0), list(strand1), rules, comm=lambda o: o.comm, depth=lambda o: o.depth)
         self.slowdown = slowdown
         self.t, self.waited = 0.0, 0.0
-        self.queue: list[tuple[float, int]] = []  # deferred (ms, depth), oldest first
+        self.queue: list[tuple[float, int, str]] = []  # deferred (ms, depth, op name), oldest first
+        self.order: list[str] = []
 
     def copy(self) -> "_Pair":
         c = object.__new__(_Pair)
         c.round, c.slowdown, c.t, c.waited = self.round.copy(_copy_flight), self.slowdown, self.t, self.waited
-        c.queue = list(self.queue)
+        c.queue, c.order = list(self.queue), list(self.order)
         return c
 
     def key(self) -> tuple:
@@ -132,16 +134,20 @@ class _Pair:
         r = self.round
         if d.kind == P.COMPUTE:
             op = r.take(d.strand)
+            self.order.append(op.name)
             if op.deferred_ms > 0:
-                self.queue.append((op.deferred_ms, op.depth))
+                self.queue.append((op.deferred_ms, op.depth, op.name))
             self._run(op.ms)
         elif d.kind == P.LAUNCH:
             op = r.take(d.strand)
+            self.order.append(op.name)
             r.launched(d.strand, op, _Flight(op))
         elif d.kind == P.FINISH:
             r.finished(d.strand)
         elif d.kind in (P.DRAIN, P.FILL):
-            self._run(self.queue.pop(0)[0])
+            ms, _, name = self.queue.pop(0)
+            self.order.append(f"wgrad:{name}")
+            self._run(ms)
         elif d.kind == P.WAIT:
             self._wait((d.strand,))
         elif d.kind == P.WAIT_FIRST:
@@ -184,7 +190,7 @@ class _Pair:
     def result(self) -> PairRetime:
         chains = list(self.round.items[0]) + list(self.round.items[1])
         return PairRetime(self.t, sum(st.ms + st.deferred_ms for st in chains if not st.comm),
-                          sum(st.ms for st in chains if st.comm), self.waited)
+                          sum(st.ms for st in chains if st.comm), self.waited, tuple(self.order))
 
 
 def _pair(backward, forward, max_deferred: int, rules: RoundRules | None, slowdown: float) -> _Pair:
