@@ -338,3 +338,56 @@ def test_cli_simulate_one_stage(capsys):
     assert data["ok"] and [e["label"] for e in data["timeline"][0]] == ["F0", "F1B0", "F2B1", "F3B2", "B3"]
     assert main(["simulate", "--schedule", "w", "--microbatches", "4"]) == 2
     assert "pass --stages" in capsys.readouterr().err
+
+
+# ---- the documented example --------------------------------------------------------------------
+
+def _diff_additions(text: str) -> dict[str, str]:
+    """The added lines of each file of the first ```diff block in ``text``."""
+    block = text.split("```diff\n", 1)[1].split("```", 1)[0]
+    out, current = {}, None
+    for line in block.splitlines():
+        if line.startswith("+++ "):
+            current = line.split("/", 1)[1]
+            out[current] = ""
+        elif line.startswith("+") and current:
+            out[current] += line[1:] + "\n"
+    return out
+
+
+def test_the_documented_example_schedule(monkeypatch):
+    """docs/guides/schedules.md's diff (one builder, one registry row) applied as written: the new
+    schedule is a config value, replays clean and runs through the executor bitwise like sequential."""
+    import copy
+    import os
+
+    import torch
+
+    from ds_dhelix.runtime.executor import Executor
+    from ds_dhelix.schedule import one_stage
+    from hf_models.adapters import adapter_for
+    from tests.conftest import make_batches, make_config, make_model
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    added = _diff_additions(open(os.path.join(root, "docs", "guides", "schedules.md")).read())
+    assert set(added) == {"ds_dhelix/schedule/one_stage.py", "ds_dhelix/schedule/registry.py"}
+    space = vars(one_stage).copy()
+    exec(added["ds_dhelix/schedule/one_stage.py"], space)
+    monkeypatch.setattr(one_stage, "si_lead2_schedule", space["si_lead2_schedule"], raising=False)
+    row = eval(added["ds_dhelix/schedule/registry.py"].strip().rstrip(","), vars(R).copy())
+    monkeypatch.setattr(R, "REGISTRY", (*R.REGISTRY, row))
+    spec = R.lookup("si-lead2", R.ONE_STAGE)
+    for m in range(2, 7):
+        assert replay(spec.schedule(1, m), m, one_stage=True).ok
+    assert "si-lead2" in R.names(R.ONE_STAGE, configured=True)  # what config.section.SCHEDULES is made of
+    config = make_config("tiny-llama")
+    ref = make_model(config)
+    batches = make_batches(config.vocab_size, 4)
+    out = {}
+    for name in ("sequential", "si-lead2"):
+        model = copy.deepcopy(ref)
+        mbs = Executor(adapter_for(config).build_graph(model), defer_weight_grads=True).run_microbatches(
+            list(batches), name, 0.25)
+        out[name] = ([mb.loss for mb in mbs], {n: p.grad for n, p in model.named_parameters()})
+    assert all(torch.equal(a, b) for a, b in zip(out["si-lead2"][0], out["sequential"][0]))
+    assert all(torch.equal(g, out["sequential"][1][n]) for n, g in out["si-lead2"][1].items())
