@@ -1,36 +1,23 @@
 """The executor: runs a ``ModelGraph``'s ops for micro-batches, one op at a time, alone or as two
 strands side by side, launching and waiting for the COMM ops' collectives (``comm.py`` builds them).
 
-What a step runs comes from its schedule, an instruction list (``ds_dhelix.schedule``) that the
-interpreter (``interpreter.py``) turns into calls here: ``forward`` / ``backward`` of a chunk of
-blocks, ``co_execute`` (an SI pair: a forward beside a backward), ``pair_forwards`` and
-``pair_backwards`` (two strands of one direction, the second trailing the first). Each of these
-runs rounds: two strands' task lists up to a barrier, the next step of which the round policy
-(``ds_dhelix.schedule.policy``) decides, here on real collectives and in ``dhelix predict`` on a
-virtual clock. The executor keeps what only it can do: op execution through autograd, deferred
-weight gradients, the activation budget, recompute, CUDA events.
+A step's schedule is an instruction list (``ds_dhelix.schedule``) that the interpreter
+(``interpreter.py``) turns into calls here: ``forward`` / ``backward`` of a chunk of blocks alone,
+and ``run_round``: two strands' task lists up to a barrier (an SI pair, two forwards, two
+backwards), whose next step the round policy (``ds_dhelix.schedule.policy``) decides; ``dhelix
+predict`` runs the same policy on a virtual clock. The executor keeps what only it can do: op
+execution through autograd, deferred weight gradients (``deferral.py``), the activation budget,
+recompute, CUDA events, and it answers the policy's questions (``completed``, ``pollable``,
+``deferred``, ``may_save``).
 
-A pair F(k+1)(x)B(k) runs in one of two ways:
+In a reactive SI pair the backward strand's ops the adapter marks ``linear`` compute their input
+gradient first and leave their weight gradient for later (at most ``MAX_DEFERRED`` waiting), which
+fills the time both strands wait on collectives; the forward strand saves an op's tensors only
+while the live activation bytes stay within one micro-batch's whole forward plus
+``ACTIVATION_SLACK``::
 
-- **reactive** (no plan, the default): both strands walk the whole model as one round, no
-  barrier. COMM ops are launched the moment their strand reaches them; the next COMP op comes from
-  the strand with the fewest compute ops left before its next collective (ties: backward); with
-  forward and backward collectives on separate channels of ``comm.StrandGroups`` a strand whose
-  collective has completed goes on at once (every group still sees its collectives in the same
-  order on every rank). The backward strand's ops the adapter marks ``linear`` (``attn.qkv``,
-  ``attn.out``, ``mlp.up``, ``mlp.down``, ``head.logits``, ``moe.experts.up`` / ``.down``)
-  compute their input gradient first and leave their weight gradient for later (at most
-  ``MAX_DEFERRED`` waiting), which fills the time both strands wait; all are done before the pair
-  ends. The forward strand enters block depth j only after the backward strand has finished depth
-  j-1 (and its deferred weight gradients), and saves an op's tensors only while the live activation
-  bytes stay within one micro-batch's whole forward plus ``ACTIVATION_SLACK``::
-
-      comm lane:     [F: attn.ag ........]   [B: mlp.ag(grad) ...]     [F: attn.rs ..]
-      compute lane:  [B: mlp.down dX][B: mlp.up]  [F: qkv][F: core][F: out] [B: mlp.down dW]
-
-- **plan**: a layer pair (forward layer i with backward layer L-1-i) runs the SI plan's rounds
-  of (forward segment, backward segment) with a barrier after each, backward compute first; the
-  other blocks run as one round each. This is what the planner's overlap tables measure.
+    comm lane:     [F: attn.ag ........]   [B: mlp.ag(grad) ...]     [F: attn.rs ..]
+    compute lane:  [B: mlp.down dX][B: mlp.up]  [F: qkv][F: core][F: out] [B: mlp.down dW]
 
 Per-strand data dependencies and the per-op math are untouched: results are bitwise those of
 ``sequential`` (a weight gradient is the same matmul whether or not it is deferred; a deferred one
