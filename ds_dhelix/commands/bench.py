@@ -16,44 +16,20 @@ import sys
 from ds_dhelix.bench.options import (DEEPSPEED_MODES, DEFAULT_MODES, MIN_REPEATS, MODES, PP_MODES, BenchOptions,
                                      check_modes_fit, quick)
 
-from .common import bench_link_rate, check_model, stdout_to_stderr
+from .common import Default, add_layout_flags, check_model, link_text, stdout_to_stderr
 
 
 def register(sub) -> None:
     d = BenchOptions()
     p = sub.add_parser("bench", help="side-by-side throughput: DeepSpeed, AutoTP, sequential, SI (emulated links)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help=f"preset or local HF checkpoint dir (default {d.model})")
-    p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size (default {d.tp}); world = tp x cp x ep")
-    p.add_argument("--pp", type=int, default=None,
-                   help="pipeline stages: DeepSpeed 1F1B / DualPipeV vs our sequential fold, W and DualPipeV+SI "
-                        "(one rank per stage; needs --tp 1)")
-    p.add_argument("--ep", type=int, default=None,
-                   help=f"expert-parallel size for MoE models (default {d.ep}); e.g. --model tiny-phimoe --tp 1 --ep 2")
-    p.add_argument("--dp", type=int, default=None,
-                   help="data-parallel size of the ds_dhelix modes (default: --ep); world = tp x cp x pp x dp, e.g. "
-                        "--tp 1 --dp 2 for the executor's overhead against plain DeepSpeed")
-    p.add_argument("--cp", type=int, default=None,
-                   help=f"context-parallel size (default {d.cp}): each sequence over tp x cp ranks, e.g. "
-                        f"--tp 1 --cp 2 --seq-len 1024")
-    p.add_argument("--cp-comm", default=None, choices=["ulysses", "ring"],
-                   help=f"context parallelism's exchange (default {d.cp_comm}): ulysses (all-to-alls) or ring "
-                        f"(ring attention, one point-to-point COMM op per ring step)")
+    add_layout_flags(p, ("model", "tp", "pp", "ep", "dp", "cp", "cp_comm", "link_gbps", "link_burst_kb",
+                         "micro_batches", "micro_batch_size", "seq_len", "num_layers"),
+                     {"link_gbps": Default(None, " ".join(map(link_text, d.link_gbps)))}, sweep=True, given_only=True)
     p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                    help=f"modes to measure, of {' '.join(MODES)} (default: {' '.join(DEFAULT_MODES)}); with "
                         f"--pp: {' '.join(PP_MODES)} (default: all but auto). A ds_dhelix mode takes its activation recompute after "
                         f"'+': si+full, sequential+selective")
-    p.add_argument("--link-gbps", nargs="+", type=bench_link_rate, default=None, metavar="GBPS",
-                   help="emulated link rates in Gbit/s, 'unshaped' for plain loopback, 'matched' for the rate at "
-                        "which the sequential run's comm/comp is 0.9-1.1 (calibrated by short sequential runs, "
-                        "reported) (default: 1 2 5 10 unshaped; --quick: 2)")
-    p.add_argument("--link-burst-kb", type=int, default=None, metavar="KB",
-                   help=f"token-bucket burst of the emulated link (default {d.link_burst_kb}, just above the "
-                        f"loopback MTU; larger lets an idle link bank credit)")
-    p.add_argument("--micro-batches", type=int, default=None, help=f"per step (default {d.micro_batches})")
-    p.add_argument("--micro-batch-size", type=int, default=None, help=f"default {d.micro_batch_size}")
-    p.add_argument("--seq-len", type=int, default=None, help=f"default {d.seq_len} (--quick: 128)")
-    p.add_argument("--num-layers", type=int, default=None, help="shrink the preset (--quick: 2)")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed steps per mode (default {d.warmup})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed steps per mode (default {d.repeats})")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2], help="ZeRO stage (default 0)")
@@ -66,7 +42,8 @@ def register(sub) -> None:
                    help="cache dir of the overlap tables si-planned profiles (default: the planner's, "
                         "~/.cache/ds_dhelix)")
     p.add_argument("--quick", action="store_true",
-                   help="2 layers, 4 micro-batches of seq 128, 2 Gbit/s only, 1+3 steps (< 3 min)")
+                   help="2 layers, 4 micro-batches of seq 128, 2 Gbit/s only, 1+3 steps (< 3 min); flags given "
+                        "keep their values")
     p.add_argument("--out", default=None, help="write bench.json/.csv/.md/.png here")
     p.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
     p.set_defaults(func=run)

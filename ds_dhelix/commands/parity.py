@@ -3,30 +3,21 @@ from __future__ import annotations
 
 import json
 
+from .common import Default, add_layout_flags
+
 
 def register(sub) -> None:
     p = sub.add_parser("parity", help="check that a schedule trains exactly like sequential (and close to HF)")
-    p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
-    p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size (default 2; 1 with --pp > 1 or --ep > 1)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (world = tp x dp; default: --ep)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; shards experts inside DP)")
-    p.add_argument("--cp", type=int, default=1,
-                   help="context-parallel size (sequence shards over CP ranks, exchange per --cp-comm; "
-                        "world = tp x cp x dp)")
-    p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
-                   help="context parallelism's exchange: ulysses (all-to-alls, heads split over CP) or ring "
-                        "(ring attention: key/value blocks passed point to point, zig-zag split)")
+    add_layout_flags(p, ("model", "tp", "dp", "ep", "cp", "cp_comm"),
+                     {"tp": Default(None, "2; 1 with --pp > 1 or --ep > 1")})
     p.add_argument("--schedule", default="si", choices=["si", "sequential", "intra", "w", "dualpipev"],
                    help="si/sequential/intra: one stage (intra is held to sequential within tolerances, not "
                         "bitwise); w/dualpipev (or sequential): the folded pipeline with --pp")
-    p.add_argument("--pp", type=int, default=1,
-                   help="pipeline stages; > 1 compares the folded pipeline with PP=1 sequential (world = pp x tp x dp)")
+    add_layout_flags(p, ("pp",))
     p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0 = off)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps each leg trains")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (gradient accumulation)")
-    p.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    add_layout_flags(p, ("micro_batches", "micro_batch_size", "seq_len"),
+                     {"micro_batches": 4, "micro_batch_size": 2, "seq_len": 64})
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2], help="ZeRO stage")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="set every dropout rate of the model (SI vs sequential stays bitwise; HF is then compared "

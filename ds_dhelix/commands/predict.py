@@ -10,8 +10,8 @@ GPUs: per-op costs from a roofline (GEMM and attention FLOPs at a stated fractio
 memory-bound ops at memory bandwidth, collectives on the link their group crosses), then the
 executor's order, the planner and the pipeline replay the engine would use. ``--hardware cpu``:
 the same, fed by this machine's overlap table (``dhelix profile``) and an emulated link, to check
-the projection against ``dhelix bench`` here. What it assumes and cannot know:
-docs/guides/predict.md.
+the projection against ``dhelix bench`` here. Context parallelism is projected as Ulysses. What it
+assumes and cannot know: docs/guides/predict.md.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import json
 from ds_dhelix.predict.pipeline import PIPE_MODES
 from ds_dhelix.predict.step import MODES
 
-from .common import link_rate
+from .common import Default, add_layout_flags
 
 MODE_NAMES = tuple(dict.fromkeys(MODES + PIPE_MODES))
 
@@ -30,17 +30,7 @@ def register(sub) -> None:
     p = sub.add_parser("predict", help="project step time / tokens/s of sequential, SI, intra and pipeline "
                                        "schedules on a cluster (roofline) or on this CPU (profiled table)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-llama", help="preset, local HF checkpoint dir or config.json (default tiny-llama)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size, inside the data-parallel ranks (default 1)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size, Ulysses (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages, folded (default 1)")
-    p.add_argument("--dp", type=int, default=None,
-                   help="data-parallel size (default: --ep); world = tp x cp x pp x dp")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch (default 4)")
-    p.add_argument("--micro-batches", type=int, default=16,
-                   help="micro-batches per optimizer step on each data-parallel group (default 16)")
+    add_layout_flags(p, ("model", "tp", "ep", "cp", "pp", "dp", "seq_len", "micro_batch_size", "micro_batches"))
     p.add_argument("--schedule", nargs="+", default=None, metavar="MODE", choices=MODE_NAMES,
                    help=f"schedules to project (default: all that apply): {' '.join(MODES)}; with --pp > 1: "
                         f"{' '.join(PIPE_MODES)}")
@@ -53,8 +43,8 @@ def register(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, help="replace the system's GPUs per node")
     p.add_argument("--table", default=None, metavar="T.json",
                    help="--hardware cpu: this machine's overlap table (dhelix profile, unshaped or at --link-gbps)")
-    p.add_argument("--link-gbps", type=link_rate, default=argparse.SUPPRESS, metavar="G",
-                   help="--hardware cpu: the emulated link in Gbit/s, or 'unshaped' (required with cpu)")
+    add_layout_flags(p, ("link_gbps",), {"link_gbps": Default(argparse.SUPPRESS, "none; --hardware cpu needs it: "
+                                                                             "the link the table is used at")})
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="activations and weights (default bf16 on GPUs, fp32 with cpu)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=0,

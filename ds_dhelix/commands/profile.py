@@ -3,21 +3,17 @@ from __future__ import annotations
 
 import json
 
+from .common import add_layout_flags
+
 
 def register(sub) -> None:
-    p = sub.add_parser("profile", help="profile operator overlap (segments alone and co-executed)")
-    p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models); tp x cp x ep ranks are spawned")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
-                   help="context parallelism's exchange: ulysses (all-to-alls) or ring (ring attention)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p = sub.add_parser("profile", help="profile operator overlap (segments alone and co-executed)",
+                       description="Measure the overlap table of one decoder layer on tp x cp x ep ranks: every "
+                                   "candidate segment alone and every allowed pair co-executed.")
+    add_layout_flags(p, ("model", "tp", "ep", "cp", "cp_comm", "micro_batch_size", "seq_len", "link_gbps"))
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per table entry")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed runs per table entry (median and robust spread kept; noisy entries get more)")
-    p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this bandwidth")
     p.add_argument("--out", required=True, help="where to write the table (JSON)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the world is killed")
     p.set_defaults(func=run)

@@ -1,5 +1,5 @@
-"""``dhelix trace``: run a few SI (or sequential) steps on a CPU gloo world with the engine's trace
-on, write the merged Chrome/Perfetto trace and print its lanes and spans.
+"""``dhelix trace``: run a few SI (or sequential) steps on a CPU gloo world of tp x cp x ep ranks
+with the engine's trace on, write the merged Chrome/Perfetto trace and print its lanes and spans.
 
     dhelix trace --model tiny-llama --tp 2 --steps 3 --out trace.json --link-gbps 2
 
@@ -15,18 +15,13 @@ import json
 
 from ds_dhelix.bench.tracing import TraceOptions
 
-from .common import check_model, link_rate, stdout_to_stderr
+from .common import add_layout_flags, check_model, stdout_to_stderr
 
 
 def register(sub) -> None:
     p = sub.add_parser("trace", help="Chrome/Perfetto trace of a few SI steps (compute + comm lanes per rank)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (world = tp x cp x ep)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (COMM ops around or inside attention)")
-    p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
-                   help="context parallelism's exchange: ulysses (all-to-alls) or ring (ring attention)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size for MoE models (e.g. tiny-phimoe --tp 1 --ep 2)")
+    add_layout_flags(p, ("model", "tp", "cp", "cp_comm", "ep"))
     p.add_argument("--schedule", default="si", choices=["si", "si-ends", "si-plan", "sequential"],
                    help="si: reactive pairs (default); si-ends: reactive, first two forwards and last two "
                         "backwards paired too (pair_ends); si-plan: the default SI plan with barriers; "
@@ -36,15 +31,7 @@ def register(sub) -> None:
     p.add_argument("--planner-cache", default=None, metavar="DIR",
                    help="overlap-table cache for --planned (default: the planner's, ~/.cache/ds_dhelix)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to trace")
-    d = TraceOptions()
-    p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per step")
-    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="samples per micro-batch")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
-    p.add_argument("--num-layers", type=int, default=None, help="shrink the preset")
-    p.add_argument("--link-gbps", type=link_rate, default=None, metavar="GBPS",
-                   help="emulated link rate in Gbit/s (default: unshaped loopback)")
-    p.add_argument("--link-burst-kb", type=int, default=d.link_burst_kb, metavar="KB",
-                   help="token-bucket burst of the emulated link (see dhelix bench --help)")
+    add_layout_flags(p, ("micro_batches", "micro_batch_size", "seq_len", "num_layers", "link_gbps", "link_burst_kb"))
     p.add_argument("--out", default="trace.json", help="trace file to write")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the world is killed")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -3,23 +3,20 @@ from __future__ import annotations
 
 import json
 
+from .common import add_layout_flags, link_text
+
 
 def register(sub) -> None:
     p = sub.add_parser("validate-plan", help="run the DP plan and alternatives for real; predicted vs measured")
-    p.add_argument("--model", default="tiny-llama", help="preset or local HF checkpoint dir (the table's model)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (the table's)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (the table's; MoE)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (as the table was profiled)")
-    p.add_argument("--cp-comm", default="ulysses", choices=["ulysses", "ring"],
-                   help="context parallelism's exchange: ulysses (all-to-alls) or ring (ring attention)")
-    p.add_argument("--table", required=True, help="overlap table from `dhelix profile`")
+    add_layout_flags(p, ("model", "tp", "ep", "cp", "cp_comm", "link_gbps"))
+    p.add_argument("--table", required=True,
+                   help="overlap table from `dhelix profile`, run with the same model, layout flags and --link-gbps")
     p.add_argument("--alternatives", type=int, default=8, help="random valid plans to compare")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs of each plan first")
     p.add_argument("--repeats", type=int, default=60,
                    help="timed runs of every plan, in an order shuffled each repetition (9 left one plan "
                         "timed 4-8%% apart on a 2-core machine; 60 take ~30 s for tiny-llama's layer)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random plans and of the shuffled order")
-    p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this bandwidth")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the world is killed")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
@@ -31,8 +28,8 @@ def run(args) -> int:
     from ds_dhelix.bench.profile_runs import validate_world
     table = OverlapTable.load(args.table)
     if table.meta.get("link_gbps") != args.link_gbps:
-        raise ValueError(f"the table was profiled at link_gbps={table.meta.get('link_gbps')}, "
-                         f"this run has --link-gbps {args.link_gbps}: use the same link or re-profile")
+        raise ValueError(f"the table was profiled at --link-gbps {link_text(table.meta.get('link_gbps'))}, "
+                         f"this run has --link-gbps {link_text(args.link_gbps)}: use the same link or re-profile")
     o = {"model": args.model, "tp": args.tp, "ep": args.ep, "cp": args.cp, "cp_comm": args.cp_comm,
          "table": table.to_dict(), "alternatives": args.alternatives,
          "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed}
