@@ -19,7 +19,9 @@ COMMANDS_DIR = os.path.join(ROOT, "ds_dhelix", "commands")
 OWN_DEFAULTS = {  # command -> {dest: default}: where a command's default is not the flag's standard one
     "parity": {"tp": None, "micro_batches": 4, "micro_batch_size": 2, "seq_len": 64},
     "predict": {"link_gbps": argparse.SUPPRESS},  # absent: not in the namespace (--hardware cpu needs it)
+    "simulate": {"pp": None},  # absent: a one-stage schedule
 }
+REQUIRED = {("simulate", "micro_batches")}  # a replay needs its micro-batch count
 GIVEN_ONLY = {"bench"}  # every layout flag parses to None when not given (--quick fills in its own)
 LINK_COMMANDS = {"profile", "validate-plan", "bench", "trace", "predict"}
 
@@ -67,10 +69,14 @@ def test_layout_flags_come_from_the_common_helper(command):
         sweep = command == "bench" and dest == "link_gbps"
         assert action.type is (bench_link_rate if sweep else spec.type), (command, dest)
         assert action.metavar == spec.metavar and action.choices == spec.choices, (command, dest)
-        assert action.help.startswith(spec.help + ("; " if sweep else " (default")), (command, dest, action.help)
+        tail = "; " if sweep else " (required)" if (command, dest) in REQUIRED else " (default"
+        assert action.help.startswith(spec.help + tail), (command, dest, action.help)
         expected = OWN_DEFAULTS.get(command, {}).get(dest, _standard_default(dest))
         if command in GIVEN_ONLY:
             expected = None
+        if (command, dest) in REQUIRED:
+            assert action.required, (command, dest)
+            continue
         assert not action.required and action.default == expected, (command, dest, action.default)
 
 

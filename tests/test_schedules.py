@@ -337,7 +337,7 @@ def test_cli_simulate_one_stage(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] and [e["label"] for e in data["timeline"][0]] == ["F0", "F1B0", "F2B1", "F3B2", "B3"]
     assert main(["simulate", "--schedule", "w", "--microbatches", "4"]) == 2
-    assert "pass --stages" in capsys.readouterr().err
+    assert "pass --pp" in capsys.readouterr().err
 
 
 # ---- the documented example --------------------------------------------------------------------

@@ -110,7 +110,8 @@ def layout_flag(dest: str) -> LayoutFlag:
 
 def add_layout_flags(parser: argparse.ArgumentParser, which: Sequence[str],
                      defaults: Mapping[str, object] | None = None, *, sweep: bool = False,
-                     given_only: bool = False) -> None:
+                     given_only: bool = False, required: Sequence[str] = (),
+                     aliases: Mapping[str, Sequence[str]] | None = None) -> None:
     """Add the layout flags ``which`` (``LayoutFlag.dest`` names, in that order) to ``parser``, each with
     its one type, metavar and meaning.
 
@@ -119,8 +120,10 @@ def add_layout_flags(parser: argparse.ArgumentParser, which: Sequence[str],
     sweep       ``--link-gbps`` takes several rates, and 'matched' (``bench_link_rate``)
     given_only  a flag not given parses to None (the command fills its defaults in later, as dhelix
                 bench does for ``--quick``); ``--help`` still says what the defaults are
+    required    flags the command cannot run without (no default)
+    aliases     other spellings a command has long accepted (dhelix simulate's ``--stages``)
     """
-    defaults = defaults or {}
+    defaults, aliases = defaults or {}, aliases or {}
     stray = sorted(set(defaults) - set(which))
     assert not stray, f"defaults for flags not in which: {stray}"
     for dest in which:
@@ -131,11 +134,13 @@ def add_layout_flags(parser: argparse.ArgumentParser, which: Sequence[str],
         kwargs = {"type": spec.type, "choices": spec.choices, "metavar": spec.metavar, "help": spec.help}
         if dest == "link_gbps" and sweep:
             kwargs.update(type=bench_link_rate, nargs="+", help=spec.help + LINK_SWEEP_HELP)
-        if isinstance(default, Default):
+        if dest in required:
+            kwargs.update(required=True, help=f"{kwargs['help']} (required)")
+        elif isinstance(default, Default):
             kwargs.update(default=default.value, help=f"{kwargs['help']} (default: {default.text})")
         else:
             kwargs.update(default=default, help=f"{kwargs['help']} (default: %(default)s)")
-        parser.add_argument(spec.flag, **kwargs)
+        parser.add_argument(spec.flag, *aliases.get(dest, ()), dest=dest, **kwargs)
 
 
 def check_model(opts) -> None:

@@ -1,7 +1,7 @@
 """``dhelix simulate``: replay a schedule's instruction lists for every rank and print the timeline.
 
-Any schedule of the registry: a folded pipeline's (w, dualpipev, sequential with --stages) or a
-one-stage one (sequential, si, si-ends, intra, ... without --stages). Checks deadlocks, send/recv
+Any schedule of the registry: a folded pipeline's (w, dualpipev, sequential with --pp) or a
+one-stage one (sequential, si, si-ends, intra, ... without --pp; --stages and --microbatches, the old spellings, still read). Checks deadlocks, send/recv
 matching, buffer use and work coverage (:mod:`ds_dhelix.schedule.simulate`), and prints the bubble
 fraction, replayed and in closed form. Exit status 0 when the replay finds no error, 1 otherwise.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ds_dhelix.commands.common import Default, add_layout_flags
 from ds_dhelix.schedule.registry import ONE_STAGE, PIPELINE, REGISTRY, lookup, names
 from ds_dhelix.schedule.simulate import replay, resolve_pair_cost, sequential_bubble_closed_form, w_bubble_closed_form
 
@@ -24,9 +25,8 @@ def register(subparsers) -> None:
                         help="; ".join(f"{row.name}: {row.summary}" for row in REGISTRY if row.build is not None
                                        and (row.layout == PIPELINE or row.name not in names(PIPELINE)))
                         + " (default: w)")
-    parser.add_argument("--stages", type=int, default=None,
-                        help="pipeline ranks p (the fold); leave out for a one-stage schedule")
-    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m per step")
+    add_layout_flags(parser, ("pp", "micro_batches"), {"pp": Default(None, "one stage: a one-stage schedule")},
+                     required=("micro_batches",), aliases={"pp": ("--stages",), "micro_batches": ("--microbatches",)})
     parser.add_argument("--fwd-cost", type=float, default=1.0, help="forward time F of one chunk")
     parser.add_argument("--bwd-cost", type=float, default=2.0, help="backward time B of one chunk")
     parser.add_argument("--pair-cost", default="max",
@@ -56,10 +56,10 @@ def _closed_form(name: str, p: int, m: int, F: float, B: float, c: float) -> flo
 def run(args) -> int:
     F, B = args.fwd_cost, args.bwd_cost
     c = resolve_pair_cost(F, B, _pair_cost_arg(args.pair_cost))
-    one_stage = args.stages is None
+    one_stage = args.pp is None
     if one_stage and args.schedule not in names(ONE_STAGE):
-        raise ValueError(f"--schedule {args.schedule} is a pipeline schedule: pass --stages (pipeline ranks)")
-    p, m = (1 if one_stage else args.stages), args.microbatches
+        raise ValueError(f"--schedule {args.schedule} is a pipeline schedule: pass --pp (pipeline stages)")
+    p, m = (1 if one_stage else args.pp), args.micro_batches
     spec = lookup(args.schedule, ONE_STAGE if one_stage else PIPELINE)
     result = replay(spec.schedule(p, m), spec.units(m), F, B, c, one_stage=one_stage)
     closed = None if one_stage else _closed_form(args.schedule, p, m, F, B, c)

@@ -9,7 +9,7 @@ and F1(k)⊗B0(j) (:class:`ForwardBackward`); F1(k) is the forward of phase 1 on
 
 Timeline labels: ``Fk``/``Bk`` forward/backward of micro-batch k in phase 0, ``Fk'``/``Bk'`` in
 phase 1, ``FxBy`` one co-executed pair. The W schedule for p=2, m=4, unit costs (``dhelix simulate
---schedule w --stages 2 --microbatches 4 --fwd-cost 1 --bwd-cost 1``)::
+--schedule w --pp 2 --micro-batches 4 --fwd-cost 1 --bwd-cost 1``)::
 
     time    0     1     2     3     4     5     6     7     8     9     10    11    12    13
     rank 0  F0    F1    .     F0'   F2B0' F1'   F3B1' F2'B0 B2'   F3'B1 B3'   B2    .     B3

@@ -77,6 +77,10 @@ class Decision:
 
 
 _DRAIN, _FILL, _DONE = Decision(DRAIN), Decision(FILL), Decision(DONE)
+_FINISH = (Decision(FINISH, 0), Decision(FINISH, 1))
+_LAUNCH = (Decision(LAUNCH, 0), Decision(LAUNCH, 1))
+_COMPUTE = (Decision(COMPUTE, 0), Decision(COMPUTE, 1))
+_WAIT = (Decision(WAIT, 0), Decision(WAIT, 1))
 
 
 def _next_comm(comm: Sequence[bool]) -> list[int]:
@@ -187,10 +191,10 @@ class Round:
         if self.rules.reacts:
             for s in self.order:
                 if host.completed(self.flight[s][1]):
-                    return Decision(FINISH, s)
+                    return _FINISH[s]
         for s in (0, 1):
             if self.pos[s] < len(self.items[s]) and self.comm[s][self.pos[s]] and self.may_go(s, host):
-                return Decision(LAUNCH, s)
+                return _LAUNCH[s]
         return None
 
     def choices(self, host: RoundHost) -> list[Decision]:
@@ -199,7 +203,7 @@ class Round:
         num, _ = host.deferred()
         if num > self.rules.max_deferred:
             return [_DRAIN]
-        out = [Decision(COMPUTE, s) for s in (0, 1) if self.may_go(s, host)]
+        out = [_COMPUTE[s] for s in (0, 1) if self.may_go(s, host)]
         if num:
             out.append(_FILL)
         if out:
@@ -218,7 +222,7 @@ class Round:
             polled = tuple(s for s in self.order if host.pollable(self.flight[s][0]))
             if polled:
                 return Decision(WAIT_FIRST, strands=polled)
-        return Decision(WAIT, self.order[0])
+        return _WAIT[self.order[0]]
 
     def decide(self, host: RoundHost) -> Decision:
         """The policy's next step: forced moves first, then the rule's pick among ``choices``
