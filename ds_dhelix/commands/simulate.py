@@ -1,9 +1,10 @@
 """``dhelix simulate``: replay a schedule's instruction lists for every rank and print the timeline.
 
 Any schedule of the registry: a folded pipeline's (w, dualpipev, sequential with --pp) or a
-one-stage one (sequential, si, si-ends, intra, ... without --pp; --stages and --microbatches, the old spellings, still read). Checks deadlocks, send/recv
-matching, buffer use and work coverage (:mod:`ds_dhelix.schedule.simulate`), and prints the bubble
-fraction, replayed and in closed form. Exit status 0 when the replay finds no error, 1 otherwise.
+one-stage one (sequential, si, si-ends, intra, ... without --pp; --stages and --microbatches, the
+old spellings, still read). Checks deadlocks, send/recv matching, buffer use and work coverage
+(:mod:`ds_dhelix.schedule.simulate`), and prints the bubble fraction, replayed and in closed form.
+Exit status 0 when the replay finds no error, 1 otherwise.
 """
 from __future__ import annotations
 
