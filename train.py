@@ -455,16 +455,17 @@ def train(args, prep: Prepared, engine) -> int:
     import torch.distributed as dist
 
     from ds_dhelix.training import memory_marks, summarize, train_loop
-    log = train_loop(engine, prep.data, loop_options(args), prep.run_state)
+    options = loop_options(args)
+    log = train_loop(engine, prep.data, options, prep.run_state)
     if log.end == "stopped":
         sys.stdout.flush()
         os._exit(log.exit_code)  # every rank leaves at the same step boundary
     if log.end == "left":  # --stop-after: the checkpoint is saved; no export
         memory = memory_marks(engine, prep.memory)
         if dist.get_rank() == 0:
-            summarize(log, engine, prep.data, loop_options(args), **summary_fields(args), probe={}, memory=memory)
+            summarize(log, engine, prep.data, options, **summary_fields(args), probe={}, memory=memory)
         return 0
-    finish(args, prep, engine, log)
+    finish(args, prep, engine, log, options)
     return 0
 
 
@@ -483,13 +484,13 @@ def summary_fields(args) -> dict:
             "export_label": "PEFT adapter" if lora_asked(args) and not args.merge_lora else "HF checkpoint"}
 
 
-def finish(args, prep: Prepared, engine, log) -> None:
-    """The final checkpoint, the HF export, the summary line and JSON."""
+def finish(args, prep: Prepared, engine, log, options) -> None:
+    """The final checkpoint, the HF export, the summary line and JSON (``log``: the loop's
+    ``TrainLog``, ``options`` its ``LoopOptions``)."""
     import torch.distributed as dist
 
     from ds_dhelix.engine.evaluation import watched
     from ds_dhelix.training import flush_tensorboard, memory_marks, probe_loss, save_checkpoint, summarize
-    options = loop_options(args)
     probe = probe_loss(engine, prep.data)
     if args.ds_checkpoint and log.start_step < engine.global_steps:  # (a resume at the end only exports)
         save_checkpoint(engine, options, prep.run_state)
