@@ -5,6 +5,9 @@
 On a machine without GPUs DeepSpeed's CPU accelerator runs the ranks over gloo. Everything the run
 needs is checked before any model is built; bad input gets one line of error and exit code 2.
 ``--steps`` is the run's total: a resumed run continues from the checkpoint's step to it.
+
+This script checks the flags and wires them to the package: the training loop, evaluation, the
+resume contract and the summary are ``ds_dhelix.training``'s (a script of your own can call them).
 """
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 
@@ -163,9 +165,10 @@ def check_inputs(args) -> Prepared:
     set_schedule_length(ds_config, args.steps)
     lora = lora_config(args, setup, model_config)
     tokenizer, data = _data(args, setup, model_config)
-    state = run_state(args, ds_config, setup, data)
-    state["adapter"] = adapter_state(lora)
-    return Prepared(ds_config, setup, tokenizer, data, state, _check_resume(args, state), lora=lora)
+    from ds_dhelix.training import adapter_state, resume_point, run_state
+    state = run_state(ds_config, setup, data, args.model, args.steps, args.loss_average, adapter_state(lora))
+    resume = resume_point(args.resume, args.ds_checkpoint, state, args.allow_resume_change, prog="train.py")
+    return Prepared(ds_config, setup, tokenizer, data, state, resume, lora=lora)
 
 
 def lora_config(args, setup, model_config):
@@ -219,15 +222,6 @@ def lora_config(args, setup, model_config):
 
 def lora_asked(args) -> bool:
     return args.lora or args.lora_r is not None or args.peft_config is not None
-
-
-def adapter_state(cfg) -> dict | None:
-    """What a resume must match of the LoRA config (None: full fine-tune)."""
-    if cfg is None:
-        return None
-    names = cfg.target_modules
-    return {"r": cfg.r, "alpha": cfg.lora_alpha, "targets": names if isinstance(names, str) else sorted(names),
-            "rslora": cfg.use_rslora}
 
 
 def _check_flags(args) -> None:
@@ -342,43 +336,6 @@ def data_options(args, tokenizer=None):
     return options
 
 
-def run_state(args, ds_config, setup, data) -> dict:
-    """What a checkpoint of this run records, and a resume must match (``ds_dhelix.engine.resume``)."""
-    from ds_dhelix.engine.build import zero_stage
-    d, b = setup.dims, setup.batch
-    source = os.path.abspath(os.path.expanduser(args.data)) if args.data else "embedded corpus"
-    model = args.model if not os.path.isdir(os.path.expanduser(args.model)) else os.path.abspath(args.model)
-    precision = {"zero_stage": zero_stage(ds_config), "gradient_clipping": ds_config.get("gradient_clipping"),
-                 "fp16": ds_config.get("fp16"), "bf16": ds_config.get("bf16")}
-    return {"step": 0, "total_steps": args.steps, "lr_schedule": ds_config.get("scheduler"),
-            "optimizer": ds_config.get("optimizer"), "precision": precision,
-            "layout": {"world": d.world, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, **({"cp": d.cp, "cp_comm": d.cp_comm} if d.cp > 1 else {}),
-                       "micro_batch_size": b.micro_batch_size, "gradient_accumulation_steps": b.gradient_accumulation_steps},
-            "model": model, "data": {"source": source, "seed": args.seed, **data.identity(),
-                                     "loss_average": loss_average(args, data)},
-            "seq_len": args.seq_len, "draw_seed": setup.dh.seed, "plan_fingerprint": None}
-
-
-def _check_resume(args, state: dict) -> tuple[str, str] | None:
-    """The checkpoint to continue from, checked against this run before any model is built."""
-    from ds_dhelix.engine.resume import check_resume, complete_tags, locate, read_run_state
-    if not args.resume:
-        return None
-    if args.resume == "auto":
-        root = os.path.abspath(args.ds_checkpoint)
-        if not complete_tags(root):
-            return None  # nothing saved yet: a fresh start
-    root, tag = locate(args.ds_checkpoint if args.resume == "auto" else args.resume)
-    _report_changes(check_resume(read_run_state(root, tag), state, args.allow_resume_change))
-    return root, tag
-
-
-def _report_changes(diffs: list[str]) -> None:
-    """What --allow-resume-change accepted, said once (rank 0)."""
-    if diffs and int(os.environ.get("RANK", 0)) == 0:
-        print("train.py: resuming with changes (--allow-resume-change): " + "; ".join(diffs), file=sys.stderr)
-
-
 def set_schedule_length(ds_config, steps):
     """WarmupCosineLR / WarmupDecayLR run over --steps; a warmup longer than a fifth of them is
     shortened to that (and said so)."""
@@ -409,6 +366,7 @@ def run(args, prep: Prepared) -> int:
     import torch.distributed as dist
 
     from ds_dhelix.runtime.comm import CollectiveError, is_comm_failure
+    from ds_dhelix.training import teardown
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed()
     if dist.get_rank() == 0:
@@ -429,16 +387,6 @@ def run(args, prep: Prepared) -> int:
             err = CollectiveError(where, err, group=dist.group.WORLD)
         print(f"train.py: error: rank {dist.get_rank()}: {err} (step {_step(engine)})", file=sys.stderr, flush=True)
         os._exit(1)  # a peer is gone: no clean teardown of the process group is possible
-
-
-def teardown(engine) -> None:
-    """A clean end: every rank past its last collective, the engine's threads stopped and the
-    process groups destroyed before the interpreter exits (a communication thread still running
-    at exit aborts the process: "terminate called without an active exception", exit -6)."""
-    import torch.distributed as dist
-    dist.barrier()
-    engine.destroy()
-    dist.destroy_process_group()
 
 
 def _step(engine) -> int | str:
@@ -489,355 +437,75 @@ def build(args, prep: Prepared):
         import ds_dhelix
         first = prep.data.first_batch(prep.setup.batch.micro_batch_size)
         engine, *_ = ds_dhelix.initialize(model=model, config=prep.ds_config, weights=weights, example_batch=first)
-        fingerprint = engine.plan.fingerprint() if getattr(engine, "plan", None) is not None else None
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=prep.ds_config)
-        fingerprint = None
     report = getattr(engine, "load_report", None)
     prep.memory = {"baseline_rss_mib": baseline,
                    "load_peak_rss_mib": report.peak_rss_mib if report is not None else peak_rss_mib(),
                    "shard_mib": sum(p.numel() * p.element_size() for p in engine.module.parameters()) / 2 ** 20}
     reset_peak_rss()  # the training peak is measured from here
-    prep.run_state["plan_fingerprint"] = fingerprint
-    if prep.resume is not None:
-        from ds_dhelix.engine.resume import load
-        saved = load(engine, *prep.resume)
-        if saved.get("plan_fingerprint") != fingerprint and int(os.environ.get("RANK", 0)) == 0:
-            print(f"train.py: the SI plan differs from the checkpoint's ({saved.get('plan_fingerprint')} -> "
-                  f"{fingerprint}); every plan gives the same math, so the run continues", file=sys.stderr)
+    from ds_dhelix.training import resume_engine
+    resume_engine(engine, prep.resume, prep.run_state, prog="train.py")
     return engine
 
 
 def train(args, prep: Prepared, engine) -> int:
-    """The training loop: steps to ``--steps``, periodic checkpoints, stops; then the HF export."""
+    """The training loop (``ds_dhelix.training.train_loop``) to ``--steps``; then the run's end:
+    leave on a stop, the summary on --stop-after, else ``finish``."""
     import torch.distributed as dist
-    from tqdm import tqdm
 
-    from ds_dhelix.engine.stopping import StopRequest
-    rank, dp_rank, dp_size = dist.get_rank(), *_data_parallel(engine, prep)
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    start = engine.global_steps
-    data = prep.data.batches(micro, seed=args.seed, rank=dp_rank, replicas=dp_size, start=start * gas)
-    if loss_average(args, prep.data) == "tokens":
-        data = weighed_by_targets(data, gas, dp_size, engine.groups.dp_group if prep.setup.dh.enabled else None)
-    stop = StopRequest.install()
-    log = {"losses": [], "times": [], "stats": [], "lrs": [], "eval_losses": []}
-    log_data_fields(engine, prep.data, start)
-    bar = tqdm(total=args.steps, initial=start, desc="train", disable=rank != 0, dynamic_ncols=True)
-    for _ in range(start, args.steps):
-        _one_step(engine, prep.setup.dh, data, log, micro * gas * args.seq_len * dp_size, bar)
-        if args.eval_interval and engine.global_steps % args.eval_interval == 0 and engine.global_steps < args.steps:
-            log["eval_losses"].append(evaluate(engine, prep, micro))
-        reason = stop.agreed()
-        if reason and engine.global_steps < args.steps:  # after the last step: finish (export) instead
-            return _stopped(args, prep, engine, stop, reason, bar)
-        if engine.global_steps < args.steps and args.stop_after and engine.global_steps - start >= args.stop_after:
-            bar.close()
-            path = save(args, prep, engine)
-            memory = memory_marks(prep, engine)
-            if rank == 0:
-                print(f"train.py: leaving after step {engine.global_steps} of {args.steps} (--stop-after "
-                      f"{args.stop_after}); checkpoint {path}; continue with --resume auto")
-                summarize(args, log, start, None, micro, engine, dp_size, prep.setup.dh, {}, memory, prep.data)
-            return 0
-        if args.save_interval and engine.global_steps % args.save_interval == 0 and engine.global_steps < args.steps:
-            save(args, prep, engine)
-    bar.close()
-    stop.close()
-    if prep.data.eval is not None and start < args.steps:
-        log["eval_losses"].append(evaluate(engine, prep, micro))
-    finish(args, prep, engine, log, start, micro, dp_size)
+    from ds_dhelix.training import memory_marks, summarize, train_loop
+    options = loop_options(args)
+    log = train_loop(engine, prep.data, options, prep.run_state)
+    if log.end == "stopped":
+        sys.stdout.flush()
+        os._exit(log.exit_code)  # every rank leaves at the same step boundary
+    if log.end == "left":  # --stop-after: the checkpoint is saved; no export
+        memory = memory_marks(engine, prep.memory)
+        if dist.get_rank() == 0:
+            summarize(log, engine, prep.data, options, **summary_fields(args), probe={}, memory=memory)
+        return 0
+    finish(args, prep, engine, log, options)
     return 0
 
 
-def loss_average(args, data) -> str:
-    """``--loss-average``, or its default for the data (tokens when the loss is on the answers)."""
-    return args.loss_average or ("tokens" if data.loss_on == "answers" else "microbatches")
+def loop_options(args):
+    """The loop's settings (``ds_dhelix.training.LoopOptions``) from the flags."""
+    from ds_dhelix.training import LoopOptions
+    return LoopOptions(steps=args.steps, eval_interval=args.eval_interval, loss_average=args.loss_average,
+                       checkpoint_dir=args.ds_checkpoint, save_interval=args.save_interval,
+                       keep_checkpoints=args.keep_checkpoints, stop_after=args.stop_after,
+                       save_on_signal=args.save_on_signal, prog="train.py")
 
 
-def weighed_by_targets(batches, gas: int, dp_size: int, dp_group):
-    """The micro-batches, each step's ``gas`` carrying the step's ``loss_denominator``: its target
-    count over every data-parallel replica / (gas x replicas), so the engine's mean over micro-
-    batches and replicas is the step's summed loss over its targets (one all-reduce per step)."""
-    import torch
+def summary_fields(args) -> dict:
+    """The summary's fields that come from the flags (``ds_dhelix.training.summarize``)."""
+    return {"model": args.model, "attn_implementation": args.attn_implementation, "json_path": args.json_summary,
+            "export_label": "PEFT adapter" if lora_asked(args) and not args.merge_lora else "HF checkpoint"}
+
+
+def finish(args, prep: Prepared, engine, log, options) -> None:
+    """The final checkpoint, the HF export, the summary line and JSON (``log``: the loop's
+    ``TrainLog``, ``options`` its ``LoopOptions``)."""
     import torch.distributed as dist
 
-    from ds_dhelix.data import valid_targets
-    while True:
-        step = [next(batches) for _ in range(gas)]
-        count = torch.tensor([float(sum(valid_targets(b["labels"]) for b in step))], dtype=torch.float64)
-        if dp_size > 1:
-            dist.all_reduce(count, group=dp_group)
-        denominator = max(float(count) / (gas * dp_size), 1e-12)
-        yield from ({**b, "loss_denominator": denominator} for b in step)
-
-
-def evaluate(engine, prep: Prepared, micro: int) -> dict:
-    """``{"step", "loss"}``: the loss over every evaluation block, weighted by the targets each
-    micro-batch counts (answer tokens), over all data-parallel replicas; forward only. Each
-    replica takes every dp-th block; a replica short of a full micro-batch pads it with blocks
-    whose targets are all ignored (a micro-batch of padding only keeps its targets, weighed 0), so
-    every replica runs the same forwards."""
-    import torch
-    import torch.distributed as dist
-
-    from ds_dhelix.data import valid_targets
-    blocks, (dp_rank, dp_size) = prep.data.eval, _data_parallel(engine, prep)
-    per_rank = -(-len(blocks) // dp_size)
-    count = -(-per_rank // micro)
-    mine = list(range(dp_rank, len(blocks), dp_size))
-    batches, weights = [], []
-    for k in range(count):
-        real = mine[k * micro:(k + 1) * micro]
-        rows = blocks.rows(torch.tensor(real + [0] * (micro - len(real))))
-        if real and len(real) < micro:
-            rows["labels"][len(real):] = -100
-        weights.append(valid_targets(rows["labels"]) if real else 0)
-        batches.append(rows)
-    total = torch.zeros(2, dtype=torch.float64)
-    gas = engine.gradient_accumulation_steps()
-    with _watched(engine, "evaluation"):
-        for lo in range(0, count, gas):
-            chunk = batches[lo:lo + gas]
-            if prep.setup.dh.enabled:
-                losses = engine.eval_batch(iter(chunk), num_microbatches=len(chunk), per_microbatch=True).cpu()
-            else:
-                losses = torch.stack([_plain_forward_loss(engine, b) for b in chunk])
-            for loss, w in zip(losses.tolist(), weights[lo:lo + gas]):
-                if w:
-                    total += torch.tensor([loss * w, w], dtype=torch.float64)
-        group = engine.groups.dp_group if prep.setup.dh.enabled else None
-        if dp_size > 1:
-            dist.all_reduce(total, group=group)
-    loss = float(total[0] / total[1])
-    step = engine.global_steps
-    if engine.monitor.enabled and dist.get_rank() == 0:
-        engine.monitor.write_events([("Eval/loss", loss, step)])
-    if dist.get_rank() == 0:
-        print(f"train.py: step {step}: eval loss {loss:.4f} over {int(total[1])} target tokens", flush=True)
-    return {"step": step, "loss": loss}
-
-
-def _plain_forward_loss(engine, batch):
-    import torch
-    engine.eval()
-    with torch.no_grad():
-        out = engine(**plain_inputs(engine, batch))
-    engine.train()
-    return out.loss.detach().float().cpu()
-
-
-def plain_inputs(engine, batch: dict) -> dict:
-    """The HF model's keyword arguments for ``batch`` under plain DeepSpeed: the packed documents'
-    mask (additive in the parameters' dtype for eager attention), and a ``loss_denominator`` as
-    HF's ``num_items_in_batch``."""
-    from ds_dhelix.data import hf_model_inputs
-    from hf_models.common import hf_mask_windows
-    module = engine.module
-    eager = next(module.parameters()).dtype if module.config._attn_implementation == "eager" else None
-    batch = dict(batch)
-    denominator = batch.pop("loss_denominator", None)
-    extra = {} if denominator is None else {"num_items_in_batch": denominator}
-    return {**hf_model_inputs(batch, eager, hf_mask_windows(module.config)), **extra}
-
-
-def log_data_fields(engine, data, step: int) -> None:
-    """What the loss is computed on, in TensorBoard (``Data/...``, at the run's first step)."""
-    import torch.distributed as dist
-    if not engine.monitor.enabled or dist.get_rank() != 0:
-        return
-    s = data.stats
-    engine.monitor.write_events([(f"Data/{k}", float(v), step) for k, v in
-                                 (("records", s.records), ("tokens", s.tokens), ("loss_tokens", s.loss_tokens),
-                                  ("truncated", s.truncated), ("dropped", s.dropped),
-                                  ("padding_fraction", s.padding_fraction))])
-
-
-def _data_parallel(engine, prep: Prepared) -> tuple[int, int]:
-    import torch.distributed as dist
-    if prep.setup.dh.enabled:
-        return engine.groups.dp_rank, engine.groups.dp_size
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _one_step(engine, dh, data, log: dict, tokens: int, bar) -> None:
-    t0 = time.perf_counter()
-    if dh.enabled:
-        loss = engine.train_batch(data)
-        log["stats"].append(engine.last_stats)
-    else:
-        loss = plain_step(engine, data)
-    log["times"].append(time.perf_counter() - t0)
-    log["losses"].append(float(loss))
-    log["lrs"].append(float(engine.get_lr()[0]))
-    bar.set_postfix(loss=f"{log['losses'][-1]:.3f}", tok_s=f"{tokens / log['times'][-1]:.0f}")
-    bar.update(1)
-
-
-def _watched(engine, what: str):
-    """The ds_dhelix engine's watchdog around ``what`` (plain DeepSpeed has none)."""
-    import contextlib
-    return engine.watched(what) if hasattr(engine, "watched") else contextlib.nullcontext()
-
-
-def save(args, prep: Prepared, engine) -> str:
-    """A checkpoint of the current step under --ds-checkpoint (the newest --keep-checkpoints kept)."""
-    from ds_dhelix.engine import resume
-    state = dict(prep.run_state, step=engine.global_steps)
-    with _watched(engine, "checkpoint save"):
-        return resume.save(engine, os.path.abspath(args.ds_checkpoint), state, args.keep_checkpoints)
-
-
-def _stopped(args, prep: Prepared, engine, stop, reason: str, bar) -> int:
-    import torch.distributed as dist
-    bar.close()
-    saved = save(args, prep, engine) if args.save_on_signal else None
-    if dist.get_rank() == 0:
-        what = f"; checkpoint saved to {saved}" if saved else " (no checkpoint: --save-on-signal was not given)"
-        print(f"train.py: stopped by {reason} after step {engine.global_steps}{what}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(stop.exit_code())  # every rank leaves at the same step boundary
-
-
-def finish(args, prep: Prepared, engine, log: dict, start: int, micro: int, dp_size: int) -> None:
-    """The final checkpoint, the HF export, the summary line and JSON."""
-    import torch.distributed as dist
-    dh = prep.setup.dh
-    probe = probe_loss(engine, dh, prep.data, micro)
-    if args.ds_checkpoint and start < engine.global_steps:  # (a resume at the end only exports)
-        save(args, prep, engine)
-    with _watched(engine, "HF export"):
+    from ds_dhelix.engine.evaluation import watched
+    from ds_dhelix.training import flush_tensorboard, memory_marks, probe_loss, save_checkpoint, summarize
+    probe = probe_loss(engine, prep.data)
+    if args.ds_checkpoint and log.start_step < engine.global_steps:  # (a resume at the end only exports)
+        save_checkpoint(engine, options, prep.run_state)
+    with watched(engine, "HF export"):
         if prep.lora is not None and not args.merge_lora:
             path = engine.export_adapter(args.output_dir, base=prep.run_state["model"], tokenizer=prep.tokenizer)
-        elif dh.enabled:  # (a LoRA model: merged)
+        elif prep.setup.dh.enabled:  # (a LoRA model: merged)
             path = engine.export_hf(args.output_dir, prep.tokenizer, max_shard_size=args.max_shard_size)
         else:
             from ds_dhelix.engine.checkpoint import export_hf
             path = export_hf(engine.module, args.output_dir, prep.tokenizer, max_shard_size=args.max_shard_size)
-    memory = memory_marks(prep, engine)
+    memory = memory_marks(engine, prep.memory)
     if dist.get_rank() == 0:
-        summarize(args, log, start, path, micro, engine, dp_size, dh, probe, memory, prep.data)
-    if engine.monitor.enabled and dist.get_rank() == 0:
-        for writer in _tb_writers(engine):
-            writer.flush()
-
-
-def memory_marks(prep: Prepared, engine) -> list[dict]:
-    """Every rank's host memory marks (collective): baseline, load peak, training peak, shard; and
-    under ds_dhelix its optimizer's state bytes and its trainable / all parameter counts."""
-    import torch.distributed as dist
-
-    from ds_dhelix.runtime.memory import peak_rss_mib
-    mine = {"rank": dist.get_rank(), **(prep.memory or {}), "train_peak_rss_mib": peak_rss_mib(),
-            **({"optimizer_state_bytes": engine.optimizer_state_bytes(),
-                "trainable_parameters": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
-                "parameters": sum(p.numel() for p in engine.module.parameters())}
-               if hasattr(engine, "optimizer_state_bytes") else {})}
-    marks = [None] * dist.get_world_size()
-    dist.all_gather_object(marks, mine)
-    return marks
-
-
-def probe_loss(engine, dh, data, micro):
-    """Loss of the trained model on the first blocks of the data (their ids and labels, no
-    positions or masks): the exported HF checkpoint must reproduce it (the end-to-end test checks
-    that)."""
-    import torch
-    first = data.first_batch(micro)
-    block = first["input_ids"]
-    batch = {"input_ids": block, "labels": first["labels"]}
-    if dh.enabled:
-        loss = engine.eval_batch(iter([batch] * engine.gradient_accumulation_steps()))
-    else:
-        engine.eval()
-        with torch.no_grad():
-            loss = engine(**batch).loss
-        engine.train()
-    return {"probe_input_ids": block.tolist(), "probe_labels": first["labels"].tolist(), "probe_loss": float(loss)}
-
-
-def plain_step(engine, data):
-    """One optimizer step of plain DeepSpeed: forward/backward per micro-batch, then step."""
-    import torch
-    import torch.distributed as dist
-    total = 0.0
-    gas = engine.gradient_accumulation_steps()
-    for _ in range(gas):
-        out = engine(**plain_inputs(engine, next(data)))
-        engine.backward(out.loss)
-        engine.step()
-        total += out.loss.detach().float()
-    loss = torch.as_tensor(total / gas)
-    dist.all_reduce(loss)
-    loss /= dist.get_world_size()
-    if engine.monitor.enabled and engine.global_rank == 0:
-        engine.monitor.write_events([("Train/loss", float(loss), engine.global_steps)])
-    return loss
-
-
-def _tb_writers(engine):
-    for m in getattr(engine.monitor, "monitors", None) or []:
-        w = getattr(m, "summary_writer", None)
-        if w is not None:
-            yield w
-
-
-def summarize(args, log: dict, start: int, path, micro, engine, dp_size, dh, probe, memory, data):
-    import statistics
-    losses, times, stats = log["losses"], log["times"], log["stats"]
-    k = max(1, len(losses) // 10)
-    first, last = statistics.mean(losses[:k]), statistics.mean(losses[-k:])
-    med = statistics.median(times[1:] or times)
-    tokens = micro * engine.gradient_accumulation_steps() * args.seq_len * dp_size
-    summary = {"model": args.model, "attn_implementation": args.attn_implementation, "start_step": start, "steps": len(losses), "total_steps": args.steps,
-               "loss_first": first, "loss_last": last, "losses": losses, "lrs": log["lrs"],
-               "median_step_s": med, "tokens_per_s": tokens / med, "hf_checkpoint": path,
-               "eval_losses": log["eval_losses"], "data": {**data.summary(), "loss_average": loss_average(args, data)}}
-    line = (f"done: steps {start + 1}-{start + len(losses)}, loss {first:.3f} -> {last:.3f}, "
-            f"median step {med * 1e3:.0f} ms, {tokens / med:.0f} tokens/s")
-    if stats:
-        comm = sum(s.comm_and_exposed[0] for s in stats[1:] or stats)  # CUDA: from CUDA events
-        exposed = sum(s.comm_and_exposed[1] for s in stats[1:] or stats)
-        frac = max(0.0, 1 - exposed / comm) if comm > 0 else 0.0
-        n = len(stats[1:] or stats)
-        summary.update(schedule=dh.schedule, comm_ms_per_step=comm / n * 1e3,
-                       exposed_comm_ms_per_step=exposed / n * 1e3, hidden_fraction=frac,
-                       peak_activation_bytes=max(s.peak_activation_bytes for s in stats))
-        if comm > 0:
-            line += (f"; schedule {dh.schedule}: communication {comm / n * 1e3:.0f} ms/step, "
-                     f"{frac:.0%} hidden ({exposed / n * 1e3:.0f} ms exposed)")
-        else:  # pipeline transfers only: no collective to hide inside a stage
-            line += f"; schedule {dh.schedule}: {exposed / n * 1e3:.0f} ms/step waiting on transfers"
-    print(line)
-    d = data.summary()
-    print(f"data: {d['format']} records, loss on {d['loss_on']} (averaged over {loss_average(args, data)}): "
-          f"{d['records']} records, {d['tokens']} tokens, {d['loss_tokens']} with loss; {d['truncated']} cut to "
-          f"--seq-len, {d['dropped']} dropped as longer, {d['no_loss']} without an answer left; padding "
-          f"{d['padding_fraction']:.1%} (--packing {d['packing']}{', streamed: the part read' if d['streaming'] else ''})")
-    if log["eval_losses"]:
-        print("eval loss: " + ", ".join(f"step {e['step']} {e['loss']:.4f}" for e in log["eval_losses"]))
-    auto = getattr(engine, "auto", None)
-    if auto is not None:  # "schedule": "auto": what it chose, from which figures
-        from ds_dhelix.planning.autoschedule import describe
-        summary["auto_decisions"] = auto.decisions
-        print("\n".join(describe(d) for d in auto.decisions) if auto.decisions else
-              f"ds_dhelix: schedule auto still timing its candidates ({auto.trial_steps_left} trial steps left)")
-    if path:
-        print(f"{'PEFT adapter' if lora_asked(args) and not args.merge_lora else 'HF checkpoint'}: {path}")
-    summary.update(probe)
-    summary["memory"] = memory
-    if memory and memory[0].get("load_peak_rss_mib") is not None:
-        m = memory[0]
-        print(f"host memory, rank 0: load {m['load_peak_rss_mib'] - m['baseline_rss_mib']:.0f} MiB over the baseline "
-              f"for a {m['shard_mib']:.0f} MiB shard, training peak {m['train_peak_rss_mib']:.0f} MiB")
-    if memory and "optimizer_state_bytes" in memory[0]:
-        per_rank = ", ".join(f"{m['optimizer_state_bytes'] / 2 ** 20:.2f}" for m in memory)
-        m = memory[0]
-        print(f"optimizer state per rank: {per_rank} MiB; trained parameters on rank 0: {m['trainable_parameters']:,} "
-              f"of {m['parameters']:,} ({m['trainable_parameters'] / max(m['parameters'], 1):.1%})")
-    if args.json_summary:
-        with open(args.json_summary, "w") as f:
-            json.dump(summary, f, indent=1)
+        summarize(log, engine, prep.data, options, **summary_fields(args), export=path, probe=probe, memory=memory)
+    flush_tensorboard(engine)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ package stays light: the public names below load on first use, and the pure laye
 The subpackages follow the data flow, each importing only the layers below it (import-linter
 contracts in ``pyproject.toml``)::
 
-    data, graph -> config, planning, pipe -> predict -> runtime -> moe -> hf_models -> engine -> bench -> commands, cli
+    data, graph -> config, planning, pipe -> predict -> runtime -> moe -> hf_models -> engine
+        -> training -> bench -> commands, cli
 """
 __version__ = "0.1.0"
 

@@ -13,7 +13,9 @@ that step's loss. What changes against a plain Trainer, method by method:
     get_batch_samples      runs the step: loss normalised by the step's target count like the
                            Trainer's ``num_items_in_batch`` (its own count, not counted again)
     training_step          returns this micro-batch's share of the step loss
-    evaluate               forward only through ``engine.eval_batch``; reports ``eval_loss``
+    evaluate               forward only through ``engine.eval_batch``; reports ``eval_loss`` weighted
+                           by each batch's targets over the data-parallel ranks, as train.py's
+                           ``Eval/loss`` (``engine.evaluation``)
     save_model             ``engine.export_hf``: shards gathered, an HF checkpoint (a PEFT LoRA
                            model: ``engine.export_adapter``, the adapter as PEFT writes it)
     log                    adds the step's communication and memory figures (``dhelix/...``)
@@ -33,6 +35,7 @@ import os
 import torch
 from transformers import Trainer
 
+from .evaluation import evaluate_loss
 from .guard import enabled_dhelix_section
 
 logger = logging.getLogger(__name__)
@@ -281,18 +284,20 @@ class DhelixTrainer(Trainer):
 
     # ------------------------------------------------------------------ evaluation and saving
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        """Mean loss over the evaluation set, forward only through ``engine.eval_batch`` (each rank
-        its data-parallel share); ``compute_metrics`` needs logits, which the sharded graph does not
-        gather, so it is refused."""
+        """The evaluation set's loss weighted by each batch's targets over every data-parallel rank,
+        forward only through ``engine.eval_batch`` (each rank its data-parallel share): train.py's
+        ``Eval/loss`` (``ds_dhelix.engine.evaluation``). ``compute_metrics`` needs logits, which the
+        sharded graph does not gather, so it is refused."""
         if self.compute_metrics is not None:
             raise ValueError("DhelixTrainer.evaluate reports eval_loss only: compute_metrics needs the full "
                              "logits, which the tensor-parallel graph never gathers; drop compute_metrics")
         engine = self._build_engine(self._engine_steps or self._planned_steps())
-        loader = self.get_eval_dataloader(eval_dataset)
-        losses = [float(engine.eval_batch(iter([batch]), num_microbatches=1)) for batch in loader]
-        if not losses:
-            raise ValueError("DhelixTrainer.evaluate: the evaluation set gave no batch")
-        metrics = {f"{metric_key_prefix}_loss": sum(losses) / len(losses)}
+        # one batch per eval_batch call: the last batch of the set may be shorter than the others
+        loss, targets = evaluate_loss(engine, self.get_eval_dataloader(eval_dataset), chunk=1)
+        if not targets:
+            raise ValueError("DhelixTrainer.evaluate: the evaluation set gave no batch with a target (a label "
+                             "other than -100)")
+        metrics = {f"{metric_key_prefix}_loss": loss}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
