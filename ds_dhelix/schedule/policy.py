@@ -186,24 +186,35 @@ class Round:
         return f_depth <= b_depth and host.may_save(self.head(1))
 
     # ---- decisions
-    def forced(self, host: RoundHost) -> Decision | None:
-        """FINISH or LAUNCH when one is due (they are never a choice), else None."""
+    def _finishing(self, host: RoundHost) -> Decision | None:
         if self.rules.reacts:
             for s in self.order:
                 if host.completed(self.flight[s][1]):
                     return _FINISH[s]
+        return None
+
+    def _goers(self, host: RoundHost) -> tuple[bool, bool]:
+        return self.may_go(0, host), self.may_go(1, host)
+
+    def _launch(self, go: tuple[bool, bool]) -> Decision | None:
         for s in (0, 1):
-            if self.pos[s] < len(self.items[s]) and self.comm[s][self.pos[s]] and self.may_go(s, host):
+            if go[s] and self.comm[s][self.pos[s]]:
                 return _LAUNCH[s]
         return None
 
-    def choices(self, host: RoundHost) -> list[Decision]:
-        """Every legal next step once nothing is forced: DRAIN alone when too many weight gradients
-        wait; else COMPUTE per strand that may go, FILL when a weight gradient waits; else a wait."""
+    def forced(self, host: RoundHost) -> Decision | None:
+        """FINISH or LAUNCH when one is due (they are never a choice), else None."""
+        return self._finishing(host) or self._launch(self._goers(host))
+
+    def choices(self, host: RoundHost, go: tuple[bool, bool] | None = None) -> list[Decision]:
+        """Every legal next step once nothing is forced (``go``: ``may_go`` of each strand, if known):
+        DRAIN alone when too many weight gradients wait; else COMPUTE per strand that may go, FILL
+        when a weight gradient waits; else a wait."""
         num, _ = host.deferred()
         if num > self.rules.max_deferred:
             return [_DRAIN]
-        out = [_COMPUTE[s] for s in (0, 1) if self.may_go(s, host)]
+        go = self._goers(host) if go is None else go
+        out = [_COMPUTE[s] for s in (0, 1) if go[s]]
         if num:
             out.append(_FILL)
         if out:
@@ -229,10 +240,14 @@ class Round:
         (compute before fill before wait; between two strands, ``nearest`` or strand 0)."""
         if self.done:
             return _DONE
-        forced = self.forced(host)
-        if forced is not None:
-            return forced
-        options = self.choices(host)
+        finishing = self._finishing(host)
+        if finishing is not None:
+            return finishing
+        go = self._goers(host)
+        launch = self._launch(go)
+        if launch is not None:
+            return launch
+        options = self.choices(host, go)
         if len(options) > 1 and options[1].kind == COMPUTE and self.rules.nearest \
                 and self.until_comm(1) < self.until_comm(0):
             return options[1]
