@@ -19,7 +19,7 @@ from ds_dhelix.graph.model_graph import comm, comp
 from ds_dhelix.data.inputs import shifted_targets, valid_targets
 from ds_dhelix.runtime.groups import ContextShards
 
-from .lora import has_lora, project, shard_factors
+from .lora import has_lora, project, shard_factors  # noqa: F401  (project: re-exported to the family modules)
 from .ring import AttentionCore
 
 
@@ -101,7 +101,7 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
         side = {
             "ids": ids[:, sl],
             "targets": targets[:, sl].t().contiguous(),  # [s/tp, b], sequence-first
-            "num_valid": valid_targets(labels),
+            "num_valid": valid_targets(labels) if batch.get("loss_denominator") is None else None,  # (a host read)
             # what the loss sum is divided by: the valid targets, or the caller's share of a step's
             # count (DhelixTrainer: the Trainer's num_items_in_batch over the data-parallel ranks)
             "loss_denominator": batch.get("loss_denominator"),
@@ -336,7 +336,7 @@ def context_attention(cp: ContextShards | None, heads, qkv, core, out, widths: t
         (o,) = core.fn(side, q, k, v)  # [s, b, nq/c * d]
         return (o.unflatten(0, (c, o.shape[0] // c)),)  # [c (sequence chunk), s/c, b, nq/c * d]
 
-    def project(side, of):  # [c (head group), s/c, b, nq/c * d] -> [s/c, b, nq * d]
+    def merge_heads(side, of):  # [c (head group), s/c, b, nq/c * d] -> [s/c, b, nq * d]
         return out.fn(side, of.permute(1, 2, 0, 3).flatten(2))
 
     a2a = ContextAllToAll(cp.groups, c)
@@ -344,7 +344,7 @@ def context_attention(cp: ContextShards | None, heads, qkv, core, out, widths: t
             comm("attn.a2a_in", a2a, "qkvs", "qkvf"),
             comp("attn.core", ("qkvf",), ("oc",), attend, selective=core.selective),
             comm("attn.a2a_out", a2a, "oc", "of"),
-            comp("attn.out", ("of",), out.outputs, project, linear=out.linear)]
+            comp("attn.out", ("of",), out.outputs, merge_heads, linear=out.linear)]
 
 
 def kv_heads_of_groups(nq: int, nk: int, cp: int) -> list[slice]:

@@ -50,13 +50,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds_dhelix.runtime.comm import SeqAllGather, SeqReduceScatter
+from ds_dhelix.runtime.comm import HostCopies, SeqAllGather, SeqReduceScatter
 from ds_dhelix.graph.draws import Draws, draw_seed, seeded_rng
 from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
 from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll
 from ds_dhelix.runtime.groups import ExpertGroups
 from ds_dhelix.moe.experts import (DEFAULT_LAYOUT, ExpertLayout, layout_act, run_expert_down, run_expert_up,
-                                   shard_experts)
+                                   shard_experts, use_grouped_mm)
 from ds_dhelix.moe.metrics import MoeMetrics
 from ds_dhelix.moe.kernels import make_kernels
 from ds_dhelix.moe.router import (aux_piece, grouped_sigmoid_topk, load_balancing_loss, local_counts,
@@ -374,8 +374,8 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
     block = layer.mlp
     gate = getattr(block, family.router)
     num_experts, top_k, ep = family.num_experts(settings["config"]), gate.top_k, ep_groups.size
-    cf, grouped, base_seed, rank, kernels = (settings[k] for k in ("capacity_factor", "grouped_mm", "seed", "rank",
-                                                                   "kernels"))
+    cf, grouped, base_seed, rank, kernels, copies = (settings[k] for k in ("capacity_factor", "grouped_mm", "seed",
+                                                                           "rank", "kernels", "host_copies"))
 
     def router(side, x2):
         x = x2.reshape(-1, x2.shape[-1])
@@ -389,11 +389,11 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
                 x = x.clone()  # Phi-MoE's router jitters its input in place: the experts see it too
             logits, weights, selected = gate(x) if family.route is None else family.route(gate, x)
         xs, route = route_tokens(x, selected, num_experts, cf, kernels)
-        if ep == 1 or route.padded:
-            local_counts(route, ep)
+        if ep == 1 or route.padded:  # (ep == 1: a loop over experts reads the sizes on the host, later)
+            local_counts(route, ep, None if use_grouped_mm(xs, grouped) else copies)
         side["moe"][index] = route
         if not side.get("recomputing"):  # a recomputed layer routes again: count its load once
-            metrics.record_route(index, route.counts, route.dropped)
+            metrics.record_route(index, route.counts, route.dropped if route.padded else None)
         return (xs, weights) + ((aux_piece(logits, top_k),) if family.aux_loss else ())
 
     def add(side, h2, ys, w, *shared):
@@ -404,7 +404,7 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
     ops = [comp("moe.router", ("x2",), ("xs", "w") + ((f"aux.{index}",) if family.aux_loss else ()), router)]
     if ep > 1:
         if cf is None:  # dropless: the split sizes travel first, asynchronously
-            ops.append(comm("moe.counts", CountExchange(index, ep_groups, metrics), "xs", "xc"))
+            ops.append(comm("moe.counts", CountExchange(index, ep_groups, metrics, copies), "xs", "xc"))
         ops.append(comm("moe.dispatch", ExpertAllToAll(index, ep_groups, True, metrics),
                         "xs" if cf is not None else "xc", "xr"))
     if family.shared_expert == "gated":  # right after the dispatch: it computes while the routed tokens are in flight
@@ -503,7 +503,8 @@ def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_grou
     metrics = MoeMetrics(num_layers, family.num_experts(config))
     draws = Draws(seed)  # router noise and attention dropout
     settings = {"capacity_factor": capacity_factor, "grouped_mm": grouped_mm, "seed": draws.base, "rank": draws.rank,
-                "config": config, "kernels": make_kernels(kernels)}
+                "config": config, "kernels": make_kernels(kernels),
+                "host_copies": HostCopies()}  # split sizes to the host: one side stream for the graph
 
     blocks = [[embed_op(inner.embed_tokens)]]
     for i, layer in enumerate(inner.layers):

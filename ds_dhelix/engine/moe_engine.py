@@ -143,21 +143,24 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
         return super().train_batch(data_iter)
 
     def _reduce_moe_metrics(self) -> None:
+        """The step's MoE numbers, packed on the device, summed over the DP (and CP) ranks, then read
+        on the host once (the step's only read of them: the routers and losses kept them on the device)."""
         m = self.moe_metrics
         aux = m.aux_mean()
         load = m.load if m.load is not None else torch.zeros(m.num_layers, m.num_experts, dtype=torch.float64)
         dev = aux.device if aux is not None else load.device
-        packed = torch.cat([load.flatten().to(dev, torch.float64),
-                            torch.tensor([float(sum(m.dropped)), 0.0 if aux is None else float(aux)],
-                                         dtype=torch.float64, device=dev)])
+        dropped = m.dropped.sum() if m.dropped is not None else torch.zeros((), dtype=torch.long)
+        packed = torch.cat([load.flatten().to(dev, torch.float64), dropped.to(dev, torch.float64).view(1),
+                            (aux if aux is not None else torch.zeros(())).to(dev, torch.float64).view(1)])
         n = m.num_layers * m.num_experts
         if self.groups.cp_size > 1:  # each CP rank routed its own tokens; the aux loss is the sequence's already
             dist.all_reduce(packed[:n + 1], group=self.groups.cp_group)
         if self.groups.dp_size > 1:
             dist.all_reduce(packed, group=self.groups.dp_group)
-        self.moe_expert_load = packed[:n].view(m.num_layers, m.num_experts).cpu()
-        self.moe_dropped_tokens = int(packed[n])
-        self.moe_aux_loss = None if aux is None else float(packed[n + 1]) / self.groups.dp_size
+        host = packed.cpu()
+        self.moe_expert_load = host[:n].view(m.num_layers, m.num_experts)
+        self.moe_dropped_tokens = int(host[n])
+        self.moe_aux_loss = None if aux is None else float(host[n + 1]) / self.groups.dp_size
         self.moe_a2a_ms, self.moe_a2a_exposed_ms = m.a2a_busy_s * 1e3, m.a2a_exposed_s * 1e3
 
     def log_step(self, batches) -> None:

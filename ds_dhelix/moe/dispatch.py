@@ -13,6 +13,17 @@ router and the dispatch, so the other strand computes while it is in flight inst
 meeting in a blocking exchange. Every rank runs the same ops in the same order, so every rank
 issues the same collectives in the same order whatever the routing. Capacity mode has fixed, even
 splits: no exchange.
+
+Host reads: one per dropless layer per micro-batch, ``split_sizes`` at the dispatch launch
+(``all_to_all_single`` takes its split sizes as Python lists). The exchanged counts start their
+way to pinned host memory as soon as the exchange completes (``runtime.comm.HostCopies``: a copy
+on a side stream ordered after the exchange alone, with an event); the dispatch waits on that
+event only, so the other strand's work queued on the compute stream stays queued. The rows per
+local expert come with the same read. Capacity mode reads nothing.
+
+    compute:  [router] ──────── [other strand's ops ...] ─────────── [dispatch launch]
+    NCCL:            [counts a2a]                                   ▲
+    side:                        [D2H counts]·event ── host waits ──┘ (event.synchronize)
 """
 from __future__ import annotations
 
@@ -22,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime.comm import Pending
+from ..runtime.comm import HostCopies, Pending
 from ..runtime.groups import ExpertGroups
 from .router import Route
 
@@ -45,11 +56,13 @@ class TimedPending(Pending):
 
 class CountExchange:
     """COMM op body of ``moe.counts``: forward passes ``x`` through once this rank knows how many
-    copies it sends to / receives from each EP rank; backward passes the gradient through."""
+    copies it sends to / receives from each EP rank; backward passes the gradient through.
+    ``copies``: the ``HostCopies`` the counts go to the host by (one per graph; None: its own)."""
 
     lane = "comm:ep"  # trace lane
-    def __init__(self, layer: int, groups: ExpertGroups, metrics=None):
+    def __init__(self, layer: int, groups: ExpertGroups, metrics=None, copies: HostCopies | None = None):
         self.layer, self.groups, self.metrics = layer, groups, metrics
+        self.copies = HostCopies() if copies is None else copies
 
     def process_group(self, channel: int):
         """The group a launch on ``channel`` runs on."""
@@ -64,14 +77,14 @@ class CountExchange:
         route = side["moe"][self.layer]
         if route.padded:  # capacity mode: fixed splits
             return Pending(None, x)
-        send = route.counts.view(self.groups.size, -1).contiguous()
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.groups.count_group.channel(channel), async_op=True)
+        ep = self.groups.size
+        both = route.counts.new_empty((2, ep, route.counts.numel() // ep))  # [sent, received]: one copy to the host
+        both[0].copy_(route.counts.view(ep, -1))
+        work = dist.all_to_all_single(both[1], both[0], group=self.groups.count_group.channel(channel), async_op=True)
 
         def finish(_):  # [ep, E/ep] copies sent to / received from each EP rank, per expert
-            route.recv_counts = recv
-            route.send_splits = send.sum(dim=1).tolist()
-            route.recv_splits = recv.sum(dim=1).tolist()
+            route.recv_counts = both[1]
+            route.host_counts = self.copies.start(both, after=work)  # read by ``split_sizes``, not here
             return x
 
         pending = TimedPending(work, x, finish=finish)
@@ -81,6 +94,15 @@ class CountExchange:
 
     def backward(self, grad, side, channel: int = 1) -> Pending:
         return Pending(None, grad)
+
+
+def split_sizes(route: Route) -> None:
+    """The host read of a dropless layer: the sent and received counts ``moe.counts`` started to
+    the host -> the all-to-all's split sizes per EP rank and the received rows per local expert."""
+    sent, received = route.host_counts.read()
+    route.send_splits = [sum(row) for row in sent]
+    route.recv_splits = [sum(row) for row in received]
+    route.expert_sizes = [sum(col) for col in zip(*received)]
 
 
 def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> Pending:
@@ -117,8 +139,10 @@ class ExpertAllToAll:
     def forward(self, x, side, channel: int = 0) -> Pending:
         route = side["moe"][self.layer]
         if not route.padded and route.recv_splits is None:
-            raise RuntimeError(f"moe.dispatch of layer {self.layer}: no split sizes; a dropless graph "
-                               f"needs its moe.counts op before the dispatch")
+            if route.host_counts is None:
+                raise RuntimeError(f"moe.dispatch of layer {self.layer}: no split sizes; a dropless graph "
+                                   f"needs its moe.counts op before the dispatch")
+            split_sizes(route)  # as late as possible: the launch that needs them
         return self._record(self._send(x, route, self.to_experts, self.groups.group.channel(channel)))
 
     def backward(self, grad, side, channel: int = 1) -> Pending:

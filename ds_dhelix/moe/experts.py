@@ -5,6 +5,13 @@ EP rank r of ``ep`` holds experts ``[r*E/ep, (r+1)*E/ep)`` of ``gate_up_proj [E,
 are marked the DeepSpeed way (``allreduce = False``, ``group_name = "ep_size_<ep>"``) so ZeRO
 reduces their gradients over the expert-data-parallel group, and carry ``expert_ids`` so that
 ``gather_expert_param`` rebuilds the full HF tensor with every expert at its global index.
+
+Host reads while a step runs: none of their own. The regrouping of received rows by expert is a
+permutation built on the device from the received counts (``expert_major_index``); a grouped GEMM
+takes its offsets from a device tensor (``Route.expert_counts``); only the loop over experts needs
+the rows per expert on the host, and takes them from the dispatch's one read of the split sizes
+(``moe.dispatch.split_sizes``; with one EP rank the router's ``HostCopy``, read here). Capacity
+mode's sizes are fixed (``ep * C`` rows per expert).
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..runtime.comm import HostCopy
 from ..runtime.groups import ExpertGroups
 from .router import Route
 from ..graph.shards import select
@@ -112,37 +120,36 @@ def gather_expert_param(p: torch.Tensor, data: torch.Tensor | None = None) -> to
 
 
 # ---------------------------------------------------------------------------- computation
-def expert_major_index(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """Received rows come source-major ([src][local expert]); return the permutation to
-    expert-major order and the rows per local expert."""
+def expert_major_index(recv_counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """Received rows come source-major ([src][local expert]); the permutation to expert-major order,
+    on the device from ``recv_counts [ep, local]`` (``rows``: their sum, the received buffer's
+    length): row ``i`` of expert-major block ``(e, s)`` is received row ``i + start(s, e) - start'(e, s)``."""
     ep, local = recv_counts.shape
-    cnt = recv_counts.tolist()
-    start, starts = 0, []
-    for s in range(ep):
-        row = []
-        for e in range(local):
-            row.append(start)
-            start += cnt[s][e]
-        starts.append(row)
-    pieces = [torch.arange(starts[s][e], starts[s][e] + cnt[s][e]) for e in range(local) for s in range(ep)]
-    index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-    sizes = [sum(cnt[s][e] for s in range(ep)) for e in range(local)]
-    return index.to(recv_counts.device), sizes
+    flat = recv_counts.reshape(-1)
+    src_start = (torch.cumsum(flat, 0) - flat).view(ep, local).t().reshape(-1)  # per (e, s), received order
+    cnt = recv_counts.t().reshape(-1)
+    dst_start = torch.cumsum(cnt, 0) - cnt  # per (e, s), expert-major order
+    shift = torch.repeat_interleave(src_start - dst_start, cnt, output_size=rows)
+    return torch.arange(rows, device=recv_counts.device) + shift
 
 
 def expert_linear(x, sizes, weight, grouped: bool, bias=None, transposed: bool = False) -> torch.Tensor:
     """Rows ``x`` grouped by local expert (``sizes`` rows each) times each expert's matrix of
     ``weight [E_local, out, in]``: the gate/up (``moe.experts.up``) and down (``moe.experts.down``)
     projections. A loop of ``F.linear`` per expert, as HF's ``PhimoeExperts`` (every expert runs,
-    even on 0 rows, so every shard always gets a gradient); ``grouped``: one
-    ``torch.nn.functional.grouped_mm``. ``transposed``: ``weight [E_local, in, out]`` (``x @ W``,
-    gpt-oss); ``bias [E_local, out]``: each expert's bias added to its rows."""
+    even on 0 rows, so every shard always gets a gradient; ``sizes`` a host list); ``grouped``: one
+    ``torch.nn.functional.grouped_mm`` (``sizes`` a device tensor, or a list it copies there).
+    ``transposed``: ``weight [E_local, in, out]`` (``x @ W``, gpt-oss); ``bias [E_local, out]``:
+    each expert's bias added to its rows."""
     if grouped:
-        offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
+        counts = sizes if isinstance(sizes, torch.Tensor) else torch.tensor(sizes, device=x.device)
+        offs = counts.cumsum(0).to(torch.int32)
         out = F.grouped_mm(x, weight if transposed else weight.transpose(1, 2), offs=offs)
         if bias is not None:
-            out = out + bias.repeat_interleave(torch.tensor(sizes, device=x.device), dim=0, output_size=x.shape[0])
+            out = out + bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
         return out
+    if isinstance(sizes, torch.Tensor):
+        raise TypeError("expert_linear: the loop over experts takes the rows per expert as a host list")
     outs, start = [], 0
     for e, n in enumerate(sizes):
         rows = x[start:start + n]
@@ -188,23 +195,37 @@ def use_grouped_mm(x: torch.Tensor, mode: bool | None) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
 
-def expert_sizes(route: Route, ep: int, local: int) -> list[int]:
-    """Rows per local expert after ``expert_rows`` (fixed with capacity buffers, else counted)."""
+def expert_sizes(route: Route, ep: int, local: int, grouped: bool, device=None):
+    """Rows per local expert after ``expert_rows``: for the grouped GEMM a device tensor (no host
+    read), for the loop a host list (fixed with capacity buffers; dropless: the dispatch's read of
+    the split sizes, or with one EP rank the router's ``HostCopy`` read now)."""
+    if grouped:
+        if route.expert_counts is None:
+            route.expert_counts = torch.full((local,), ep * route.capacity, dtype=torch.long, device=device) \
+                if route.padded else route.recv_counts.sum(dim=0)
+        return route.expert_counts
     if route.padded:
         return [ep * route.capacity] * local
-    if route.expert_index is None:
-        route.expert_index, route.expert_sizes = expert_major_index(route.recv_counts)
+    if route.expert_sizes is None:  # ep == 1 (ep > 1: read by the dispatch launch)
+        host = route.host_counts or HostCopy(route.recv_counts)  # (the router started none: read in place)
+        route.expert_sizes = [sum(col) for col in zip(*host.read())]
     return route.expert_sizes
 
 
-def expert_rows(xr: torch.Tensor, route: Route, ep: int, local: int) -> tuple[torch.Tensor, list[int]]:
-    """Received rows (source-major) -> rows grouped by local expert, and the rows per expert."""
-    h, sizes = xr.shape[-1], expert_sizes(route, ep, local)
+def _expert_index(route: Route, rows: int) -> torch.Tensor:
+    if route.expert_index is None:
+        route.expert_index = expert_major_index(route.recv_counts, rows)
+    return route.expert_index
+
+
+def expert_rows(xr: torch.Tensor, route: Route, ep: int, local: int) -> torch.Tensor:
+    """Received rows (source-major) -> rows grouped by local expert."""
+    h = xr.shape[-1]
     if route.padded:  # [src][expert][slot] -> [expert][src][slot]
-        return xr.view(ep, local, route.capacity, h).transpose(0, 1).reshape(-1, h), sizes
+        return xr.view(ep, local, route.capacity, h).transpose(0, 1).reshape(-1, h)
     if ep == 1:
-        return xr, sizes
-    return xr.index_select(0, route.expert_index), sizes
+        return xr
+    return xr.index_select(0, _expert_index(route, xr.shape[0]))
 
 
 def source_rows(ye: torch.Tensor, route: Route, ep: int, local: int) -> torch.Tensor:
@@ -214,7 +235,7 @@ def source_rows(ye: torch.Tensor, route: Route, ep: int, local: int) -> torch.Te
         return ye.view(local, ep, route.capacity, h).transpose(0, 1).reshape(-1, h)
     if ep == 1:
         return ye
-    index = route.expert_index
+    index = _expert_index(route, ye.shape[0])
     inverse = torch.empty_like(index)
     inverse[index] = torch.arange(index.numel(), device=index.device)
     return ye.index_select(0, inverse)
@@ -226,15 +247,16 @@ def run_expert_up(xr: torch.Tensor, route: Route, experts: nn.Module, ep: int,
     pre-activations. The expert computation is three ops (``.up``, ``.act``, ``.down``) so that the
     two projections are linear ops whose weight gradients the SI executor may defer: the input
     gradient first, the backward's expert all-to-all launched sooner."""
-    xe, sizes = expert_rows(xr, route, ep, experts.gate_up_proj.shape[0])
-    return expert_linear(xe, sizes, experts.gate_up_proj, use_grouped_mm(xr, grouped),
-                         experts.gate_up_proj_bias if layout.bias else None, layout.transposed)
+    local, grouped = experts.gate_up_proj.shape[0], use_grouped_mm(xr, grouped)
+    return expert_linear(expert_rows(xr, route, ep, local), expert_sizes(route, ep, local, grouped, xr.device),
+                         experts.gate_up_proj, grouped, experts.gate_up_proj_bias if layout.bias else None,
+                         layout.transposed)
 
 
 def run_expert_down(a: torch.Tensor, route: Route, experts: nn.Module, ep: int,
                     grouped: bool | None = None, layout: ExpertLayout = DEFAULT_LAYOUT) -> torch.Tensor:
     """``moe.experts.down``: activations -> down projection -> rows back in the received order."""
-    local = experts.down_proj.shape[0]
-    ye = expert_linear(a, expert_sizes(route, ep, local), experts.down_proj, use_grouped_mm(a, grouped),
+    local, grouped = experts.down_proj.shape[0], use_grouped_mm(a, grouped)
+    ye = expert_linear(a, expert_sizes(route, ep, local, grouped, a.device), experts.down_proj, grouped,
                        experts.down_proj_bias if layout.bias else None, layout.transposed)
     return source_rows(ye, route, ep, local)

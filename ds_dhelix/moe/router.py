@@ -11,13 +11,24 @@ one contiguous run: that is the all-to-all send buffer.
 
 The ``Route`` lives in the micro-batch's ``side`` between the router, dispatch, experts, combine
 and add ops, and between forward and backward.
+
+Host reads: none here. Every shape is known on the host from the token count alone (``rows``,
+``capacity``); the counts, the rows of each copy, the capacity slots that hold a copy and the
+dropped copies stay tensors on the device (no ``bincount``, no boolean mask indexing, no
+``int(t)``: each would wait for the device). The split sizes the dropless all-to-all needs as
+Python lists reach the host through a ``runtime.comm.HostCopy`` started after the count exchange
+(``moe.dispatch``) or, with one EP rank and a loop over experts, right here (``local_counts``).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..runtime.comm import HostCopies, HostCopy
 
 
 @dataclass
@@ -29,16 +40,19 @@ class Route:
     counts: torch.Tensor         # [E] copies sent to each global expert (before capacity)
     copy_row: torch.Tensor       # [N*k] row of the send buffer holding each copy (dropped: ``rows``)
     rows: int                    # rows of the send buffer: N*k (dropless) or E*C (capacity)
-    token_of: torch.Tensor       # token of each buffer row (dropless) / of each kept copy (capacity)
-    kept_rows: torch.Tensor | None = None  # capacity mode: the buffer row of each kept copy
+    token_of: torch.Tensor       # token of each buffer row (capacity: of each slot; an empty slot's is any token)
+    filled: torch.Tensor | None = None  # capacity mode: [E*C] which slots hold a copy (the others are zero)
     capacity: int | None = None  # slots per expert (capacity mode) or None (dropless)
-    dropped: int = 0             # copies dropped by capacity
-    # filled by the dispatch launch (dropless, ep > 1) or by ``local_counts`` (ep == 1)
+    dropped: torch.Tensor | int = 0  # copies dropped by capacity (a device tensor in capacity mode)
+    # dropless: filled when ``moe.counts`` completes (ep > 1) or by ``local_counts`` (ep == 1)
     recv_counts: torch.Tensor | None = None  # [ep, E/ep] copies this rank's experts get from each source
+    host_counts: HostCopy | None = None       # those counts on their way to the host (``split_sizes``)
+    # host lists, read from ``host_counts`` where first needed (the dispatch launch; ep == 1: the experts)
     send_splits: list[int] | None = None
     recv_splits: list[int] | None = None
-    expert_index: torch.Tensor | None = None  # received rows -> expert-major order
     expert_sizes: list[int] | None = None     # received rows per local expert
+    expert_index: torch.Tensor | None = None  # received rows -> expert-major order (device)
+    expert_counts: torch.Tensor | None = None  # received rows per local expert (device: the grouped GEMM)
 
     @property
     def padded(self) -> bool:
@@ -55,17 +69,16 @@ def route_tokens(x: torch.Tensor, selected: torch.Tensor, num_experts: int,
     """Token rows ``x [N, h]`` and expert ids ``selected [N, k]`` -> (send buffer, ``Route``).
 
     The send buffer holds the copies grouped by expert in ascending id order (stable: earlier tokens
-    first), so gradients flow back to ``x`` through a plain ``index_select``/``index_copy``;
-    ``kernels`` (``moe.kernels``; None: torch's) writes it."""
+    first), so gradients flow back to ``x`` through a plain ``index_select`` (capacity mode: and a
+    mask of the empty slots); ``kernels`` (``moe.kernels``; None: torch's) writes it."""
     route = plan_route(selected, num_experts, capacity_factor)
     return (encode_rows if kernels is None else kernels.encode)(x, route), route
 
 
 def encode_rows(x: torch.Tensor, route: Route) -> torch.Tensor:
     """Token rows ``x [N, h]`` -> the send buffer ``[rows, h]`` (torch's encode)."""
-    if not route.padded:
-        return x.index_select(0, route.token_of)
-    return x.new_zeros(route.rows, x.shape[-1]).index_copy(0, route.kept_rows, x.index_select(0, route.token_of))
+    rows = x.index_select(0, route.token_of)
+    return rows if not route.padded else torch.where(route.filled.unsqueeze(-1), rows, 0)
 
 
 def plan_route(selected: torch.Tensor, num_experts: int, capacity_factor: float | None = None) -> Route:
@@ -73,22 +86,32 @@ def plan_route(selected: torch.Tensor, num_experts: int, capacity_factor: float 
     n_tok, k = selected.shape
     sel = selected.reshape(-1)
     order = torch.argsort(sel, stable=True)  # sorted position -> copy
-    counts = torch.bincount(sel, minlength=num_experts)
-    token_of = torch.div(order, k, rounding_mode="floor")
+    # (not bincount: on CUDA it reads the largest id on the host to size its output)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=sel.device).scatter_add_(0, sel, torch.ones_like(sel))
     if capacity_factor is None:
         copy_row = torch.empty_like(order)
         copy_row[order] = torch.arange(order.numel(), device=order.device)
-        return Route(n_tok, k, counts, copy_row, rows=order.numel(), token_of=token_of)
-    cap = capacity_for(n_tok, k, num_experts, capacity_factor)
+        return Route(n_tok, k, counts, copy_row, rows=order.numel(), token_of=torch.div(order, k, rounding_mode="floor"))
+    return capacity_route(n_tok, k, sel, order, counts, capacity_for(n_tok, k, num_experts, capacity_factor))
+
+
+def capacity_route(n_tok: int, k: int, sel: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
+                   cap: int) -> Route:
+    """Capacity mode's ``Route`` (``cap`` slots per expert), with fixed shapes only: a copy past its
+    expert's ``cap`` reads the zero pad row ``E*C``; slot ``e*C + p`` holds the ``p``-th copy of
+    expert ``e`` in sorted order when ``p < counts[e]`` (``filled``), else a zero row."""
+    num_experts, n = counts.numel(), order.numel()
     sorted_sel = sel[order]
     starts = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(order.numel(), device=order.device) - starts[sorted_sel]
-    keep = pos < cap
-    slot = sorted_sel * cap + pos
-    copy_row = torch.full_like(order, num_experts * cap)  # dropped copies read a zero pad row
-    copy_row[order[keep]] = slot[keep]
-    return Route(n_tok, k, counts, copy_row, rows=num_experts * cap, token_of=token_of[keep], kept_rows=slot[keep],
-                 capacity=cap, dropped=int((~keep).sum()))
+    pos = torch.arange(n, device=order.device) - starts[sorted_sel]
+    rows = num_experts * cap
+    copy_row = torch.empty_like(order)
+    copy_row[order] = torch.where(pos < cap, sorted_sel * cap + pos, rows)  # dropped copies read a zero pad row
+    slot = torch.arange(rows, device=order.device)
+    expert, p = torch.div(slot, cap, rounding_mode="floor"), slot % cap
+    src = (starts[expert] + p).clamp(max=max(n - 1, 0))  # sorted position of the copy in each slot
+    return Route(n_tok, k, counts, copy_row, rows=rows, token_of=torch.div(order[src], k, rounding_mode="floor"),
+                 filled=p < counts[expert], capacity=cap, dropped=(counts - cap).clamp(min=0).sum())
 
 
 def combine_copies(ys: torch.Tensor, weights: torch.Tensor, route: Route) -> torch.Tensor:
@@ -102,12 +125,17 @@ def combine_copies(ys: torch.Tensor, weights: torch.Tensor, route: Route) -> tor
     return (yc * weights.unsqueeze(-1).to(yc.dtype)).sum(dim=1)
 
 
-def local_counts(route: Route, ep: int) -> None:
-    """Split sizes when nothing is exchanged (ep == 1, or capacity mode with even splits)."""
+def local_counts(route: Route, ep: int, copies: HostCopies | None = None) -> None:
+    """Split sizes when nothing is exchanged (ep == 1, or capacity mode with even splits): every
+    copy stays (``rows`` of them). ``copies`` (a ``runtime.comm.HostCopies``): start the counts'
+    way to the host now, for a loop over the experts that reads them at ``moe.experts.up``; None
+    (a grouped GEMM, which takes its offsets on the device): nothing goes to the host."""
     if route.padded:
         return
     route.recv_counts = route.counts.view(ep, -1)
-    route.send_splits = route.recv_splits = [int(route.counts.sum())]
+    route.send_splits = route.recv_splits = [route.rows]
+    if copies is not None:
+        route.host_counts = copies.start(route.recv_counts)
 
 
 # ---------------------------------------------------------------------------- load-balancing loss

@@ -140,6 +140,56 @@ class DeviceEvents:
 
 
 @dataclass
+class HostCopy:
+    """A small tensor's values on their way to the host (``HostCopies.start``); ``read()`` returns
+    them as (nested) Python lists. On CUDA it waits on the copy's event alone, never on the compute
+    stream; on CPU the tensor is host memory already."""
+
+    host: torch.Tensor
+    event: object = None  # CUDA: recorded on the side stream after the copy
+
+    def read(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class HostCopies:
+    """Starts copies of small device tensors (MoE split sizes) to pinned host memory on one side
+    stream, so that the host can read them later without draining the compute stream::
+
+        compute stream:  [router] [other strand's ops ..........................]
+        NCCL stream:              [counts a2a]
+        side stream:                          [D2H]·event
+        host:            launch .. launch .. launch ..  event.synchronize, read -> dispatch a2a
+
+    ``start(src, after=work)`` orders the copy after the collective ``work`` that wrote ``src``
+    only (``work.wait()`` under the side stream); without ``after``, after the compute stream's
+    work queued so far (``src`` was made there). CPU: no stream, no copy; the same calls."""
+
+    def __init__(self):
+        self._stream = None  # created on first CUDA use
+
+    def start(self, src: torch.Tensor, after=None) -> HostCopy:
+        if not src.is_cuda:
+            return HostCopy(src)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=src.device)
+        stream, compute = self._stream, torch.cuda.current_stream(src.device)
+        host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            if after is None:
+                stream.wait_stream(compute)
+            else:
+                after.wait()  # NCCL: makes the current (side) stream wait on the collective
+            host.copy_(src, non_blocking=True)
+            event.record(stream)
+        src.record_stream(stream)  # the allocator may not reuse src before the copy has run
+        return HostCopy(host, event)
+
+
+@dataclass
 class Pending:
     """An in-flight collective: ``wait()`` blocks until done and returns the output tensor. On CUDA
     ``wait()`` does not block the host: the compute stream waits (``device_events`` time it)."""
