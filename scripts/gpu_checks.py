@@ -36,6 +36,10 @@ go to ``<out>/gpu_checks.json``.
    forward + backward time at ``a2a_ffn_overlap_degree`` 1, 2 and 4 (the bench's ``tutel``,
    ``tutel-overlap2``, ``tutel-overlap4``). One GPU means one EP rank: the all-to-all is a local
    copy, so these rows show what the chunking costs, not what it hides.
+11. ``host_syncs`` (CUDA only): ``torch.cuda.set_sync_debug_mode("warn")`` around a steady-state
+   SI step of tiny-llama and tiny-mixtral (EP=1 on one GPU: bf16's grouped GEMM, fp32's loop over
+   experts) and the dropless counts -> dispatch -> combine path on a one-rank NCCL world: each
+   synchronizing CUDA call by the op that made it (expected none), SI losses bitwise sequential.
 8. ``roofline``: one Llama-shaped decoder layer with its embedding and head (bf16 on CUDA:
    h 4096, MLP 14336, 32 heads / 8 kv heads, 2 x 2048 tokens; fp32 and tiny on CPU), op by op
    through the op graph: measured forward and backward (input + weight gradient) times against
@@ -313,6 +317,101 @@ ROOFLINE_SHAPES = {"cuda": dict(hidden_size=4096, intermediate_size=14336, num_a
                                num_key_value_heads=2, vocab_size=2048, batch=2, seq=64)}
 
 
+class _CurrentOp:
+    """Stands in for the executor's watchdog: remembers the op it is running (``beat``)."""
+
+    def __init__(self):
+        self.op = "-"
+
+    def beat(self, **where) -> None:
+        self.op = where.get("op", self.op)
+
+
+@contextlib.contextmanager
+def recorded_syncs(current: _CurrentOp, found: dict):
+    """``torch.cuda.set_sync_debug_mode("warn")`` inside; every synchronizing CUDA call (a device
+    tensor's value read on the host, a blocking copy, ``nonzero``...) counted in ``found`` by the
+    executor's op that made it (a backward's syncs arrive with its op: autograd replays the device
+    thread's warnings on the calling thread)."""
+    import warnings
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            key = f"{current.op}: {filename.rsplit('/', 1)[-1]}:{lineno}"
+            found[key] = found.get(key, 0) + 1
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+def _si_step_syncs(model, batches) -> dict:
+    """Synchronizing CUDA calls in the second reactive SI step on ``model``'s op graph (the first
+    warms up), and whether its losses are the sequential schedule's bit for bit."""
+    batches = [{**b, "loss_denominator": float(b["input_ids"].numel())} for b in batches]  # as the training loop
+    seq_model = copy.deepcopy(model)
+    seq = Executor(adapter_for(seq_model.config).build_graph(seq_model)).run_microbatches(
+        batches, "sequential", 1 / len(batches))
+    current, found = _CurrentOp(), {}
+    ex = Executor(adapter_for(model.config).build_graph(model), watchdog=current)
+    ex.run_microbatches(batches, "si", 1 / len(batches))  # warm-up
+    model.zero_grad(set_to_none=True)
+    with recorded_syncs(current, found):
+        mbs = ex.run_microbatches(batches, "si", 1 / len(batches))
+    torch.cuda.synchronize()
+    return {"syncs": sum(found.values()), "where": found,
+            "si_losses_bitwise": all(torch.equal(a.loss, b.loss) for a, b in zip(mbs, seq))}
+
+
+def _dropless_bodies_syncs(device) -> dict:
+    """The dropless per-layer path on a one-rank NCCL world: moe.counts (its ``HostCopies`` copy
+    ordered after the exchange), moe.dispatch (the one read: an event, not a device sync), the
+    experts' regrouping, moe.combine, forward and backward."""
+    from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll
+    from ds_dhelix.moe.router import route_tokens
+    from ds_dhelix.runtime.groups import ExpertGroups
+    import torch.distributed as dist
+    with one_rank_world(device):
+        groups = ExpertGroups(size=1, group=dist.group.WORLD, count_group=dist.group.WORLD)
+        counts, dispatch, combine = CountExchange(0, groups), ExpertAllToAll(0, groups, True), \
+            ExpertAllToAll(0, groups, False)
+        current, found, ok = _CurrentOp(), {}, []
+        for step in range(2):  # the first warms up (NCCL's communicator, pinned host blocks)
+            x = torch.randn(4096, 1024, device=device)
+            selected = torch.randint(0, 8, (4096, 2), device=device)
+            with recorded_syncs(current, found) if step else contextlib.nullcontext():
+                xs, route = route_tokens(x, selected, 8)
+                side = {"moe": {0: route}}
+                back = combine.forward(dispatch.forward(counts.forward(xs, side).wait(), side).wait(), side).wait()
+                grad = dispatch.backward(combine.backward(back, side).wait(), side).wait()
+            ok.append(torch.equal(back, xs) and torch.equal(grad, xs))
+        return {"syncs": sum(found.values()), "where": found, "round_trip_equal": all(ok)}
+
+
+def check_host_syncs(device, micro_batches: int, size: int, seq: int) -> dict:
+    """No host sync in a steady-state SI step: ``set_sync_debug_mode("warn")`` around the second SI
+    step of tiny-llama and tiny-mixtral (one GPU: EP=1; bf16 runs the grouped GEMM, its offsets on
+    the device; fp32 the loop over experts, its sizes read through ``HostCopy``), and the dropless
+    counts -> dispatch -> combine path on a one-rank NCCL world (what each EP > 1 layer runs).
+    Expected: 0 syncs everywhere. One GPU has no EP=2: the CPU test ``tests/test_host_syncs.py``
+    counts the reads there."""
+    out = {}
+    for name, preset, dtype in (("tiny-llama", "tiny-llama", torch.float32),
+                                ("tiny-mixtral-bf16", "tiny-mixtral", torch.bfloat16),
+                                ("tiny-mixtral-fp32", "tiny-mixtral", torch.float32)):
+        model = build_model(preset, seed=1234, dtype=dtype)[0].to(device)
+        out[name] = _si_step_syncs(model, make_batches(model.config.vocab_size, micro_batches, size, seq, device))
+    out["dropless_bodies"] = _dropless_bodies_syncs(device)
+    out["total_syncs"] = sum(v["syncs"] for v in out.values())
+    return out
+
+
 def _timed_ms(fn, device, reps: int = 5) -> float:
     """Median ms of ``fn()`` (CUDA events on a GPU), after one warm-up call."""
     fn()
@@ -427,6 +526,7 @@ def main(argv=None) -> int:
         report("device_events", lambda: check_device_events(device))
         report("connections", lambda: {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
                                        "warning": cuda_connections_warning(device)})
+        report("host_syncs", lambda: check_host_syncs(device, args.micro_batches, 2, 256))
     report("roofline", lambda: check_roofline(device))
     missing = tutel_missing()
     if missing:

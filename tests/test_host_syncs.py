@@ -186,3 +186,92 @@ def test_si_step_host_reads(counted, case):
         others = {site: n for site, n in reads.items() if not site.startswith(SPLIT_READ)}
         assert not others and splits == want, \
             f"{case}, rank {rank}: expected {want} split-size reads and nothing else, got:\n{_describe(reads)}"
+
+
+# ------------------------------------------------------------------------------ the device-side pieces
+def _reference_expert_major_index(recv_counts: torch.Tensor) -> torch.Tensor:
+    """The permutation as the host loop built it before (``cnt = recv_counts.tolist()``)."""
+    ep, local = recv_counts.shape
+    cnt, start, starts = recv_counts.tolist(), 0, []
+    for s in range(ep):
+        starts.append([])
+        for e in range(local):
+            starts[s].append(start)
+            start += cnt[s][e]
+    pieces = [torch.arange(starts[s][e], starts[s][e] + cnt[s][e]) for e in range(local) for s in range(ep)]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def test_expert_major_index_on_the_device_is_the_host_loops():
+    from ds_dhelix.moe.experts import expert_major_index
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(2, 2), (4, 3), (1, 4), (3, 1)]
+    for ep, local in shapes:
+        for high in (1, 3, 6):  # many zero counts with high = 1
+            counts = torch.randint(0, high, (ep, local), generator=gen)
+            got = expert_major_index(counts, int(counts.sum()))
+            assert torch.equal(got, _reference_expert_major_index(counts)), counts
+
+
+def _reference_capacity_encode(x, selected, num_experts, cf):
+    """The send buffer capacity mode built before: boolean masks and ``index_copy``."""
+    from ds_dhelix.moe.router import capacity_for
+    n_tok, k = selected.shape
+    sel = selected.reshape(-1)
+    order = torch.argsort(sel, stable=True)
+    counts = torch.bincount(sel, minlength=num_experts)
+    cap = capacity_for(n_tok, k, num_experts, cf)
+    sorted_sel = sel[order]
+    pos = torch.arange(order.numel()) - (torch.cumsum(counts, 0) - counts)[sorted_sel]
+    keep = pos < cap
+    slot = sorted_sel * cap + pos
+    token_of = torch.div(order, k, rounding_mode="floor")[keep]
+    return x.new_zeros(num_experts * cap, x.shape[-1]).index_copy(0, slot[keep], x.index_select(0, token_of)), \
+        int((~keep).sum())
+
+
+@pytest.mark.parametrize("cf", [0.5, 1.0, 4.0])
+def test_capacity_route_with_fixed_shapes_is_bitwise_the_masked_one(cf):
+    """Send buffer, gradient to the tokens and dropped count as the masked version gave them."""
+    from ds_dhelix.moe.router import route_tokens
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(23, 8, generator=gen)
+    selected = torch.randint(0, 3, (23, 2), generator=gen)  # expert 3 of 4 gets nothing
+    g = torch.randn(4 * 46, 8, generator=gen)  # (46 slots per expert at cf 4)
+    results = []
+    for build in ("fixed", "masked"):
+        leaf = x.clone().requires_grad_()
+        if build == "fixed":
+            buf, route = route_tokens(leaf, selected, 4, cf)
+            dropped = int(route.dropped)
+        else:
+            buf, dropped = _reference_capacity_encode(leaf, selected, 4, cf)
+        buf.backward(g[:buf.shape[0]])
+        results.append((buf.detach(), leaf.grad, dropped))
+    (b1, g1, d1), (b2, g2, d2) = results
+    assert torch.equal(b1, b2) and torch.equal(g1, g2) and d1 == d2
+    assert (d1 > 0) == (cf < 4.0)
+
+
+def test_grouped_linear_takes_device_sizes():
+    """The grouped GEMM with the rows per expert as a device tensor (no host list) is the one with a list."""
+    from ds_dhelix.moe.experts import expert_linear
+    gen = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(10, 8, generator=gen), torch.randn(3, 16, 8, generator=gen), torch.randn(3, 16, generator=gen)
+    sizes = [4, 0, 6]
+    with_list = expert_linear(x, sizes, w, True, b)
+    with_tensor = expert_linear(x, torch.tensor(sizes), w, True, b)
+    assert torch.equal(with_list, with_tensor)
+    assert torch.allclose(with_list, expert_linear(x, sizes, w, False, b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="host list"):
+        expert_linear(x, torch.tensor(sizes), w, False)
+
+
+def test_host_copy_on_cpu_is_the_tensor_itself():
+    """CPU: no stream, no copy, no event; the same calls as on CUDA, read as lists."""
+    from ds_dhelix.runtime.comm import HostCopies
+    copies = HostCopies()
+    t = torch.tensor([[1, 2], [3, 4]])
+    copy = copies.start(t)
+    assert copy.host is t and copy.event is None and copies._stream is None
+    assert copy.read() == [[1, 2], [3, 4]]
