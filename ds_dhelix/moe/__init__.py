@@ -7,6 +7,11 @@ about expert parameters is ``ds_dhelix.engine.moe_engine``.
       (COMP)      (COMM, sizes)   (COMM a2a)          (3 x COMP)              (COMM a2a)     (COMP)
 
 Model adapters (``hf_models/phimoe.py``) build these ops from HF modules.
+
+Host reads of tensor values while a step runs: one per dropless layer per micro-batch, the split
+sizes the dispatch all-to-all takes as lists, read at its launch from a copy ``moe.counts`` started
+to pinned host memory on a side stream (``dispatch``); none in capacity mode; everything else stays
+on the device (``router``, ``experts``, ``metrics``).
 """
 from ..runtime.groups import ExpertGroups
 from .dispatch import ExpertAllToAll

@@ -15,15 +15,16 @@ issues the same collectives in the same order whatever the routing. Capacity mod
 splits: no exchange.
 
 Host reads: one per dropless layer per micro-batch, ``split_sizes`` at the dispatch launch
-(``all_to_all_single`` takes its split sizes as Python lists). The exchanged counts start their
-way to pinned host memory as soon as the exchange completes (``runtime.comm.HostCopies``: a copy
-on a side stream ordered after the exchange alone, with an event); the dispatch waits on that
-event only, so the other strand's work queued on the compute stream stays queued. The rows per
-local expert come with the same read. Capacity mode reads nothing.
+(``all_to_all_single`` takes its split sizes as Python lists); the rows per local expert come with
+it. When the executor finishes ``moe.counts``, the sent and received counts start their way to
+pinned host memory (``runtime.comm.HostCopies``: a copy on a side stream that waits on the
+exchange alone, and an event); the dispatch launch waits on that event, not on the compute
+stream, so the other strand's queued kernels stay queued. Capacity mode reads nothing::
 
-    compute:  [router] ──────── [other strand's ops ...] ─────────── [dispatch launch]
-    NCCL:            [counts a2a]                                   ▲
-    side:                        [D2H counts]·event ── host waits ──┘ (event.synchronize)
+    host:     router, counts launch | other strand's ops | counts finish | dispatch: event wait, read
+    compute:  [router][other strand's kernels ..........................................]
+    NCCL:             [counts a2a]
+    side:                          [D2H copy]·event
 """
 from __future__ import annotations
 
