@@ -275,3 +275,28 @@ def test_host_copy_on_cpu_is_the_tensor_itself():
     copy = copies.start(t)
     assert copy.host is t and copy.event is None and copies._stream is None
     assert copy.read() == [[1, 2], [3, 4]]
+
+
+def test_step_moe_numbers_are_read_once_at_the_end():
+    """The routers' load and dropped copies and the aux loss stay on the device while the step runs;
+    the engine reads them on the host once, after their reduction (values as the router counted)."""
+    from types import SimpleNamespace
+
+    from ds_dhelix.engine.moe_engine import DhelixMoeEngine
+    from ds_dhelix.moe.metrics import MoeMetrics
+    from ds_dhelix.moe.router import route_tokens
+    metrics = MoeMetrics(num_layers=2, num_experts=4)
+    x, selected = torch.randn(6, 3), torch.tensor([[0, 1]] * 5 + [[2, 3]])
+    reads = HostReads()
+    with reads:
+        for layer in (0, 1):
+            _, route = route_tokens(x, selected, 4, capacity_factor=1.0)  # 4 copies dropped (test_moe)
+            metrics.record_route(layer, route.counts, route.dropped)
+        metrics.record_aux(torch.tensor(0.25))
+    assert dict(reads.sites) == {}
+    engine = SimpleNamespace(moe_metrics=metrics, groups=SimpleNamespace(cp_size=1, dp_size=1))
+    with reads:
+        DhelixMoeEngine._reduce_moe_metrics(engine)
+    assert [site.split(" at ")[0] for site in reads.sites] == ["tolist"] and sum(reads.sites.values()) == 1
+    assert engine.moe_dropped_tokens == 8 and engine.moe_aux_loss == 0.25
+    assert engine.moe_expert_load.tolist() == [[5.0, 5.0, 1.0, 1.0]] * 2

@@ -149,18 +149,21 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
         aux = m.aux_mean()
         load = m.load if m.load is not None else torch.zeros(m.num_layers, m.num_experts, dtype=torch.float64)
         dev = aux.device if aux is not None else load.device
-        dropped = m.dropped.sum() if m.dropped is not None else torch.zeros((), dtype=torch.long)
-        packed = torch.cat([load.flatten().to(dev, torch.float64), dropped.to(dev, torch.float64).view(1),
-                            (aux if aux is not None else torch.zeros(())).to(dev, torch.float64).view(1)])
+        tail = torch.zeros(2, dtype=torch.float64, device=dev)  # dropped copies, aux loss
+        if m.dropped is not None:
+            tail[0] = m.dropped.sum()
+        if aux is not None:
+            tail[1] = aux
+        packed = torch.cat([load.flatten().to(dev, torch.float64), tail])
         n = m.num_layers * m.num_experts
         if self.groups.cp_size > 1:  # each CP rank routed its own tokens; the aux loss is the sequence's already
             dist.all_reduce(packed[:n + 1], group=self.groups.cp_group)
         if self.groups.dp_size > 1:
             dist.all_reduce(packed, group=self.groups.dp_group)
-        host = packed.cpu()
-        self.moe_expert_load = host[:n].view(m.num_layers, m.num_experts)
+        host = packed.tolist()
+        self.moe_expert_load = torch.tensor(host[:n], dtype=torch.float64).view(m.num_layers, m.num_experts)
         self.moe_dropped_tokens = int(host[n])
-        self.moe_aux_loss = None if aux is None else float(host[n + 1]) / self.groups.dp_size
+        self.moe_aux_loss = None if aux is None else host[n + 1] / self.groups.dp_size
         self.moe_a2a_ms, self.moe_a2a_exposed_ms = m.a2a_busy_s * 1e3, m.a2a_exposed_s * 1e3
 
     def log_step(self, batches) -> None:
