@@ -252,7 +252,8 @@ def _check_flags(args) -> None:
 
 
 def _check_packing(args, setup, model_config) -> None:
-    if args.packing == "none" and setup.dh.enabled and hasattr(model_config, "num_local_experts"):
+    from hf_models.adapters import is_moe
+    if args.packing == "none" and setup.dh.enabled and is_moe(model_config):
         raise ValueError("--packing none pads documents, and the MoE router's load-balancing loss would count the "
                          "padded tokens (HF leaves them out); use --packing docs (or concat) with an MoE model")
     if args.packing == "docs" and args.attn_implementation == "flash_attention_2":
@@ -316,7 +317,8 @@ def _data(args, setup, model_config):
     if data.stats.truncated and int(os.environ.get("RANK", 0)) == 0:
         print(f"train.py: {data.stats.truncated} of {data.stats.records} records are longer than --seq-len "
               f"{args.seq_len} and were cut to it (--drop-long leaves them out)", file=sys.stderr)
-    if hasattr(model_config, "num_local_experts") and data.stats.padding_tokens and int(os.environ.get("RANK", 0)) == 0:
+    from hf_models.adapters import is_moe
+    if is_moe(model_config) and data.stats.padding_tokens and int(os.environ.get("RANK", 0)) == 0:
         print(f"train.py: {data.stats.padding_fraction:.1%} of the tokens are padding, which the MoE router's "
               f"load-balancing loss counts (as HF's does without an attention mask)", file=sys.stderr)
     return tokenizer, data

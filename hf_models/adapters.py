@@ -77,9 +77,34 @@ def check_packing(config, packing: str) -> None:
         check(config, packing)
 
 
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""Where a config without a ds_dhelix adapter may name its expert count (``num_experts``' fallback)."""
+
+
+def moe_family(config):
+    """The ``MoeFamily`` of ``config``'s model type (the one answer to "is this an MoE model?"), None
+    for a dense family or a model type without an adapter."""
+    if getattr(config, "model_type", None) not in ADAPTERS:
+        return None
+    adapter = adapter_for(config)
+    return adapter.FAMILY if hasattr(adapter, "check_ep") else None
+
+
 def num_experts(config) -> int:
-    """The routed experts of an MoE config (``num_local_experts`` or ``num_experts``), 0 for a dense one."""
-    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+    """The routed experts of ``config`` as its ``MoeFamily`` reads them (its ``experts_key``), 0 for a
+    dense one; a model type without an adapter (plain DeepSpeed runs it): the first of
+    ``EXPERT_KEYS`` it sets."""
+    family = moe_family(config)
+    if family is not None:
+        return int(family.num_experts(config))
+    if getattr(config, "model_type", None) in ADAPTERS:
+        return 0
+    return int(next((getattr(config, k) for k in EXPERT_KEYS if getattr(config, k, None)), 0))
+
+
+def is_moe(config) -> bool:
+    """Whether ``config`` is a mixture-of-experts model (``num_experts`` > 0)."""
+    return num_experts(config) > 0
 
 
 def dropout_overrides(config, p: float) -> dict:

@@ -63,6 +63,7 @@ sys.path.insert(0, ROOT)
 from ds_dhelix.moe.kernels import tutel_missing  # noqa: E402
 from ds_dhelix.runtime.comm import cuda_connections_warning  # noqa: E402
 from ds_dhelix.runtime.executor import Executor  # noqa: E402
+from ds_dhelix.verify import random_batches  # noqa: E402
 from ds_dhelix.runtime.trace import TraceRecorder  # noqa: E402
 from hf_models.adapters import adapter_for  # noqa: E402
 from hf_models.registry import build_model  # noqa: E402
@@ -74,12 +75,7 @@ def _sync(device: torch.device) -> None:
 
 
 def make_batches(vocab: int, num: int, size: int, seq: int, device) -> list[dict]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(num):
-        ids = torch.randint(3, vocab, (size, seq), generator=gen).to(device)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+    return random_batches(vocab, num, size, seq, device=device)
 
 
 def _executor_step(model, batches, schedule: str) -> tuple[list, dict]:

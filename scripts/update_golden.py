@@ -37,13 +37,13 @@ LAYOUTS = {"tiny-llama": {"tp": 2}, "tiny-gpt2": {"tp": 2}, "tiny-gpt-neox": {"t
 
 
 def golden_options(preset: str):
-    from ds_dhelix.engine.parity import ParityOptions
+    from ds_dhelix.verify import ParityOptions
     return ParityOptions(model=preset, steps=3, micro_batches=4, micro_batch_size=2, seq_len=32, num_layers=2,
                          zero_stage=1, seed=1234, **LAYOUTS[preset])
 
 
 def _rank(rank, world, presets):
-    from ds_dhelix.engine.parity import make_batches, train_schedule
+    from ds_dhelix.verify import make_batches, train_schedule
     from hf_models.registry import load_config
     out = {}
     for preset in presets:

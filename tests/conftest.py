@@ -75,14 +75,10 @@ def make_model(config):
 
 def make_batches(vocab: int, num: int) -> list[dict]:
     """``num`` micro-batches of [BATCH, SEQ] random ids; the first masks its first targets."""
-    gen = torch.Generator().manual_seed(1)
-    batches = []
-    for k in range(num):
-        ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)
-        labels = ids.clone()
-        if k == 0:
-            labels[0, :5] = -100  # ignored targets (prompt masking)
-        batches.append({"input_ids": ids, "labels": labels})
+    from ds_dhelix.verify import random_batches
+    batches = random_batches(vocab, num, BATCH, SEQ)
+    if batches:
+        batches[0]["labels"][0, :5] = -100  # ignored targets (prompt masking)
     return batches
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ds_dhelix.engine.build import check_setup
 from ds_dhelix.config.dims import ParallelDims
-from ds_dhelix.engine.parity import ParityOptions, run_parity
+from ds_dhelix.verify import ParityOptions, run_parity
 from hf_models.common import kv_heads_of_groups
 from hf_models.registry import load_config
 
@@ -142,7 +142,7 @@ def test_cp2_with_expert_parallelism_on_four_ranks():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cp2_inside_pipeline_stages():
-    from ds_dhelix.engine.parity import run_pipe_parity
+    from ds_dhelix.verify import run_pipe_parity
     # clipping off: the clip factor's norm is summed per stage (last-bit differences otherwise)
     res = run_pipe_parity(ParityOptions(model="tiny-llama", tp=1, cp=2, pp=2, schedule="w", steps=2,
                                         micro_batches=4, clip=0.0), timeout=400)

@@ -1,7 +1,7 @@
 """Every dense family of the family spec (``hf_models/dense_family.py``) through the real DeepSpeed
 engine, in one spawned 2-rank world (``run_parities``): for each family and each setting, SI is
 bitwise equal to sequential and the sharded model is close to the unsharded HF one (the tolerances
-and their reason: ``ds_dhelix.engine.parity``).
+and their reason: ``ds_dhelix.verify``).
 
     base        TP=2, ZeRO-1, fp32 (the golden losses' layout, with HF compared)
     zero0/zero2 ZeRO-0 and ZeRO-2 (their own gradient norm and reduction paths: other last bits than
@@ -26,7 +26,7 @@ import functools
 
 import pytest
 
-from ds_dhelix.engine.parity import ParityOptions, run_parities
+from ds_dhelix.verify import ParityOptions, run_parities
 
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3",
             "tiny-olmo3", "tiny-qwen3-5")

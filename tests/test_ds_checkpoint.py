@@ -7,7 +7,7 @@ from ds_dhelix.runtime.spawn import run_ranks
 
 def _rank(rank, world, ckpt_dir):
     import ds_dhelix
-    from ds_dhelix.engine.parity import ParityOptions, build, make_batches
+    from ds_dhelix.verify import ParityOptions, build, make_batches
     opts = ParityOptions(model="tiny-llama", tp=2, steps=3, micro_batches=2, seq_len=32, num_layers=2)
     batches = make_batches(opts, 2048)
 

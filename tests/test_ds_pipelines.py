@@ -15,7 +15,7 @@ LOSS_TOLERANCE = 1e-5
 
 def _rank_losses(rank, world, tp):
     from ds_dhelix.bench.ds_pipelines import build_deepspeed_pipe
-    from ds_dhelix.engine.parity import ParityOptions, build, make_batches, train_pipeline
+    from ds_dhelix.verify import ParityOptions, build, make_batches, train_pipeline
     opts = ParityOptions(**OPTS, tp=tp)
     batches = make_batches(opts, 2048)
     ours = train_pipeline(opts, "sequential", batches)

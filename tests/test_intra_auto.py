@@ -2,7 +2,7 @@
 
 intra: each micro-batch cut in two halves along the batch, run as a forward pair then a backward
 pair. It is held to sequential within the HF tolerances (one more split of each sum), and bitwise
-to sequential over half-size micro-batches (``ds_dhelix.engine.parity``). auto: the chooser's trial
+to sequential over half-size micro-batches (``ds_dhelix.verify``). auto: the chooser's trial
 phases and decisions, and real engines whose trial steps train exactly as the chosen schedule does.
 """
 import pytest
@@ -12,7 +12,7 @@ from ds_dhelix.planning.autoschedule import AutoSchedule, describe
 from ds_dhelix.engine.build import check_setup
 from ds_dhelix.config.section import DhelixConfig
 from ds_dhelix.runtime.interpreter import half_batches, half_serial
-from ds_dhelix.engine.parity import ParityOptions, run_parity
+from ds_dhelix.verify import ParityOptions, run_parity
 from hf_models.registry import load_config
 from tests.conftest import run_ranks
 
@@ -63,7 +63,7 @@ def test_intra_moe_balance_loss_per_half_is_bitwise_the_half_microbatches_run():
 def test_intra_parity_is_not_passed_when_nothing_judged_it():
     """MoE balance loss (not comparable with sequential) and no half-size run (odd micro-batch):
     the result says NOT JUDGED and is not ok; with the half-size run it is judged by it."""
-    from ds_dhelix.engine.parity import compare, judge_halves
+    from ds_dhelix.verify import compare, judge_halves
     opts = ParityOptions(model="tiny-phimoe", tp=1, schedule="intra", micro_batch_size=3, dtype="bf16")
     params = {"w": torch.ones(2)}
     seq = {"losses": [1.0], "params": params, "peak_activation_bytes": 1}
@@ -200,7 +200,7 @@ def test_auto_takes_sequential_without_a_trial_when_nothing_to_hide():
 def _auto_rank(rank, world, candidates, layout):
     from ds_dhelix.engine.build import build_engine
     from ds_dhelix.engine.checkpoint import full_state_dict
-    from ds_dhelix.engine.parity import build, make_batches
+    from ds_dhelix.verify import build, make_batches
     from ds_dhelix.engine.pipe_module import gather_hf_state_dict
     opts = ParityOptions(model="tiny-llama", seq_len=32, **layout)
     batches = make_batches(opts, load_config(opts.model).vocab_size)

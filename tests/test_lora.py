@@ -4,7 +4,7 @@
                  gate_up_proj, GPT-NeoX), kv heads replicated (kv=1 at TP=2, LoRA on k/v), ZeRO-2, EP=2 (LoRA on
                  an MoE family's attention), Ulysses CP=2; PP=2 W in its own worlds. For each: LoRA with SI
                  equals LoRA sequential bitwise over 3 steps, and losses and first-step adapter gradients
-                 are close to the unsharded single-process PEFT model (``ds_dhelix.engine.parity``'s tolerances)
+                 are close to the unsharded single-process PEFT model (``ds_dhelix.verify``'s tolerances)
     refusals     what the engine cannot honour of a PEFT model: one ValueError line naming it
     initialize   DeepSpeed's idiom model_parameters=[p ... if p.requires_grad] maps onto the sharded
                  parameters, frozen ones stay bit for bit; a PEFT model's adapter export loads with
@@ -27,7 +27,7 @@ import tempfile
 import pytest
 import torch
 
-from ds_dhelix.engine.parity import ParityOptions, run_parities, run_parity
+from ds_dhelix.verify import ParityOptions, run_parities, run_parity
 from tests.conftest import free_port, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +137,7 @@ def test_another_adapter_type_is_refused():
 # ---------------------------------------------------------------------------------- initialize
 def _rank_initialize(rank, world, out_dir):
     import ds_dhelix
-    from ds_dhelix.engine.parity import make_batches, with_lora
+    from ds_dhelix.verify import make_batches, with_lora
     from hf_models.registry import build_model
     opts = ParityOptions(model="tiny-llama", num_layers=2, seq_len=32, steps=3)
     batches = make_batches(opts, 2048)

@@ -58,12 +58,9 @@ def make_model(config):
 
 def make_batches(world: int, vocab: int) -> list[list[dict]]:
     """``[rank][k]`` micro-batches: different data on every rank (ranks are DP peers)."""
-    gen = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(world):
-        ids = [torch.randint(3, vocab, (BATCH, SEQ), generator=gen) for _ in range(MICRO)]
-        out.append([{"input_ids": i, "labels": i.clone()} for i in ids])
-    return out
+    from ds_dhelix.verify import random_batches
+    flat = random_batches(vocab, world * MICRO, BATCH, SEQ, seed=5)
+    return [flat[r * MICRO:(r + 1) * MICRO] for r in range(world)]
 
 
 def sparse_layers(model) -> list:
@@ -284,13 +281,13 @@ def test_gather_and_refuse_foreign_shard(ep2):
 
 # ------------------------------------------------------------------------------ engine
 def test_si_bitwise_through_engine_dp2_ep2():
-    from ds_dhelix.engine.parity import ParityOptions, run_parity
+    from ds_dhelix.verify import ParityOptions, run_parity
     opts = ParityOptions(model="tiny-phimoe", tp=1, dp=2, num_layers=2, seq_len=32, zero_stage=1,
                          extra={"expert_parallel": {"size": 2}})
     r = run_parity(opts, timeout=300)
     assert r["bitwise_equal"], r["max_abs_diff_vs_sequential"]
     assert r["losses"]["si"] == r["losses"]["sequential"]
-    # tolerances and their reason: ds_dhelix.engine.parity (observed: params 8.3e-6, losses 2.4e-7)
+    # tolerances and their reason: ds_dhelix.verify (observed: params 8.3e-6, losses 2.4e-7)
     assert r["hf_close"], r
 
 
@@ -385,7 +382,7 @@ def _resume_main(rank, world, ckpt_dir):
     and the next step is bitwise that of the uninterrupted run. A shard from another EP size is refused."""
     import ds_dhelix
     from ds_dhelix.engine.checkpoint import full_state_dict
-    from ds_dhelix.engine.parity import ParityOptions
+    from ds_dhelix.verify import ParityOptions
     opts = ParityOptions(model="tiny-phimoe", tp=1, dp=2, micro_batches=2, extra={"expert_parallel": {"size": 2}})
     config = make_config()
 
@@ -521,9 +518,9 @@ def test_dense_layers_follow_hfs_rule():
 def test_parity_result_says_why_hf_may_differ_in_capacity_mode():
     """HF's MoE blocks are dropless: a parity run in capacity mode carries the note saying when
     hf_close can hold; a dropless one carries none."""
-    from ds_dhelix.engine.parity import CAPACITY_NOTE, ParityOptions, _result_note
+    from ds_dhelix.verify import CAPACITY_NOTE, ParityOptions, result_note
     capacity = ParityOptions(model="tiny-mixtral", tp=1, dp=2,
                              extra={"expert_parallel": {"size": 2, "capacity_factor": 1.25}})
     dropless = ParityOptions(model="tiny-mixtral", tp=1, dp=2, extra={"expert_parallel": {"size": 2}})
-    assert _result_note(capacity) == CAPACITY_NOTE and "dropless" in CAPACITY_NOTE
-    assert _result_note(dropless) == ""
+    assert result_note(capacity) == CAPACITY_NOTE and "dropless" in CAPACITY_NOTE
+    assert result_note(dropless) == ""

@@ -25,7 +25,7 @@ import functools
 
 import pytest
 
-from ds_dhelix.engine.parity import ParityOptions, run_parities
+from ds_dhelix.verify import ParityOptions, run_parities
 
 FAMILIES = ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-deepseek-v3",
             "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-moe-mixed", "tiny-qwen3-5-moe")

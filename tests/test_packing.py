@@ -122,7 +122,7 @@ def test_masks_the_graph_cannot_honour_are_refused():
 
 @pytest.mark.timeout(300)
 def test_parity_packing_docs_bitwise_and_matches_hf_document_masked_loss():
-    from ds_dhelix.engine.parity import ParityOptions, run_parity
+    from ds_dhelix.verify import ParityOptions, run_parity
     r = run_parity(ParityOptions(model="tiny-llama", tp=2, schedule="si", packing="docs"), timeout=280)
     assert r["bitwise_equal"] and r["hf_close"], r
     assert "block-diagonal causal mask" in r["hf_comparison"]

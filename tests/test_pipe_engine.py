@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from ds_dhelix.engine.parity import ParityOptions, build, make_batches, train_pipeline, train_schedule
+from ds_dhelix.verify import ParityOptions, build, make_batches, train_pipeline, train_schedule
 from ds_dhelix.engine.build import check_setup
 from ds_dhelix.engine.pipe_engine import live_keys
 from ds_dhelix.schedule.folding import fold_layers

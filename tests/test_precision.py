@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_dhelix.engine.parity import ParityOptions, make_batches, run_parity
+from ds_dhelix.verify import ParityOptions, make_batches, run_parity
 from tests.conftest import run_ranks
 
 # fp16 keeps 11 significant bits: every activation and gradient is rounded at ~5e-4 relative. The
@@ -43,7 +43,7 @@ def test_si_bitwise_equals_sequential_in_half_precision(dtype):
 
 def _train_dtypes(rank, world, steps):
     from ds_dhelix.engine.build import build_engine
-    from ds_dhelix.engine.parity import build
+    from ds_dhelix.verify import build
     from ds_dhelix.engine.precision import force_fp16_capability
     force_fp16_capability()
     out = {}
@@ -74,7 +74,7 @@ def test_fp16_tracks_fp32():
 def _overflow_rank(rank, world):
     from ds_dhelix.engine.build import build_engine
     from ds_dhelix.engine.checkpoint import full_state_dict
-    from ds_dhelix.engine.parity import build
+    from ds_dhelix.verify import build
     from ds_dhelix.engine.precision import force_fp16_capability
     force_fp16_capability()
     opts = _opts(dtype="fp16", steps=3)
@@ -134,7 +134,7 @@ def test_parity_command_runs_fp16_on_a_device_without_it(monkeypatch):
     from deepspeed.accelerator import get_accelerator
 
     from ds_dhelix.commands.parity import _check_setup
-    from ds_dhelix.engine.parity import ParityOptions
+    from ds_dhelix.verify import ParityOptions
     monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
     _check_setup(ParityOptions(model="tiny-llama", tp=2, dtype="fp16"))
     assert get_accelerator().is_fp16_supported()

@@ -20,14 +20,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ds_dhelix.engine.parity import ParityOptions
+from ds_dhelix.verify import ParityOptions
 from tests.conftest import run_ranks
 
 MODES = ("none", "selective", "full")
 
 
 def _train_modes(rank, world, opts: ParityOptions, schedules, modes=MODES):
-    from ds_dhelix.engine.parity import make_batches, train_pipeline, train_schedule
+    from ds_dhelix.verify import make_batches, train_pipeline, train_schedule
     from hf_models.registry import load_config
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     out = {}

@@ -4,7 +4,7 @@ import pytest
 
 import torch
 
-from ds_dhelix.engine.parity import HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, ParityOptions, compare, run_parity
+from ds_dhelix.verify import HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, ParityOptions, compare, run_parity
 
 
 def parity(**kw):
@@ -15,7 +15,7 @@ def parity(**kw):
 def assert_parity(r):
     assert r["bitwise_equal"], r["max_abs_diff_vs_sequential"]
     assert r["losses"]["si"] == r["losses"]["sequential"]
-    # tolerances and their reason: ds_dhelix.engine.parity (HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE)
+    # tolerances and their reason: ds_dhelix.verify (HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE)
     assert r["max_loss_diff_vs_hf"] <= HF_LOSS_TOLERANCE, r["losses"]
     assert r["max_abs_diff_vs_hf"] <= r["hf_grad_tolerance"], r["max_abs_diff_vs_hf"]
     assert r["hf_close"] and r["ok"]
@@ -133,7 +133,7 @@ def test_checkpoint_with_dropout_or_router_jitter_is_compared_with_hf_with_them_
     """A GPT-2 checkpoint trained with dropout 0.1 and a Mixtral one with router jitter 0.1: the
     trained legs keep them (SI bitwise equal to sequential), HF is compared on the first step with
     them off, and the result names what was switched off (one 2-rank world for both)."""
-    from ds_dhelix.engine.parity import run_parities
+    from ds_dhelix.verify import run_parities
     drop = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.1)
     gpt2 = _checkpoint(tmp_path / "gpt2", "tiny-gpt2", **drop)
     mixtral = _checkpoint(tmp_path / "mixtral", "tiny-mixtral", router_jitter_noise=0.1)

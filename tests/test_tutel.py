@@ -95,7 +95,7 @@ def test_bad_kernels_are_refused_before_any_model():
 
 
 def _options(model, **kw):
-    from ds_dhelix.engine.parity import ParityOptions
+    from ds_dhelix.verify import ParityOptions
     ep = {"size": 2, **kw.pop("ep", {})}
     return ParityOptions(model=model, tp=1, dp=2, num_layers=2, seq_len=32, steps=2,
                          extra={"expert_parallel": ep, "moe": {"kernels": "tutel"}}, **kw)
@@ -112,7 +112,7 @@ def _check_parity(r):
 @needs_tutel
 @pytest.mark.timeout(600)
 def test_tutel_kernels_si_bitwise_and_close_to_hf_and_torch():
-    from ds_dhelix.engine.parity import run_parities
+    from ds_dhelix.verify import run_parities
     _check_parity(run_parities([_options("tiny-mixtral")], timeout=540)[0])
 
 
@@ -126,7 +126,7 @@ EXTENDED = {"qwen3-moe": ("tiny-qwen3-moe", {}), "phimoe": ("tiny-phimoe", {}),
 @pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_tutel_kernels_other_families_and_capacity():
-    from ds_dhelix.engine.parity import run_parities
+    from ds_dhelix.verify import run_parities
     results = run_parities([_options(model, ep=ep) for model, ep in EXTENDED.values()], timeout=840)
     for name, r in zip(EXTENDED, results):
         _check_parity(r)

@@ -29,7 +29,7 @@ def build_model(opts: BenchOptions):
         return model
     from hf_models.adapters import lora_target_names
 
-    from ..engine.parity import with_lora
+    from ..verify import with_lora
     targets = lora_target_names(model.config)
     return with_lora(model, {"r": opts.lora_r, "lora_alpha": 2 * opts.lora_r, "target_modules": targets,
                              "init_lora_weights": True}, opts.seed)

@@ -332,8 +332,8 @@ def autoep_unfit(opts: BenchOptions, model_config) -> str | None:
         return None
     from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
     covered = ", ".join(t for preset in PRESET_MODELS.values() for t in preset.hf_model_types)
-    experts = any(getattr(model_config, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
-    if not experts:
+    from hf_models.adapters import is_moe
+    if not is_moe(model_config):
         return (f"autoep needs an MoE model: model_type {model_type!r} has no experts; use an MoE model "
                 f"DeepSpeed AutoEP has a preset for ({covered}), e.g. --model tiny-qwen3-moe, or drop autoep")
     return (f"DeepSpeed AutoEP has no preset for model_type {model_type!r} (its presets cover {covered}); "

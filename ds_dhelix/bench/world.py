@@ -18,17 +18,13 @@ import torch.distributed as dist
 
 from .modes import SkipMode, build_runner
 from .options import BenchOptions
+from ..verify import random_batches
 
 
 def make_batches(opts: BenchOptions, vocab: int) -> list[dict]:
-    """The step's micro-batches (all data-parallel groups'): deterministic random tokens, reused
-    every step and mode; each mode takes its rank's share."""
-    g = torch.Generator().manual_seed(opts.seed + 1)
-    out = []
-    for _ in range(opts.step_micro_batches):
-        ids = torch.randint(3, vocab, (opts.micro_batch_size, opts.seq_len), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+    """The step's micro-batches (all data-parallel groups'): deterministic random tokens
+    (``verify.random_batches``), reused every step and mode; each mode takes its rank's share."""
+    return random_batches(vocab, opts.step_micro_batches, opts.micro_batch_size, opts.seq_len, seed=opts.seed + 1)
 
 
 def _all_ranks(flag: bool) -> bool:

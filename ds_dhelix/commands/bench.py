@@ -77,8 +77,8 @@ def check_bench_model(opts: BenchOptions, log) -> None:
     if opts.moe_kernels != "torch":
         from deepspeed.accelerator import get_accelerator
         from ds_dhelix.moe.kernels import check_kernels
-        from hf_models.adapters import num_experts
-        check_kernels(opts.moe_kernels, moe=num_experts(config) > 0, fp16=False,
+        from hf_models.adapters import is_moe
+        check_kernels(opts.moe_kernels, moe=is_moe(config), fp16=False,
                       device=get_accelerator().device_name(), hidden_size=config.hidden_size)
     theirs = [m for m in opts.modes if m in DEEPSPEED_MODES]
     if opts.pp > 1 or config.model_type in ADAPTERS or not theirs:

@@ -76,7 +76,7 @@ def _moe_extra(args) -> dict:
 
 
 def run(args) -> int:
-    from ds_dhelix.engine.parity import ParityOptions, run_parity
+    from ds_dhelix.verify import ParityOptions, run_parity
     if args.tp is None:
         args.tp = 2 if args.pp == 1 and args.ep == 1 else 1
     if args.dp is None:
@@ -103,7 +103,7 @@ def run(args) -> int:
 
 def _print_result(args, opts, result: dict) -> None:
     """The text form of a parity result."""
-    from ds_dhelix.engine.parity import pipe_label
+    from ds_dhelix.verify import pipe_label
     s = args.schedule if args.pp == 1 else pipe_label(opts)
     print(f"{args.model} pp={args.pp} tp={args.tp} cp={args.cp}{' (ring)' if args.cp_comm == 'ring' else ''} dp={args.dp} ep={args.ep} zero={args.zero} {args.steps} steps x "
           f"{args.micro_batches} micro-batches")
@@ -130,7 +130,7 @@ def _print_result(args, opts, result: dict) -> None:
               f"{result['hf_grad_tolerance']:.3g} / {result['hf_loss_tolerance']:g}: "
               f"{'ok' if result['hf_close'] else 'EXCEEDED'})")
         if result["hf_stochastic_off"]:
-            from ds_dhelix.engine.parity import describe_settings
+            from ds_dhelix.verify import describe_settings
             print(f"  HF compared with these switched off, on the first step only (the trained legs keep "
                   f"them): {describe_settings(result['hf_stochastic_off'])}")
     if "vs_torch_kernels" in result:

@@ -310,7 +310,7 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
     dh = setup.dh
     if plan is None and dh.schedule in ("si", "auto") and dh.si_execution == "plan":
         plan = _configured_plan(dh, graph, model, groups, config, example_batch)
-    if "expert_groups" in graph.meta:  # knows expert parameters, logs aux loss and expert load
+    if graph.is_moe:  # knows expert parameters, logs aux loss and expert load
         from .moe_engine import DhelixMoeEngine as engine_class
     else:
         from .dhelix_engine import DhelixEngine as engine_class

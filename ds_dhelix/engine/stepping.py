@@ -188,7 +188,7 @@ class DhelixStepMixin:
             if got != shape:
                 raise ValueError(f"micro-batch {k} has shape {got}, expected {shape}: every micro-batch "
                                  f"of a step must have the same [batch, sequence] shape")
-            check_attention_mask(b, k, moe="expert_groups" in self.graph.meta)
+            check_attention_mask(b, k, moe=self.graph.is_moe)
         return batches
 
     def begin_step(self) -> StepStats:

@@ -73,6 +73,11 @@ class ModelGraph:
     replicated: object | None = None
 
     @property
+    def is_moe(self) -> bool:
+        """Whether the graph has expert layers (its builder recorded their expert groups)."""
+        return "expert_groups" in self.meta
+
+    @property
     def num_layers(self) -> int:
         return len(self.blocks) - 2
 
