@@ -134,8 +134,8 @@ class Prepared:
 
 def check_inputs(args) -> Prepared:
     """Everything that can be checked without a model: one ValueError line per mistake."""
-    from ds_dhelix.engine.build import check_setup
     from ds_dhelix.config.section import load_ds_config
+    from ds_dhelix.engine.build import check_setup
     from hf_models.registry import check_weight_files, is_preset, load_config
     _check_flags(args)
     ds_config = load_ds_config(args.deepspeed)
@@ -182,9 +182,10 @@ def lora_config(args, setup, model_config):
         return None
     if not setup.dh.enabled:
         raise ValueError("--lora trains through the ds_dhelix engine: enable the ds_config's dhelix section")
+    from peft import LoraConfig
+
     from hf_models.adapters import check_lora_targets, lora_target_names
     from hf_models.lora import check_config
-    from peft import LoraConfig
     if args.peft_config is not None:
         if args.lora_r is not None or given:
             raise ValueError("--peft-config gives the whole LoRA config: drop --lora-r / --lora-alpha / --lora-targets")

@@ -199,6 +199,7 @@ def _loss_log():
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
+
     from ds_dhelix.config.section import load_ds_config
     from hf_models.registry import build_model, load_tokenizer_for
     world = int(os.environ.get("WORLD_SIZE", "1"))

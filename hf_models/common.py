@@ -14,12 +14,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_dhelix.runtime.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
-from ds_dhelix.graph.model_graph import comm, comp
 from ds_dhelix.data.inputs import shifted_targets, valid_targets
+from ds_dhelix.graph.model_graph import comm, comp
+from ds_dhelix.runtime.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
 from ds_dhelix.runtime.groups import ContextShards
 
-from .lora import has_lora, project, shard_factors
+from .lora import has_lora, shard_factors
 from .ring import AttentionCore
 
 

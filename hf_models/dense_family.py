@@ -37,7 +37,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ds_dhelix.graph.draws import Draws
 from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
@@ -45,9 +44,30 @@ from ds_dhelix.runtime.comm import TensorAllReduce
 from ds_dhelix.runtime.groups import ContextShards
 
 from . import deltanet, gated_attention
-from .common import (Dropout, attn_core_op, check_divisible, check_dropout, config_window, cp_heads, dense_layer_ops, embed_op,
-                     head_ops, layer_window, layer_windows, lean, make_side_fn, project, mark_replicated, qkv_projections,
-                     residual_ops, rotary, rotary_key, rotary_side_fn, shard_kv_replica, shard_param)
+from .common import (
+    Dropout,
+    attn_core_op,
+    check_divisible,
+    check_dropout,
+    config_window,
+    cp_heads,
+    dense_layer_ops,
+    embed_op,
+    head_ops,
+    layer_window,
+    layer_windows,
+    lean,
+    make_side_fn,
+    mark_replicated,
+    project,
+    qkv_projections,
+    residual_ops,
+    rotary,
+    rotary_key,
+    rotary_side_fn,
+    shard_kv_replica,
+    shard_param,
+)
 
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 

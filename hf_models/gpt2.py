@@ -37,9 +37,23 @@ from transformers.models.gpt2 import modeling_gpt2 as hf
 from ds_dhelix.graph.draws import Draws
 from ds_dhelix.graph.model_graph import ModelGraph, comp
 
-from .common import (ContextShards, Dropout, causal_mask_side, check_divisible, check_dropout, cp_heads,
-                     dense_layer_ops, embed_op, head_ops, lean, make_side_fn, project, mark_replicated, sequential_residual,
-                     shard_param)
+from .common import (
+    ContextShards,
+    Dropout,
+    causal_mask_side,
+    check_divisible,
+    check_dropout,
+    cp_heads,
+    dense_layer_ops,
+    embed_op,
+    head_ops,
+    lean,
+    make_side_fn,
+    mark_replicated,
+    project,
+    sequential_residual,
+    shard_param,
+)
 from .ring import AttentionCore
 
 CONTEXT_PARALLEL = True

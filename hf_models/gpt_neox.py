@@ -27,15 +27,32 @@ reduce-scatter. Dropout is not applied (see ``build_graph``).
 """
 from __future__ import annotations
 
-import torch.nn.functional as F
 from transformers.models.gpt_neox import modeling_gpt_neox as hf
 
 from ds_dhelix.graph.draws import Draws
 from ds_dhelix.graph.model_graph import ModelGraph, comp
 
-from .common import (ContextShards, Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops,
-                     dropped, embed_op, head_ops, lean, make_side_fn, project, mark_replicated, plus, rotary, rotary_side_fn,
-                     sequential_residual, shard_param)
+from .common import (
+    ContextShards,
+    Dropout,
+    attn_core_op,
+    check_divisible,
+    check_dropout,
+    cp_heads,
+    dense_layer_ops,
+    dropped,
+    embed_op,
+    head_ops,
+    lean,
+    make_side_fn,
+    mark_replicated,
+    plus,
+    project,
+    rotary,
+    rotary_side_fn,
+    sequential_residual,
+    shard_param,
+)
 
 CONTEXT_PARALLEL = True
 """Attention runs with context parallelism (Ulysses or ring, ``common.context_attention``)."""

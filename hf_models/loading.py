@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .lora import init_meta_factors, is_factor_name
-
+from .lora import is_factor_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

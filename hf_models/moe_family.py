@@ -50,23 +50,55 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds_dhelix.runtime.comm import SeqAllGather, SeqReduceScatter
 from ds_dhelix.graph.draws import Draws, draw_seed, seeded_rng
 from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
 from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll
-from ds_dhelix.runtime.groups import ExpertGroups
-from ds_dhelix.moe.experts import (DEFAULT_LAYOUT, ExpertLayout, layout_act, run_expert_down, run_expert_up,
-                                   shard_experts)
-from ds_dhelix.moe.metrics import MoeMetrics
+from ds_dhelix.moe.experts import (
+    DEFAULT_LAYOUT,
+    ExpertLayout,
+    layout_act,
+    run_expert_down,
+    run_expert_up,
+    shard_experts,
+)
 from ds_dhelix.moe.kernels import make_kernels
-from ds_dhelix.moe.router import (aux_piece, grouped_sigmoid_topk, load_balancing_loss, local_counts,
-                                  route_tokens, softmax_after_topk)
+from ds_dhelix.moe.metrics import MoeMetrics
+from ds_dhelix.moe.router import (
+    aux_piece,
+    grouped_sigmoid_topk,
+    load_balancing_loss,
+    local_counts,
+    route_tokens,
+    softmax_after_topk,
+)
+from ds_dhelix.runtime.comm import SeqAllGather, SeqReduceScatter
+from ds_dhelix.runtime.groups import ExpertGroups
 
 from . import deltanet, gated_attention, mla
-from .common import (ContextShards, Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout,
-                     context_attention, cp_heads, embed_op, head_ops, layer_window, layer_windows, lean,
-                     loss_denominator, make_side_fn, mark_replicated, project, qkv_projections, rotary,
-                     rotary_side_fn, shard_param, side_positions)
+from .common import (
+    ContextShards,
+    Dropout,
+    attn_core_op,
+    causal_mask_side,
+    check_divisible,
+    check_dropout,
+    context_attention,
+    cp_heads,
+    embed_op,
+    head_ops,
+    layer_window,
+    layer_windows,
+    lean,
+    loss_denominator,
+    make_side_fn,
+    mark_replicated,
+    project,
+    qkv_projections,
+    rotary,
+    rotary_side_fn,
+    shard_param,
+    side_positions,
+)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from ds_dhelix.runtime.comm import RingPass
 from ds_dhelix.graph.model_graph import comm, comp
+from ds_dhelix.runtime.comm import RingPass
 
 _HIDDEN = -1e30
 """Score of a masked pair: finite, so a query row that sees nothing of a block has a finite

@@ -63,8 +63,8 @@ sys.path.insert(0, ROOT)
 from ds_dhelix.moe.kernels import tutel_missing  # noqa: E402
 from ds_dhelix.runtime.comm import cuda_connections_warning  # noqa: E402
 from ds_dhelix.runtime.executor import Executor  # noqa: E402
-from ds_dhelix.verify import random_batches  # noqa: E402
 from ds_dhelix.runtime.trace import TraceRecorder  # noqa: E402
+from ds_dhelix.verify import random_batches  # noqa: E402
 from hf_models.adapters import adapter_for  # noqa: E402
 from hf_models.registry import build_model  # noqa: E402
 
@@ -271,7 +271,7 @@ def check_tutel_kernels(device, tokens: int = 8192, hidden: int = 2048, experts:
         x = torch.randn(tokens, hidden, generator=gen).to(device, dtype).requires_grad_()
         runs = {}
         for name, k in kernels.items():
-            def step(k=k):
+            def step(k=k, x=x):
                 xs, route = route_tokens(x, selected, experts, None, k)
                 y = k.decode(xs, weights, route)
                 y.backward(torch.ones_like(y))
@@ -334,10 +334,10 @@ def _op_times(graph, side: dict, device) -> dict:
     for b, block in enumerate(graph.blocks):
         for op in block:
             args = [env[k] for k in op.inputs]
-            fwd = _timed_ms(lambda: op.fn(side, *args), device)
+            fwd = _timed_ms(lambda op=op, args=args: op.fn(side, *args), device)
             leaves = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
 
-            def backward():
+            def backward(op=op, leaves=leaves):
                 outs = [o for o in op.fn(side, *leaves) if o.requires_grad]
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 

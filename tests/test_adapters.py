@@ -24,14 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_dhelix.runtime.executor import Executor
 from ds_dhelix.graph.ops import backward_order
 from ds_dhelix.planning.plan import default_plan
+from ds_dhelix.runtime.executor import Executor
 from hf_models.adapters import adapter_for
 from hf_models.common import gather_param
 from hf_models.registry import load_config
-from tests.conftest import (gathered_grad, hf_reference, make_batches, make_config, make_model, process_groups,
-                            run_ranks)
+from tests.conftest import gathered_grad, hf_reference, make_batches, make_config, make_model, process_groups, run_ranks
 
 DENSE_FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3",
                   "tiny-olmo3", "tiny-qwen3-5")
@@ -74,7 +73,7 @@ def test_tp1_graph_matches_hf(preset, attn):
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 VARIANTS = [
@@ -99,7 +98,7 @@ def test_tp1_config_variants(preset, attn, overrides):
     ref_params = dict(ref.named_parameters())
     assert ref_params.keys() == dict(model.named_parameters()).keys()
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # --------------------------------------------------------------------------------- TP=2 ranks
@@ -177,7 +176,7 @@ SHAPE_VARIANTS = {  # other shapes than the presets': the adapters must not depe
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _suite_results() -> dict:
     runs = [(preset, SUITE_OVERRIDES.get(preset, ()), 4) for preset in PRESETS]
     runs += [(preset, SUITE_OVERRIDES.get(preset, ()) + over, 2) for preset, over in SHAPE_VARIANTS.values()]

@@ -123,9 +123,8 @@ def test_bad_options_name_the_value(kwargs, words):
 def test_autoep_refused_before_any_model_where_it_cannot_apply():
     """``--modes autoep`` on a model or layout AutoEP cannot run: one line naming the fix, from the
     config alone; in the default mode list the same reason becomes a skipped row instead."""
-    from hf_models.registry import load_config
-
     from ds_dhelix.bench.options import autoep_preset, autoep_unfit, check_modes_fit
+    from hf_models.registry import load_config
     dense = BenchOptions(model="tiny-llama", tp=1, ep=2, modes=("autoep", "deepspeed"))
     with pytest.raises(ValueError, match="autoep needs an MoE model: model_type 'llama' has no experts"):
         check_modes_fit(dense, load_config("tiny-llama"))
@@ -146,7 +145,6 @@ def test_deepspeed_modes_run_without_a_ds_dhelix_adapter(monkeypatch):
     """A model type ds_dhelix has no adapter for yet still runs DeepSpeed's own modes (the ds_dhelix
     modes report the adapter error as rows); with ds_dhelix modes alone the bench is refused."""
     import hf_models.adapters
-
     from ds_dhelix.commands.bench import check_bench_model
     monkeypatch.setattr(hf_models.adapters, "ADAPTERS",
                         {k: v for k, v in hf_models.adapters.ADAPTERS.items() if k != "qwen3_moe"})
@@ -326,7 +324,7 @@ def test_bench_pipeline_modes(tmp_path):
     rows = _run_bench(tmp_path, "--pp", "2", "--tp", "2", "--num-layers", "4", "--micro-batches", "4",
                       "--modes", "ds-1f1b", "ds-dualpipev", "sequential", "w", "auto")
     assert list(rows) == ["ds-1f1b", "ds-dualpipev", "sequential", "w", "auto"]
-    for mode, row in rows.items():
+    for row in rows.values():
         assert row["status"] == "ok", row
         assert row["speedup_vs_sequential"] > 0 and row["ideal_speedup"] is None  # no comm bound for p2p
     assert rows["w"]["peak_activation_bytes"] > 0 and rows["ds-1f1b"]["peak_activation_bytes"] is None
@@ -352,6 +350,7 @@ def test_matched_link_finds_the_rate_where_comm_equals_comp():
 
 def test_matched_is_a_bench_link_only():
     import argparse
+
     from ds_dhelix.commands.common import bench_link_rate, link_rate
     assert bench_link_rate("matched") == "matched" and bench_link_rate("2") == 2.0
     assert BenchOptions(link_gbps=("matched", 2.0)).link_gbps == ("matched", 2.0)

@@ -13,8 +13,8 @@ all-to-alls (``attn.a2a_in`` / ``attn.a2a_out`` COMM ops).
 import pytest
 import torch
 
-from ds_dhelix.engine.build import check_setup
 from ds_dhelix.config.dims import ParallelDims
+from ds_dhelix.engine.build import check_setup
 from ds_dhelix.verify import ParityOptions, run_parity
 from hf_models.common import kv_heads_of_groups
 from hf_models.registry import load_config

@@ -56,7 +56,7 @@ def options(family: str, setting: str) -> ParityOptions:
     return ParityOptions(model=family, num_layers=2, seq_len=32, steps=3, **SETTINGS[setting])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tier_results(is_core: bool) -> dict:
     keys = [(f, s) for f in FAMILIES for s in SETTINGS
             if exists(f, s) and (f, s) not in NOT_RUN and core(f, s) == is_core]

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from ds_dhelix.config.reference import markdown as config_markdown, rows
+from ds_dhelix.config.reference import markdown as config_markdown
+from ds_dhelix.config.reference import rows
 from ds_dhelix.config.section import DhelixConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

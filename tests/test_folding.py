@@ -2,7 +2,13 @@
 import pytest
 
 from ds_dhelix.schedule.folding import (
-    balanced_split, chunk_index, chunk_owner, fold_layers, next_chunk_owner, prev_chunk_owner)
+    balanced_split,
+    chunk_index,
+    chunk_owner,
+    fold_layers,
+    next_chunk_owner,
+    prev_chunk_owner,
+)
 
 
 def test_even_fold_is_a_u():

@@ -28,7 +28,7 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
     tutel = rows["tutel_kernels"]  # torch's and tutel's dispatch / combine on the same routes (or why not)
     assert tutel["ok"] and (tutel.get("skipped") or (tutel["float32"]["buffer_equal"] and
                                                      tutel["float32"]["combined_equal"]))
-    lines = [l for l in capsys.readouterr().out.strip().splitlines() if l.startswith("{")]
+    lines = [line for line in capsys.readouterr().out.strip().splitlines() if line.startswith("{")]
     assert len(lines) == 6  # one JSON line per check
 
 

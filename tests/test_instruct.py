@@ -12,8 +12,6 @@ import sys
 import pytest
 import torch
 
-from ds_dhelix.data.batches import block_batches, stream_batches
-from ds_dhelix.data.packing import Packer
 from ds_dhelix.data.records import CHATML_TEMPLATE, RecordEncoder, open_records
 from ds_dhelix.data.sources import DataOptions, load_data
 from tests.conftest import free_port

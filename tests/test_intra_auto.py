@@ -8,14 +8,13 @@ phases and decisions, and real engines whose trial steps train exactly as the ch
 import pytest
 import torch
 
-from ds_dhelix.planning.autoschedule import AutoSchedule, describe
-from ds_dhelix.engine.build import check_setup
 from ds_dhelix.config.section import DhelixConfig
+from ds_dhelix.engine.build import check_setup
+from ds_dhelix.planning.autoschedule import AutoSchedule, describe
 from ds_dhelix.runtime.interpreter import half_batches, half_serial
 from ds_dhelix.verify import ParityOptions, run_parity
 from hf_models.registry import load_config
 from tests.conftest import run_ranks
-
 
 # ---------------------------------------------------------------- halves
 
@@ -200,8 +199,8 @@ def test_auto_takes_sequential_without_a_trial_when_nothing_to_hide():
 def _auto_rank(rank, world, candidates, layout):
     from ds_dhelix.engine.build import build_engine
     from ds_dhelix.engine.checkpoint import full_state_dict
-    from ds_dhelix.verify import build, make_batches
     from ds_dhelix.engine.pipe_module import gather_hf_state_dict
+    from ds_dhelix.verify import build, make_batches
     opts = ParityOptions(model="tiny-llama", seq_len=32, **layout)
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     out = {}

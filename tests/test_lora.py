@@ -67,7 +67,7 @@ def options(name: str) -> ParityOptions:
     return ParityOptions(**{"num_layers": 2, "seq_len": 32, "steps": 3, **LAYOUTS[name]})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results() -> dict:
     kv1_dir()
     return dict(zip(LAYOUTS, run_parities([options(n) for n in LAYOUTS], timeout=840)))
@@ -262,8 +262,8 @@ def test_an_init_the_meta_path_cannot_draw_is_refused(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from hf_models.adapters import unwrap_peft
-    from hf_models.lora import init_meta_factors
     from hf_models.loading import empty_model
+    from hf_models.lora import init_meta_factors
     from hf_models.registry import build_model
     build_model("tiny-llama", seed=1, num_layers=1)[0].save_pretrained(tmp_path)
     for init, ok in ((True, True), ("gaussian", False)):

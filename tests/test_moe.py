@@ -72,8 +72,9 @@ def force_experts(model, bias):
     sparsemixer, else softmax top-k, renormalised where the family does). The families with a bias of
     their own take it there: gpt-oss's router bias, DeepSeek-V3's and GLM-4.5's
     ``e_score_correction_bias`` (the choice only: the weights stay the plain scores)."""
-    from transformers.models.phimoe.modeling_phimoe import sparsemixer
     import torch.nn.functional as F
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
     from hf_models.adapters import adapter_for
     family = adapter_for(model.config).FAMILY
     for layer in sparse_layers(model):
@@ -108,9 +109,9 @@ def run(graph, batches, schedule, deferred=None):
     """Losses of one step; ``schedule`` "sequential", "si" (default plan), "si-reactive" (reactive
     pairs, weight gradients deferred: their op names are added to ``deferred`` when given) or
     "si-ends" (reactive, first two forwards and last two backwards paired too)."""
-    from ds_dhelix.runtime.executor import Executor
     from ds_dhelix.graph.ops import backward_order
     from ds_dhelix.planning.plan import default_plan
+    from ds_dhelix.runtime.executor import Executor
     from ds_dhelix.runtime.trace import TraceRecorder
     specs = graph.layer_specs()
     rec = TraceRecorder(0) if deferred is not None else None
@@ -293,9 +294,9 @@ def test_si_bitwise_through_engine_dp2_ep2():
 
 def _tp2_ep2_main(rank, world):
     """TP=2 attention x EP=2 experts on 4 ranks (DP=2): losses and gathered gradients vs HF."""
-    from tests.conftest import process_groups
     from hf_models import phimoe
     from hf_models.common import gather_param
+    from tests.conftest import process_groups
     lay = process_groups(tp=2, ep=2)
     config = make_config()
     batches = make_batches(lay.dp_size, config.vocab_size)
@@ -447,6 +448,7 @@ def test_grouped_sigmoid_router_is_hfs(groups, keep):
     as HF's ``DeepseekV3TopkRouter``, bit for bit, with a correction bias that changes the choice."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
     from ds_dhelix.moe.router import grouped_sigmoid_topk
     from hf_models.moe_family import grouped_sigmoid_route
     config = DeepseekV3Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=groups,
@@ -471,6 +473,7 @@ def test_gpt_oss_router_and_experts_are_hfs():
     clamped SwiGLU) give HF's ``GptOssTopKRouter`` / ``GptOssExperts`` outputs."""
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+
     from ds_dhelix.moe.experts import GPT_OSS_LAYOUT, expert_linear, layout_act
     from hf_models.moe_family import biased_softmax_route
     config = GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
@@ -498,7 +501,7 @@ def test_gpt_oss_router_and_experts_are_hfs():
 def test_dense_layers_follow_hfs_rule():
     """``dense_layers``: DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step,
     matching the MLP class HF builds for each layer; a model left without MoE layers is refused."""
-    from hf_models.moe_family import dense_layers, check_layers
+    from hf_models.moe_family import check_layers, dense_layers
     from hf_models.registry import build_model, load_config
     for preset, overrides in (("tiny-deepseek-v3", {}), ("tiny-qwen3-moe-mixed", {}),
                               ("tiny-qwen3-moe", {"decoder_sparse_step": 2}), ("tiny-glm4-moe", {})):

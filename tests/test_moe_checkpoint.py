@@ -69,6 +69,7 @@ def _every_family(rank, world, root):
 
 def test_hf_to_ep2_to_hf_and_ep1(tmp_path):
     from transformers import AutoModelForCausalLM
+
     from hf_models.registry import build_model
     g = torch.Generator().manual_seed(5)
     sources = {}

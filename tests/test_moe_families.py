@@ -69,7 +69,7 @@ def options(family: str, setting: str) -> ParityOptions:
                          **SETTINGS[setting])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world_results(is_core: bool, world: int, family: str | None = None) -> dict:
     keys = [(f, s) for f in (FAMILIES if family is None else (family,)) for s in SETTINGS
             if runs(f, s) and core(f, s) == is_core and options(f, s).world == world]
@@ -195,6 +195,7 @@ def save_other_sizes(root) -> dict[str, str]:
     """``save_pretrained`` directories of OTHER_SIZES (random init, vocabulary 2048)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
     from hf_models.registry import family_attn_implementation
     out = {}
     for model_type, fields in OTHER_SIZES.items():

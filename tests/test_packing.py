@@ -6,10 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_dhelix.data import (TokenDataset, batch_iterator, document_positions, encode_documents, hf_model_inputs,
-                            split_documents)
-from ds_dhelix.runtime.executor import Executor
+from ds_dhelix.data import (
+    TokenDataset,
+    batch_iterator,
+    document_positions,
+    encode_documents,
+    hf_model_inputs,
+    split_documents,
+)
 from ds_dhelix.engine.stepping import check_attention_mask
+from ds_dhelix.runtime.executor import Executor
 from hf_models.adapters import adapter_for
 from hf_models.registry import build_model
 

@@ -1,8 +1,8 @@
 """Pair re-timing (benchmarks/pair_retime.py): the makespan of two strands' chains on one compute unit
 and one shared link, by hand-checkable cases, and chains read back from a synthetic trace."""
-import pytest
-
 import random
+
+import pytest
 
 from benchmarks.pair_retime import ChainOp, pair_chains, retime_pair, retime_trace, search_pair, wire_times
 

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds_dhelix.graph.ops import backward_order, op_specs
 from ds_dhelix.planning.plan import Round, SIPlan, default_plan, segment_has_comm, sequential_plan
-from ds_dhelix.planning.planner import LLAMA_LAYER_OPS, FINE_LAYER_OPS, TINY_LAYER_OPS
+from ds_dhelix.planning.planner import FINE_LAYER_OPS, LLAMA_LAYER_OPS, TINY_LAYER_OPS
 
 LAYERS = [LLAMA_LAYER_OPS, FINE_LAYER_OPS, TINY_LAYER_OPS]
 

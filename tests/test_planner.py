@@ -7,14 +7,23 @@ import random
 import time
 
 import pytest
-from hypothesis import HealthCheck, assume, event, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
 
 from ds_dhelix import cli
-from ds_dhelix.planning import planner
 from ds_dhelix.graph.ops import backward_order, comm_runs, op_specs
+from ds_dhelix.planning import planner
 from ds_dhelix.planning.plan import SIPlan, default_plan, sequential_plan
-from ds_dhelix.planning.planner import (OverlapTable, candidate_segments, count_plans, plan_dp, plan_exhaustive,
-                                        predict_ms, random_plan, synthetic_table)
+from ds_dhelix.planning.planner import (
+    OverlapTable,
+    candidate_segments,
+    count_plans,
+    plan_dp,
+    plan_exhaustive,
+    predict_ms,
+    random_plan,
+    synthetic_table,
+)
 
 TOL = 1e-9
 

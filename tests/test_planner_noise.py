@@ -7,8 +7,18 @@ import random
 import pytest
 
 from ds_dhelix.planning.plan import default_plan
-from ds_dhelix.planning.planner import (EMPTY, MEDIAN_SE, TINY_LAYER_OPS, OverlapTable, noise_aware, plan_dp, plan_keys,
-                                        predict_ms, predicted_spread_ms, synthetic_table)
+from ds_dhelix.planning.planner import (
+    EMPTY,
+    MEDIAN_SE,
+    TINY_LAYER_OPS,
+    OverlapTable,
+    noise_aware,
+    plan_dp,
+    plan_keys,
+    predict_ms,
+    predicted_spread_ms,
+    synthetic_table,
+)
 from ds_dhelix.runtime.profiler import _refine_plan, _remeasure_noisy, _Samples, robust_spread
 
 FWD, BWD = TINY_LAYER_OPS, tuple(reversed(TINY_LAYER_OPS))

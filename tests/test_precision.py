@@ -43,8 +43,8 @@ def test_si_bitwise_equals_sequential_in_half_precision(dtype):
 
 def _train_dtypes(rank, world, steps):
     from ds_dhelix.engine.build import build_engine
-    from ds_dhelix.verify import build
     from ds_dhelix.engine.precision import force_fp16_capability
+    from ds_dhelix.verify import build
     force_fp16_capability()
     out = {}
     for dtype in ("fp32", "fp16"):
@@ -74,8 +74,8 @@ def test_fp16_tracks_fp32():
 def _overflow_rank(rank, world):
     from ds_dhelix.engine.build import build_engine
     from ds_dhelix.engine.checkpoint import full_state_dict
-    from ds_dhelix.verify import build
     from ds_dhelix.engine.precision import force_fp16_capability
+    from ds_dhelix.verify import build
     force_fp16_capability()
     opts = _opts(dtype="fp16", steps=3)
     batches = make_batches(opts, 2048)

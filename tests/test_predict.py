@@ -2,18 +2,17 @@
 placement and collective times by the alpha-beta model, op costs against the FLOPs the real graph
 runs, the step of every schedule, the pipeline replay, the CPU table path and every refusal."""
 import json
-import math
 
 import pytest
 import torch
 
 from ds_dhelix.config.dims import ParallelDims
-from ds_dhelix.predict.costs import OpTime, StepTimes, roofline_times
+from ds_dhelix.predict import step as S
+from ds_dhelix.predict.costs import OpTime, StepTimes
 from ds_dhelix.predict.hardware import load_hardware
 from ds_dhelix.predict.links import collective_ms, group_ranks, placement
 from ds_dhelix.predict.retime import ChainOp, RoundRules, reactive_rules, retime_pair
 from ds_dhelix.predict.shapes import RunLayout, model_shape
-from ds_dhelix.predict import step as S
 
 
 def comp(ms, deferred=0.0, depth=0):
@@ -134,6 +133,7 @@ def _graph_flops(preset: str, batch: int, seq: int):
     """Every op's forward FLOPs as torch counts them running the real op graph (one rank, fp32),
     and the model's outline and shape."""
     from torch.utils.flop_counter import FlopCounterMode
+
     from hf_models.adapters import adapter_for
     from hf_models.outline import model_outline
     from hf_models.registry import build_model

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from ds_dhelix.planning.planner import OverlapTable, plan_dp
 from ds_dhelix.bench.profile_runs import plan_orders, profile_world, spearman, summarize_validation, validate_world
+from ds_dhelix.planning.planner import OverlapTable, plan_dp
 
 OPTS = {"model": "tiny-llama", "tp": 2, "micro_batch_size": 1, "seq_len": 16, "warmup": 0,
         "repeats": 1, "link_gbps": None}
@@ -129,6 +129,7 @@ def test_spearman():
 
 def _engine_with_table(rank, world, path, meta_override):
     import torch
+
     import ds_dhelix
     from ds_dhelix.bench.profile_runs import example_batch
     from hf_models.registry import build_model

@@ -16,14 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_dhelix.runtime.comm import all_gather_seq, reduce_scatter_seq
-from ds_dhelix.runtime.executor import Executor
 from ds_dhelix.graph.ops import backward_order
 from ds_dhelix.planning.plan import default_plan
+from ds_dhelix.runtime.comm import all_gather_seq, reduce_scatter_seq
+from ds_dhelix.runtime.executor import Executor
 from ds_dhelix.runtime.trace import TraceRecorder, validate_trace
 from hf_models.adapters import adapter_for
-from tests.conftest import run_ranks
-from tests.conftest import hf_reference, make_batches, make_config, make_model
+from tests.conftest import hf_reference, make_batches, make_config, make_model, run_ranks
 
 
 # ------------------------------------------------------------------------ (a) reduce-scatter
@@ -232,8 +231,8 @@ class _InstantComm:
 def test_reactive_execution_follows_completed_collectives_until_both_strands_end():
     """Both strands end in a collective that completes at once: the reaction finishes both and the
     step ends (it once tried to wait on an empty list), values as computed one by one."""
-    from ds_dhelix.runtime.executor import MicroBatch
     from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
+    from ds_dhelix.runtime.executor import MicroBatch
     work = [comp("double", ("x",), ("y",), lambda side, x: (x * 2,)), comm("send", _InstantComm(), "y", "z")]
     only_comm = [comm("send", _InstantComm(), "x", "z")]
     graph = ModelGraph([work, work, only_comm], make_side=lambda batch: {})
@@ -251,8 +250,8 @@ def test_dispatch_without_counts_op_is_refused():
     """The dropless dispatch needs the split sizes moe.counts exchanges; without them it says so
     instead of posting an all-to-all with unknown sizes."""
     from ds_dhelix.moe.dispatch import ExpertAllToAll
-    from ds_dhelix.runtime.groups import ExpertGroups
     from ds_dhelix.moe.router import Route
+    from ds_dhelix.runtime.groups import ExpertGroups
     route = Route(num_tokens=2, top_k=1, counts=torch.tensor([1, 1]), copy_row=torch.arange(2), rows=2,
                   token_of=torch.arange(2))
     body = ExpertAllToAll(3, ExpertGroups(size=2), to_experts=True)

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_dhelix.engine.build import check_setup
 from ds_dhelix.config.dims import ParallelDims
+from ds_dhelix.engine.build import check_setup
 from ds_dhelix.graph.model_graph import comp
 from ds_dhelix.runtime.groups import ContextShards
 from hf_models.common import context_attention, make_side_fn
@@ -117,8 +117,9 @@ def test_ring_steps_give_causal_attention_and_its_gradients(c, docs, fused, monk
 
 
 def _exchange(rank, world):
-    from ds_dhelix.runtime.comm import RingPass, StrandGroups
     import torch.distributed as dist
+
+    from ds_dhelix.runtime.comm import RingPass, StrandGroups
     ring = RingPass(StrandGroups.of(dist.group.WORLD), world)
     x = torch.full((2, 3), float(rank))
     fwd = ring.forward(x, {}, 0).wait()

@@ -8,8 +8,22 @@ from ds_dhelix.cli import main
 from ds_dhelix.schedule import registry as R
 from ds_dhelix.schedule.fold import dualpipev_si_schedule, sequential_fold_schedule, w_schedule
 from ds_dhelix.schedule.instructions import (
-    Backward, BackwardBackward, FixActivationBudget, Forward, ForwardBackward, ForwardForward, LoadMicroBatch,
-    OptimizerStep, RecvActivation, ReduceGrads, SendActivation, SendGrad, WaitRecv, WaitSends, forward_only)
+    Backward,
+    BackwardBackward,
+    FixActivationBudget,
+    Forward,
+    ForwardBackward,
+    ForwardForward,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    ReduceGrads,
+    SendActivation,
+    SendGrad,
+    WaitRecv,
+    WaitSends,
+    forward_only,
+)
 from ds_dhelix.schedule.simulate import replay, sequential_bubble_closed_form, w_bubble_closed_form
 
 

@@ -1,7 +1,6 @@
 """The SI schedule through the real DeepSpeed engine: bitwise equal to sequential, close to the
 unsharded HF model, no extra activation memory. CPU, fp32, gloo."""
 import pytest
-
 import torch
 
 from ds_dhelix.verify import HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, ParityOptions, compare, run_parity

@@ -20,7 +20,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .options import MODES, BenchOptions, quick
 

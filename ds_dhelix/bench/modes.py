@@ -12,8 +12,15 @@ import contextlib
 import torch.distributed as dist
 
 from ..runtime.comm import release_deepspeed_shm
-from .options import (DATA_PARALLEL_MODES, DHELIX_MODES, TUTEL_MODES, BenchOptions, autoep_preset, autoep_unfit,
-                      split_mode)
+from .options import (
+    DATA_PARALLEL_MODES,
+    DHELIX_MODES,
+    TUTEL_MODES,
+    BenchOptions,
+    autoep_preset,
+    autoep_unfit,
+    split_mode,
+)
 
 
 class SkipMode(Exception):
@@ -96,12 +103,14 @@ class DeepSpeedRunner:
 
     def __init__(self, opts: BenchOptions, mode: str):
         import deepspeed
+
         from ds_dhelix.runtime.memory import ActivationMeter
         self.mode, self.world = mode, opts.world
         model = build_model(opts)
         config, self.info = _deepspeed_config(opts, mode, model), {}
         if mode in TUTEL_MODES:
-            from .tutel_peer import TUTEL_MODES as DEGREES, tutel_engine, with_tutel_blocks
+            from .tutel_peer import TUTEL_MODES as DEGREES
+            from .tutel_peer import tutel_engine, with_tutel_blocks
             self.engine = tutel_engine(with_tutel_blocks(model, opts.ep, DEGREES[mode]), opts.ep, config)
             self.info = {"tutel_overlap_degree": DEGREES[mode]}
         else:
@@ -189,6 +198,7 @@ def _deepspeed_config(opts: BenchOptions, mode: str, model) -> dict:
         return opts.deepspeed_ds_config()
     if mode in TUTEL_MODES:
         from deepspeed.accelerator import get_accelerator
+
         from .tutel_peer import tutel_unfit
         reason = tutel_unfit(mode, opts.ep, opts.world, model.config, get_accelerator().device_name())
         if reason is not None:
@@ -213,6 +223,7 @@ def _autoep_registry_compat():
     also accepts a key and a default (plain dict lookup); the model's own one-argument calls are
     unchanged. Nothing is patched when the installed transformers already accepts a default."""
     import inspect
+
     from transformers.utils import output_capturing
     registry = getattr(output_capturing, "_CanRecordRegistry", None)
     if registry is None or len(inspect.signature(registry.get).parameters) > 2:

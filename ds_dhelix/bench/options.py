@@ -45,8 +45,8 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field
 
-from ..runtime.linkemu import DEFAULT_BURST_KB
 from ..graph.recompute import MODES as RECOMPUTE_MODES
+from ..runtime.linkemu import DEFAULT_BURST_KB
 from ..schedule.registry import ALIASES, ONE_STAGE, PIPELINE, lookup, names
 
 TUTEL_MODES = ("tutel", "tutel-overlap2", "tutel-overlap4")

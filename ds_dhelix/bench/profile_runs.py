@@ -14,13 +14,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..engine.build import shard_model
-from ..config.section import DhelixConfig
 from ..config.dims import ParallelDims
-from ..runtime.groups import ProcessGroups
+from ..config.section import DhelixConfig
+from ..engine.build import shard_model
 from ..graph.ops import backward_order
 from ..planning.plan import default_plan, sequential_plan
 from ..planning.planner import OverlapTable, plan_dp, predict_ms, predicted_spread_ms, random_plan
+from ..runtime.groups import ProcessGroups
 from ..runtime.profiler import LayerProbe, profile_layer, robust_spread, run_meta, world_max
 from ..runtime.spawn import run_ranks
 

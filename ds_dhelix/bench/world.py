@@ -16,9 +16,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from ..verify import random_batches
 from .modes import SkipMode, build_runner
 from .options import BenchOptions
-from ..verify import random_batches
 
 
 def make_batches(opts: BenchOptions, vocab: int) -> list[dict]:
@@ -80,7 +80,7 @@ def build_runners(opts: BenchOptions, batches: list[dict], gbps: float | None) -
     runners, outcome = {}, {}
     for mode in opts.modes:
         t0 = time.perf_counter()
-        runner, failure = _guarded(lambda: build_runner(opts, mode, batches[0], gbps))
+        runner, failure = _guarded(lambda m=mode: build_runner(opts, m, batches[0], gbps))
         build_s = time.perf_counter() - t0
         outcome[mode] = {"status": "ok", "reason": None, "build_s": build_s}
         if failure is not None:
@@ -97,7 +97,7 @@ def rank_main(rank: int, world: int, opts: BenchOptions, gbps: float | None):
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     runners, outcome = build_runners(opts, batches, gbps)
     for mode, runner in list(runners.items()):  # warm-up (and auto's trials); a mode failing here is dropped
-        first, failure = _guarded(lambda: _warm_up(runner, batches, opts.warmup))
+        first, failure = _guarded(lambda r=runner: _warm_up(r, batches, opts.warmup))
         outcome[mode]["first_step_loss"] = first
         if failure is not None:
             outcome[mode].update(status=failure[0], reason=f"warm-up step failed: {failure[1]}")

@@ -13,8 +13,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ds_dhelix.bench.options import (DEEPSPEED_MODES, DEFAULT_MODES, MIN_REPEATS, MODES, PP_MODES, BenchOptions,
-                                     check_modes_fit, quick)
+from ds_dhelix.bench.options import (
+    DEEPSPEED_MODES,
+    DEFAULT_MODES,
+    MIN_REPEATS,
+    MODES,
+    PP_MODES,
+    BenchOptions,
+    check_modes_fit,
+    quick,
+)
 
 from .common import Default, add_layout_flags, check_model, link_text, stdout_to_stderr
 
@@ -76,6 +84,7 @@ def check_bench_model(opts: BenchOptions, log) -> None:
     check_modes_fit(opts, config)
     if opts.moe_kernels != "torch":
         from deepspeed.accelerator import get_accelerator
+
         from ds_dhelix.moe.kernels import check_kernels
         from hf_models.adapters import is_moe
         check_kernels(opts.moe_kernels, moe=is_moe(config), fp16=False,

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from ds_dhelix.bench.options import BenchOptions
 
-
 MATCHED = "matched"
 """The link rate ``dhelix bench`` chooses itself: the sequential run's comm/comp near 1."""
 

@@ -96,8 +96,8 @@ def times_source(args, outline, shape, layout):
         hw = load_hardware(args.hardware, intra_link=args.intra_link, network=args.network,
                            nics_per_node=args.nics_per_node, gpus_per_node=args.gpus_per_node)
         return (lambda b: roofline_times(outline, shape, layout.with_micro_batch(b), hw)), hw.describe(), None
-    from ds_dhelix.planning.planner import OverlapTable, plan_dp
     from ds_dhelix.planning.plan import default_plan
+    from ds_dhelix.planning.planner import OverlapTable, plan_dp
     from ds_dhelix.predict.cpu import table_times
     table = OverlapTable.load(args.table)
 

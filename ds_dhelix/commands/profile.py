@@ -34,9 +34,9 @@ def options(args) -> dict:
 
 
 def run(args) -> int:
-    from ds_dhelix.runtime.linkemu import run_in_link
-    from ds_dhelix.planning.planner import OverlapTable
     from ds_dhelix.bench.profile_runs import profile_world
+    from ds_dhelix.planning.planner import OverlapTable
+    from ds_dhelix.runtime.linkemu import run_in_link
     o = options(args)
     if args.link_gbps:
         table, seconds = run_in_link(profile_world, args.link_gbps, args=(o, args.timeout))

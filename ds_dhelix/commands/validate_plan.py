@@ -23,9 +23,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ds_dhelix.runtime.linkemu import run_in_link
-    from ds_dhelix.planning.planner import OverlapTable
     from ds_dhelix.bench.profile_runs import validate_world
+    from ds_dhelix.planning.planner import OverlapTable
+    from ds_dhelix.runtime.linkemu import run_in_link
     table = OverlapTable.load(args.table)
     if table.meta.get("link_gbps") != args.link_gbps:
         raise ValueError(f"the table was profiled at --link-gbps {link_text(table.meta.get('link_gbps'))}, "

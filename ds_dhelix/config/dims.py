@@ -62,7 +62,7 @@ class ParallelDims:
                              f"the data-parallel group); valid ep sizes: {divisors(self.dp)}")
 
     @classmethod
-    def from_config(cls, dh, world: int) -> "ParallelDims":
+    def from_config(cls, dh, world: int) -> ParallelDims:
         """The degrees a ``DhelixConfig`` asks for on ``world`` ranks (a disabled section: pure DP)."""
         if not dh.enabled:
             return cls(world)

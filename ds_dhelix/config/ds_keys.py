@@ -67,7 +67,7 @@ class _RecordingDict(dict):
         return _Keys(self, self.seen)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def deepspeed_keys() -> frozenset[str]:
     """Every top-level key the installed DeepSpeed reads (see the module docstring)."""
     from deepspeed.runtime import config as ds_config_module

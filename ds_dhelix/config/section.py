@@ -33,9 +33,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .dims import ParallelDims
 from ..graph.recompute import MODES
 from ..schedule.registry import ONE_STAGE, PIPELINE, auto_candidates, names
+from .dims import ParallelDims
 
 SCHEDULES = names(configured=True)
 """Valid values of ``dhelix.schedule`` (the schedule registry's, ``ds_dhelix.schedule.registry``)."""
@@ -580,7 +580,7 @@ class DhelixConfig(_Section):
         return config
 
     @classmethod
-    def from_ds_config(cls, ds_config: dict) -> "DhelixConfig":
+    def from_ds_config(cls, ds_config: dict) -> DhelixConfig:
         """Parse ``ds_config["dhelix"]``; a config without the section gives the disabled defaults."""
         if not isinstance(ds_config, dict):
             raise ValueError(f"ds_config must be a dict (parsed JSON object), got {type(ds_config).__name__}")

@@ -8,10 +8,31 @@
     batches  blocks by packing (concat | docs | none), shuffled, sharded over DP, resumable
     inputs   causal-LM targets, positions, attention masks (shared with the op graphs)
 """
-from .batches import PACKINGS, BlockDataset, TokenDataset, batch_iterator, block_batches, check_batch_shape, stream_batches
-from .corpus import (BOS_ID, BOS_TOKEN, CORPUS_MODULES, DEFAULT_CACHE_DIR, DEFAULT_VOCAB_SIZE, EOS_ID, EOS_TOKEN,
-                     PAD_ID, PAD_TOKEN, SPECIAL_TOKENS, build_embedded_corpus, corpus_hash, get_tokenizer,
-                     train_tokenizer)
+from .batches import (
+                     PACKINGS,
+                     BlockDataset,
+                     TokenDataset,
+                     batch_iterator,
+                     block_batches,
+                     check_batch_shape,
+                     stream_batches,
+)
+from .corpus import (
+                     BOS_ID,
+                     BOS_TOKEN,
+                     CORPUS_MODULES,
+                     DEFAULT_CACHE_DIR,
+                     DEFAULT_VOCAB_SIZE,
+                     EOS_ID,
+                     EOS_TOKEN,
+                     PAD_ID,
+                     PAD_TOKEN,
+                     SPECIAL_TOKENS,
+                     build_embedded_corpus,
+                     corpus_hash,
+                     get_tokenizer,
+                     train_tokenizer,
+)
 from .inputs import attention_mask, document_positions, hf_model_inputs, shifted_targets, valid_targets
 from .packing import Packer, PackStats
 from .records import CHATML_TEMPLATE, FORMATS, LOSS_ON, RecordEncoder, detect_format, open_records

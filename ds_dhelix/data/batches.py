@@ -6,12 +6,11 @@ data-parallel replicas, resumable at any micro-batch; the one-shape check every 
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from .inputs import document_positions
-
 
 PACKINGS = ("concat", "docs", "none")
 """How documents become blocks of ``seq_len`` tokens (``train.py --packing``):

@@ -15,7 +15,7 @@ import inspect
 import os
 import shutil
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)

@@ -19,8 +19,8 @@ collators do.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator
 
 import numpy as np
 import torch

@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from .batches import BlockDataset, block_batches, stream_batches
 from .packing import Packer, PackStats, stack_blocks

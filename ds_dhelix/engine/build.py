@@ -20,20 +20,27 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
-from ..runtime.comm import ReplicatedGrads, release_deepspeed_shm
-from ..config.section import (ONE_STAGE_SCHEDULES, PIPELINE_SCHEDULES, BatchSizes, DhelixConfig, derive_batch,
-                              load_ds_config)
-from ..config.dims import ParallelDims
-from ..config.ds_keys import check_deepspeed_keys
-from ..runtime.groups import ProcessGroups
-from ..moe.kernels import check_kernels
-from ..graph.ops import backward_order
-from ..schedule.folding import LayerFold, fold_layers
-from .precision import check_fp16
-from ..schedule.registry import PIPELINE, lookup
-from ..planning.plan import SIPlan, default_plan
 from hf_models.adapters import check_model, unwrap_peft
 from hf_models.lora import factors as lora_factors
+
+from ..config.dims import ParallelDims
+from ..config.ds_keys import check_deepspeed_keys
+from ..config.section import (
+    ONE_STAGE_SCHEDULES,
+    PIPELINE_SCHEDULES,
+    BatchSizes,
+    DhelixConfig,
+    derive_batch,
+    load_ds_config,
+)
+from ..graph.ops import backward_order
+from ..moe.kernels import check_kernels
+from ..planning.plan import SIPlan, default_plan
+from ..runtime.comm import ReplicatedGrads, release_deepspeed_shm
+from ..runtime.groups import ProcessGroups
+from ..schedule.folding import LayerFold, fold_layers
+from ..schedule.registry import PIPELINE, lookup
+from .precision import check_fp16
 
 
 @dataclass(frozen=True)

@@ -269,8 +269,9 @@ def export_adapter(model, out_dir: str, stream, base: str | None = None, tokeniz
 
     from safetensors.torch import save_file
 
-    from .. import __version__
     from hf_models.lora import peft_key
+
+    from .. import __version__
     info = getattr(model, "dhelix_lora", None)
     if info is None:
         raise ValueError("export_adapter: the model has no LoRA adapter (initialize was given no PEFT model)")

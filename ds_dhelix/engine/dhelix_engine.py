@@ -19,10 +19,10 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
 from ..config.section import DhelixConfig
+from ..planning.plan import SIPlan
 from ..runtime.groups import ProcessGroups
 from ..runtime.interpreter import Interpreter, prepare, wholes
 from ..runtime.tasks import MicroBatch
-from ..planning.plan import SIPlan
 from ..schedule import instructions as S
 from ..schedule.registry import ONE_STAGE, ScheduleSpec, lookup
 from .precision import loss_seed

@@ -14,7 +14,7 @@ action (``watched``) and the HF inputs of a batch under plain DeepSpeed (``plain
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 
 def is_dhelix(engine) -> bool:

@@ -77,7 +77,7 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
         return total
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint + one file of expert shards per EP rank (DeepSpeed's model-state
         file holds only DP rank 0's experts, which every rank would load)."""

@@ -40,14 +40,15 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from hf_models.adapters import num_experts
+
 from ..runtime.interpreter import Interpreter
 from ..runtime.tasks import MicroBatch
-from .precision import loss_seed
-from .stepping import DhelixStepMixin
-from hf_models.adapters import num_experts
 from ..schedule import instructions as S
 from ..schedule.folding import LayerFold, chunk_index
 from ..schedule.registry import PIPELINE, lookup
+from .precision import loss_seed
+from .stepping import DhelixStepMixin
 
 ACT, GRAD = 0, 1
 _KIND = {S.ACTIVATION: ACT, S.GRAD: GRAD}

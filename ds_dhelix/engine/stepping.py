@@ -26,8 +26,8 @@ from ..planning.autoschedule import AutoSchedule, nothing_to_hide
 from ..planning.autoschedule import describe as describe_decision
 from ..runtime.comm import collective_failures, cuda_connections_warning
 from ..runtime.executor import Executor
-from ..runtime.stats import StepStats
 from ..runtime.memory import ActivationMeter
+from ..runtime.stats import StepStats
 from ..runtime.trace import TraceRecorder, merge_traces
 from ..runtime.watchdog import Watchdog
 
@@ -142,11 +142,11 @@ class DhelixStepMixin:
         """Parameters that train nothing (a LoRA model's base, any ``requires_grad=False``)."""
         return [n for n, p in self.module.named_parameters() if not p.requires_grad]
 
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint without the frozen parameters: the model a run is built from
         holds them (a LoRA checkpoint is the adapters and their optimizer state), and DP rank 0's
         frozen expert shards would otherwise be loaded by every rank."""
-        return super().save_checkpoint(save_dir, tag, client_state, save_latest,
+        return super().save_checkpoint(save_dir, tag, {} if client_state is None else client_state, save_latest,
                                        exclude_frozen_parameters or bool(self.frozen_names()))
 
     def load_module_state_dict(self, checkpoint, strict=True, **kwargs):

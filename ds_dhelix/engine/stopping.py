@@ -91,7 +91,7 @@ class StopRequest:
         self._wakeup = None
 
     @classmethod
-    def install(cls, poll_s: float = 1.0) -> "StopRequest":
+    def install(cls, poll_s: float = 1.0) -> StopRequest:
         """Handle SIGTERM / SIGINT and watch the launcher (call from the main thread)."""
         stop = cls(poll_s)
         read, write = os.pipe()

@@ -12,8 +12,8 @@ Names are stable strings shared with plans, tables and traces.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .ops import OpKind, OpSpec
 

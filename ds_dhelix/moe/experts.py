@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..graph.shards import select
 from ..runtime.groups import ExpertGroups
 from .router import Route
-from ..graph.shards import select
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # (biases: gpt-oss)
 

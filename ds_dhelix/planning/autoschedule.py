@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from typing import Callable, Sequence
-
+from collections.abc import Callable, Sequence
 
 UNTIMED_CHOICE = "sequential"
 """What auto takes without a trial where there is nothing to hide (``nothing_to_hide``)."""

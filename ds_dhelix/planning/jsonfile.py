@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..graph.ops import OpKind, OpSpec
 
@@ -20,7 +20,7 @@ def ops_from_json(items) -> tuple[OpSpec, ...]:
     try:
         return tuple(OpSpec(str(it["name"]), OpKind(it["kind"])) for it in items)
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"bad op list entry ({err}); expected {{'name': str, 'kind': 'comp'|'comm'}}")
+        raise ValueError(f"bad op list entry ({err}); expected {{'name': str, 'kind': 'comp'|'comm'}}") from err
 
 
 def parse_range(value) -> tuple[int, int]:

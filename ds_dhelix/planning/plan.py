@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
 from ..graph.ops import OpKind, OpSpec, comm_runs
+from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
 
 PLAN_FORMAT = "dhelix.si_plan"
 PLAN_VERSION = 2
@@ -96,7 +96,7 @@ class SIPlan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SIPlan":
+    def from_dict(cls, data: dict) -> SIPlan:
         """Inverse of ``to_dict``; ValueError on a wrong format or round op names that disagree."""
         version = check_format(data, PLAN_FORMAT, (1, PLAN_VERSION), "plan")
         fwd_ops, bwd_ops = ops_from_json(data["fwd_ops"]), ops_from_json(data["bwd_ops"])
@@ -118,7 +118,7 @@ class SIPlan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "SIPlan":
+    def from_json(cls, text: str) -> SIPlan:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str) -> None:
@@ -126,7 +126,7 @@ class SIPlan:
         write_atomic(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str) -> "SIPlan":
+    def load(cls, path: str) -> SIPlan:
         with open(path, encoding="utf-8") as fh:
             return cls.from_json(fh.read())
 

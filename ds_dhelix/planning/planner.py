@@ -33,11 +33,11 @@ import dataclasses
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
 from ..graph.ops import OpSpec, comm_runs, op_specs
+from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
 from .plan import Round, SIPlan, default_plan, segment_has_comm
 
 Segment = tuple[int, int]  # half-open range of op indices
@@ -197,7 +197,7 @@ class OverlapTable:
                 "block_ops": self.block_ops, "comm_cpu_ms": self.comm_cpu_ms}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "OverlapTable":
+    def from_dict(cls, data: dict) -> OverlapTable:
         """Inverse of ``to_dict``; ValueError when op names disagree with the ranges."""
         check_format(data, TABLE_FORMAT, tuple(range(1, TABLE_VERSION + 1)), "overlap table")
         fwd_ops, bwd_ops = ops_from_json(data["fwd_ops"]), ops_from_json(data["bwd_ops"])
@@ -231,7 +231,7 @@ class OverlapTable:
         write_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
-    def load(cls, path: str) -> "OverlapTable":
+    def load(cls, path: str) -> OverlapTable:
         with open(path, encoding="utf-8") as fh:
             return cls.from_dict(json.load(fh))
 
@@ -487,7 +487,7 @@ def plan_exhaustive(table: OverlapTable, max_plans: int = EXHAUSTIVE_MAX_PLANS) 
     def steps_from(i: int, j: int):
         fwd = [seg for seg in fwd_cands if seg[0] == i]
         bwd = [seg for seg in bwd_cands if seg[0] == j]
-        yield from (((f, (j, j)) for f in fwd if f in table.fwd_alone_ms))
+        yield from ((f, (j, j)) for f in fwd if f in table.fwd_alone_ms)
         yield from (((i, i), b) for b in bwd if b in table.bwd_alone_ms)
         yield from ((f, b) for f in fwd for b in bwd if (f, b) in table.pair_ms)
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import statistics
 
-from ..planning.planner import EMPTY, OverlapTable
-from .hardware import presets
+from ..planning.planner import OverlapTable
 from .costs import OpTime, StepTimes, block_context, rank_params
+from .hardware import presets
 from .roofline import OpWork, op_work
 from .shapes import ModelOutline, ModelShape, RunLayout
 

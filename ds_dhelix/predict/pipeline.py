@@ -15,13 +15,13 @@ slowest stage's pace; rank 0 also holds the embedding and the head). Plain data.
 """
 from __future__ import annotations
 
+from ..graph.ops import backward_order
+from ..planning.plan import default_plan
 from ..schedule.folding import fold_layers
 from ..schedule.instructions import Forward, ForwardBackward
 from ..schedule.registry import PIPELINE, lookup, names
 from ..schedule.simulate import replay
 from .costs import StepTimes
-from ..graph.ops import backward_order
-from ..planning.plan import default_plan
 from .step import Lap, main_block, plan_pair, specs_of
 
 PEERS = {"ds-1f1b": None, "ds-dualpipev": "dualpipev"}

@@ -11,7 +11,7 @@ Plain data.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..schedule.registry import ALIASES, ONE_STAGE, PIPELINE, REGISTRY, lookup
 from .costs import StepTimes

@@ -88,7 +88,7 @@ class _Pair:
         self.queue: list[tuple[float, int, str]] = []  # deferred (ms, depth, op name), oldest first
         self.order: list[str] = []
 
-    def copy(self) -> "_Pair":
+    def copy(self) -> _Pair:
         c = object.__new__(_Pair)
         c.round, c.slowdown, c.t, c.waited = self.round.copy(_copy_flight), self.slowdown, self.t, self.waited
         c.queue, c.order = list(self.queue), list(self.order)

@@ -152,6 +152,6 @@ class RunLayout:
         """Tokens of one optimizer step over the whole world."""
         return self.micro_batches * self.micro_batch_size * self.seq_len * self.dims.dp
 
-    def with_micro_batch(self, size: int) -> "RunLayout":
+    def with_micro_batch(self, size: int) -> RunLayout:
         """The same run with ``size`` sequences per micro-batch (intra's halves)."""
         return RunLayout(self.dims, self.seq_len, size, self.micro_batches, self.dtype, self.zero_stage)

@@ -23,7 +23,7 @@ from ..planning.plan import SIPlan, default_plan, segment_has_comm
 from ..planning.planner import EMPTY, OverlapTable, candidate_segments, plan_dp, predict_ms
 from ..schedule import instructions as S
 from ..schedule.registry import ONE_STAGE, ScheduleSpec, names
-from .costs import OpTime, StepTimes
+from .costs import StepTimes
 from .retime import ChainOp, PairRetime, RoundRules, reactive_rules, retime_pair
 
 MODES = names(ONE_STAGE, built=True)
@@ -36,10 +36,10 @@ class Lap:
     ms: float
     wait_ms: float
 
-    def __add__(self, other: "Lap") -> "Lap":
+    def __add__(self, other: Lap) -> Lap:
         return Lap(self.ms + other.ms, self.wait_ms + other.wait_ms)
 
-    def __mul__(self, k: float) -> "Lap":
+    def __mul__(self, k: float) -> Lap:
         return Lap(self.ms * k, self.wait_ms * k)
 
 

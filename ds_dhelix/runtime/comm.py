@@ -30,12 +30,11 @@ import contextlib
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
-
 
 # torch >= 2.13 renames the single-tensor collectives; older releases only have the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -119,7 +118,7 @@ class DeviceEvents:
     resumed: object = None
 
     @classmethod
-    def start(cls) -> "DeviceEvents":
+    def start(cls) -> DeviceEvents:
         launched = torch.cuda.Event(enable_timing=True)
         launched.record()
         return cls(launched)
@@ -185,7 +184,7 @@ class StrandGroups:
     backward: object
 
     @classmethod
-    def of(cls, group) -> "StrandGroups":
+    def of(cls, group) -> StrandGroups:
         return group if isinstance(group, StrandGroups) else cls(group, group)
 
     @property

@@ -30,15 +30,15 @@ import time
 
 import torch
 
-from .comm import CollectiveError, Pending, is_comm_failure
-from .interpreter import run_microbatches
-from .deferral import NO_WEIGHTS, DeferredGrads, OpWeights, op_weights
-from .stats import StepStats
-from .tasks import MicroBatch, Task
 from ..graph.model_graph import ModelGraph, Op
 from ..graph.recompute import Kept, RecomputePolicy, keep
 from ..planning.plan import SIPlan
 from ..schedule import policy as P
+from .comm import CollectiveError, Pending, is_comm_failure
+from .deferral import NO_WEIGHTS, DeferredGrads, OpWeights, op_weights
+from .interpreter import run_microbatches
+from .stats import StepStats
+from .tasks import MicroBatch, Task
 
 
 def _accumulate(grads: dict, key: str, g: torch.Tensor) -> None:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .comm import StrandGroups
 from ..config.dims import ParallelDims
+from .comm import StrandGroups
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class ProcessGroups:
     sequence_group: object = None    # TP x CP: the ranks of one sequence (MoE aux loss; cp > 1)
 
     @classmethod
-    def create(cls, dims: ParallelDims) -> "ProcessGroups":
+    def create(cls, dims: ParallelDims) -> ProcessGroups:
         """Build the groups on an initialized default process group (collective on all ranks:
         every rank creates every group, in the same order)."""
         if dist.get_world_size() != dims.world:

@@ -19,13 +19,13 @@ executor is passed in.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from .tasks import MicroBatch
 from ..schedule import instructions as S
 from ..schedule.registry import ONE_STAGE, ScheduleSpec, lookup
+from .tasks import MicroBatch
 
 
 def half_serial(serial: int, half: int) -> int:

@@ -23,7 +23,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 LINK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
 
@@ -53,7 +54,7 @@ def _shaping_script(gbps: float, burst_kb: int, latency_ms: float) -> str:
             f"export {exports} && exec \"$@\"")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def link_emulation_available() -> tuple[bool, str]:
     """Whether shaped namespaces work here: ``(True, how)`` or ``(False, why not)``.
 

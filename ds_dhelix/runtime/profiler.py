@@ -34,10 +34,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from .executor import Executor, MicroBatch
 from ..graph.ops import backward_order
-from ..planning.planner import EMPTY, OverlapTable, candidate_segments, plan_dp
 from ..planning.plan import segment_has_comm
+from ..planning.planner import EMPTY, OverlapTable, candidate_segments, plan_dp
+from .executor import Executor, MicroBatch
 
 
 def device_name() -> str:

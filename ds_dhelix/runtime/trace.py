@@ -15,7 +15,8 @@ import contextlib
 import json
 import os
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 # Lanes with a fixed thread id, so every rank draws them in the same order; others follow.
 STANDARD_LANES = ("compute", "comm:tp", "comm:sp", "comm:ep", "comm:cp", "comm:pp", "comm:dp")
@@ -68,7 +69,7 @@ class TraceRecorder:
             if lane in STANDARD_LANES:
                 tid = STANDARD_LANES.index(lane) + 1
             else:
-                tid = len(STANDARD_LANES) + 1 + sum(l not in STANDARD_LANES for l in self._lanes)
+                tid = len(STANDARD_LANES) + 1 + sum(name not in STANDARD_LANES for name in self._lanes)
             self._lanes[lane] = tid
         return tid
 

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 EXIT_CODE = 3
 STACK_FRAMES = 12
@@ -73,7 +73,7 @@ class Watchdog:
         self.beat(**where)
         self.paused = False
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         """Arm the watchdog; the timeout counts from now."""
         if self._thread is not None:
             return self
@@ -92,7 +92,7 @@ class Watchdog:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         return self.start()
 
     def __exit__(self, *exc) -> None:

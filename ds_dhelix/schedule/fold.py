@@ -41,15 +41,30 @@ Plain data: no torch, no deepspeed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from .folding import next_chunk_owner, prev_chunk_owner
 from .instructions import (
-    ACTIVATION, GRAD, Backward, Forward, ForwardBackward, Instruction, LoadMicroBatch, OptimizerStep,
-    RecvActivation, RecvGrad, ReduceGrads, Schedule, SendActivation, SendGrad, WaitRecv, WaitSends, compute_parts)
-from .instructions import ONE, Minimum
-
+    ACTIVATION,
+    GRAD,
+    ONE,
+    Backward,
+    Forward,
+    ForwardBackward,
+    Instruction,
+    LoadMicroBatch,
+    Minimum,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    Schedule,
+    SendActivation,
+    SendGrad,
+    WaitRecv,
+    WaitSends,
+    compute_parts,
+)
 
 # ---- minimum micro-batch counts ------------------------------------------------------------------
 

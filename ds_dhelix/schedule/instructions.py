@@ -16,8 +16,8 @@ Plain data: no torch, no deepspeed.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 ACTIVATION = "activation"
 GRAD = "grad"

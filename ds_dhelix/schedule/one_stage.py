@@ -18,8 +18,18 @@ Plain data: no torch, no deepspeed.
 from __future__ import annotations
 
 from .instructions import (
-    Backward, BackwardBackward, FixActivationBudget, Forward, ForwardBackward, ForwardForward, Instruction,
-    LoadMicroBatch, OptimizerStep, ReduceGrads, Schedule)
+    Backward,
+    BackwardBackward,
+    FixActivationBudget,
+    Forward,
+    ForwardBackward,
+    ForwardForward,
+    Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
+    ReduceGrads,
+    Schedule,
+)
 
 
 def _check(name: str, num_stages: int, m: int, need: int = 1) -> None:

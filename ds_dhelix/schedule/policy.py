@@ -31,8 +31,9 @@ so launch order is a pure function of the op lists. Plain data: no torch.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 FINISH, LAUNCH, DRAIN, COMPUTE, FILL, WAIT, WAIT_FIRST, DONE = \
     "finish", "launch", "drain", "compute", "fill", "wait", "wait_first", "done"
@@ -135,7 +136,7 @@ class Round:
         self.order.remove(s)
         return done
 
-    def copy(self, copy_handle: Callable[[Any], Any]) -> "Round":
+    def copy(self, copy_handle: Callable[[Any], Any]) -> Round:
         """A copy whose positions and flights change independently (the beam search's states)."""
         c = object.__new__(Round)
         c.__dict__.update(self.__dict__)

@@ -12,8 +12,8 @@ Plain data: no torch, no deepspeed.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from . import fold, one_stage
 from .instructions import ONE, Minimum, Schedule

@@ -65,9 +65,28 @@ from fractions import Fraction
 
 from .folding import chunk_index, next_chunk_owner, prev_chunk_owner
 from .instructions import (
-    ACTIVATION, GRAD, WHOLE, Backward, BackwardBackward, FixActivationBudget, Forward, ForwardBackward,
-    ForwardForward, Instruction, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, Schedule,
-    SendActivation, SendGrad, WaitRecv, WaitSends, compute_parts)
+    ACTIVATION,
+    GRAD,
+    WHOLE,
+    Backward,
+    BackwardBackward,
+    FixActivationBudget,
+    Forward,
+    ForwardBackward,
+    ForwardForward,
+    Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    Schedule,
+    SendActivation,
+    SendGrad,
+    WaitRecv,
+    WaitSends,
+    compute_parts,
+)
 
 
 @dataclass(frozen=True)

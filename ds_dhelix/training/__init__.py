@@ -18,8 +18,16 @@ The evaluation's core, which ``DhelixTrainer.evaluate`` reports too, is
     teardown(engine)
 """
 from .evaluation import eval_microbatches, evaluate
-from .loop import (LOSS_AVERAGES, LoopOptions, TrainLog, loss_average, save_checkpoint, teardown, train_loop,
-                   weighed_by_targets)
+from .loop import (
+                   LOSS_AVERAGES,
+                   LoopOptions,
+                   TrainLog,
+                   loss_average,
+                   save_checkpoint,
+                   teardown,
+                   train_loop,
+                   weighed_by_targets,
+)
 from .plain import plain_step
 from .resume import adapter_state, resume_engine, resume_point, run_state
 from .summary import flush_tensorboard, memory_marks, probe_loss, summarize

@@ -17,8 +17,14 @@ from .legs import first_step, result_note, train_hf, train_schedule
 from .options import DTYPES, ParityOptions, build, trained_stochastic, with_lora
 from .parity import run_parities, run_parity
 from .pipeline import pipe_label, run_pipe_parity, train_pipeline
-from .tolerances import (CAPACITY_NOTE, HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, INTRA_LOSS_TOLERANCE_LOW_PRECISION,
-                         KERNELS_GRAD_TOLERANCE, PP_TOLERANCE)
+from .tolerances import (
+                         CAPACITY_NOTE,
+                         HF_GRAD_TOLERANCE,
+                         HF_LOSS_TOLERANCE,
+                         INTRA_LOSS_TOLERANCE_LOW_PRECISION,
+                         KERNELS_GRAD_TOLERANCE,
+                         PP_TOLERANCE,
+)
 
 __all__ = ["CAPACITY_NOTE", "DTYPES", "EOS_ID", "HF_GRAD_TOLERANCE", "HF_LOSS_TOLERANCE",
            "INTRA_LOSS_TOLERANCE_LOW_PRECISION", "KERNELS_GRAD_TOLERANCE", "PP_TOLERANCE", "ParityOptions", "build",

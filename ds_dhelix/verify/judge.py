@@ -9,6 +9,7 @@ import torch
 from .options import ParityOptions, trained_stochastic
 from .tolerances import HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, INTRA_LOSS_TOLERANCE_LOW_PRECISION, KERNELS_GRAD_TOLERANCE
 
+
 def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 

@@ -8,6 +8,7 @@ import torch
 from .options import ParityOptions, build, my_share
 from .tolerances import CAPACITY_NOTE
 
+
 def train_leg(opts: ParityOptions, schedule: str, batches, gather) -> dict:
     """Build the engine for ``schedule`` and train on this rank's share of every step; ``gather``
     (engine -> full parameters or None) runs before the engine is destroyed."""
@@ -35,11 +36,12 @@ def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> di
     its full gradients and its loss (mean over the micro-batches, TP and CP shares summed, DP averaged)."""
     import torch.distributed as dist
 
+    from hf_models.adapters import unwrap_peft
+
     from ..engine.build import check_setup, shard_model
     from ..engine.checkpoint import full_grads
     from ..runtime.executor import Executor
     from ..runtime.groups import ProcessGroups
-    from hf_models.adapters import unwrap_peft
     model, _ = unwrap_peft(build(opts, stochastic=False))
     setup = check_setup(opts.ds_config("sequential"), model.config, dist.get_world_size())
     groups = ProcessGroups.create(setup.dims)
@@ -57,9 +59,10 @@ def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> di
 def train_hf(opts: ParityOptions, batches) -> dict:
     """The unsharded HF model, one process, same data and optimizer, every stochastic setting off
     (``build(stochastic=False)``); also its first-step gradients."""
-    from ..data import hf_model_inputs
     from hf_models.common import hf_mask_windows
     from hf_models.lora import our_name
+
+    from ..data import hf_model_inputs
     model = build(opts, stochastic=False)
     windows = hf_mask_windows(model.config)
     model.train()
@@ -83,8 +86,8 @@ def train_hf(opts: ParityOptions, batches) -> dict:
 
 def hf_cannot_take_the_mask(opts: ParityOptions) -> bool:
     """Packed documents on an MoE model: HF's load-balancing loss cannot take a 4-D mask."""
-    from hf_models.registry import load_config
     from hf_models.adapters import is_moe
+    from hf_models.registry import load_config
     return opts.packing == "docs" and is_moe(load_config(opts.model))
 
 

@@ -23,6 +23,7 @@ from .legs import first_step, hf_cannot_take_the_mask, result_note, train_hf, tr
 from .options import ParityOptions, halved, intra_has_halves_reference, moe_kernels, with_moe_kernels
 from .pipeline import run_pipe_parity
 
+
 def _rank_main(rank, world, opts: ParityOptions):
     from hf_models.registry import load_config
     note = result_note(opts)

@@ -7,6 +7,7 @@ from .legs import first_step, result_note, train_hf, train_leg, train_schedule
 from .options import ParityOptions
 from .tolerances import PP_TOLERANCE
 
+
 def train_pipeline(opts: ParityOptions, schedule: str, batches) -> dict | None:
     """On every rank of a PP x DP x TP world: train; global rank 0 returns losses and full params."""
     from ..engine.pipe_module import gather_hf_state_dict
