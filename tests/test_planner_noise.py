@@ -1,6 +1,7 @@
 """A planner that noise cannot fool: entries carry their spread, the DP prices an upper bound of
 each median, and profiling re-measures noisy entries and the plan's own until the plan stays.
 Pure (no processes): a fake probe stands in for the timed layer."""
+
 import math
 import random
 

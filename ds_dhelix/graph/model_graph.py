@@ -10,6 +10,7 @@ in the loss. Ops read and write named tensors of one micro-batch's environment (
 ``side`` holds the micro-batch's non-differentiable inputs (token ids, targets, rotary cos/sin).
 Names are stable strings shared with plans, tables and traces.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -8,10 +8,18 @@ about expert parameters is ``ds_dhelix.engine.moe_engine``.
 
 Model adapters (``hf_models/phimoe.py``) build these ops from HF modules.
 """
+
 from ..runtime.groups import ExpertGroups
 from .dispatch import ExpertAllToAll
 from .experts import check_ep, gather_expert_param, is_expert_param, valid_ep_sizes
 from .router import Route
 
-__all__ = ["ExpertAllToAll", "ExpertGroups", "Route", "check_ep", "gather_expert_param", "is_expert_param",
-           "valid_ep_sizes"]
+__all__ = [
+    "ExpertAllToAll",
+    "ExpertGroups",
+    "Route",
+    "check_ep",
+    "gather_expert_param",
+    "is_expert_param",
+    "valid_ep_sizes",
+]

@@ -14,6 +14,7 @@ meeting in a blocking exchange. Every rank runs the same ops in the same order, 
 issues the same collectives in the same order whatever the routing. Capacity mode has fixed, even
 splits: no exchange.
 """
+
 from __future__ import annotations
 
 import time
@@ -48,6 +49,7 @@ class CountExchange:
     copies it sends to / receives from each EP rank; backward passes the gradient through."""
 
     lane = "comm:ep"  # trace lane
+
     def __init__(self, layer: int, groups: ExpertGroups, metrics=None):
         self.layer, self.groups, self.metrics = layer, groups, metrics
 
@@ -87,8 +89,9 @@ def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> Pending:
     x = x.contiguous()
     rows = x.shape[0] if out_splits is None else sum(out_splits)
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                  group=group, async_op=True)
+    work = dist.all_to_all_single(
+        out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group, async_op=True
+    )
     return TimedPending(work, out)
 
 
@@ -96,6 +99,7 @@ class ExpertAllToAll:
     """COMM op body for layer ``layer``: ``to_experts=True`` is ``moe.dispatch``, False ``moe.combine``."""
 
     lane = "comm:ep"  # trace lane
+
     def __init__(self, layer: int, groups: ExpertGroups, to_experts: bool, metrics=None):
         self.layer, self.groups, self.to_experts, self.metrics = layer, groups, to_experts, metrics
 
@@ -117,13 +121,16 @@ class ExpertAllToAll:
     def forward(self, x, side, channel: int = 0) -> Pending:
         route = side["moe"][self.layer]
         if not route.padded and route.recv_splits is None:
-            raise RuntimeError(f"moe.dispatch of layer {self.layer}: no split sizes; a dropless graph "
-                               f"needs its moe.counts op before the dispatch")
+            raise RuntimeError(
+                f"moe.dispatch of layer {self.layer}: no split sizes; a dropless graph "
+                f"needs its moe.counts op before the dispatch"
+            )
         return self._record(self._send(x, route, self.to_experts, self.groups.group.channel(channel)))
 
     def backward(self, grad, side, channel: int = 1) -> Pending:
-        return self._record(self._send(grad, side["moe"][self.layer], not self.to_experts,
-                                       self.groups.group.channel(channel)))
+        return self._record(
+            self._send(grad, side["moe"][self.layer], not self.to_experts, self.groups.group.channel(channel))
+        )
 
     def _record(self, pending: TimedPending) -> TimedPending:
         if self.metrics is not None:

@@ -12,6 +12,7 @@ one contiguous run: that is the all-to-all send buffer.
 The ``Route`` lives in the micro-batch's ``side`` between the router, dispatch, experts, combine
 and add ops, and between forward and backward.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,21 +25,21 @@ import torch
 class Route:
     """One layer's routing of one micro-batch on this rank."""
 
-    num_tokens: int              # N tokens routed on this rank
-    top_k: int                   # copies per token
-    counts: torch.Tensor         # [E] copies sent to each global expert (before capacity)
-    copy_row: torch.Tensor       # [N*k] row of the send buffer holding each copy (dropped: ``rows``)
-    rows: int                    # rows of the send buffer: N*k (dropless) or E*C (capacity)
-    token_of: torch.Tensor       # token of each buffer row (dropless) / of each kept copy (capacity)
+    num_tokens: int  # N tokens routed on this rank
+    top_k: int  # copies per token
+    counts: torch.Tensor  # [E] copies sent to each global expert (before capacity)
+    copy_row: torch.Tensor  # [N*k] row of the send buffer holding each copy (dropped: ``rows``)
+    rows: int  # rows of the send buffer: N*k (dropless) or E*C (capacity)
+    token_of: torch.Tensor  # token of each buffer row (dropless) / of each kept copy (capacity)
     kept_rows: torch.Tensor | None = None  # capacity mode: the buffer row of each kept copy
     capacity: int | None = None  # slots per expert (capacity mode) or None (dropless)
-    dropped: int = 0             # copies dropped by capacity
+    dropped: int = 0  # copies dropped by capacity
     # filled by the dispatch launch (dropless, ep > 1) or by ``local_counts`` (ep == 1)
     recv_counts: torch.Tensor | None = None  # [ep, E/ep] copies this rank's experts get from each source
     send_splits: list[int] | None = None
     recv_splits: list[int] | None = None
     expert_index: torch.Tensor | None = None  # received rows -> expert-major order
-    expert_sizes: list[int] | None = None     # received rows per local expert
+    expert_sizes: list[int] | None = None  # received rows per local expert
 
     @property
     def padded(self) -> bool:
@@ -50,8 +51,9 @@ def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor:
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
-def route_tokens(x: torch.Tensor, selected: torch.Tensor, num_experts: int,
-                 capacity_factor: float | None = None, kernels=None) -> tuple[torch.Tensor, Route]:
+def route_tokens(
+    x: torch.Tensor, selected: torch.Tensor, num_experts: int, capacity_factor: float | None = None, kernels=None
+) -> tuple[torch.Tensor, Route]:
     """Token rows ``x [N, h]`` and expert ids ``selected [N, k]`` -> (send buffer, ``Route``).
 
     The send buffer holds the copies grouped by expert in ascending id order (stable: earlier tokens
@@ -87,8 +89,17 @@ def plan_route(selected: torch.Tensor, num_experts: int, capacity_factor: float 
     slot = sorted_sel * cap + pos
     copy_row = torch.full_like(order, num_experts * cap)  # dropped copies read a zero pad row
     copy_row[order[keep]] = slot[keep]
-    return Route(n_tok, k, counts, copy_row, rows=num_experts * cap, token_of=token_of[keep], kept_rows=slot[keep],
-                 capacity=cap, dropped=int((~keep).sum()))
+    return Route(
+        n_tok,
+        k,
+        counts,
+        copy_row,
+        rows=num_experts * cap,
+        token_of=token_of[keep],
+        kept_rows=slot[keep],
+        capacity=cap,
+        dropped=int((~keep).sum()),
+    )
 
 
 def combine_copies(ys: torch.Tensor, weights: torch.Tensor, route: Route) -> torch.Tensor:
@@ -142,9 +153,15 @@ def load_balancing_loss(pieces, num_tokens: int, num_experts: int, reduce=None, 
 
 
 # ---------------------------------------------------------------------------- router functions
-def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None, n_group: int = 1,
-                         topk_group: int = 1, norm_topk_prob: bool = True,
-                         scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_sigmoid_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM-4.5 routing of router ``logits [N, E]`` (fp32): ``(weights [N, k], experts [N, k])``.
 
     Scores are ``sigmoid(logits)``. The choice reads ``scores + bias`` (``e_score_correction_bias``,

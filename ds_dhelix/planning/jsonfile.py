@@ -3,6 +3,7 @@ index ranges, format/version headers, atomic writes.
 
 Plain data: no torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,7 @@ def check_format(data: dict, fmt: str, versions: Sequence[int], what: str) -> in
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"not a {what} file: format is {got!r}, expected {fmt!r}")
     if data.get("version") not in versions:
-        raise ValueError(f"{what} version {data.get('version')!r} is not supported (expected one of "
-                         f"{list(versions)})")
+        raise ValueError(f"{what} version {data.get('version')!r} is not supported (expected one of {list(versions)})")
     return data["version"]
 
 

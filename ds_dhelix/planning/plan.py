@@ -17,6 +17,7 @@ and ``default_plan`` build the two fixed plans used without a profiled table.
 
 Plain data: no torch.distributed, no deepspeed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,7 +43,7 @@ class Round:
 
 def segment_has_comm(ops: Sequence[OpSpec], seg: tuple[int, int]) -> bool:
     """True when any op of ``ops[seg[0]:seg[1]]`` is a COMM op."""
-    return any(op.is_comm for op in ops[seg[0]:seg[1]])
+    return any(op.is_comm for op in ops[seg[0] : seg[1]])
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,15 @@ class SIPlan:
                 raise ValueError(f"plan round {k} is empty")
             f, b = r.fwd[1], r.bwd[1]
         if f != len(self.fwd_ops) or b != len(self.bwd_ops):
-            raise ValueError(
-                f"plan covers {f}/{len(self.fwd_ops)} forward and {b}/{len(self.bwd_ops)} backward ops")
+            raise ValueError(f"plan covers {f}/{len(self.fwd_ops)} forward and {b}/{len(self.bwd_ops)} backward ops")
 
     def comm_conflicts(self) -> list[int]:
         """Indices of the rounds that communicate on both strands at once (planners avoid these)."""
-        return [k for k, r in enumerate(self.rounds)
-                if segment_has_comm(self.fwd_ops, r.fwd) and segment_has_comm(self.bwd_ops, r.bwd)]
+        return [
+            k
+            for k, r in enumerate(self.rounds)
+            if segment_has_comm(self.fwd_ops, r.fwd) and segment_has_comm(self.bwd_ops, r.bwd)
+        ]
 
     # ---- JSON -----------------------------------------------------------------------------
 
@@ -86,10 +89,15 @@ class SIPlan:
             "version": PLAN_VERSION,
             "fwd_ops": ops_to_json(self.fwd_ops),
             "bwd_ops": ops_to_json(self.bwd_ops),
-            "rounds": [{"fwd": list(r.fwd), "bwd": list(r.bwd),
-                        "fwd_ops": [op.name for op in self.fwd_ops[r.fwd[0]:r.fwd[1]]],
-                        "bwd_ops": [op.name for op in self.bwd_ops[r.bwd[0]:r.bwd[1]]]}
-                       for r in self.rounds],
+            "rounds": [
+                {
+                    "fwd": list(r.fwd),
+                    "bwd": list(r.bwd),
+                    "fwd_ops": [op.name for op in self.fwd_ops[r.fwd[0] : r.fwd[1]]],
+                    "bwd_ops": [op.name for op in self.bwd_ops[r.bwd[0] : r.bwd[1]]],
+                }
+                for r in self.rounds
+            ],
             "predicted_ms": self.predicted_ms,
             "source": self.source,
             "meta": self.meta,
@@ -104,15 +112,21 @@ class SIPlan:
         for k, item in enumerate(data["rounds" if version >= 2 else "steps"]):
             r = Round(fwd=parse_range(item["fwd"]), bwd=parse_range(item["bwd"]))
             for key, ops, seg in (("fwd_ops", fwd_ops, r.fwd), ("bwd_ops", bwd_ops, r.bwd)):
-                names = [op.name for op in ops[seg[0]:seg[1]]]
+                names = [op.name for op in ops[seg[0] : seg[1]]]
                 if key in item and list(item[key]) != names:
-                    raise ValueError(f"plan round {k}: {key} {item[key]} disagree with range {list(seg)}"
-                                     f" which holds {names}")
+                    raise ValueError(
+                        f"plan round {k}: {key} {item[key]} disagree with range {list(seg)} which holds {names}"
+                    )
             rounds.append(r)
         predicted = data.get("predicted_ms")
-        return cls(fwd_ops, bwd_ops, tuple(rounds),
-                   predicted_ms=None if predicted is None else float(predicted),
-                   source=data.get("source", "default"), meta=dict(data.get("meta") or {}))
+        return cls(
+            fwd_ops,
+            bwd_ops,
+            tuple(rounds),
+            predicted_ms=None if predicted is None else float(predicted),
+            source=data.get("source", "default"),
+            meta=dict(data.get("meta") or {}),
+        )
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -136,8 +150,11 @@ class SIPlan:
         ``predicted_ms``, ``source`` and ``meta`` are annotations and do not change it, so two ranks
         that must issue the same collectives in the same order compare exactly what matters.
         """
-        content = {"fwd_ops": ops_to_json(self.fwd_ops), "bwd_ops": ops_to_json(self.bwd_ops),
-                   "rounds": [[*r.fwd, *r.bwd] for r in self.rounds]}
+        content = {
+            "fwd_ops": ops_to_json(self.fwd_ops),
+            "bwd_ops": ops_to_json(self.bwd_ops),
+            "rounds": [[*r.fwd, *r.bwd] for r in self.rounds],
+        }
         blob = json.dumps(content, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -156,14 +173,16 @@ class SIPlan:
             lanes = {OpKind.COMP: [], OpKind.COMM: []}
             for tag, ops, seg in (("F", self.fwd_ops, r.fwd), ("B", self.bwd_ops, r.bwd)):
                 for kind in lanes:
-                    names = [op.name for op in ops[seg[0]:seg[1]] if op.kind is kind]
+                    names = [op.name for op in ops[seg[0] : seg[1]] if op.kind is kind]
                     if names:
                         lanes[kind].append(f"{tag} " + " ".join(names))
             rows.append((" | ".join(lanes[OpKind.COMP]) or ".", " | ".join(lanes[OpKind.COMM]) or "."))
         width = max([len("compute lane")] + [len(r[0]) for r in rows])
         ms_head = "        ms" if round_ms is not None else ""
-        head = (f"SIPlan source={self.source} rounds={len(self.rounds)} "
-                f"predicted_ms={_fmt_ms(self.predicted_ms)} fingerprint={self.fingerprint()[:12]}")
+        head = (
+            f"SIPlan source={self.source} rounds={len(self.rounds)} "
+            f"predicted_ms={_fmt_ms(self.predicted_ms)} fingerprint={self.fingerprint()[:12]}"
+        )
         lines = [head, f"round{ms_head}  {'compute lane':<{width}}  communication lane"]
         for k, (comp, comm) in enumerate(rows):
             ms = f"  {round_ms[k]:8.3f}" if round_ms is not None else ""

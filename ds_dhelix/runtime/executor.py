@@ -23,6 +23,7 @@ Per-strand data dependencies and the per-op math are untouched: results are bitw
 ``sequential`` (a weight gradient is the same matmul whether or not it is deferred; a deferred one
 always runs before any later op adds to the same weight).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,9 +75,18 @@ class Executor:
     # alone keeps that true for layers of one size, not for a large layer beside small ones
     ACTIVATION_SLACK = 0.02
 
-    def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, *, meter=None, recorder=None,
-                 watchdog=None, defer_weight_grads: bool | None = None, reactive: bool | None = None,
-                 recompute: str = "none"):
+    def __init__(
+        self,
+        graph: ModelGraph,
+        plan: SIPlan | None = None,
+        *,
+        meter=None,
+        recorder=None,
+        watchdog=None,
+        defer_weight_grads: bool | None = None,
+        reactive: bool | None = None,
+        recompute: str = "none",
+    ):
         self.graph, self.plan, self.meter = graph, plan, meter
         self._pair_plans: dict = {}  # (forward kind, backward kind) -> default plan (mixed layer kinds)
         self.recompute = RecomputePolicy(recompute, graph)
@@ -228,8 +238,9 @@ class Executor:
 
     def _forward_only(self, t: Task) -> bool:
         """Run ``t`` without autograd: evaluation, or a recomputing layer's / op's first forward."""
-        return not self._grad or (not t.recompute and (self.recompute.full(t.block)
-                                                       or self.recompute.selective(t.block, t.op)))
+        return not self._grad or (
+            not t.recompute and (self.recompute.full(t.block) or self.recompute.selective(t.block, t.op))
+        )
 
     def _comp_forward(self, t: Task) -> None:
         op, mb = t.op, t.mb
@@ -334,8 +345,9 @@ class Executor:
                 raise
             groups = getattr(t.op.comm, "groups", None)
             group = groups.channel(t.channel) if hasattr(groups, "channel") else None
-            raise CollectiveError(f"{t.op.name} ({t.strand} strand, micro-batch {t.mb.index}, block {t.block})",
-                                  err, group) from err
+            raise CollectiveError(
+                f"{t.op.name} ({t.strand} strand, micro-batch {t.mb.index}, block {t.block})", err, group
+            ) from err
 
     def finish_comm(self, t: Task, pending: Pending) -> None:
         with self._collective(t):
@@ -344,8 +356,9 @@ class Executor:
         if pending.device_events is not None:
             self._device_events.append(pending.device_events)
         self.stats.exposed_s += pending.waited_s
-        self.stats.comm_s += done - pending.launched_at if pending.done_at is None \
-            else pending.done_at - pending.launched_at
+        self.stats.comm_s += (
+            done - pending.launched_at if pending.done_at is None else pending.done_at - pending.launched_at
+        )
         if self.recorder is not None:
             end = pending.done_at or done
             group = "B" if t.channel else "F"  # lane of the strand group: one comm in flight each
@@ -375,14 +388,19 @@ class Executor:
                 item[1].done_at = now
 
     # ------------------------------------------------------------------ one round
-    def run_round(self, b_tasks: list[Task], f_tasks: list[Task], gated: bool = False,
-                  trail: bool = False) -> None:
+    def run_round(self, b_tasks: list[Task], f_tasks: list[Task], gated: bool = False, trail: bool = False) -> None:
         """Run two strands' task lists together (either may be empty) by the round policy; barrier
         at the end. ``gated``: the forward strand stays within the backward strand's block depth;
         ``trail``: two backward strands, the second trailing the first."""
         rules = P.RoundRules(gated, trail, self.reacts_to_completions, self.reactive, self.MAX_DEFERRED)
-        rnd = P.Round(b_tasks, f_tasks, rules, comm=_is_comm, depth=_depth,
-                      weights=(lambda t: self.weights_of(t).ids) if trail else None)
+        rnd = P.Round(
+            b_tasks,
+            f_tasks,
+            rules,
+            comm=_is_comm,
+            depth=_depth,
+            weights=(lambda t: self.weights_of(t).ids) if trail else None,
+        )
         while True:
             d = rnd.decide(self)
             kind = d.kind
@@ -408,8 +426,16 @@ class Executor:
                 return
 
     # ------------------------------------------------------------------ blocks
-    def tasks(self, mb: MicroBatch, block: int, backward: bool, lo: int = 0, hi: int | None = None,
-              depth: int = 0, swapped: bool = False):
+    def tasks(
+        self,
+        mb: MicroBatch,
+        block: int,
+        backward: bool,
+        lo: int = 0,
+        hi: int | None = None,
+        depth: int = 0,
+        swapped: bool = False,
+    ):
         ops = self.graph.blocks[block]
         hi = len(ops) if hi is None else hi
         if not backward:
@@ -418,8 +444,11 @@ class Executor:
         # its forward again (in the round that runs its first backward op; a plan's earlier rounds
         # may give the backward an empty range)
         n = len(ops)
-        again = [Task(mb, block, i, ops[i], False, depth, swapped, recompute=True) for i in range(n)] \
-            if lo == 0 < hi and self._grad and self.recompute.full(block) else []
+        again = (
+            [Task(mb, block, i, ops[i], False, depth, swapped, recompute=True) for i in range(n)]
+            if lo == 0 < hi and self._grad and self.recompute.full(block)
+            else []
+        )
         return again + [Task(mb, block, n - 1 - j, ops[n - 1 - j], True, depth, swapped) for j in range(lo, hi)]
 
     def all_blocks(self) -> list[int]:
@@ -427,7 +456,7 @@ class Executor:
 
     def forward(self, mb: MicroBatch, blocks=None) -> None:
         """Forward of ``blocks`` (default: all) for one micro-batch, alone."""
-        for block in (self.all_blocks() if blocks is None else blocks):
+        for block in self.all_blocks() if blocks is None else blocks:
             self.run_round([], self.tasks(mb, block, False))
         mb.loss = mb.env.get("loss")
 
@@ -436,7 +465,7 @@ class Executor:
         ``seed``: the loss gradient (1/accumulation steps) when the loss block is included."""
         if seed is not None:
             self.start_backward(mb, seed)
-        for block in (reversed(self.all_blocks()) if blocks is None else blocks):
+        for block in reversed(self.all_blocks()) if blocks is None else blocks:
             self.run_round(self.tasks(mb, block, True), [])
         self.drain_deferred()
 
@@ -444,8 +473,9 @@ class Executor:
         mb.loss = mb.env["loss"]
         mb.grads["loss"] = torch.full_like(mb.loss, seed)
 
-    def run_microbatches(self, batches: list[dict], schedule: str, seed: float,
-                         first_serial: int = 0) -> list[MicroBatch]:
+    def run_microbatches(
+        self, batches: list[dict], schedule: str, seed: float, first_serial: int = 0
+    ) -> list[MicroBatch]:
         """Forward and backward of every micro-batch under the one-stage ``schedule`` (sequential,
         si, si-ends, intra, ...; ``interpreter.run_microbatches``); the optimizer is the caller's."""
         return run_microbatches(self, batches, schedule, seed, first_serial)
@@ -464,9 +494,19 @@ class Executor:
             self.stats.exposed_s += t1 - t0
             self.stats.num_comms += 1
             if self.recorder is not None:
-                self.recorder.add_span("comm:tp:grads", "replicated.allreduce", t0, t1,
-                                       {"strand": "B", "microbatch": after_microbatch, "bytes": nbytes,
-                                        "op": "replicated.allreduce", "direction": "backward"})
+                self.recorder.add_span(
+                    "comm:tp:grads",
+                    "replicated.allreduce",
+                    t0,
+                    t1,
+                    {
+                        "strand": "B",
+                        "microbatch": after_microbatch,
+                        "bytes": nbytes,
+                        "op": "replicated.allreduce",
+                        "direction": "backward",
+                    },
+                )
 
     def _label(self, name: str):
         """The recorder's ``torch.profiler`` range for an op (no-op without a recorder)."""
@@ -478,8 +518,13 @@ class Executor:
 
     @staticmethod
     def _args(t: Task) -> dict:
-        args = {"strand": t.strand, "microbatch": t.mb.index, "block": t.block, "op": t.op.name,
-                "direction": "backward" if t.backward or t.recompute else "forward"}
+        args = {
+            "strand": t.strand,
+            "microbatch": t.mb.index,
+            "block": t.block,
+            "op": t.op.name,
+            "direction": "backward" if t.backward or t.recompute else "forward",
+        }
         if t.recompute:
             args["recompute"] = True
         return args

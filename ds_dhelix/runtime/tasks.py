@@ -1,5 +1,6 @@
 """What the executor runs: ``MicroBatch`` (one micro-batch in flight) and ``Task`` (one op of it
 in one direction, as a strand's list holds it)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -16,6 +16,7 @@ training loop, normally the main thread), then ends the process with
 ``time.monotonic()`` and a few attribute stores. The watcher is a Python thread: it runs
 while the training thread waits in a collective (those release the GIL), not while C code holds it.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,7 @@ class Watchdog:
     only when the watchdog fires, and a failure inside it is reported, not raised.
     """
 
-    def __init__(self, timeout_s: float, rank: int,
-                 describe_fn: Callable[[], str] | None = None):
+    def __init__(self, timeout_s: float, rank: int, describe_fn: Callable[[], str] | None = None):
         if not timeout_s > 0:
             raise ValueError(f"Watchdog: timeout_s={timeout_s!r} must be > 0 seconds")
         self.timeout_s = float(timeout_s)
@@ -80,8 +80,7 @@ class Watchdog:
         self.last_time = _monotonic()
         self._watched = threading.current_thread()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._watch, name=f"dhelix-watchdog-{self.rank}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._watch, name=f"dhelix-watchdog-{self.rank}", daemon=True)
         self._thread.start()
         return self
 
@@ -110,9 +109,11 @@ class Watchdog:
     def report(self, idle: float) -> str:
         """The text printed when the watchdog fires."""
         show = lambda v: "?" if v is None else v  # noqa: E731
-        lines = [f"[dhelix watchdog] rank {self.rank} stuck for {idle:.1f}s at step "
-                 f"{show(self.step)}, micro-batch {show(self.microbatch)}, "
-                 f"strand {show(self.strand)}, op {show(self.op)}"]
+        lines = [
+            f"[dhelix watchdog] rank {self.rank} stuck for {idle:.1f}s at step "
+            f"{show(self.step)}, micro-batch {show(self.microbatch)}, "
+            f"strand {show(self.strand)}, op {show(self.op)}"
+        ]
         if self.describe_fn is not None:
             try:
                 lines.append(str(self.describe_fn()))

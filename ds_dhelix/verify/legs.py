@@ -1,6 +1,7 @@
 """The legs of a parity run, each on every rank of a gloo world: a schedule trained through the
 engine (``train_schedule``), the sharded model's first step through the executor alone
 (``first_step``), the unsharded HF model on one process (``train_hf``)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,6 +14,7 @@ def train_leg(opts: ParityOptions, schedule: str, batches, gather) -> dict:
     """Build the engine for ``schedule`` and train on this rank's share of every step; ``gather``
     (engine -> full parameters or None) runs before the engine is destroyed."""
     from ..engine.build import build_engine
+
     engine = build_engine(build(opts), opts.ds_config(schedule))
     losses, peaks = [], []
     for step in batches:
@@ -26,8 +28,13 @@ def train_leg(opts: ParityOptions, schedule: str, batches, gather) -> dict:
 def train_schedule(opts: ParityOptions, schedule: str, batches) -> dict:
     """On every rank of the world: train with ``schedule``; return losses, full params, peak."""
     from ..engine.checkpoint import full_state_dict
-    return train_leg(opts, schedule, batches,
-                  lambda engine: full_state_dict(engine.module, engine.groups.tp_grad_group, engine.groups.tp_size))
+
+    return train_leg(
+        opts,
+        schedule,
+        batches,
+        lambda engine: full_state_dict(engine.module, engine.groups.tp_grad_group, engine.groups.tp_size),
+    )
 
 
 def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> dict:
@@ -42,6 +49,7 @@ def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> di
     from ..engine.checkpoint import full_grads
     from ..runtime.executor import Executor
     from ..runtime.groups import ProcessGroups
+
     model, _ = unwrap_peft(build(opts, stochastic=False))
     setup = check_setup(opts.ds_config("sequential"), model.config, dist.get_world_size())
     groups = ProcessGroups.create(setup.dims)
@@ -49,8 +57,11 @@ def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> di
     mine = my_share(opts, batches[0], groups.dp_rank)
     mbs = Executor(graph).run_microbatches(mine, schedule, 1.0 / len(mine))
     loss = torch.stack([mb.loss.detach().float() for mb in mbs]).mean()
-    for group, size in ((groups.tp_grad_group, groups.tp_size), (groups.cp_group, groups.cp_size),
-                        (groups.dp_group, groups.dp_size)):
+    for group, size in (
+        (groups.tp_grad_group, groups.tp_size),
+        (groups.cp_group, groups.cp_size),
+        (groups.dp_group, groups.dp_size),
+    ):
         if size > 1:
             dist.all_reduce(loss, group=group)
     return {"grads": full_grads(model, groups), "loss": float(loss) / groups.dp_size}
@@ -63,6 +74,7 @@ def train_hf(opts: ParityOptions, batches) -> dict:
     from hf_models.lora import our_name
 
     from ..data import hf_model_inputs
+
     model = build(opts, stochastic=False)
     windows = hf_mask_windows(model.config)
     model.train()
@@ -88,6 +100,7 @@ def hf_cannot_take_the_mask(opts: ParityOptions) -> bool:
     """Packed documents on an MoE model: HF's load-balancing loss cannot take a 4-D mask."""
     from hf_models.adapters import is_moe
     from hf_models.registry import load_config
+
     return opts.packing == "docs" and is_moe(load_config(opts.model))
 
 
@@ -99,5 +112,6 @@ def result_note(opts: ParityOptions) -> str:
         notes.append(CAPACITY_NOTE)
     if opts.dtype == "fp16":
         from ..engine.precision import force_fp16_capability
+
         notes.append(force_fp16_capability())
     return "; ".join(notes)

@@ -1,5 +1,6 @@
 """What one parity run compares (``ParityOptions``: model, layout, steps, precision, stochastic
 settings, LoRA) and the model every leg starts from (``build``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,13 +58,19 @@ class ParityOptions:
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
             "gradient_accumulation_steps": self.micro_batches,
             "gradient_clipping": self.clip,
-            "steps_per_print": 10 ** 9,
+            "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.01, "torch_adam": True}},
             "zero_optimization": {"stage": self.zero_stage},
-            "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": self.tp}, "seed": self.seed,
-                       **({"pipeline": {"stages": self.pp}} if self.pp > 1 else {}),
-                       **({"context_parallel": {"size": self.cp, "comm": self.cp_comm}} if self.cp > 1 else {}),
-                       **({"recompute": self.recompute} if self.recompute != "none" else {}), **self.extra},
+            "dhelix": {
+                "enabled": True,
+                "schedule": schedule,
+                "tensor_parallel": {"size": self.tp},
+                "seed": self.seed,
+                **({"pipeline": {"stages": self.pp}} if self.pp > 1 else {}),
+                **({"context_parallel": {"size": self.cp, "comm": self.cp_comm}} if self.cp > 1 else {}),
+                **({"recompute": self.recompute} if self.recompute != "none" else {}),
+                **self.extra,
+            },
         }
 
 
@@ -73,6 +80,7 @@ def trained_stochastic(opts: ParityOptions) -> dict[str, float]:
     every dropout rate."""
     from hf_models.adapters import dropout_overrides, stochastic_settings
     from hf_models.registry import load_config
+
     config = load_config(opts.model)
     settings = stochastic_settings(config)
     if opts.dropout:
@@ -86,6 +94,7 @@ def build(opts: ParityOptions, stochastic: bool = True):
     (the HF comparison's legs: ``trained_stochastic`` set to 0)."""
     from hf_models.adapters import dropout_overrides
     from hf_models.registry import build_model, load_config
+
     overrides = dropout_overrides(load_config(opts.model), opts.dropout) if opts.dropout else {}
     if not stochastic:
         overrides = {**overrides, **{key: 0.0 for key in trained_stochastic(opts)}}
@@ -98,6 +107,7 @@ def with_lora(model, lora: dict, seed: int):
     ``seed`` (B too, unless ``init_lora_weights`` is given: a zero B would hide the adapter's
     forward from the comparisons)."""
     from peft import LoraConfig, get_peft_model
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 7)
         return get_peft_model(model, LoraConfig(**{"init_lora_weights": False, **lora}))
@@ -105,7 +115,7 @@ def with_lora(model, lora: dict, seed: int):
 
 def my_share(opts: ParityOptions, step: list[dict], dp_rank: int) -> list[dict]:
     m = opts.micro_batches
-    return step[dp_rank * m:(dp_rank + 1) * m]
+    return step[dp_rank * m : (dp_rank + 1) * m]
 
 
 def moe_kernels(opts: ParityOptions) -> str:
@@ -115,6 +125,7 @@ def moe_kernels(opts: ParityOptions) -> str:
 
 def with_moe_kernels(opts: ParityOptions, kernels: str) -> ParityOptions:
     from dataclasses import replace
+
     return replace(opts, extra={**opts.extra, "moe": {**opts.extra.get("moe", {}), "kernels": kernels}})
 
 
@@ -126,4 +137,5 @@ def intra_has_halves_reference(opts: ParityOptions) -> bool:
 
 def halved(opts: ParityOptions) -> ParityOptions:
     from dataclasses import replace
+
     return replace(opts, micro_batch_size=opts.micro_batch_size // 2, micro_batches=2 * opts.micro_batches)

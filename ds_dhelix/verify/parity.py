@@ -15,6 +15,7 @@ the trained legs keep them (SI and sequential draw the same seeded masks, so the
 bitwise), while HF draws from its own generator, so it is compared on the first step only, with
 every one of them off on both sides (``hf_stochastic_off`` in the result names them).
 """
+
 from __future__ import annotations
 
 from .batches import halve_batches, make_batches
@@ -26,6 +27,7 @@ from .pipeline import run_pipe_parity
 
 def _rank_main(rank, world, opts: ParityOptions):
     from hf_models.registry import load_config
+
     note = result_note(opts)
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     seq = train_schedule(opts, "sequential", batches)
@@ -52,6 +54,7 @@ def _rank_main(rank, world, opts: ParityOptions):
 
 def run_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
     from ..runtime.spawn import run_ranks
+
     if opts.pp > 1:
         return run_pipe_parity(opts, timeout)
     return run_ranks(_rank_main, opts.world, args=(opts,), timeout=timeout)[0]
@@ -65,6 +68,7 @@ def run_parities(many: list[ParityOptions], timeout: float = 900.0) -> list[dict
     """``run_parity`` of several one-stage option sets in one world (one start-up for all; every set
     must need the same world size), in order."""
     from ..runtime.spawn import run_ranks
+
     worlds = {opts.world for opts in many}
     if len(worlds) != 1 or any(opts.pp > 1 for opts in many):
         raise ValueError(f"run_parities needs one-stage option sets of one world size, got worlds {sorted(worlds)}")

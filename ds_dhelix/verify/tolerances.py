@@ -18,8 +18,10 @@ KERNELS_GRAD_TOLERANCE = 1e-6
 
 # HF's MoE blocks are dropless: with a capacity factor that drops copies the model differs from
 # HF's by design, so only SI = sequential (and the kernels' agreement) can hold then.
-CAPACITY_NOTE = ("capacity mode: Hugging Face's model is dropless, so hf_close holds only when no copy is "
-                 "dropped (a capacity factor large enough for the busiest expert)")
+CAPACITY_NOTE = (
+    "capacity mode: Hugging Face's model is dropless, so hf_close holds only when no copy is "
+    "dropped (a capacity factor large enough for the busiest expert)"
+)
 
 
 # The intra schedule sums each weight gradient as two halves' sums (and each loss as two halves'),
