@@ -6,17 +6,21 @@ CONFIG ?= ds_configs/tiny_llama_cpu.json
 NUM_RANKS ?= 2
 ARGS ?=
 
-.PHONY: venv run test test-all docs docs-serve
+.PHONY: venv run lint test test-all docs docs-serve
 venv:
 	@bash scripts/bootstrap.sh
 
 run: venv
 	.venv/bin/deepspeed --num_gpus $(NUM_RANKS) train.py --deepspeed $(CONFIG) $(ARGS)
 
-test: venv
+lint: venv
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+test: venv lint
 	.venv/bin/python -m pytest -q -x --timeout=900 --durations=25 -m "not extended" tests
 
-test-all: venv
+test-all: venv lint
 	.venv/bin/python -m pytest -q -x --timeout=900 --durations=25 tests
 
 docs: venv

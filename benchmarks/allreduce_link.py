@@ -18,6 +18,7 @@ work (roughly "comm cpu" when every core already computes); "exposed" does not. 
 
 Usage: ``python benchmarks/allreduce_link.py [--gbps none,2] [--size-mib 32] [--compute-ms 600]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,7 @@ MATMUL_N = 512
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gbps", default="none,2",
-                   help="comma-separated link rates in Gbit/s; 'none' = unshaped loopback")
+    p.add_argument("--gbps", default="none,2", help="comma-separated link rates in Gbit/s; 'none' = unshaped loopback")
     p.add_argument("--size-mib", type=float, default=32.0)
     p.add_argument("--compute-ms", type=float, default=600.0)
     p.add_argument("--repeats", type=int, default=7)
@@ -48,12 +48,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.size_mib <= 0 or args.compute_ms <= 0 or args.repeats < 1:
-        p.error(f"--size-mib={args.size_mib}, --compute-ms={args.compute_ms} must be > 0 and "
-                f"--repeats={args.repeats} >= 1")
+        p.error(
+            f"--size-mib={args.size_mib}, --compute-ms={args.compute_ms} must be > 0 and --repeats={args.repeats} >= 1"
+        )
     return args
 
 
 # ---- inside the link: two ranks -------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -79,8 +81,7 @@ def _rank_main(rank: int, port: int, cfg: dict) -> None:
 
     torch.set_num_threads(1)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
-                            world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=WORLD_SIZE)
     buf = torch.zeros(int(cfg["size_mib"] * 2**20) // 4)
     a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
     dist.all_reduce(buf)  # warm-up: connections, buffers
@@ -115,14 +116,24 @@ def _rank_main(rank: int, port: int, cfg: dict) -> None:
         exposed.append((time.perf_counter() - t0) * 1e3)
 
     medians = _median_ms([comm, compute, overlapped], cfg["repeats"], dist.barrier)
-    times = torch.tensor([*medians, statistics.median(exposed), statistics.median(comm_cpu)],
-                         dtype=torch.float64)
+    times = torch.tensor([*medians, statistics.median(exposed), statistics.median(comm_cpu)], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
     if rank == 0:
         comm, comp, both, wait, cpu = times.tolist()
-        print("RESULT " + json.dumps({"comm_ms": comm, "compute_ms": comp, "overlap_ms": both,
-                                      "exposed_ms": wait, "comm_cpu_ms": cpu,
-                                      "num_matmuls": num_matmuls}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "comm_ms": comm,
+                    "compute_ms": comp,
+                    "overlap_ms": both,
+                    "exposed_ms": wait,
+                    "comm_cpu_ms": cpu,
+                    "num_matmuls": num_matmuls,
+                }
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 
@@ -135,9 +146,16 @@ def run_inner(args: argparse.Namespace) -> None:
 
 # ---- outside: one run per link, then the table ----------------------------------------------
 
+
 def run_link(args: argparse.Namespace, gbps: float | None) -> dict:
-    inner = [sys.executable, os.path.abspath(__file__), "--inner", f"--size-mib={args.size_mib}",
-             f"--compute-ms={args.compute_ms}", f"--repeats={args.repeats}"]
+    inner = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--inner",
+        f"--size-mib={args.size_mib}",
+        f"--compute-ms={args.compute_ms}",
+        f"--repeats={args.repeats}",
+    ]
     cmd = wrap_command(inner, gbps)
     if cmd.warning:
         print(f"WARNING: {cmd.warning}", file=sys.stderr)
@@ -146,7 +164,7 @@ def run_link(args: argparse.Namespace, gbps: float | None) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"link {gbps} Gbit/s: exit code {proc.returncode}\n{proc.stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     comm, comp, both = result["comm_ms"], result["compute_ms"], result["overlap_ms"]
     result["hidden"] = min(1.0, max(0.0, (comm + comp - both) / comm))
     result["shaped"] = gbps is not None and cmd.warning is None
@@ -162,17 +180,24 @@ def main(argv=None) -> int:
         rates = [None if r.strip().lower() == "none" else float(r) for r in args.gbps.split(",")]
     except ValueError:
         raise SystemExit(f"--gbps={args.gbps!r}: expected rates like 'none,2' (Gbit/s)") from None
-    print(f"all_reduce {args.size_mib:g} MiB fp32, {WORLD_SIZE} gloo ranks, 1 thread each, "
-          f"~{args.compute_ms:g} ms compute, median of {args.repeats}")
-    print(f"{'link':>14} {'comm ms':>8} {'comm cpu':>9} {'compute ms':>11} {'overlap ms':>11} "
-          f"{'exposed ms':>11} {'hidden':>7} {'speedup':>8} {'ideal':>6}")
+    print(
+        f"all_reduce {args.size_mib:g} MiB fp32, {WORLD_SIZE} gloo ranks, 1 thread each, "
+        f"~{args.compute_ms:g} ms compute, median of {args.repeats}"
+    )
+    print(
+        f"{'link':>14} {'comm ms':>8} {'comm cpu':>9} {'compute ms':>11} {'overlap ms':>11} "
+        f"{'exposed ms':>11} {'hidden':>7} {'speedup':>8} {'ideal':>6}"
+    )
     for gbps in rates:
         r = run_link(args, gbps)
         comm, comp, both = r["comm_ms"], r["compute_ms"], r["overlap_ms"]
         label = "loopback" if gbps is None else f"{gbps:g} Gbit/s" + ("" if r["shaped"] else "*")
-        print(f"{label:>14} {comm:8.1f} {r['comm_cpu_ms']:9.1f} {comp:11.1f} {both:11.1f} "
-              f"{r['exposed_ms']:11.1f} {r['hidden']:7.0%} {(comm + comp) / both:8.2f} "
-              f"{(comm + comp) / max(comm, comp):6.2f}", flush=True)
+        print(
+            f"{label:>14} {comm:8.1f} {r['comm_cpu_ms']:9.1f} {comp:11.1f} {both:11.1f} "
+            f"{r['exposed_ms']:11.1f} {r['hidden']:7.0%} {(comm + comp) / both:8.2f} "
+            f"{(comm + comp) / max(comm, comp):6.2f}",
+            flush=True,
+        )
         if gbps is not None and not r["shaped"]:
             print("             * link emulation unavailable: this row ran on plain loopback")
     print("speedup = (comm + compute) / overlapped;  ideal = (comm + compute) / max(comm, compute)")

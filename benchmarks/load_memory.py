@@ -7,6 +7,7 @@ Writes fp32 and bf16 checkpoints of the preset (random init) under ``--out`` onc
 checkpoint and path prints the peak resident memory over the process's baseline (after imports)
 and the rank's shard bytes, with the target ``1.25 x shard + 64 MiB``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ def _measure(path: str, how: str, tp: int, rank: int) -> dict:
     from hf_models.adapters import adapter_for
     from hf_models.loading import CheckpointFiles, empty_model, materialize
     from hf_models.registry import load_config
+
     config = load_config(path)
     adapter = adapter_for(config)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[str(config.dtype).removeprefix("torch.")]
@@ -31,13 +33,14 @@ def _measure(path: str, how: str, tp: int, rank: int) -> dict:
     base = peak_rss_mib()
     if how == "whole":
         from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         adapter.shard(model, tp, rank)
     else:
         model = empty_model(path, dtype)
         adapter.shard(model, tp, rank)
         materialize(model, CheckpointFiles(path))
-    shard = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+    shard = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     return {"load_mib": peak_rss_mib() - base, "shard_mib": shard}
 
 
@@ -55,6 +58,7 @@ def main(argv=None) -> int:
     import torch
 
     from hf_models.registry import build_model
+
     dirs = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         dirs[name] = os.path.join(args.out, f"{args.model}-{name}")
@@ -67,12 +71,19 @@ def main(argv=None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for name, path in dirs.items():
         for how in ("whole", "sharded"):
-            out = subprocess.run([sys.executable, "-m", "benchmarks.load_memory", "--tp", str(args.tp),
-                                  "--child", path, how, "0"], capture_output=True, text=True, env=env, check=True)
+            out = subprocess.run(
+                [sys.executable, "-m", "benchmarks.load_memory", "--tp", str(args.tp), "--child", path, how, "0"],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            )
             r = json.loads(out.stdout.strip().splitlines()[-1])
             target = 1.25 * r["shard_mib"] + 64
-            print(f"{name:<11}{how:<10}{r['load_mib']:>8.0f}{r['shard_mib']:>8.0f}{target:>8.0f}  "
-                  f"{'yes' if r['load_mib'] <= target else 'no'}")
+            print(
+                f"{name:<11}{how:<10}{r['load_mib']:>8.0f}{r['shard_mib']:>8.0f}{target:>8.0f}  "
+                f"{'yes' if r['load_mib'] <= target else 'no'}"
+            )
     return 0
 
 

@@ -23,6 +23,7 @@ launch and completion overheads); retime / bound is the cost of the schedule its
 each alternating compute and communication, cannot keep both the compute unit and the link busy
 all the time; search / retime is what a better order of the same ops could gain.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -74,8 +75,9 @@ def wire_times(trace: dict) -> dict[tuple[str, str], float]:
     return {k: statistics.median(clean[k]) if clean[k] else min(shared[k]) for k in set(clean) | set(shared)}
 
 
-def pair_chains(trace: dict, pid: int = 0,
-                wire: dict | None = None) -> list[tuple[float, list[ChainOp], list[ChainOp]]]:
+def pair_chains(
+    trace: dict, pid: int = 0, wire: dict | None = None
+) -> list[tuple[float, list[ChainOp], list[ChainOp]]]:
     """Every traced pair of rank ``pid``: (measured ms, backward chain, forward chain). A pair is the
     forward of micro-batch k+1 with the backward of micro-batch k of one step. ``wire``: the
     trace's ``wire_times`` (computed when not given)."""
@@ -140,6 +142,8 @@ def retime_trace(trace: dict, max_deferred: int = 2, search_width: int = 100) ->
             rows.append((measured, r.makespan_ms, searched.makespan_ms, r.bound_ms, r.compute_ms, r.wire_ms))
         if rows:
             med = [statistics.median(col) for col in zip(*rows)]
-            out[pid] = dict(zip(("measured_ms", "retime_ms", "search_ms", "bound_ms", "compute_ms", "wire_ms"), med),
-                            pairs=len(rows))
+            out[pid] = dict(
+                zip(("measured_ms", "retime_ms", "search_ms", "bound_ms", "compute_ms", "wire_ms"), med),
+                pairs=len(rows),
+            )
     return out

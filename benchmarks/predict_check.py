@@ -8,6 +8,7 @@ profile``, unshaped) against the measured median, and the predicted against the 
 The folder holds the bench's ``bench.json`` and the table ``table-unshaped.json``; the model and
 layout are the bench's own options.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,13 +23,37 @@ def predict_link(folder: str, options: dict, gbps) -> dict:
     """``dhelix predict``'s result for the bench's model and layout at ``gbps`` (None: unshaped)."""
     from ds_dhelix.cli import build_parser
     from ds_dhelix.commands.predict import predict
+
     dp = options.get("data_parallel") or options["ep"]
-    argv = ["predict", "--model", options["model"], "--tp", str(options["tp"]), "--ep", str(options["ep"]),
-            "--cp", str(options["cp"]), "--dp", str(dp), "--seq-len", str(options["seq_len"]),
-            "--micro-batch-size", str(options["micro_batch_size"]), "--micro-batches", str(options["micro_batches"]),
-            "--zero-stage", str(options["zero_stage"]), "--hardware", "cpu",
-            "--table", os.path.join(folder, "table-unshaped.json"),
-            "--link-gbps", "unshaped" if gbps is None else f"{gbps:g}", "--schedule", *MODES]
+    argv = [
+        "predict",
+        "--model",
+        options["model"],
+        "--tp",
+        str(options["tp"]),
+        "--ep",
+        str(options["ep"]),
+        "--cp",
+        str(options["cp"]),
+        "--dp",
+        str(dp),
+        "--seq-len",
+        str(options["seq_len"]),
+        "--micro-batch-size",
+        str(options["micro_batch_size"]),
+        "--micro-batches",
+        str(options["micro_batches"]),
+        "--zero-stage",
+        str(options["zero_stage"]),
+        "--hardware",
+        "cpu",
+        "--table",
+        os.path.join(folder, "table-unshaped.json"),
+        "--link-gbps",
+        "unshaped" if gbps is None else f"{gbps:g}",
+        "--schedule",
+        *MODES,
+    ]
     return predict(build_parser().parse_args(argv))
 
 
@@ -46,18 +71,27 @@ def compare(folder: str) -> list[dict]:
         row = {"link_gbps": gbps, "loadavg_1min": loads.get(str(gbps))}
         for m in MODES:
             got, want = measured[m], predicted[m]["step_time_s"]
-            row[m] = {"measured_s": got["step_time_s"], "min_s": got["step_time_min_s"], "max_s": got["step_time_max_s"],
-                      "predicted_s": want, "error": want / got["step_time_s"] - 1}
-        row["speedup"] = {"measured": measured["sequential"]["step_time_s"] / measured["si"]["step_time_s"],
-                          "predicted": predicted["sequential"]["step_time_s"] / predicted["si"]["step_time_s"]}
+            row[m] = {
+                "measured_s": got["step_time_s"],
+                "min_s": got["step_time_min_s"],
+                "max_s": got["step_time_max_s"],
+                "predicted_s": want,
+                "error": want / got["step_time_s"] - 1,
+            }
+        row["speedup"] = {
+            "measured": measured["sequential"]["step_time_s"] / measured["si"]["step_time_s"],
+            "predicted": predicted["sequential"]["step_time_s"] / predicted["si"]["step_time_s"],
+        }
         row["speedup"]["error"] = row["speedup"]["predicted"] - row["speedup"]["measured"]
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| link | load (1 min) | sequential measured ms [min–max] | predicted | error | si measured ms [min–max] "
-            "| predicted | error | speedup measured | predicted | error |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
+    head = (
+        "| link | load (1 min) | sequential measured ms [min–max] | predicted | error | si measured ms [min–max] "
+        "| predicted | error | speedup measured | predicted | error |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
+    )
     lines = []
     for r in rows:
         link = "unshaped" if r["link_gbps"] is None else f"{r['link_gbps']:g} Gbit/s"
@@ -65,8 +99,11 @@ def markdown(rows: list[dict]) -> str:
         cells = [link, load]
         for m in MODES:
             x = r[m]
-            cells += [f"{x['measured_s'] * 1e3:.0f} [{x['min_s'] * 1e3:.0f}–{x['max_s'] * 1e3:.0f}]",
-                      f"{x['predicted_s'] * 1e3:.0f}", f"{x['error'] * 100:+.1f}%"]
+            cells += [
+                f"{x['measured_s'] * 1e3:.0f} [{x['min_s'] * 1e3:.0f}–{x['max_s'] * 1e3:.0f}]",
+                f"{x['predicted_s'] * 1e3:.0f}",
+                f"{x['error'] * 100:+.1f}%",
+            ]
         s = r["speedup"]
         cells += [f"{s['measured']:.2f}×", f"{s['predicted']:.2f}×", f"{s['error']:+.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -76,8 +113,11 @@ def markdown(rows: list[dict]) -> str:
 def projection_rows(folder: str) -> str:
     """A markdown table of the ``dhelix predict --json`` files in ``folder`` (one per configuration)."""
     import glob
-    head = ("| configuration | layout | hardware | baseline s | si (PP: w) s | best SI s (mode) | gain over the best "
-            "without SI | intra vs sequential | comm / comp per rank |\n|---|---|---|--:|--:|--:|--:|--:|--:|\n")
+
+    head = (
+        "| configuration | layout | hardware | baseline s | si (PP: w) s | best SI s (mode) | gain over the best "
+        "without SI | intra vs sequential | comm / comp per rank |\n|---|---|---|--:|--:|--:|--:|--:|--:|\n"
+    )
     lines = []
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         with open(path, encoding="utf-8") as fh:
@@ -89,11 +129,13 @@ def projection_rows(folder: str) -> str:
         intra = f"{m['sequential']['step_time_s'] / m['intra']['step_time_s']:.2f}×" if "intra" in m else "–"
         layout = f"TP{lay['tp']} PP{lay['pp']} DP{lay['dp']}" + (f" EP{lay['ep']}" if lay["ep"] > 1 else "")
         hw = r["hardware"]
-        lines.append(f"| {os.path.basename(path)[:-5]} | {layout}, {lay['micro_batches']}×{lay['micro_batch_size']}×"
-                     f"{lay['seq_len']} | {hw['gpu']['name']} ×{lay['world']}, {hw['nics_per_node']}×"
-                     f"{hw['network']['name']} | {base['step_time_s']:.2f} ({base_mode}) | {si['step_time_s']:.2f} | "
-                     f"{m[g['mode']]['step_time_s']:.2f} ({g['mode']}) | {g['speedup']:.2f}× vs {g['baseline']} | "
-                     f"{intra} | {step['comm_s'] / step['compute_s']:.2f} |")
+        lines.append(
+            f"| {os.path.basename(path)[:-5]} | {layout}, {lay['micro_batches']}×{lay['micro_batch_size']}×"
+            f"{lay['seq_len']} | {hw['gpu']['name']} ×{lay['world']}, {hw['nics_per_node']}×"
+            f"{hw['network']['name']} | {base['step_time_s']:.2f} ({base_mode}) | {si['step_time_s']:.2f} | "
+            f"{m[g['mode']]['step_time_s']:.2f} ({g['mode']}) | {g['speedup']:.2f}× vs {g['baseline']} | "
+            f"{intra} | {step['comm_s'] / step['compute_s']:.2f} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 

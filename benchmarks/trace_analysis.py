@@ -7,6 +7,7 @@ waited, and every reactive SI pair re-timed on an idealised machine (``pair_reti
 The periods of ``idle_breakdown``: before the step's first backward op (forward alone), while
 forwards and backwards interleave (co-executed), after its last forward op (backward alone).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,11 @@ def idle_breakdown(trace: dict, min_gap_us: float = 50.0) -> dict:
     for pid in sorted({e["pid"] for e in spans}):
         mine = [e for e in spans if e["pid"] == pid]
         compute = sorted((e for e in mine if lanes.get((pid, e.get("tid"))) == "compute"), key=lambda e: e["ts"])
-        comm_ends = sorted((e["ts"] + e["dur"], f"{e['name']} {e['args'].get('strand')}") for e in mine
-                           if str(lanes.get((pid, e.get("tid")), "")).startswith("comm"))
+        comm_ends = sorted(
+            (e["ts"] + e["dur"], f"{e['name']} {e['args'].get('strand')}")
+            for e in mine
+            if str(lanes.get((pid, e.get("tid")), "")).startswith("comm")
+        )
         ends = [t for t, _ in comm_ends]
         periods, waited = defaultdict(float), defaultdict(float)
         steps = split_steps(compute)
@@ -48,17 +52,20 @@ def idle_breakdown(trace: dict, min_gap_us: float = 50.0) -> dict:
                 gap = b["ts"] - (a["ts"] + a["dur"])
                 if gap < min_gap_us:
                     continue
-                period = ("forward_alone" if b["ts"] <= b_start else
-                         "backward_alone" if a["ts"] >= f_end else "co_executed")
+                period = (
+                    "forward_alone" if b["ts"] <= b_start else "backward_alone" if a["ts"] >= f_end else "co_executed"
+                )
                 periods[period] += gap / 1e3
                 lo, hi = bisect.bisect_left(ends, a["ts"] + a["dur"]), bisect.bisect_right(ends, b["ts"] + 20)
                 names = sorted({name for _, name in comm_ends[lo:hi]}) or ["none"]
                 for name in names:
                     waited[name] += gap / 1e3 / len(names)
         n = max(len(steps), 1)
-        out[pid] = {"steps": len(steps),
-                    "periods": {k: periods[k] / n for k in ("forward_alone", "co_executed", "backward_alone")},
-                    "waited_on": {k: v / n for k, v in sorted(waited.items(), key=lambda kv: -kv[1])}}
+        out[pid] = {
+            "steps": len(steps),
+            "periods": {k: periods[k] / n for k in ("forward_alone", "co_executed", "backward_alone")},
+            "waited_on": {k: v / n for k, v in sorted(waited.items(), key=lambda kv: -kv[1])},
+        }
     return out
 
 
@@ -73,19 +80,36 @@ def op_share(trace: dict, op: str, blocks=None) -> dict:
     wanted = {op, f"{op}.wgrad"}
     out = {}
     for pid in sorted({e["pid"] for e in trace.get("traceEvents", []) if e.get("ph") == "X"}):
-        compute = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == pid
-                          and lanes.get((pid, e.get("tid"))) == "compute"), key=lambda e: e["ts"])
+        compute = sorted(
+            (
+                e
+                for e in trace["traceEvents"]
+                if e.get("ph") == "X" and e["pid"] == pid and lanes.get((pid, e.get("tid"))) == "compute"
+            ),
+            key=lambda e: e["ts"],
+        )
         steps = split_steps(compute)
         op_ms = step_ms = busy_ms = 0.0
         for step in steps:
-            op_ms += sum(e["dur"] for e in step if e["name"] in wanted
-                         and (blocks is None or e["args"].get("block") in blocks)) / 1e3
+            op_ms += (
+                sum(
+                    e["dur"]
+                    for e in step
+                    if e["name"] in wanted and (blocks is None or e["args"].get("block") in blocks)
+                )
+                / 1e3
+            )
             step_ms += (max(e["ts"] + e["dur"] for e in step) - step[0]["ts"]) / 1e3
             busy_ms += sum(e["dur"] for e in step) / 1e3
         n = max(len(steps), 1)
-        out[pid] = {"steps": len(steps), "op_ms": op_ms / n, "step_ms": step_ms / n, "compute_ms": busy_ms / n,
-                    "share_of_step": op_ms / step_ms if step_ms else 0.0,
-                    "share_of_compute": op_ms / busy_ms if busy_ms else 0.0}
+        out[pid] = {
+            "steps": len(steps),
+            "op_ms": op_ms / n,
+            "step_ms": step_ms / n,
+            "compute_ms": busy_ms / n,
+            "share_of_step": op_ms / step_ms if step_ms else 0.0,
+            "share_of_compute": op_ms / busy_ms if busy_ms else 0.0,
+        }
     return out
 
 
@@ -94,14 +118,18 @@ def print_report(trace: dict) -> None:
     for rank, entry in idle_breakdown(trace).items():
         ph = entry["periods"]
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(entry["waited_on"].items())[:4])
-        print(f"rank {rank} compute lane idle per step (ms): F alone {ph['forward_alone']:.0f}, "
-              f"co-executed {ph['co_executed']:.0f}, B alone {ph['backward_alone']:.0f}; waiting on {top}")
+        print(
+            f"rank {rank} compute lane idle per step (ms): F alone {ph['forward_alone']:.0f}, "
+            f"co-executed {ph['co_executed']:.0f}, B alone {ph['backward_alone']:.0f}; waiting on {top}"
+        )
     for rank, r in retime_trace(trace).items():
-        print(f"rank {rank} pairs (median of {r['pairs']}): measured {r['measured_ms']:.1f} ms, re-timed without "
-              f"rank skew {r['retime_ms']:.1f} ms, best order searched {r['search_ms']:.1f} ms, bound "
-              f"{r['bound_ms']:.1f} ms (compute {r['compute_ms']:.1f}, wire {r['wire_ms']:.1f}); schedule reaches "
-              f"{r['bound_ms'] / r['retime_ms']:.0%} of the bound (searched order {r['bound_ms'] / r['search_ms']:.0%}), "
-              f"the run {r['retime_ms'] / r['measured_ms']:.0%} of the re-timing")
+        print(
+            f"rank {rank} pairs (median of {r['pairs']}): measured {r['measured_ms']:.1f} ms, re-timed without "
+            f"rank skew {r['retime_ms']:.1f} ms, best order searched {r['search_ms']:.1f} ms, bound "
+            f"{r['bound_ms']:.1f} ms (compute {r['compute_ms']:.1f}, wire {r['wire_ms']:.1f}); schedule reaches "
+            f"{r['bound_ms'] / r['retime_ms']:.0%} of the bound (searched order {r['bound_ms'] / r['search_ms']:.0%}), "
+            f"the run {r['retime_ms'] / r['measured_ms']:.0%} of the re-timing"
+        )
 
 
 def main(argv=None) -> int:

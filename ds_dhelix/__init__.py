@@ -10,15 +10,23 @@ contracts in ``pyproject.toml``)::
     data, graph -> config, planning, pipe -> predict -> runtime -> moe -> hf_models -> engine
         -> training -> bench -> commands, cli
 """
+
 __version__ = "0.1.0"
 
 from .engine.guard import install as _install_guard
 
 _install_guard()  # a plain DeepSpeed engine built from an enabled dhelix config raises (engine/guard.py)
 
-_LAZY = {"DhelixTrainer": "engine.trainer", "initialize": "engine.build", "build_engine": "engine.build",
-         "check_setup": "engine.build", "DhelixEngine": "engine.dhelix_engine", "DhelixConfig": "config.section",
-         "SIPlan": "planning.plan", "ParallelDims": "config.dims"}
+_LAZY = {
+    "DhelixTrainer": "engine.trainer",
+    "initialize": "engine.build",
+    "build_engine": "engine.build",
+    "check_setup": "engine.build",
+    "DhelixEngine": "engine.dhelix_engine",
+    "DhelixConfig": "config.section",
+    "SIPlan": "planning.plan",
+    "ParallelDims": "config.dims",
+}
 _LAZY_HF = {"empty_model": "hf_models.loading"}
 
 __all__ = ["__version__", *_LAZY, *_LAZY_HF]
@@ -27,8 +35,10 @@ __all__ = ["__version__", *_LAZY, *_LAZY_HF]
 def __getattr__(name):
     if name in _LAZY:
         import importlib
+
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     if name in _LAZY_HF:
         import importlib
+
         return getattr(importlib.import_module(_LAZY_HF[name]), name)
     raise AttributeError(name)

@@ -1,5 +1,6 @@
 """The ``dhelix`` command. Each subcommand lives in ``ds_dhelix/commands/<name>.py`` and exposes
 ``register(subparsers)``, which adds its parser and sets ``func(args) -> int`` as the handler."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,8 @@ COMMANDS = ("parity", "profile", "plan", "validate_plan", "simulate", "bench", "
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dhelix",
-        description="ds_dhelix: strand interleaving (micro-batch co-execution) for DeepSpeed.")
+        prog="dhelix", description="ds_dhelix: strand interleaving (micro-batch co-execution) for DeepSpeed."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "json", False):
         if _is_fd1(sys.stdout):
             from .commands.common import stdout_to_stderr
+
             sys.stdout.flush()
             args.stdout, quiet = os.fdopen(os.dup(1), "w"), stdout_to_stderr(True)
         else:

@@ -15,6 +15,7 @@ TrainingArguments defaults. ``--plain`` trains the same run with ``transformers.
 DeepSpeed data parallelism (the dhelix section removed, the same tokens per optimizer step), to
 compare. The trained model is written as an HF checkpoint to ``<output-dir>/final``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,44 +30,85 @@ if ROOT not in sys.path:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed", default=None,
-                   help="ds_config JSON with a \"dhelix\" section (default under accelerate launch: the "
-                        "deepspeed_config_file of its config)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--deepspeed",
+        default=None,
+        help='ds_config JSON with a "dhelix" section (default under accelerate launch: the '
+        "deepspeed_config_file of its config)",
+    )
     p.add_argument("--model", default="tiny-llama", help="preset name or local HF checkpoint directory")
-    p.add_argument("--data", default=None,
-                   help="training data as train.py reads it: .txt, .jsonl, .json, .parquet or a save_to_disk "
-                        "directory of text, chat or prompt/completion records (default: the embedded corpus)")
-    p.add_argument("--data-format", default=None, choices=["text", "chat", "prompt-completion"],
-                   help="the records' format (default: told from the first record)")
-    p.add_argument("--loss-on", default=None, choices=["all", "answers"],
-                   help="tokens with loss (default: answers for chat and prompt-completion, all for text)")
-    p.add_argument("--chat-template", default=None, metavar="FILE|chatml",
-                   help="chat template for chat records (default: the tokenizer's)")
-    p.add_argument("--drop-long", action="store_true",
-                   help="leave out chat / prompt-completion records longer than --seq-len (default: cut them)")
-    p.add_argument("--train-py-order", action="store_true",
-                   help="feed the blocks in train.py's order (its first epoch's shuffle by --seed, read in sequence) "
-                        "so both entry points train on the same micro-batches; one data-parallel replica only")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="training data as train.py reads it: .txt, .jsonl, .json, .parquet or a save_to_disk "
+        "directory of text, chat or prompt/completion records (default: the embedded corpus)",
+    )
+    p.add_argument(
+        "--data-format",
+        default=None,
+        choices=["text", "chat", "prompt-completion"],
+        help="the records' format (default: told from the first record)",
+    )
+    p.add_argument(
+        "--loss-on",
+        default=None,
+        choices=["all", "answers"],
+        help="tokens with loss (default: answers for chat and prompt-completion, all for text)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|chatml",
+        help="chat template for chat records (default: the tokenizer's)",
+    )
+    p.add_argument(
+        "--drop-long",
+        action="store_true",
+        help="leave out chat / prompt-completion records longer than --seq-len (default: cut them)",
+    )
+    p.add_argument(
+        "--train-py-order",
+        action="store_true",
+        help="feed the blocks in train.py's order (its first epoch's shuffle by --seed, read in sequence) "
+        "so both entry points train on the same micro-batches; one data-parallel replica only",
+    )
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--output-dir", default="runs/trainer_sft")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--packing", default="concat", choices=["concat", "docs", "none"],
-                   help="concat: one token stream cut in blocks; docs: blocks with positions and attention "
-                        "restarting per document; none: one document per row, right-padded (attention_mask)")
+    p.add_argument(
+        "--packing",
+        default="concat",
+        choices=["concat", "docs", "none"],
+        help="concat: one token stream cut in blocks; docs: blocks with positions and attention "
+        "restarting per document; none: one document per row, right-padded (attention_mask)",
+    )
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--resume-from-checkpoint", default=None,
-                   help="a checkpoint-N folder of an earlier run, or 'last' for the newest in --output-dir")
-    p.add_argument("--stop-after", type=int, default=None,
-                   help="end after N steps as if interrupted (the LR schedule still spans --max-steps)")
+    p.add_argument(
+        "--resume-from-checkpoint",
+        default=None,
+        help="a checkpoint-N folder of an earlier run, or 'last' for the newest in --output-dir",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="end after N steps as if interrupted (the LR schedule still spans --max-steps)",
+    )
     p.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoint every N steps (0: none)")
     p.add_argument("--logging-steps", type=int, default=1)
     p.add_argument("--eval-blocks", type=int, default=0, help="hold out N blocks and report eval_loss at the end")
     p.add_argument("--json-summary", default=None, help="write engine, layout, losses and checkpoint path here")
-    p.add_argument("--lora-r", type=int, default=0, metavar="R",
-                   help="wrap the model in a PEFT LoRA of rank R on the attention and MLP projections (0: full "
-                        "fine-tune); save_model then writes the PEFT adapter")
+    p.add_argument(
+        "--lora-r",
+        type=int,
+        default=0,
+        metavar="R",
+        help="wrap the model in a PEFT LoRA of rank R on the attention and MLP projections (0: full "
+        "fine-tune); save_model then writes the PEFT adapter",
+    )
     p.add_argument("--plain", action="store_true", help="transformers.Trainer + plain DeepSpeed, for comparison")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
@@ -76,15 +118,19 @@ def parse_args(argv=None):
             p.error("--deepspeed DS_CONFIG is required (or accelerate launch with a deepspeed_config_file)")
         args.deepspeed = from_accelerate
     elif from_accelerate and os.path.realpath(from_accelerate) != os.path.realpath(args.deepspeed):
-        p.error(f"--deepspeed {args.deepspeed} differs from accelerate's deepspeed_config_file {from_accelerate}; "
-                f"pass one of them")
+        p.error(
+            f"--deepspeed {args.deepspeed} differs from accelerate's deepspeed_config_file {from_accelerate}; "
+            f"pass one of them"
+        )
     for name in ("max_steps", "seq_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     resume = args.resume_from_checkpoint
     if resume not in (None, "last") and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
-        p.error(f"--resume-from-checkpoint {resume!r} is not a Trainer checkpoint (no trainer_state.json there); "
-                f"give a checkpoint-N folder or 'last'")
+        p.error(
+            f"--resume-from-checkpoint {resume!r} is not a Trainer checkpoint (no trainer_state.json there); "
+            f"give a checkpoint-N folder or 'last'"
+        )
     return args
 
 
@@ -95,36 +141,53 @@ def _number(value):
 def training_arguments(args, ds_config: dict):
     """TrainingArguments that agree with the ds_config's written numbers (HF refuses mismatches)."""
     from transformers import TrainingArguments
+
     opt = (ds_config.get("optimizer") or {}).get("params", {})
     sched = (ds_config.get("scheduler") or {}).get("params", {})
-    values = {"per_device_train_batch_size": _number(ds_config.get("train_micro_batch_size_per_gpu")),
-              "gradient_accumulation_steps": _number(ds_config.get("gradient_accumulation_steps")),
-              "learning_rate": _number(opt.get("lr")), "weight_decay": _number(opt.get("weight_decay")),
-              "adam_epsilon": _number(opt.get("eps")), "max_grad_norm": _number(ds_config.get("gradient_clipping")),
-              "warmup_steps": _number(sched.get("warmup_num_steps"))}
+    values = {
+        "per_device_train_batch_size": _number(ds_config.get("train_micro_batch_size_per_gpu")),
+        "gradient_accumulation_steps": _number(ds_config.get("gradient_accumulation_steps")),
+        "learning_rate": _number(opt.get("lr")),
+        "weight_decay": _number(opt.get("weight_decay")),
+        "adam_epsilon": _number(opt.get("eps")),
+        "max_grad_norm": _number(ds_config.get("gradient_clipping")),
+        "warmup_steps": _number(sched.get("warmup_num_steps")),
+    }
     betas = opt.get("betas")
     if isinstance(betas, list) and all(_number(b) is not None for b in betas):
         values.update(adam_beta1=betas[0], adam_beta2=betas[1])
     values = {k: v for k, v in values.items() if v is not None}
-    precision = {"bf16": bool((ds_config.get("bf16") or {}).get("enabled")),
-                 "fp16": bool((ds_config.get("fp16") or {}).get("enabled"))}
+    precision = {
+        "bf16": bool((ds_config.get("bf16") or {}).get("enabled")),
+        "fp16": bool((ds_config.get("fp16") or {}).get("enabled")),
+    }
     max_steps = args.max_steps
     if args.plain and _number(sched.get("total_num_steps")):
         # HF refuses a written schedule length other than max_steps; the comparison keeps the
         # schedule and stops after --max-steps (StopAfter)
         max_steps = max(max_steps, sched["total_num_steps"])
     return TrainingArguments(
-        output_dir=args.output_dir, max_steps=max_steps, seed=args.seed, data_seed=args.seed,
-        logging_steps=args.logging_steps, report_to=["tensorboard"],
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        deepspeed=ds_config, dataloader_drop_last=True, use_cpu=not _has_cuda(),
+        output_dir=args.output_dir,
+        max_steps=max_steps,
+        seed=args.seed,
+        data_seed=args.seed,
+        logging_steps=args.logging_steps,
+        report_to=["tensorboard"],
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        deepspeed=ds_config,
+        dataloader_drop_last=True,
+        use_cpu=not _has_cuda(),
         train_sampling_strategy="sequential" if args.train_py_order else "random",
         per_device_eval_batch_size=values.get("per_device_train_batch_size", 8),
-        **precision, **values)
+        **precision,
+        **values,
+    )
 
 
 def _has_cuda() -> bool:
     import torch
+
     return torch.cuda.is_available()
 
 
@@ -133,14 +196,17 @@ def plain_config(ds_config: dict, world: int) -> dict:
     so one optimizer step trains the same tokens as the dhelix layout."""
     from ds_dhelix.config.dims import ParallelDims
     from ds_dhelix.config.section import DhelixConfig
+
     plain = copy.deepcopy(ds_config)
     dims = ParallelDims.from_config(DhelixConfig.from_ds_config(plain), world)
     plain.pop("dhelix", None)
     gas = plain.get("gradient_accumulation_steps")
     if isinstance(gas, int):
         if (gas * dims.dp) % world:
-            raise SystemExit(f"--plain: {gas} accumulation steps x {dims.dp} data-parallel ranks do not split "
-                             f"over {world} plain data-parallel ranks")
+            raise SystemExit(
+                f"--plain: {gas} accumulation steps x {dims.dp} data-parallel ranks do not split "
+                f"over {world} plain data-parallel ranks"
+            )
         plain["gradient_accumulation_steps"] = gas * dims.dp // world
     return plain
 
@@ -151,24 +217,40 @@ def datasets(args, tokenizer):
     import torch
 
     from ds_dhelix.data.sources import DataOptions, load_data
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
-        data = load_data(DataOptions(path=args.data, fmt=args.data_format, loss_on=args.loss_on,
-                                     chat_template=args.chat_template, packing=args.packing, seq_len=args.seq_len,
-                                     drop_long=args.drop_long, seed=args.seed, pad_id=pad, stream_above=None), tokenizer)
+        data = load_data(
+            DataOptions(
+                path=args.data,
+                fmt=args.data_format,
+                loss_on=args.loss_on,
+                chat_template=args.chat_template,
+                packing=args.packing,
+                seq_len=args.seq_len,
+                drop_long=args.drop_long,
+                seed=args.seed,
+                pad_id=pad,
+                stream_above=None,
+            ),
+            tokenizer,
+        )
     except ValueError as err:
         raise SystemExit(f"trainer_sft.py: error: {err}") from None
     blocks = data.train
     if args.train_py_order:  # train.py's first epoch: blocks shuffled with --seed, read in sequence
-        blocks = torch.utils.data.Subset(blocks, torch.randperm(len(blocks), generator=torch.Generator().manual_seed(
-            args.seed)).tolist())
+        blocks = torch.utils.data.Subset(
+            blocks, torch.randperm(len(blocks), generator=torch.Generator().manual_seed(args.seed)).tolist()
+        )
     if args.eval_blocks <= 0:
         return blocks, None
     n = len(blocks)
     if args.eval_blocks >= n:
         raise SystemExit(f"--eval-blocks {args.eval_blocks}: the data has only {n} blocks of {args.seq_len} tokens")
-    return (torch.utils.data.Subset(blocks, range(n - args.eval_blocks)),
-            torch.utils.data.Subset(blocks, range(n - args.eval_blocks, n)))
+    return (
+        torch.utils.data.Subset(blocks, range(n - args.eval_blocks)),
+        torch.utils.data.Subset(blocks, range(n - args.eval_blocks, n)),
+    )
 
 
 def _stop_after(steps: int):
@@ -179,6 +261,7 @@ def _stop_after(steps: int):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step >= steps:
                 control.should_training_stop = True
+
     return StopAfter()
 
 
@@ -193,23 +276,29 @@ def _loss_log():
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs and "train_runtime" not in logs:
                 self.losses.append((state.global_step, logs["loss"]))
+
     return LossLog()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
+
     from ds_dhelix.config.section import load_ds_config
     from hf_models.registry import build_model, load_tokenizer_for
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ds_config = load_ds_config(args.deepspeed)
     if args.train_py_order:
         from ds_dhelix.config.dims import ParallelDims
         from ds_dhelix.config.section import DhelixConfig
+
         dp = world if args.plain else ParallelDims.from_config(DhelixConfig.from_ds_config(ds_config), world).dp
         if dp != 1:
-            raise SystemExit(f"trainer_sft.py: error: --train-py-order reads the blocks in one sequence, for one "
-                             f"data-parallel replica; this layout has {dp}")
+            raise SystemExit(
+                f"trainer_sft.py: error: --train-py-order reads the blocks in one sequence, for one "
+                f"data-parallel replica; this layout has {dp}"
+            )
     if args.plain:
         ds_config = plain_config(ds_config, world)
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.join(args.output_dir, "tensorboard"))
@@ -220,9 +309,11 @@ def main(argv=None) -> int:
         from peft import LoraConfig, get_peft_model
 
         from hf_models.adapters import lora_target_names
+
         torch.manual_seed(args.seed)  # the adapter's initial A (B starts at zero)
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=lora_target_names(
-            model.config)))
+        model = get_peft_model(
+            model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=lora_target_names(model.config))
+        )
     train_set, eval_set = datasets(args, tokenizer)
     losses = _loss_log()
     if args.plain:
@@ -230,8 +321,14 @@ def main(argv=None) -> int:
     else:
         from ds_dhelix import DhelixTrainer as trainer_class
     stop = _stop_after(min(args.stop_after or args.max_steps, args.max_steps))
-    trainer = trainer_class(model=model, args=targs, train_dataset=train_set, eval_dataset=eval_set,
-                            processing_class=tokenizer, callbacks=[losses, stop])
+    trainer = trainer_class(
+        model=model,
+        args=targs,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        processing_class=tokenizer,
+        callbacks=[losses, stop],
+    )
     resume = args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     metrics = trainer.evaluate() if eval_set is not None else {}
@@ -239,20 +336,27 @@ def main(argv=None) -> int:
     trainer.save_model(final)
     engine = trainer.model_wrapped
     groups = getattr(engine, "groups", None)
-    summary = {"engine": type(engine).__name__,
-               "tp_size": groups.tp_size if groups else 1, "ep_size": groups.dims.ep if groups else 1,
-               "cp_size": groups.dims.cp if groups else 1, "cp_comm": groups.dims.cp_comm if groups else None,
-               "schedule": engine.dhelix.schedule if hasattr(engine, "dhelix") else "plain",
-               "losses": getattr(trainer, "step_losses", None) or [loss for _, loss in losses.losses],
-               "logged_losses": [loss for _, loss in losses.losses],
-               "eval_loss": metrics.get("eval_loss"), "hf_checkpoint": os.path.abspath(final)}
+    summary = {
+        "engine": type(engine).__name__,
+        "tp_size": groups.tp_size if groups else 1,
+        "ep_size": groups.dims.ep if groups else 1,
+        "cp_size": groups.dims.cp if groups else 1,
+        "cp_comm": groups.dims.cp_comm if groups else None,
+        "schedule": engine.dhelix.schedule if hasattr(engine, "dhelix") else "plain",
+        "losses": getattr(trainer, "step_losses", None) or [loss for _, loss in losses.losses],
+        "logged_losses": [loss for _, loss in losses.losses],
+        "eval_loss": metrics.get("eval_loss"),
+        "hf_checkpoint": os.path.abspath(final),
+    }
     if args.json_summary and trainer.args.process_index == 0:
         with open(args.json_summary, "w") as f:
             json.dump(summary, f, indent=1)
     if trainer.args.process_index == 0:
-        print(f"[trainer_sft] {summary['engine']} tp {summary['tp_size']} cp {summary['cp_size']} ep {summary['ep_size']} "
-              f"{summary['schedule']}: {len(summary['losses'])} steps, last loss "
-              f"{summary['losses'][-1] if summary['losses'] else None}; HF checkpoint {final}")
+        print(
+            f"[trainer_sft] {summary['engine']} tp {summary['tp_size']} cp {summary['cp_size']} ep {summary['ep_size']} "
+            f"{summary['schedule']}: {len(summary['losses'])} steps, last loss "
+            f"{summary['losses'][-1] if summary['losses'] else None}; HF checkpoint {final}"
+        )
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         if hasattr(engine, "destroy"):

@@ -7,27 +7,47 @@ dp_size)`` and take ``ep_groups``, ``capacity_factor``, ``aux_loss_coef`` in ``b
 ``check_model`` runs the checks, ``ds_dhelix.engine.build.shard_model`` the
 build.
 """
+
 from __future__ import annotations
 
 import importlib
 
 from ds_dhelix.config.dims import check_cp_heads
 
-ADAPTERS = {"llama": "hf_models.llama", "gpt2": "hf_models.gpt2", "gpt_neox": "hf_models.gpt_neox",
-            "qwen2": "hf_models.qwen2", "qwen3": "hf_models.qwen3", "mistral": "hf_models.mistral",
-            "gemma3_text": "hf_models.gemma3", "phi3": "hf_models.phi3", "smollm3": "hf_models.smollm3", "olmo3": "hf_models.olmo3",
-            "phimoe": "hf_models.phimoe", "mixtral": "hf_models.mixtral", "qwen3_moe": "hf_models.qwen3_moe",
-            "qwen2_moe": "hf_models.qwen2_moe", "olmoe": "hf_models.olmoe",
-            "deepseek_v3": "hf_models.deepseek_v3", "glm4_moe": "hf_models.glm4_moe", "gpt_oss": "hf_models.gpt_oss",
-            "qwen3_5_text": "hf_models.qwen3_5", "qwen3_5_moe_text": "hf_models.qwen3_5_moe"}
+ADAPTERS = {
+    "llama": "hf_models.llama",
+    "gpt2": "hf_models.gpt2",
+    "gpt_neox": "hf_models.gpt_neox",
+    "qwen2": "hf_models.qwen2",
+    "qwen3": "hf_models.qwen3",
+    "mistral": "hf_models.mistral",
+    "gemma3_text": "hf_models.gemma3",
+    "phi3": "hf_models.phi3",
+    "smollm3": "hf_models.smollm3",
+    "olmo3": "hf_models.olmo3",
+    "phimoe": "hf_models.phimoe",
+    "mixtral": "hf_models.mixtral",
+    "qwen3_moe": "hf_models.qwen3_moe",
+    "qwen2_moe": "hf_models.qwen2_moe",
+    "olmoe": "hf_models.olmoe",
+    "deepseek_v3": "hf_models.deepseek_v3",
+    "glm4_moe": "hf_models.glm4_moe",
+    "gpt_oss": "hf_models.gpt_oss",
+    "qwen3_5_text": "hf_models.qwen3_5",
+    "qwen3_5_moe_text": "hf_models.qwen3_5_moe",
+}
 
-_TEXT_FIX = ("ds_dhelix trains its language model from a text checkpoint: write one with "
-             "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(TEXT_DIR) (model_type {text}; the vision "
-             "tower is left out) and pass TEXT_DIR")
-REFUSED = {"qwen3_5": "a multimodal Qwen3.5 checkpoint (vision tower + language model); "
-                      + _TEXT_FIX.format(text="qwen3_5_text"),
-           "qwen3_5_moe": "a multimodal Qwen3.5-MoE checkpoint (vision tower + language model); "
-                          + _TEXT_FIX.format(text="qwen3_5_moe_text")}
+_TEXT_FIX = (
+    "ds_dhelix trains its language model from a text checkpoint: write one with "
+    "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(TEXT_DIR) (model_type {text}; the vision "
+    "tower is left out) and pass TEXT_DIR"
+)
+REFUSED = {
+    "qwen3_5": "a multimodal Qwen3.5 checkpoint (vision tower + language model); "
+    + _TEXT_FIX.format(text="qwen3_5_text"),
+    "qwen3_5_moe": "a multimodal Qwen3.5-MoE checkpoint (vision tower + language model); "
+    + _TEXT_FIX.format(text="qwen3_5_moe_text"),
+}
 """model_types refused with their own reason and fix (instead of "no adapter")."""
 
 
@@ -56,13 +76,17 @@ def check_model(dims, model_config):
         adapter.check_cp(model_config, dims.cp, dims.cp_comm)
     if dims.cp > 1:
         if not getattr(adapter, "CONTEXT_PARALLEL", False):
-            raise ValueError(f"context_parallel.size {dims.cp}: model_type {model_config.model_type!r} has no "
-                             f"context-parallel attention yet; use 1")
+            raise ValueError(
+                f"context_parallel.size {dims.cp}: model_type {model_config.model_type!r} has no "
+                f"context-parallel attention yet; use 1"
+            )
     if hasattr(adapter, "check_ep"):
         adapter.check_ep(model_config, dims.ep, dims.dp)
     elif dims.ep > 1:
-        raise ValueError(f"expert_parallel.size {dims.ep}: model_type {model_config.model_type!r} has no "
-                         f"experts; use 1 (or an MoE model, e.g. tiny-phimoe)")
+        raise ValueError(
+            f"expert_parallel.size {dims.ep}: model_type {model_config.model_type!r} has no "
+            f"experts; use 1 (or an MoE model, e.g. tiny-phimoe)"
+        )
     return adapter
 
 
@@ -77,9 +101,34 @@ def check_packing(config, packing: str) -> None:
         check(config, packing)
 
 
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""Where a config without a ds_dhelix adapter may name its expert count (``num_experts``' fallback)."""
+
+
+def moe_family(config):
+    """The ``MoeFamily`` of ``config``'s model type (the one answer to "is this an MoE model?"), None
+    for a dense family or a model type without an adapter."""
+    if getattr(config, "model_type", None) not in ADAPTERS:
+        return None
+    adapter = adapter_for(config)
+    return adapter.FAMILY if hasattr(adapter, "check_ep") else None
+
+
 def num_experts(config) -> int:
-    """The routed experts of an MoE config (``num_local_experts`` or ``num_experts``), 0 for a dense one."""
-    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+    """The routed experts of ``config`` as its ``MoeFamily`` reads them (its ``experts_key``), 0 for a
+    dense one; a model type without an adapter (plain DeepSpeed runs it): the first of
+    ``EXPERT_KEYS`` it sets."""
+    family = moe_family(config)
+    if family is not None:
+        return int(family.num_experts(config))
+    if getattr(config, "model_type", None) in ADAPTERS:
+        return 0
+    return int(next((getattr(config, k) for k in EXPERT_KEYS if getattr(config, k, None)), 0))
+
+
+def is_moe(config) -> bool:
+    """Whether ``config`` is a mixture-of-experts model (``num_experts`` > 0)."""
+    return num_experts(config) > 0
 
 
 def dropout_overrides(config, p: float) -> dict:
@@ -113,6 +162,7 @@ def unwrap_peft(model):
     """``(hf_model, LoraInfo)`` for a PEFT LoRA model (``hf_models.lora.from_peft``, with the
     family's LoRA targets), ``(model, None)`` for a plain HF model."""
     from .lora import from_peft, is_peft_model
+
     if not is_peft_model(model):
         return model, None
     adapter = adapter_for(model.config)
@@ -122,6 +172,7 @@ def unwrap_peft(model):
 def lora_target_names(config) -> list[str]:
     """The module names LoRA may wrap in ``config``'s family (what its op graph calls with an adapter)."""
     from .lora import target_names
+
     return target_names(getattr(adapter_for(config), "LORA_TARGETS", ()))
 
 
@@ -133,6 +184,8 @@ def check_lora_targets(config, names, flag: str = "LoRA target") -> list[str]:
         return allowed
     unknown = sorted(set(names) - set(allowed))
     if unknown:
-        raise ValueError(f"{flag} {', '.join(unknown)}: the {config.model_type} op graph does not call such a module "
-                         f"with an adapter; choose from: {', '.join(allowed)}")
+        raise ValueError(
+            f"{flag} {', '.join(unknown)}: the {config.model_type} op graph does not call such a module "
+            f"with an adapter; choose from: {', '.join(allowed)}"
+        )
     return list(names)

@@ -5,6 +5,7 @@ Sharded parameters carry ``tp_partition_dim`` (the dim split over the TP group) 
 ``tensor_model_parallel`` flag; replicated parameters applied to a sequence shard have their
 gradients summed over the TP group once per step (``mark_replicated``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,12 +15,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_dhelix.runtime.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
-from ds_dhelix.graph.model_graph import comm, comp
 from ds_dhelix.data.inputs import shifted_targets, valid_targets
+from ds_dhelix.graph.model_graph import comm, comp
+from ds_dhelix.runtime.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
 from ds_dhelix.runtime.groups import ContextShards
 
-from .lora import has_lora, project, shard_factors  # noqa: F401  (project: re-exported to the family modules)
+from .lora import has_lora, shard_factors
 from .ring import AttentionCore
 
 
@@ -30,6 +31,7 @@ def check_divisible(tp: int, world: int | None = None, **dims: int) -> None:
         bad["world_size"] = world
     if bad:
         import math
+
         g = 0
         for v in list(dims.values()) + ([world] if world else []):
             g = math.gcd(g, v)
@@ -44,6 +46,7 @@ def shard_param(module: nn.Module, name: str, dim: int, rank: int, tp: int, inde
     if p is None or tp == 1:
         return
     from ds_dhelix.graph.shards import select
+
     if index is None:
         size = p.shape[dim] // tp
         data = p.data.narrow(dim, rank * size, size)
@@ -89,15 +92,21 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
         b, s = ids.shape
         if s % multiple:
             from ds_dhelix.config.dims import ParallelDims
+
             ParallelDims(shards, tp=tp, cp=shards // tp, cp_comm=cp.comm if cp else "ulysses").check_seq_len(s)
         targets = shifted_targets(labels)
         n = s // shards
         sl = slice(index * n, (index + 1) * n)
         if ring:  # this CP rank's two zig-zag chunks, then this TP rank's part of them
             from .ring import zigzag_index
+
             local = zigzag_index(s, cp.size, cp.rank, ids.device)
-            sl = local[tp_rank * n:(tp_rank + 1) * n]
+            sl = local[tp_rank * n : (tp_rank + 1) * n]
         position_ids = batch.get("position_ids")  # packed documents: positions restart per document
+        if position_ids is None:
+            positions = torch.arange(s, device=ids.device)[sl].unsqueeze(0).expand(b, n)
+        else:
+            positions = position_ids[:, sl]
         side = {
             "ids": ids[:, sl],
             "targets": targets[:, sl].t().contiguous(),  # [s/tp, b], sequence-first
@@ -106,27 +115,33 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
             # count (DhelixTrainer: the Trainer's num_items_in_batch over the data-parallel ranks)
             "loss_denominator": batch.get("loss_denominator"),
             # this micro-batch's share of the rows of the one it was cut from (the intra schedule's
-            # halves, ``executor.half_batches``): weighs a per-micro-batch loss term (MoE balance)
+            # halves, ``interpreter.half_batches``): weighs a per-micro-batch loss term (MoE balance)
             "loss_share": batch.get("loss_share", 1.0),
-            "positions": (position_ids[:, sl] if position_ids is not None else
-                          torch.arange(s, device=ids.device)[sl].unsqueeze(0).expand(b, n)),
+            "positions": positions,
             "seq_len": s,
             "batch": b,
             "serial": serial,
         }
-        if position_ids is not None:
-            if tuple(position_ids.shape) != (b, s):
-                raise ValueError(f"position_ids shape {tuple(position_ids.shape)} does not match input_ids {(b, s)}")
-            side["position_ids"] = position_ids
-        if ring:
-            side["ring_index"] = local
-            if position_ids is not None:
-                side["segments"] = (position_ids == 0).cumsum(dim=1)
+        _add_documents(side, position_ids, local if ring else None)
         if extra is not None:
             side.update(extra(batch, side))
         return side
 
     return make_side
+
+
+def _add_documents(side: dict, position_ids, ring_index) -> None:
+    """Packed documents' ``position_ids`` (checked against the batch) and, on a ring, the CP rank's
+    token positions (``ring_index``) and each position's document (``segments``)."""
+    b, s = side["batch"], side["seq_len"]
+    if position_ids is not None:
+        if tuple(position_ids.shape) != (b, s):
+            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} does not match input_ids {(b, s)}")
+        side["position_ids"] = position_ids
+    if ring_index is not None:
+        side["ring_index"] = ring_index
+        if position_ids is not None:
+            side["segments"] = (position_ids == 0).cumsum(dim=1)
 
 
 def embed_op(embed: nn.Module, pos_embed: nn.Module | None = None, drop=None):
@@ -178,8 +193,9 @@ def head_ops(norm: nn.Module, lm_head: nn.Module, softcap: float | None = None):
     def loss_fn(side, logits):
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
-        loss = F.cross_entropy(logits.float().flatten(0, 1), side["targets"].flatten(),
-                               ignore_index=-100, reduction="sum")
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), side["targets"].flatten(), ignore_index=-100, reduction="sum"
+        )
         return (loss / loss_denominator(side),)
 
     return [
@@ -247,7 +263,7 @@ def lean(fn, *xs: torch.Tensor) -> torch.Tensor:
 
 def dense_layer_ops(tp: int, tp_group, *, attn_norm, residual, mlp_up, mlp_down, qkv=None, attn_core=None,
                     attn_out=None, mixer=None, mlp_hidden=("act",), cp: ContextShards | None = None,
-                    heads: tuple[int, int] | None = None):
+                    heads: tuple[int, int] | None = None):  # fmt: skip
     """The op list of a dense decoder layer, COMM ops included when ``tp > 1``.
 
     The token mixer between ``attn.ag`` and ``attn.rs`` is attention from ``qkv``, ``attn_core``
@@ -273,8 +289,8 @@ def dense_layer_ops(tp: int, tp_group, *, attn_norm, residual, mlp_up, mlp_down,
         return [op] if sharded else []
 
     def attention(xin):
-        return context_attention(cp, heads, comp("attn.qkv", (xin,), ("q", "k", "v"), qkv, linear=True), attn_core,
-                                 comp("attn.out", ("o",), ("ao",), attn_out, linear=True))
+        qkv_op = comp("attn.qkv", (xin,), ("q", "k", "v"), qkv, linear=True)
+        return context_attention(cp, heads, qkv_op, attn_core, comp("attn.out", ("o",), ("ao",), attn_out, linear=True))
 
     mlp_norm, mlp_add = residual(ar, mr)
     return [
@@ -311,6 +327,7 @@ def context_attention(cp: ContextShards | None, heads, qkv, core, out, widths: t
         return [qkv, core, out]
     if cp.comm == "ring":
         from .ring import ring_attention
+
         return ring_attention(cp, qkv, core, out)
     c, (nq, nk) = cp.size, heads
     kv = kv_heads_of_groups(nq, nk, c)
@@ -340,11 +357,13 @@ def context_attention(cp: ContextShards | None, heads, qkv, core, out, widths: t
         return out.fn(side, of.permute(1, 2, 0, 3).flatten(2))
 
     a2a = ContextAllToAll(cp.groups, c)
-    return [comp("attn.qkv", qkv.inputs, ("qkvs",), pack, linear=qkv.linear),
-            comm("attn.a2a_in", a2a, "qkvs", "qkvf"),
-            comp("attn.core", ("qkvf",), ("oc",), attend, selective=core.selective),
-            comm("attn.a2a_out", a2a, "oc", "of"),
-            comp("attn.out", ("of",), out.outputs, merge_heads, linear=out.linear)]
+    return [
+        comp("attn.qkv", qkv.inputs, ("qkvs",), pack, linear=qkv.linear),
+        comm("attn.a2a_in", a2a, "qkvs", "qkvf"),
+        comp("attn.core", ("qkvf",), ("oc",), attend, selective=core.selective),
+        comm("attn.a2a_out", a2a, "oc", "of"),
+        comp("attn.out", ("of",), out.outputs, merge_heads, linear=out.linear),
+    ]
 
 
 def kv_heads_of_groups(nq: int, nk: int, cp: int) -> list[slice]:
@@ -429,8 +448,7 @@ def residual_ops(attn_bias, mlp_bias, after_attn=None, before_mlp=None, after_ml
         return (h2 + branch(m, mlp_bias, after_mlp, side, "mlp.resid"),)
 
     def make(ar: str, mr: str):
-        return (comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm),
-                comp("mlp.add", ("h2", mr), ("h",), mlp_add))
+        return (comp("mlp.norm", ("h", ar), ("h2", "x2"), mlp_norm), comp("mlp.add", ("h2", mr), ("h",), mlp_add))
 
     return make
 
@@ -473,6 +491,7 @@ def rope_kinds(rotary_emb: nn.Module, config) -> tuple[str, ...]:
     """The layer kinds with a RoPE of their own when the family's rotary embedding takes the kind
     (Gemma 3, OLMo 3: ``config.layer_types``); () for one RoPE for every layer."""
     import inspect
+
     if "layer_type" not in inspect.signature(rotary_emb.forward).parameters:
         return ()
     return tuple(sorted(set(config.layer_types)))
@@ -493,8 +512,15 @@ def layer_window(attn_module, config) -> int | None:
 
 def layer_windows(model) -> tuple[int, ...]:
     """The distinct sliding windows of a model's attention layers (linear-attention layers have none)."""
-    return tuple(sorted({w for layer in model.model.layers if hasattr(layer, "self_attn")
-                         and (w := layer_window(layer.self_attn, model.config)) is not None}))
+    return tuple(
+        sorted(
+            {
+                w
+                for layer in model.model.layers
+                if hasattr(layer, "self_attn") and (w := layer_window(layer.self_attn, model.config)) is not None
+            }
+        )
+    )
 
 
 def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None, window: int | None = None):
@@ -504,6 +530,7 @@ def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None, window: 
     the layer's sliding window (each query sees the ``window`` keys up to itself: the side's
     ``window_masks``, and flash attention's own ``sliding_window``)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     impl = config._attn_implementation or "sdpa"
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_fn)
 
@@ -525,8 +552,9 @@ def attn_core_op(attn_module, config, eager_fn, rotary=None, drop=None, window: 
     return comp("attn.core", ("q", "k", "v"), ("o",), AttentionCore(fn, attn_module, rotary, drop), selective=True)
 
 
-def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None, side=None,
-                     windows: tuple[int, ...] = ()) -> dict:
+def causal_mask_side(
+    config, dtype, seq_len: int, device=None, position_ids=None, side=None, windows: tuple[int, ...] = ()
+) -> dict:
     """The attention mask a micro-batch needs, as ``{"causal_mask": ...}`` (and ``"window_masks"``: for each of
     ``windows`` shorter than the sequence, the causal mask cut to that window, as boolean or additive as
     the causal one; flash attention takes the window itself): with ``position_ids``
@@ -535,6 +563,7 @@ def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None
     attention needs [1, 1, s, s] (sdpa runs ``is_causal`` instead: nothing). ``side`` of a ring
     attention micro-batch: nothing (each ring step masks its own block)."""
     from ds_dhelix.data import attention_mask
+
     if side is not None and "ring_index" in side:
         return {}
     impl = config._attn_implementation or "sdpa"
@@ -545,7 +574,9 @@ def causal_mask_side(config, dtype, seq_len: int, device=None, position_ids=None
     if impl != "flash_attention_2":
         windows = [w for w in windows if w < seq_len]
         if windows:
-            out["window_masks"] = {w: attention_mask(seq_len, position_ids, additive, device, window=w) for w in windows}
+            out["window_masks"] = {
+                w: attention_mask(seq_len, position_ids, additive, device, window=w) for w in windows
+            }
     if position_ids is not None or impl == "eager":  # sdpa without documents: is_causal, nothing to build
         out["causal_mask"] = attention_mask(seq_len, position_ids, additive, device)
     return out

@@ -7,6 +7,7 @@ Files store one ``gate_proj``/``up_proj``/``down_proj`` per expert under ``mlp``
 HF's model has no load-balancing loss for this family and never updates ``e_score_correction_bias``
 (DeepSeek's aux-free balancing nudges it between steps); neither do we: the bias is a buffer, kept
 in fp32, loaded, checkpointed and exported as it is."""
+
 from __future__ import annotations
 
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
@@ -14,10 +15,22 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 from . import mla
 from .moe_family import MoeAdapter, MoeFamily, check_groups, check_layers, grouped_sigmoid_route
 
-FAMILY = MoeFamily(name="DeepSeek-V3", family="deepseek_v3", hf=hf, router="gate", block_jitter=None,
-                   experts_key="n_routed_experts", files_block="mlp", files_router="gate",
-                   files_experts=("gate_proj", "up_proj", "down_proj"), inter_key="moe_intermediate_size",
-                   shared_expert="plain", attention="mla", route=grouped_sigmoid_route, aux_loss=False)
+FAMILY = MoeFamily(
+    name="DeepSeek-V3",
+    family="deepseek_v3",
+    hf=hf,
+    router="gate",
+    block_jitter=None,
+    experts_key="n_routed_experts",
+    files_block="mlp",
+    files_router="gate",
+    files_experts=("gate_proj", "up_proj", "down_proj"),
+    inter_key="moe_intermediate_size",
+    shared_expert="plain",
+    attention="mla",
+    route=grouped_sigmoid_route,
+    aux_loss=False,
+)
 
 
 def check_moe(config) -> None:

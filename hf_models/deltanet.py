@@ -31,6 +31,7 @@ torch fallback refuses ``cu_seqlens``, so there is no reference to train against
 context parallelism (a state-passing scheme between CP ranks): both refused before any model is
 built (``check_packing``, ``check_cp``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 
 from ds_dhelix.graph.model_graph import comp
 
-from .common import check_divisible, lean, project, shard_param
+from .common import check_divisible, lean, shard_param
+from .lora import project
 
 KIND = "linear_attention"  # the layer kind's name in config.layer_types
 
@@ -60,24 +62,30 @@ def check_tp(config, tp: int, name: str) -> None:
         return
     nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
     if nv % nk:
-        raise ValueError(f"{name}: linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk} "
-                         f"(each key head serves nv / nk value heads); use a multiple")
+        raise ValueError(
+            f"{name}: linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk} "
+            f"(each key head serves nv / nk value heads); use a multiple"
+        )
     check_divisible(tp, None, linear_num_key_heads=nk)
 
 
 def check_cp(cp: int, name: str) -> None:
     if cp > 1:
-        raise ValueError(f"context_parallel.size {cp} with {name}'s Gated DeltaNet layers (layer_types "
-                         f"'linear_attention': a recurrence along the whole sequence, which context parallelism "
-                         f"would cut; passing its state between CP ranks is not built): use context_parallel.size 1")
+        raise ValueError(
+            f"context_parallel.size {cp} with {name}'s Gated DeltaNet layers (layer_types "
+            f"'linear_attention': a recurrence along the whole sequence, which context parallelism "
+            f"would cut; passing its state between CP ranks is not built): use context_parallel.size 1"
+        )
 
 
 def check_packing(packing: str, name: str) -> None:
     if packing == "docs":
-        raise ValueError(f"--packing docs with {name}'s Gated DeltaNet layers: their recurrence would have to "
-                         f"restart at every document, which transformers' own model does only with the "
-                         f"flash-linear-attention kernels (its torch fallback refuses cu_seqlens), so it is not "
-                         f"built; use --packing concat (or none: right padding)")
+        raise ValueError(
+            f"--packing docs with {name}'s Gated DeltaNet layers: their recurrence would have to "
+            f"restart at every document, which transformers' own model does only with the "
+            f"flash-linear-attention kernels (its torch fallback refuses cu_seqlens), so it is not "
+            f"built; use --packing concat (or none: right padding)"
+        )
 
 
 def qkv_rows(la, tp: int, tp_rank: int) -> torch.Tensor:
@@ -85,9 +93,13 @@ def qkv_rows(la, tp: int, tp_rank: int) -> torch.Tensor:
     its value heads' v rows."""
     kd, vd = la.key_dim, la.value_dim
     k, v = kd // tp, vd // tp
-    return torch.cat([torch.arange(tp_rank * k, (tp_rank + 1) * k),
-                      kd + torch.arange(tp_rank * k, (tp_rank + 1) * k),
-                      2 * kd + torch.arange(tp_rank * v, (tp_rank + 1) * v)])
+    return torch.cat(
+        [
+            torch.arange(tp_rank * k, (tp_rank + 1) * k),
+            kd + torch.arange(tp_rank * k, (tp_rank + 1) * k),
+            2 * kd + torch.arange(tp_rank * v, (tp_rank + 1) * v),
+        ]
+    )
 
 
 def shard(la, tp: int, tp_rank: int) -> None:
@@ -117,15 +129,17 @@ def mixer_ops(la, hf, tp: int, xin: str) -> list:
         return la.in_proj_qkv(xf), la.in_proj_z(xf), la.in_proj_b(xf), la.in_proj_a(xf)
 
     def conv(side, mixed):  # [s, b, 2kd + vd] -> q, k [b, s, nk, dk], v [b, s, nv, dv]
-        out = hf.causal_conv1d_fn(mixed.permute(1, 2, 0), la.conv1d.weight.squeeze(1), la.conv1d.bias,
-                                  activation=la.activation).transpose(1, 2)
+        out = hf.causal_conv1d_fn(
+            mixed.permute(1, 2, 0), la.conv1d.weight.squeeze(1), la.conv1d.bias, activation=la.activation
+        ).transpose(1, 2)
         b, s = out.shape[:2]
         q, k, v = out.split([kd, kd, vd], dim=-1)
         return q.reshape(b, s, -1, dk), k.reshape(b, s, -1, dk), v.reshape(b, s, -1, dv)
 
     def delta_rule(q, k, v, g, beta):
-        return hf.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                                               use_qk_l2norm_in_kernel=True)[0]
+        return hf.torch_chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True
+        )[0]
 
     def core(side, q, k, v, a, beta_in, z):
         beta = beta_in.transpose(0, 1).sigmoid()  # [b, s, nv]
@@ -136,10 +150,12 @@ def mixer_ops(la, hf, tp: int, xin: str) -> list:
         o = la.norm(o.reshape(-1, dv), gate).view(b, s, -1)
         return (o.transpose(0, 1),)  # [s, b, nv * dv]
 
-    return [comp("attn.qkv", (xin,), ("mixed", "z", "b", "a"), project_in, linear=True),
-            comp("attn.conv", ("mixed",), ("q", "k", "v"), conv, selective=True),
-            comp("attn.core", ("q", "k", "v", "a", "b", "z"), ("o",), core, selective=True),
-            comp("attn.out", ("o",), ("ao",), lambda side, o: (project(la.out_proj, o, bias=False),), linear=True)]
+    return [
+        comp("attn.qkv", (xin,), ("mixed", "z", "b", "a"), project_in, linear=True),
+        comp("attn.conv", ("mixed",), ("q", "k", "v"), conv, selective=True),
+        comp("attn.core", ("q", "k", "v", "a", "b", "z"), ("o",), core, selective=True),
+        comp("attn.out", ("o",), ("ao",), lambda side, o: (project(la.out_proj, o, bias=False),), linear=True),
+    ]
 
 
 def fla_installed() -> bool:
@@ -150,6 +166,7 @@ def fla_installed() -> bool:
     q, k, v, g, beta are kept and backward runs the same fallback again (the same kernels on the
     same inputs: the gradients are bitwise plain autograd's)."""
     import importlib.util
+
     return importlib.util.find_spec("fla") is not None
 
 

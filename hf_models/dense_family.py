@@ -32,12 +32,12 @@ linear on the way to its weights and reactive SI can defer its weight gradient. 
 
 (pre: Llama and most families; post: OLMo; sandwich: Gemma 3.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ds_dhelix.graph.draws import Draws
 from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
@@ -45,9 +45,30 @@ from ds_dhelix.runtime.comm import TensorAllReduce
 from ds_dhelix.runtime.groups import ContextShards
 
 from . import deltanet, gated_attention
-from .common import (Dropout, attn_core_op, check_divisible, check_dropout, config_window, cp_heads, dense_layer_ops, embed_op,
-                     head_ops, layer_window, layer_windows, lean, make_side_fn, project, mark_replicated, qkv_projections,
-                     residual_ops, rotary, rotary_key, rotary_side_fn, shard_kv_replica, shard_param)
+from .common import (
+    Dropout,
+    attn_core_op,
+    check_divisible,
+    check_dropout,
+    config_window,
+    cp_heads,
+    dense_layer_ops,
+    embed_op,
+    head_ops,
+    layer_window,
+    layer_windows,
+    lean,
+    make_side_fn,
+    mark_replicated,
+    qkv_projections,
+    residual_ops,
+    rotary,
+    rotary_key,
+    rotary_side_fn,
+    shard_kv_replica,
+    shard_param,
+)
+from .lora import project
 
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
@@ -56,20 +77,20 @@ NORM_PLACEMENTS = ("pre", "post", "sandwich")
 class DenseFamily:
     """What differs between the dense families this machinery runs."""
 
-    name: str                      # "Qwen3", for messages
-    family: str                    # the graph's family tag
-    hf: object                     # the transformers modeling module (eager attention, apply_rotary_pos_emb)
-    fused_qkv: bool = False        # one qkv_proj with rows [q | k | v] (Phi-3), else q_proj / k_proj / v_proj
-    fused_gate_up: bool = False    # one gate_up_proj with rows [gate | up] (Phi-3), else gate_proj / up_proj
-    qk_norm: str | None = None     # RMSNorm of q and of k: "head" (over head_dim: Qwen3, Gemma 3) or "full"
-                                   # (over all heads, OLMo: its sum of squares all-reduced over TP)
-    norms: str = "pre"             # one of NORM_PLACEMENTS
+    name: str  # "Qwen3", for messages
+    family: str  # the graph's family tag
+    hf: object  # the transformers modeling module (eager attention, apply_rotary_pos_emb)
+    fused_qkv: bool = False  # one qkv_proj with rows [q | k | v] (Phi-3), else q_proj / k_proj / v_proj
+    fused_gate_up: bool = False  # one gate_up_proj with rows [gate | up] (Phi-3), else gate_proj / up_proj
+    qk_norm: str | None = None  # RMSNorm of q and of k: "head" (over head_dim: Qwen3, Gemma 3) or "full"
+    # (over all heads, OLMo: its sum of squares all-reduced over TP)
+    norms: str = "pre"  # one of NORM_PLACEMENTS
     resid_dropout: str | None = None  # config key of the dropout on the attention / MLP outputs (Phi-3)
-    softcap: str | None = None     # config key of the final logits' tanh softcapping (Gemma 3)
-    attention: str = "mha"         # "mha", or "gated": q_proj rows [q | gate] per head, the output x sigmoid(gate)
-                                   # before o_proj (Qwen3.5; ``gated_attention.py``)
+    softcap: str | None = None  # config key of the final logits' tanh softcapping (Gemma 3)
+    attention: str = "mha"  # "mha", or "gated": q_proj rows [q | gate] per head, the output x sigmoid(gate)
+    # before o_proj (Qwen3.5; ``gated_attention.py``)
     linear_attention: bool = False  # layer_types' "linear_attention" layers are Gated DeltaNets (Qwen3.5;
-                                    # ``deltanet.py``): a layer kind of their own
+    # ``deltanet.py``): a layer kind of their own
 
     def __post_init__(self):
         assert self.norms in NORM_PLACEMENTS and self.qk_norm in (None, "head", "full"), (self.norms, self.qk_norm)
@@ -88,10 +109,15 @@ def warn_unused(config, key: str, family: str) -> None:
     """A config setting the installed transformers stores but does not apply (so neither do we):
     warned once, never silently dropped."""
     import warnings
+
     value = getattr(config, key, None)
     if value:
-        warnings.warn(f"{family}: {key}={value!r} is not applied (transformers' own {family} model ignores it "
-                      f"too); training runs without it", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"{family}: {key}={value!r} is not applied (transformers' own {family} model ignores it "
+            f"too); training runs without it",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 class DenseAdapter:
@@ -103,31 +129,45 @@ class DenseAdapter:
     def __init__(self, family: DenseFamily, check=None):
         self.FAMILY, self.check = family, check
         self.DROPOUT_KEYS = family.dropout_keys
-        attn = ("self_attn.qkv_proj",) if family.fused_qkv else ("self_attn.q_proj", "self_attn.k_proj",
-                                                                  "self_attn.v_proj")
+        attn = (
+            ("self_attn.qkv_proj",)
+            if family.fused_qkv
+            else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        )
         mlp = ("mlp.gate_up_proj",) if family.fused_gate_up else ("mlp.gate_proj", "mlp.up_proj")
         self.LORA_TARGETS = attn + ("self_attn.o_proj",) + mlp + ("mlp.down_proj",)  # modules the ops call
 
     def check_tp(self, config, tp: int, world: int | None = None) -> None:
         """TP divides the query heads and the MLP width, and divides the kv heads or is a multiple of
         them (each kv head then replicated on TP / kv ranks: not with a fused qkv_proj yet)."""
-        check_divisible(tp, world, num_attention_heads=config.num_attention_heads,
-                        intermediate_size=config.intermediate_size)
+        check_divisible(
+            tp, world, num_attention_heads=config.num_attention_heads, intermediate_size=config.intermediate_size
+        )
         kv = kv_heads(config)
         if kv % tp and tp % kv:
-            valid = [t for t in range(1, config.num_attention_heads + 1)
-                     if config.num_attention_heads % t == 0 and config.intermediate_size % t == 0
-                     and (kv % t == 0 or t % kv == 0)]
-            raise ValueError(f"tensor_parallel.size {tp} with num_key_value_heads={kv}: TP must divide the kv heads or "
-                             f"be a multiple of them (each kv head replicated on TP / kv ranks); valid TP sizes: {valid}")
+            valid = [
+                t
+                for t in range(1, config.num_attention_heads + 1)
+                if config.num_attention_heads % t == 0
+                and config.intermediate_size % t == 0
+                and (kv % t == 0 or t % kv == 0)
+            ]
+            raise ValueError(
+                f"tensor_parallel.size {tp} with num_key_value_heads={kv}: TP must divide the kv heads or "
+                f"be a multiple of them (each kv head replicated on TP / kv ranks); valid TP sizes: {valid}"
+            )
         if tp > kv and self.FAMILY.qk_norm == "full":
-            raise ValueError(f"tensor_parallel.size {tp} > num_key_value_heads={kv} with {self.FAMILY.name}'s k norm "
-                             f"over all kv heads: replicated kv heads are not supported with it; use a TP size that "
-                             f"divides {kv}")
+            raise ValueError(
+                f"tensor_parallel.size {tp} > num_key_value_heads={kv} with {self.FAMILY.name}'s k norm "
+                f"over all kv heads: replicated kv heads are not supported with it; use a TP size that "
+                f"divides {kv}"
+            )
         if tp > kv and self.FAMILY.fused_qkv:
-            raise ValueError(f"tensor_parallel.size {tp} > num_key_value_heads={kv} with {self.FAMILY.name}'s fused "
-                             f"qkv_proj: replicating kv heads inside a fused projection is not supported yet; use a TP "
-                             f"size that divides {kv}")
+            raise ValueError(
+                f"tensor_parallel.size {tp} > num_key_value_heads={kv} with {self.FAMILY.name}'s fused "
+                f"qkv_proj: replicating kv heads inside a fused projection is not supported yet; use a TP "
+                f"size that divides {kv}"
+            )
         if self.FAMILY.linear_attention:
             deltanet.check_tp(config, tp, self.FAMILY.name)
         if self.check is not None:
@@ -145,23 +185,37 @@ class DenseAdapter:
         if self.FAMILY.linear_attention and deltanet.linear_layers(config):
             deltanet.check_cp(cp, self.FAMILY.name)
         if cp > 1 and self.FAMILY.attention == "gated":
-            raise ValueError(f"context_parallel.size {cp} with {self.FAMILY.name}'s output-gated attention is not "
-                             f"supported yet; use context_parallel.size 1")
+            raise ValueError(
+                f"context_parallel.size {cp} with {self.FAMILY.name}'s output-gated attention is not "
+                f"supported yet; use context_parallel.size 1"
+            )
         if cp > 1 and self.FAMILY.qk_norm == "full":
-            raise ValueError(f"context_parallel.size {cp} with {self.FAMILY.name}'s q/k norm over all heads (a "
-                             f"statistic over every head of a token, which context parallelism splits) is not "
-                             f"supported yet; use context_parallel.size 1")
+            raise ValueError(
+                f"context_parallel.size {cp} with {self.FAMILY.name}'s q/k norm over all heads (a "
+                f"statistic over every head of a token, which context parallelism splits) is not "
+                f"supported yet; use context_parallel.size 1"
+            )
         window = config_window(config)
         if cp > 1 and comm == "ring" and window is not None:
-            raise ValueError(f"context_parallel.comm 'ring' with {self.FAMILY.name}'s sliding-window layers "
-                             f"(sliding_window={window}) is not supported; use context_parallel.comm 'ulysses'")
+            raise ValueError(
+                f"context_parallel.comm 'ring' with {self.FAMILY.name}'s sliding-window layers "
+                f"(sliding_window={window}) is not supported; use context_parallel.comm 'ulysses'"
+            )
 
     def shard(self, model, tp: int, tp_rank: int) -> None:
         """Cut ``model``'s parameters to this TP rank's shards, in place (see :func:`shard`)."""
         shard(self.FAMILY, model, tp, tp_rank)
 
-    def build_graph(self, model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
-                    seed: int | None = None, cp: ContextShards | None = None) -> ModelGraph:
+    def build_graph(
+        self,
+        model,
+        tp: int = 1,
+        tp_rank: int = 0,
+        tp_group=None,
+        tp_grad_group=None,
+        seed: int | None = None,
+        cp: ContextShards | None = None,
+    ) -> ModelGraph:
         """Shard ``model`` in place for this TP rank and return its op graph; ``seed``: the base
         seed of its dropout masks (None: ``torch.initial_seed()``)."""
         config = model.config
@@ -175,16 +229,21 @@ def head_rows(config, head_dim: int, tp: int, tp_rank: int) -> torch.Tensor:
     """Rows of a fused ``[q | k | v]`` projection that hold this TP rank's query and kv heads."""
     nq, nk = config.num_attention_heads, kv_heads(config)
     q, k = nq * head_dim // tp, nk * head_dim // tp
-    return torch.cat([torch.arange(tp_rank * q, (tp_rank + 1) * q),
-                      nq * head_dim + torch.arange(tp_rank * k, (tp_rank + 1) * k),
-                      (nq + nk) * head_dim + torch.arange(tp_rank * k, (tp_rank + 1) * k)])
+    return torch.cat(
+        [
+            torch.arange(tp_rank * q, (tp_rank + 1) * q),
+            nq * head_dim + torch.arange(tp_rank * k, (tp_rank + 1) * k),
+            (nq + nk) * head_dim + torch.arange(tp_rank * k, (tp_rank + 1) * k),
+        ]
+    )
 
 
 def half_rows(inter: int, tp: int, tp_rank: int) -> torch.Tensor:
     """Rows of a fused ``[gate | up]`` projection that hold this TP rank's part of each half."""
     n = inter // tp
-    return torch.cat([torch.arange(tp_rank * n, (tp_rank + 1) * n),
-                      inter + torch.arange(tp_rank * n, (tp_rank + 1) * n)])
+    return torch.cat(
+        [torch.arange(tp_rank * n, (tp_rank + 1) * n), inter + torch.arange(tp_rank * n, (tp_rank + 1) * n)]
+    )
 
 
 def shard(family: DenseFamily, model, tp: int, tp_rank: int) -> None:
@@ -201,8 +260,9 @@ def shard(family: DenseFamily, model, tp: int, tp_rank: int) -> None:
         mlp = layer.mlp
         if family.fused_gate_up:
             for name in ("weight", "bias"):
-                shard_param(mlp.gate_up_proj, name, 0, tp_rank, tp, index=half_rows(model.config.intermediate_size,
-                                                                                    tp, tp_rank))
+                shard_param(
+                    mlp.gate_up_proj, name, 0, tp_rank, tp, index=half_rows(model.config.intermediate_size, tp, tp_rank)
+                )
         for lin in [] if family.fused_gate_up else [mlp.gate_proj, mlp.up_proj]:
             shard_param(lin, "weight", 0, tp_rank, tp)
             shard_param(lin, "bias", 0, tp_rank, tp)
@@ -248,11 +308,14 @@ def qkv_fn(family: DenseFamily, at, config, tp: int):
 def mlp_fns(family: DenseFamily, mlp):
     """``mlp.up`` (the projections) and ``mlp.down`` (activation, gate x up, down_proj; row-parallel)."""
     if family.fused_gate_up:
+
         def up(side, x):
             return tuple(mlp.gate_up_proj(x).chunk(2, dim=-1))
     else:
+
         def up(side, x):
             return mlp.gate_proj(x), mlp.up_proj(x)
+
     act = getattr(mlp, "act_fn", None) or mlp.activation_fn
 
     def glu(g, u):
@@ -272,8 +335,13 @@ def residual_fn(family: DenseFamily, layer, drop=None):
     if family.norms == "pre":
         return residual_ops(*biases, before_mlp=layer.post_attention_layernorm, drop=drop)
     before_mlp = layer.pre_feedforward_layernorm if family.norms == "sandwich" else None
-    return residual_ops(*biases, after_attn=layer.post_attention_layernorm, before_mlp=before_mlp,
-                        after_mlp=layer.post_feedforward_layernorm, drop=drop)
+    return residual_ops(
+        *biases,
+        after_attn=layer.post_attention_layernorm,
+        before_mlp=before_mlp,
+        after_mlp=layer.post_feedforward_layernorm,
+        drop=drop,
+    )
 
 
 def token_mixer(family: DenseFamily, index: int, layer, config, tp: int, draws: Draws, rotary_emb) -> dict:
@@ -285,26 +353,40 @@ def token_mixer(family: DenseFamily, index: int, layer, config, tp: int, draws: 
     at = layer.self_attn
     qk_norm = (at.q_norm, at.k_norm) if family.qk_norm == "head" else None
     apply = family.hf.apply_rotary_pos_emb if getattr(at, "use_rope", True) else None
-    core = attn_core_op(at, config, family.hf.eager_attention_forward, drop=Dropout.make(
-        draws, config.attention_dropout, index, at), window=layer_window(at, config),
-        rotary=rotary(apply, rotary_key(rotary_emb, config, index), qk_norm))
+    core = attn_core_op(
+        at,
+        config,
+        family.hf.eager_attention_forward,
+        drop=Dropout.make(draws, config.attention_dropout, index, at),
+        window=layer_window(at, config),
+        rotary=rotary(apply, rotary_key(rotary_emb, config, index), qk_norm),
+    )
     if family.attention == "gated":
         return {"mixer": lambda xin: gated_attention.mixer_ops(at, xin, core)}
-    return {"qkv": qkv_fn(family, at, config, tp), "attn_core": core,
-            "attn_out": lambda side, o: (project(at.o_proj, o, bias=False),)}
+    return {
+        "qkv": qkv_fn(family, at, config, tp),
+        "attn_core": core,
+        "attn_out": lambda side, o: (project(at.o_proj, o, bias=False),),
+    }
 
 
-def layer_ops(family: DenseFamily, index: int, layer, config, tp: int, tp_group, draws: Draws, rotary_emb,
-              cp=None):
-    norm = (lambda side, h: (h.view_as(h),)) if family.norms == "post" else \
-        (lambda side, h: (layer.input_layernorm(h),))
+def layer_ops(family: DenseFamily, index: int, layer, config, tp: int, tp_group, draws: Draws, rotary_emb, cp=None):
+    norm = (
+        (lambda side, h: (h.view_as(h),)) if family.norms == "post" else (lambda side, h: (layer.input_layernorm(h),))
+    )
     up, down = mlp_fns(family, layer.mlp)
     resid = family.resid_dropout and getattr(config, family.resid_dropout, 0.0)
     ops = dense_layer_ops(
-        tp, tp_group, cp=cp, heads=cp_heads(config, tp), attn_norm=norm,
+        tp,
+        tp_group,
+        cp=cp,
+        heads=cp_heads(config, tp),
+        attn_norm=norm,
         **token_mixer(family, index, layer, config, tp, draws, rotary_emb),
         residual=residual_fn(family, layer, Dropout.make(draws, resid, index, layer) if resid else None),
-        mlp_up=up, mlp_down=down, mlp_hidden=("gate", "up"),
+        mlp_up=up,
+        mlp_down=down,
+        mlp_hidden=("gate", "up"),
     )
     return full_qk_norm(ops, layer.self_attn, config, tp, tp_group) if family.qk_norm == "full" else ops
 
@@ -332,33 +414,56 @@ def full_qk_norm(ops: list, at, config, tp: int, tp_group) -> list:
     i = next(n for n, op in enumerate(ops) if op.name == "attn.core")
     core = ops[i]
     if tp == 1:
+
         def attend(side, q, k, v):
             ss = sums(q, k)
             return core.fn(side, normed(q, ss[0], 0), normed(k, ss[1], 1), v)
-        return ops[:i] + [comp("attn.core", ("q", "k", "v"), core.outputs, attend, selective=True)] + ops[i + 1:]
+
+        return ops[:i] + [comp("attn.core", ("q", "k", "v"), core.outputs, attend, selective=True)] + ops[i + 1 :]
 
     def attend_sharded(side, q, k, v, ss):
         return core.fn(side, normed(q, ss[0], 0), normed(k, ss[1], 1), v)
 
-    return ops[:i] + [comp("attn.qk_ss", ("q", "k"), ("ss",), lambda side, q, k: (sums(q, k),)),
-                      comm("attn.qk_ar", TensorAllReduce(tp_group, tp), "ss", "ssf"),
-                      comp("attn.core", ("q", "k", "v", "ssf"), core.outputs, attend_sharded, selective=True)] \
-        + ops[i + 1:]
+    return (
+        ops[:i]
+        + [
+            comp("attn.qk_ss", ("q", "k"), ("ss",), lambda side, q, k: (sums(q, k),)),
+            comm("attn.qk_ar", TensorAllReduce(tp_group, tp), "ss", "ssf"),
+            comp("attn.core", ("q", "k", "v", "ssf"), core.outputs, attend_sharded, selective=True),
+        ]
+        + ops[i + 1 :]
+    )
 
 
-def build_graph(family: DenseFamily, model, tp: int, tp_rank: int, tp_group, tp_grad_group, draws: Draws,
-                cp: ContextShards | None = None) -> ModelGraph:
+def build_graph(
+    family: DenseFamily,
+    model,
+    tp: int,
+    tp_rank: int,
+    tp_group,
+    tp_grad_group,
+    draws: Draws,
+    cp: ContextShards | None = None,
+) -> ModelGraph:
     config = model.config
     shard(family, model, tp, tp_rank)
     inner = model.model
     replicated = None
     if tp > 1:  # every parameter TP does not cut (norms, row-parallel biases, embedding, head) sees a sequence
         # shard; a replicated kv head's copies see their own query heads
-        replicated = mark_replicated([p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)
-                                      or hasattr(p, "tp_replica_slot")], tp_grad_group)
+        replicated = mark_replicated(
+            [
+                p
+                for p in model.parameters()
+                if not getattr(p, "tensor_model_parallel", False) or hasattr(p, "tp_replica_slot")
+            ],
+            tp_grad_group,
+        )
     blocks = [[embed_op(inner.embed_tokens)]]
-    blocks += [layer_ops(family, i, layer, config, tp, tp_group, draws, inner.rotary_emb, cp)
-               for i, layer in enumerate(inner.layers)]
+    blocks += [
+        layer_ops(family, i, layer, config, tp, tp_group, draws, inner.rotary_emb, cp)
+        for i, layer in enumerate(inner.layers)
+    ]
     cap = getattr(config, family.softcap, None) if family.softcap else None
     blocks.append(head_ops(inner.norm, model.lm_head, softcap=cap))
     side = rotary_side_fn(inner.rotary_emb, inner.embed_tokens, config, layer_windows(model))

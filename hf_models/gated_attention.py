@@ -14,13 +14,14 @@ The gate travels from ``attn.qkv`` to ``attn.out`` on this rank's heads; ``attn.
 projection (the norms run in ``attn.core``, HF's order) and ``attn.out`` is linear on the way to
 ``o_proj``'s weight, so SI can defer both weight gradients.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ds_dhelix.graph.model_graph import comp
 
-from .common import project
+from .lora import project
 
 
 def qkv_fn(at):
@@ -43,6 +44,8 @@ def mixer_ops(at, xin: str, core) -> list:
     def out(side, o, gate):
         return (project(at.o_proj, o * torch.sigmoid(gate), bias=False),)
 
-    return [comp("attn.qkv", (xin,), ("q", "k", "v", "gate"), qkv_fn(at), linear=True),
-            core,
-            comp("attn.out", ("o", "gate"), ("ao",), out, linear=True)]
+    return [
+        comp("attn.qkv", (xin,), ("q", "k", "v", "gate"), qkv_fn(at), linear=True),
+        core,
+        comp("attn.out", ("o", "gate"), ("ao",), out, linear=True),
+    ]

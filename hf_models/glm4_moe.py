@@ -4,16 +4,29 @@ machinery (``moe_family.py``): grouped-query attention with q/k/v biases, partia
 of q and k per head; DeepSeek-V3's group-limited sigmoid router and ungated shared experts; dense MLP
 layers before ``first_k_dense_replace``. Files store one ``gate_proj``/``up_proj``/``down_proj`` per
 expert under ``mlp``. Like HF's model: no load-balancing loss, ``e_score_correction_bias`` fixed."""
+
 from __future__ import annotations
 
 from transformers.models.glm4_moe import modeling_glm4_moe as hf
 
 from .moe_family import MoeAdapter, MoeFamily, check_groups, check_layers, grouped_sigmoid_route
 
-FAMILY = MoeFamily(name="GLM-4.5", family="glm4_moe", hf=hf, router="gate", block_jitter=None,
-                   experts_key="n_routed_experts", files_block="mlp", files_router="gate",
-                   files_experts=("gate_proj", "up_proj", "down_proj"), inter_key="moe_intermediate_size",
-                   shared_expert="plain", qk_norm="head", route=grouped_sigmoid_route, aux_loss=False)
+FAMILY = MoeFamily(
+    name="GLM-4.5",
+    family="glm4_moe",
+    hf=hf,
+    router="gate",
+    block_jitter=None,
+    experts_key="n_routed_experts",
+    files_block="mlp",
+    files_router="gate",
+    files_experts=("gate_proj", "up_proj", "down_proj"),
+    inter_key="moe_intermediate_size",
+    shared_expert="plain",
+    qk_norm="head",
+    route=grouped_sigmoid_route,
+    aux_loss=False,
+)
 
 
 def check_moe(config) -> None:

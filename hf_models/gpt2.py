@@ -27,6 +27,7 @@ Dropout: ``embd_pdrop`` in ``embed``, ``attn_pdrop`` in ``attn.core``, ``resid_p
 and MLP outputs in ``mlp.norm`` / ``mlp.add`` (after the reduce-scatter, so on the full sums), with
 masks seeded per micro-batch, layer, op and rank (``ds_dhelix.graph.draws``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,9 +38,23 @@ from transformers.models.gpt2 import modeling_gpt2 as hf
 from ds_dhelix.graph.draws import Draws
 from ds_dhelix.graph.model_graph import ModelGraph, comp
 
-from .common import (ContextShards, Dropout, causal_mask_side, check_divisible, check_dropout, cp_heads,
-                     dense_layer_ops, embed_op, head_ops, lean, make_side_fn, project, mark_replicated, sequential_residual,
-                     shard_param)
+from .common import (
+    ContextShards,
+    Dropout,
+    causal_mask_side,
+    check_divisible,
+    check_dropout,
+    cp_heads,
+    dense_layer_ops,
+    embed_op,
+    head_ops,
+    lean,
+    make_side_fn,
+    mark_replicated,
+    sequential_residual,
+    shard_param,
+)
+from .lora import project
 from .ring import AttentionCore
 
 CONTEXT_PARALLEL = True
@@ -55,8 +70,10 @@ def inner_size(config) -> int:
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
     if getattr(config, "add_cross_attention", False):
-        raise ValueError("GPT-2 with add_cross_attention=True is not supported by the ds_dhelix adapter; "
-                         "use a decoder-only GPT-2 config")
+        raise ValueError(
+            "GPT-2 with add_cross_attention=True is not supported by the ds_dhelix adapter; "
+            "use a decoder-only GPT-2 config"
+        )
     check_divisible(tp, world, n_head=config.num_attention_heads, n_inner=inner_size(config))
 
 
@@ -114,20 +131,31 @@ def layer_ops(index: int, block, config, tp: int, tp_group, draws, cp=None):
         return tuple(p.view(s, b, -1, hd).permute(1, 2, 0, 3) for p in parts)  # [b, n/t, s, d]
 
     return dense_layer_ops(
-        tp, tp_group, cp=cp, heads=cp_heads(config, tp),
+        tp,
+        tp_group,
+        cp=cp,
+        heads=cp_heads(config, tp),
         attn_norm=lambda side, h: (block.ln_1(h),),
         qkv=qkv,
         attn_core=attn_core_op(at, config, Dropout.make(draws, config.attn_pdrop, index, at)),
         attn_out=lambda side, o: (project(at.c_proj, o, bias=False),),
-        residual=sequential_residual(block.ln_2, at.c_proj.bias, mlp.c_proj.bias,
-                                     Dropout.make(draws, config.resid_pdrop, index, block)),
+        residual=sequential_residual(
+            block.ln_2, at.c_proj.bias, mlp.c_proj.bias, Dropout.make(draws, config.resid_pdrop, index, block)
+        ),
         mlp_up=lambda side, x: (mlp.c_fc(x),),
         mlp_down=lambda side, a: (project(mlp.c_proj, lean(mlp.act, a), bias=False),),
     )
 
 
-def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
-                seed: int | None = None, cp: ContextShards | None = None) -> ModelGraph:
+def build_graph(
+    model,
+    tp: int = 1,
+    tp_rank: int = 0,
+    tp_group=None,
+    tp_grad_group=None,
+    seed: int | None = None,
+    cp: ContextShards | None = None,
+) -> ModelGraph:
     """Shard ``model`` in place for this TP rank and return its op graph. Dropout (``embd_pdrop``,
     ``attn_pdrop``, ``resid_pdrop``) draws its masks from ``ds_dhelix.graph.draws`` (``seed``: their base
     seed, None: ``torch.initial_seed()``), so every schedule draws the same ones."""
@@ -141,13 +169,20 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     if tp > 1:
         replicated = [tr.wte.weight, tr.wpe.weight, tr.ln_f.weight, tr.ln_f.bias, model.lm_head.weight]
         for block in tr.h:
-            replicated += [block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias,
-                           block.attn.c_proj.bias, block.mlp.c_proj.bias]
+            replicated += [
+                block.ln_1.weight,
+                block.ln_1.bias,
+                block.ln_2.weight,
+                block.ln_2.bias,
+                block.attn.c_proj.bias,
+                block.mlp.c_proj.bias,
+            ]
         replicated = mark_replicated(replicated, tp_grad_group)  # a tied lm_head/wte is one parameter
 
     def eager_mask(batch, side):
-        return causal_mask_side(config, tr.wte.weight.dtype, side["seq_len"], tr.wte.weight.device,
-                                side.get("position_ids"), side)
+        return causal_mask_side(
+            config, tr.wte.weight.dtype, side["seq_len"], tr.wte.weight.device, side.get("position_ids"), side
+        )
 
     blocks = [[embed_op(tr.wte, pos_embed=tr.wpe, drop=Dropout.make(draws, config.embd_pdrop, -1, tr))]]
     blocks += [layer_ops(i, block, config, tp, tp_group, draws, cp) for i, block in enumerate(tr.h)]

@@ -25,17 +25,35 @@ Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
 With t = 1 the COMM ops are left out. Row-parallel biases are added once, after the
 reduce-scatter. Dropout is not applied (see ``build_graph``).
 """
+
 from __future__ import annotations
 
-import torch.nn.functional as F
 from transformers.models.gpt_neox import modeling_gpt_neox as hf
 
 from ds_dhelix.graph.draws import Draws
 from ds_dhelix.graph.model_graph import ModelGraph, comp
 
-from .common import (ContextShards, Dropout, attn_core_op, check_divisible, check_dropout, cp_heads, dense_layer_ops,
-                     dropped, embed_op, head_ops, lean, make_side_fn, project, mark_replicated, plus, rotary, rotary_side_fn,
-                     sequential_residual, shard_param)
+from .common import (
+    ContextShards,
+    Dropout,
+    attn_core_op,
+    check_divisible,
+    check_dropout,
+    cp_heads,
+    dense_layer_ops,
+    dropped,
+    embed_op,
+    head_ops,
+    lean,
+    make_side_fn,
+    mark_replicated,
+    plus,
+    rotary,
+    rotary_side_fn,
+    sequential_residual,
+    shard_param,
+)
+from .lora import project
 
 CONTEXT_PARALLEL = True
 """Attention runs with context parallelism (Ulysses or ring, ``common.context_attention``)."""
@@ -45,8 +63,9 @@ LORA_TARGETS = ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
-    check_divisible(tp, world, num_attention_heads=config.num_attention_heads,
-                    intermediate_size=config.intermediate_size)
+    check_divisible(
+        tp, world, num_attention_heads=config.num_attention_heads, intermediate_size=config.intermediate_size
+    )
 
 
 def shard(model, tp: int, tp_rank: int) -> None:
@@ -68,8 +87,11 @@ def residual(layer, drop=None):
         return sequential_residual(layer.post_attention_layernorm, at.dense.bias, mlp.dense_4h_to_h.bias, drop)
 
     def add(side, h, a, m):
-        return (dropped(plus(m, mlp.dense_4h_to_h.bias), drop, side, "mlp.resid")
-                + dropped(plus(a, at.dense.bias), drop, side, "attn.resid") + h,)
+        return (
+            dropped(plus(m, mlp.dense_4h_to_h.bias), drop, side, "mlp.resid")
+            + dropped(plus(a, at.dense.bias), drop, side, "attn.resid")
+            + h,
+        )
 
     def make(ar: str, mr: str):
         norm = comp("mlp.norm", ("h",), ("x2",), lambda side, h: (layer.post_attention_layernorm(h),))
@@ -88,11 +110,19 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws, cp=None):
         return fused.chunk(3, dim=-1)
 
     return dense_layer_ops(
-        tp, tp_group, cp=cp, heads=cp_heads(config, tp),
+        tp,
+        tp_group,
+        cp=cp,
+        heads=cp_heads(config, tp),
         attn_norm=lambda side, h: (layer.input_layernorm(h),),
         qkv=qkv,
-        attn_core=attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb),
-                               drop=Dropout.make(draws, config.attention_dropout, index, at)),
+        attn_core=attn_core_op(
+            at,
+            config,
+            hf.eager_attention_forward,
+            rotary=rotary(hf.apply_rotary_pos_emb),
+            drop=Dropout.make(draws, config.attention_dropout, index, at),
+        ),
         attn_out=lambda side, o: (project(at.dense, o, bias=False),),
         residual=residual(layer, Dropout.make(draws, config.hidden_dropout, index, layer)),
         mlp_up=lambda side, x: (mlp.dense_h_to_4h(x),),
@@ -100,8 +130,15 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws, cp=None):
     )
 
 
-def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None,
-                seed: int | None = None, cp: ContextShards | None = None) -> ModelGraph:
+def build_graph(
+    model,
+    tp: int = 1,
+    tp_rank: int = 0,
+    tp_group=None,
+    tp_grad_group=None,
+    seed: int | None = None,
+    cp: ContextShards | None = None,
+) -> ModelGraph:
     """Shard ``model`` in place for this TP rank and return its op graph. Dropout
     (``attention_dropout``, ``hidden_dropout``) draws its masks from ``ds_dhelix.graph.draws`` (``seed``:
     their base seed, None: ``torch.initial_seed()``)."""
@@ -113,12 +150,21 @@ def build_graph(model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_gro
     inner = model.gpt_neox
     replicated = None
     if tp > 1:
-        replicated = [inner.embed_in.weight, inner.final_layer_norm.weight, inner.final_layer_norm.bias,
-                      model.lm_head.weight]
+        replicated = [
+            inner.embed_in.weight,
+            inner.final_layer_norm.weight,
+            inner.final_layer_norm.bias,
+            model.lm_head.weight,
+        ]
         for layer in inner.layers:
-            replicated += [layer.input_layernorm.weight, layer.input_layernorm.bias,
-                           layer.post_attention_layernorm.weight, layer.post_attention_layernorm.bias,
-                           layer.attention.dense.bias, layer.mlp.dense_4h_to_h.bias]
+            replicated += [
+                layer.input_layernorm.weight,
+                layer.input_layernorm.bias,
+                layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.bias,
+                layer.attention.dense.bias,
+                layer.mlp.dense_4h_to_h.bias,
+            ]
         replicated = mark_replicated(replicated, tp_grad_group)
 
     blocks = [[embed_op(inner.embed_in)]]

@@ -5,6 +5,7 @@ clamped SwiGLU (``ExpertLayout`` gpt-oss); attention with q/k/v/o biases, a lear
 per head (eager attention: transformers has no sdpa kernel for sinks), and sliding-window layers
 alternating with full ones (``layer_types``). Files hold the fused expert tensors under their own
 names (no per-expert keys)."""
+
 from __future__ import annotations
 
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
@@ -13,9 +14,21 @@ from ds_dhelix.moe.experts import GPT_OSS_LAYOUT
 
 from .moe_family import MoeAdapter, MoeFamily, biased_softmax_route, check_top_k
 
-FAMILY = MoeFamily(name="gpt-oss", family="gpt_oss", hf=hf, router="router", block_jitter=None,
-                   experts_key="num_local_experts", files_block="mlp", files_router="router", files_experts=None,
-                   route=biased_softmax_route, layout=GPT_OSS_LAYOUT, sinks=True, sliding=True)
+FAMILY = MoeFamily(
+    name="gpt-oss",
+    family="gpt_oss",
+    hf=hf,
+    router="router",
+    block_jitter=None,
+    experts_key="num_local_experts",
+    files_block="mlp",
+    files_router="router",
+    files_experts=None,
+    route=biased_softmax_route,
+    layout=GPT_OSS_LAYOUT,
+    sinks=True,
+    sliding=True,
+)
 
 
 def check_moe(config) -> None:

@@ -2,6 +2,7 @@
 the dense family machinery (``dense_family.py``, where the layer's ops are listed): pre-norm,
 separate q/k/v and gate/up projections, biases where ``attention_bias`` / ``mlp_bias`` put them,
 RoPE of any ``rope_type`` transformers computes (``llama3`` included)."""
+
 from __future__ import annotations
 
 from transformers.models.llama import modeling_llama as hf

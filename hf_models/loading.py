@@ -15,6 +15,7 @@ writes.
 Reads happen in the checkpoint's dtype, one shard at a time, then the shard is cast to the run's
 dtype: a bf16 checkpoint is never upcast whole.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .lora import init_meta_factors, is_factor_name
-
+from .lora import is_factor_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -58,6 +58,7 @@ def checkpoint_source(model, name: str):
     writes: the adapter's mapping (experts stored one by one), else the name under transformers'
     own renamings (GPT-NeoX's ``lm_head`` is ``embed_out`` in files)."""
     from .adapters import adapter_for
+
     mapping = getattr(adapter_for(model.config), "checkpoint_source", None)
     source = mapping(name, model.config) if mapping is not None else None
     return source if source is not None else Key(file_name(model, name))
@@ -72,8 +73,12 @@ def file_name(model, name: str) -> str:
     if type(model) not in _RENAMINGS:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange, WeightRenaming
-        transforms = [t for t in get_model_conversion_mapping(model, add_legacy=False)
-                      if isinstance(t, WeightRenaming) and not isinstance(t, PrefixChange)]
+
+        transforms = [
+            t
+            for t in get_model_conversion_mapping(model, add_legacy=False)
+            if isinstance(t, WeightRenaming) and not isinstance(t, PrefixChange)
+        ]
         _RENAMINGS[type(model)] = [t.reverse_transform() for t in transforms[::-1]]
     return apply_renamings(name, _RENAMINGS[type(model)])
 
@@ -92,14 +97,18 @@ def prefixed_source(model, source):
         except ImportError:  # a transformers without key renamings
             _PREFIXES[type(model)] = []
         else:
-            _PREFIXES[type(model)] = [t.reverse_transform() for t in get_model_conversion_mapping(model, add_legacy=False)
-                                      if isinstance(t, PrefixChange)]
+            _PREFIXES[type(model)] = [
+                t.reverse_transform()
+                for t in get_model_conversion_mapping(model, add_legacy=False)
+                if isinstance(t, PrefixChange)
+            ]
     changes = _PREFIXES[type(model)]
     return _renamed(source, changes) if changes else None
 
 
 def _renamed(source, renamings):
     from transformers.core_model_loading import apply_renamings
+
     if isinstance(source, Key):
         return Key(apply_renamings(source.name, renamings))
     return Joined(source.dim, tuple(_renamed(p, renamings) for p in source.parts), source.sizes, source.stack)
@@ -138,12 +147,13 @@ class CheckpointFiles:
 
     def _map_keys(self) -> dict[str, str]:
         from safetensors import safe_open
+
         index = os.path.join(self.path, INDEX_FILE)
         if os.path.isfile(index):
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{index}: no \"weight_map\"; save the checkpoint again with save_pretrained")
+                raise ValueError(f'{index}: no "weight_map"; save the checkpoint again with save_pretrained')
             missing = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(self.path, v))})
             if missing:
                 raise ValueError(f"{index} names files that are not there: {missing}")
@@ -154,7 +164,8 @@ class CheckpointFiles:
             what = f"only {bins[0]}" + (f" (+{len(bins) - 1} more)" if len(bins) > 1 else "") if bins else "no weights"
             raise ValueError(
                 f"{self.path}: {what}; ds_dhelix reads safetensors files slice by slice. Convert once with "
-                f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True)")
+                f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True)"
+            )
         where = {}
         for name in files:
             with safe_open(os.path.join(self.path, name), framework="pt") as f:
@@ -169,6 +180,7 @@ class CheckpointFiles:
 
     def _slice(self, key: str):
         from safetensors import safe_open
+
         name = self._where[key]
         if name not in self._open:
             self._open[name] = safe_open(os.path.join(self.path, name), framework="pt")
@@ -181,7 +193,7 @@ class CheckpointFiles:
             return list(self._slice(source.name).get_shape())
         first = self.shape(source.parts[0])
         if source.stack:
-            return first[:source.dim] + [len(source.parts)] + first[source.dim:]
+            return first[: source.dim] + [len(source.parts)] + first[source.dim :]
         first[source.dim] = sum(source.extents())
         return first
 
@@ -207,8 +219,9 @@ class CheckpointFiles:
             if not source.stack:
                 inner[d] = index[hit] - lo
             piece = self.read(part, inner)
-            pieces.append(piece.unsqueeze(d).expand(*piece.shape[:d], hit.numel(), *piece.shape[d:])
-                          if source.stack else piece)
+            pieces.append(
+                piece.unsqueeze(d).expand(*piece.shape[:d], hit.numel(), *piece.shape[d:]) if source.stack else piece
+            )
         out = torch.cat(pieces, dim=d)
         position = torch.cat(order)
         if not torch.equal(position, torch.arange(len(position))):  # parts read in part order: restore
@@ -241,8 +254,7 @@ class CheckpointFiles:
 
 
 # --------------------------------------------------------------------------------------- the model
-def empty_model(path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
-                config=None):
+def empty_model(path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", config=None):
     """The HF causal LM of checkpoint directory ``path`` with its parameters on the meta device
     (buffers such as rotary frequencies are real) and tied weights tied; nothing is read."""
     import copy
@@ -251,10 +263,12 @@ def empty_model(path: str, dtype: torch.dtype = torch.float32, attn_implementati
     from transformers import AutoModelForCausalLM
 
     from .registry import family_attn_implementation, load_config
+
     config = copy.deepcopy(config if config is not None else load_config(path))
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation=family_attn_implementation(config, attn_implementation))
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=family_attn_implementation(config, attn_implementation)
+        )
     model.tie_weights()
     return model
 
@@ -280,8 +294,10 @@ def materialize(model, files: CheckpointFiles, dtype: torch.dtype | None = None,
         selection = getattr(p, "hf_selection", None) or {}
         want = [(_as_index(selection[d], n).numel() if d in selection else n) for d, n in enumerate(full)]
         if want != list(p.shape):
-            raise ValueError(f"{files.path}: {name} is {full} in the checkpoint; this rank's shard of it "
-                             f"{list(p.shape)} does not fit (does config.json match the weights?)")
+            raise ValueError(
+                f"{files.path}: {name} is {full} in the checkpoint; this rank's shard of it "
+                f"{list(p.shape)} does not fit (does config.json match the weights?)"
+            )
         data = files.read(source, selection).to(dtype or p.dtype).contiguous()
         keep = dict(p.__dict__)
         torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
@@ -311,8 +327,10 @@ def load_buffers(model, files: CheckpointFiles) -> int:
     for name, buf in persistent_buffers(model):
         source = _find(model, files, [name])
         if files.shape(source) != list(buf.shape):
-            raise ValueError(f"{files.path}: {name} is {files.shape(source)} in the checkpoint, the model's is "
-                             f"{list(buf.shape)} (does config.json match the weights?)")
+            raise ValueError(
+                f"{files.path}: {name} is {files.shape(source)} in the checkpoint, the model's is "
+                f"{list(buf.shape)} (does config.json match the weights?)"
+            )
         buf.copy_(files.read(source, {}).to(buf.dtype))
         total += buf.numel() * buf.element_size()
     return total
@@ -327,8 +345,10 @@ def _find(model, files: CheckpointFiles, names: list[str]):
             if all(leaf.name in files for leaf in leaves):
                 return source
             tried += [leaf.name for leaf in leaves if leaf.name not in files]
-    raise ValueError(f"{files.path}: no tensor for parameter {names[0]} (looked for {sorted(set(tried))[:4]}); "
-                     f"is this checkpoint of model_type {model.config.model_type!r}?")
+    raise ValueError(
+        f"{files.path}: no tensor for parameter {names[0]} (looked for {sorted(set(tried))[:4]}); "
+        f"is this checkpoint of model_type {model.config.model_type!r}?"
+    )
 
 
 def _leaves(source) -> list[Key]:

@@ -24,6 +24,7 @@ LoRA, DoRA, LoRA biases, ``modules_to_save``, trainable tokens, several adapters
 family's op graph does not call (``lora_targets`` of the adapter). ``adapter_tensors`` and
 ``adapter_config`` give back PEFT's files; ``merged`` the base weights with the adapter added.
 """
+
 from __future__ import annotations
 
 import re
@@ -88,9 +89,14 @@ _CLASSES: dict[type, type] = {}
 def _lora_class(cls: type) -> type:
     """``cls`` whose forward adds the module's LoRA term (one subclass per base class)."""
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Lora{cls.__name__}", (cls,), {
-            "forward": lambda self, x: project(self, x),
-            "__doc__": f"{cls.__name__} with a LoRA term (ds_dhelix.hf_models.lora)"})
+        _CLASSES[cls] = type(
+            f"Lora{cls.__name__}",
+            (cls,),
+            {
+                "forward": lambda self, x: project(self, x),
+                "__doc__": f"{cls.__name__} with a LoRA term (ds_dhelix.hf_models.lora)",
+            },
+        )
     return _CLASSES[cls]
 
 
@@ -98,9 +104,11 @@ def check_peft(peft_model, targets: tuple[str, ...], family: str) -> None:
     """``ValueError`` naming what of the PEFT model the engine cannot honour, if anything."""
     configs = peft_model.peft_config
     if len(configs) != 1:
-        raise ValueError(f"the PEFT model holds {len(configs)} adapters ({', '.join(configs)}); ds_dhelix trains one: "
-                         f"delete the others (delete_adapter) before initialize")
-    (name, cfg), = configs.items()
+        raise ValueError(
+            f"the PEFT model holds {len(configs)} adapters ({', '.join(configs)}); ds_dhelix trains one: "
+            f"delete the others (delete_adapter) before initialize"
+        )
+    ((name, cfg),) = configs.items()
     check_config(cfg)
     for path, module in peft_model.base_model.model.named_modules():
         if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
@@ -118,19 +126,34 @@ def check_config(cfg) -> None:
     if kind != "LORA":
         raise ValueError(f"PEFT adapter type {kind}: ds_dhelix shards and schedules LoRA only; use a LoraConfig")
     refusals = [
-        (getattr(cfg, "use_dora", False), "use_dora=True (DoRA's magnitude vector needs the whole weight's norm on "
-                                          "every rank)", "use_dora=False"),
-        (getattr(cfg, "bias", "none") != "none" or getattr(cfg, "lora_bias", False),
-         f"bias={cfg.bias!r} / lora_bias={getattr(cfg, 'lora_bias', False)} (trained biases)", "bias='none'"),
-        (bool(getattr(cfg, "modules_to_save", None)), f"modules_to_save={cfg.modules_to_save} (fully trained copies "
-                                                      f"of modules)", "modules_to_save=None"),
+        (
+            getattr(cfg, "use_dora", False),
+            "use_dora=True (DoRA's magnitude vector needs the whole weight's norm on every rank)",
+            "use_dora=False",
+        ),
+        (
+            getattr(cfg, "bias", "none") != "none" or getattr(cfg, "lora_bias", False),
+            f"bias={cfg.bias!r} / lora_bias={getattr(cfg, 'lora_bias', False)} (trained biases)",
+            "bias='none'",
+        ),
+        (
+            bool(getattr(cfg, "modules_to_save", None)),
+            f"modules_to_save={cfg.modules_to_save} (fully trained copies of modules)",
+            "modules_to_save=None",
+        ),
         (bool(getattr(cfg, "trainable_token_indices", None)), "trainable_token_indices", "leave it unset"),
-        (bool(getattr(cfg, "target_parameters", None)), f"target_parameters={cfg.target_parameters} (LoRA on "
-                                                        f"expert tensors)", "target projections by module name"),
+        (
+            bool(getattr(cfg, "target_parameters", None)),
+            f"target_parameters={cfg.target_parameters} (LoRA on expert tensors)",
+            "target projections by module name",
+        ),
         (bool(getattr(cfg, "layer_replication", None)), "layer_replication", "leave it unset"),
-        ((getattr(cfg, "lora_dropout", 0.0) or 0.0) > 0,
-         f"lora_dropout={cfg.lora_dropout} (its masks would be drawn outside dhelix.seed, so SI and sequential "
-         f"would differ)", "lora_dropout=0"),
+        (
+            (getattr(cfg, "lora_dropout", 0.0) or 0.0) > 0,
+            f"lora_dropout={cfg.lora_dropout} (its masks would be drawn outside dhelix.seed, so SI and sequential "
+            f"would differ)",
+            "lora_dropout=0",
+        ),
     ]
     for bad, what, fix in refusals:
         if bad:
@@ -139,15 +162,25 @@ def check_config(cfg) -> None:
 
 def _check_layer(path: str, module, adapter: str, targets: tuple[str, ...], family: str) -> None:
     if getattr(module, "merged", False):
-        raise ValueError(f"LoRA layer {path} is merged into its base weight; unmerge it (unmerge_adapter()) or "
-                         f"train the merged model without PEFT")
-    if not isinstance(module.lora_A, nn.ModuleDict) or adapter not in module.lora_A or \
-            not isinstance(module.base_layer, nn.Linear) and type(module.base_layer).__name__ != "Conv1D":
-        raise ValueError(f"LoRA layer {path} ({type(module.base_layer).__name__}) is not a LoRA linear layer; "
-                         f"target linear projections only")
+        raise ValueError(
+            f"LoRA layer {path} is merged into its base weight; unmerge it (unmerge_adapter()) or "
+            f"train the merged model without PEFT"
+        )
+    if (
+        not isinstance(module.lora_A, nn.ModuleDict)
+        or adapter not in module.lora_A
+        or not isinstance(module.base_layer, nn.Linear)
+        and type(module.base_layer).__name__ != "Conv1D"
+    ):
+        raise ValueError(
+            f"LoRA layer {path} ({type(module.base_layer).__name__}) is not a LoRA linear layer; "
+            f"target linear projections only"
+        )
     if not any(re.fullmatch(rf"(.*\.)?\d+\.{re.escape(t)}", path) for t in targets):
-        raise ValueError(f"LoRA on {path}: the {family} op graph does not call that module with an adapter; "
-                         f"target_modules may name: {', '.join(target_names(targets))}")
+        raise ValueError(
+            f"LoRA on {path}: the {family} op graph does not call that module with an adapter; "
+            f"target_modules may name: {', '.join(target_names(targets))}"
+        )
 
 
 def from_peft(model, targets: tuple[str, ...], family: str):
@@ -180,9 +213,11 @@ def from_peft(model, targets: tuple[str, ...], family: str):
 
 
 def _handed_over(*args, **kwargs):
-    raise RuntimeError("this PEFT model was given to ds_dhelix.initialize, which moved its LoRA layers into the "
-                       "sharded engine; save the adapter with engine.export_adapter(DIR) (DhelixTrainer.save_model "
-                       "does) and the merged model with engine.export_hf(DIR)")
+    raise RuntimeError(
+        "this PEFT model was given to ds_dhelix.initialize, which moved its LoRA layers into the "
+        "sharded engine; save the adapter with engine.export_adapter(DIR) (DhelixTrainer.save_model "
+        "does) and the merged model with engine.export_hf(DIR)"
+    )
 
 
 def init_meta_factors(model: nn.Module, seed: int) -> int:
@@ -192,6 +227,7 @@ def init_meta_factors(model: nn.Module, seed: int) -> int:
     adapter. Returns how many factors were drawn."""
     import math
     import zlib
+
     info = getattr(model, "dhelix_lora", None)
     drawn = 0
     for name, p in model.named_parameters():
@@ -199,10 +235,12 @@ def init_meta_factors(model: nn.Module, seed: int) -> int:
             continue
         init = info.config.init_lora_weights
         if init is not True:
-            raise ValueError(f"LoRA init_lora_weights={init!r} on a model built on the meta device (sharded loading): "
-                             f"ds_dhelix draws the factors as PEFT's default does (A Kaiming-uniform, B zero) and "
-                             f"cannot draw that one; use init_lora_weights=True, or load the model whole and "
-                             f"initialize the adapter before initialize")
+            raise ValueError(
+                f"LoRA init_lora_weights={init!r} on a model built on the meta device (sharded loading): "
+                f"ds_dhelix draws the factors as PEFT's default does (A Kaiming-uniform, B zero) and "
+                f"cannot draw that one; use init_lora_weights=True, or load the model whole and "
+                f"initialize the adapter before initialize"
+            )
         full = torch.zeros(info.shapes[name], dtype=p.dtype)
         if name.endswith(".lora_A"):
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

@@ -1,5 +1,6 @@
 """Mistral adapter: Llama without biases and with sliding-window attention on every layer
 (``sliding_window``; None: full causal attention)."""
+
 from __future__ import annotations
 
 from transformers.models.mistral import modeling_mistral as hf

@@ -21,6 +21,7 @@ The RoPE runs in ``attn.core`` (after Ulysses' all-to-all, over the whole sequen
 copy of the rope key: the same values as HF's rope-then-expand, its gradient summed over the
 heads after the rotation instead of before (fp32 rounding, within the HF tolerance).
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,9 +37,11 @@ def check_config(config, name: str) -> None:
     """``ValueError`` for an MLA config HF's own attention cannot run either."""
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if kv != heads:
-        raise ValueError(f"{name} with num_key_value_heads {kv} != num_attention_heads {heads}: multi-head latent "
-                         f"attention expands its latent into a key and value per query head; set "
-                         f"num_key_value_heads to {heads}")
+        raise ValueError(
+            f"{name} with num_key_value_heads {kv} != num_attention_heads {heads}: multi-head latent "
+            f"attention expands its latent into a key and value per query head; set "
+            f"num_key_value_heads to {heads}"
+        )
 
 
 def qkv_fn(at):
@@ -61,8 +64,7 @@ def qkv_fn(at):
 def rotary_fn(at, config, hf):
     """``attn_core_op``'s ``rotary``: RoPE on the last ``qk_rope_head_dim`` dims of q and k."""
     dn = at.qk_nope_head_dim
-    apply = hf.apply_rotary_pos_emb_interleave if getattr(config, "rope_interleave", False) else \
-        hf.apply_rotary_pos_emb
+    apply = hf.apply_rotary_pos_emb_interleave if getattr(config, "rope_interleave", False) else hf.apply_rotary_pos_emb
 
     def fn(q, k, side):
         q_pass, q_rot = q[..., :dn], q[..., dn:]

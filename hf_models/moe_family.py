@@ -42,6 +42,7 @@ router through the ordinary backward of the op graph, under SI as well (families
 no such loss emit none). HF state_dict keys never change: expert shards keep their names and are
 gathered back to ``[E, ...]`` by global expert id.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,59 +51,95 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds_dhelix.runtime.comm import HostCopies, SeqAllGather, SeqReduceScatter
 from ds_dhelix.graph.draws import Draws, draw_seed, seeded_rng
 from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
 from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll
-from ds_dhelix.runtime.groups import ExpertGroups
-from ds_dhelix.moe.experts import (DEFAULT_LAYOUT, ExpertLayout, layout_act, run_expert_down, run_expert_up,
-                                   shard_experts, use_grouped_mm)
-from ds_dhelix.moe.metrics import MoeMetrics
+from ds_dhelix.moe.experts import (
+    DEFAULT_LAYOUT,
+    ExpertLayout,
+    layout_act,
+    run_expert_down,
+    run_expert_up,
+    shard_experts,
+    use_grouped_mm,
+)
 from ds_dhelix.moe.kernels import make_kernels
-from ds_dhelix.moe.router import (aux_piece, grouped_sigmoid_topk, load_balancing_loss, local_counts,
-                                  route_tokens, softmax_after_topk)
+from ds_dhelix.moe.metrics import MoeMetrics
+from ds_dhelix.moe.router import (
+    aux_piece,
+    grouped_sigmoid_topk,
+    load_balancing_loss,
+    local_counts,
+    route_tokens,
+    softmax_after_topk,
+)
+from ds_dhelix.runtime.comm import HostCopies, SeqAllGather, SeqReduceScatter
+from ds_dhelix.runtime.groups import ExpertGroups
 
 from . import deltanet, gated_attention, mla
-from .common import (ContextShards, Dropout, attn_core_op, causal_mask_side, check_divisible, check_dropout,
-                     context_attention, cp_heads, embed_op, head_ops, layer_window, layer_windows, lean,
-                     loss_denominator, make_side_fn, mark_replicated, project, qkv_projections, rotary,
-                     rotary_side_fn, shard_param, side_positions)
+from .common import (
+    ContextShards,
+    Dropout,
+    attn_core_op,
+    causal_mask_side,
+    check_divisible,
+    check_dropout,
+    context_attention,
+    cp_heads,
+    embed_op,
+    head_ops,
+    layer_window,
+    layer_windows,
+    lean,
+    loss_denominator,
+    make_side_fn,
+    mark_replicated,
+    qkv_projections,
+    rotary,
+    rotary_side_fn,
+    shard_param,
+    side_positions,
+)
+from .lora import project
 
 
 @dataclass(frozen=True)
 class MoeFamily:
     """What differs between the MoE families this machinery runs."""
 
-    name: str                 # "Phi-MoE", for messages
-    family: str               # the graph's family tag
-    hf: object                # the transformers modeling module (eager attention, rotary)
-    router: str               # the router's attribute on the sparse block ("router", "gate")
+    name: str  # "Phi-MoE", for messages
+    family: str  # the graph's family tag
+    hf: object  # the transformers modeling module (eager attention, rotary)
+    router: str  # the router's attribute on the sparse block ("router", "gate")
     block_jitter: str | None  # the block's input-jitter attribute ("input_jitter_noise", "jitter_noise")
-    experts_key: str          # the config key of the expert count
-    files_block: str          # the block's name in the files save_pretrained writes
-    files_router: str         # the router's name there
+    experts_key: str  # the config key of the expert count
+    files_block: str  # the block's name in the files save_pretrained writes
+    files_router: str  # the router's name there
     files_experts: tuple | None  # (gate, up, down) names of one expert there; None: the fused tensors' own names
     inter_key: str = "intermediate_size"  # the config key of one expert's hidden size
     shared_expert: str | None = None  # "gated": shared_expert x sigmoid(shared_expert_gate(x)) (Qwen2-MoE);
-                                      # "plain": shared_experts(x), an MLP of n_shared_experts x the expert width
-    qk_norm: str | None = None  # RMSNorm of q and k: "head" (over head_dim, Qwen3) or "full" (the whole projection, OLMoE)
+    # "plain": shared_experts(x), an MLP of n_shared_experts x the expert width
+    qk_norm: str | None = (
+        None  # RMSNorm of q and k: "head" (over head_dim, Qwen3) or "full" (the whole projection, OLMoE)
+    )
     noise_keys: tuple = ()  # config keys of the router's random draws while training (jitter; 0 = off)
     attention: str = "mha"  # "mha" (q/k/v projections), "mla" (multi-head latent attention, ``mla.py``) or "gated"
-                            # (q_proj rows [q | gate] per head, output x sigmoid(gate): ``gated_attention.py``)
+    # (q_proj rows [q | gate] per head, output x sigmoid(gate): ``gated_attention.py``)
     linear_attention: bool = False  # layer_types' "linear_attention" layers are Gated DeltaNets (``deltanet.py``)
-    route: object = None    # (gate, x) -> (logits, top-k weights, top-k experts); None: the HF router module's own
-    aux_loss: bool = True   # HF trains the load-balancing loss (router_aux_loss_coef) for this family
+    route: object = None  # (gate, x) -> (logits, top-k weights, top-k experts); None: the HF router module's own
+    aux_loss: bool = True  # HF trains the load-balancing loss (router_aux_loss_coef) for this family
     layout: ExpertLayout = DEFAULT_LAYOUT  # how the fused expert tensors hold an expert (``ExpertLayout``)
-    sinks: bool = False     # attention sinks: a learned logit per head (gpt-oss; eager attention)
-    sliding: bool = False   # per-layer sliding windows (``config.layer_types``; the module's ``sliding_window``)
+    sinks: bool = False  # attention sinks: a learned logit per head (gpt-oss; eager attention)
+    sliding: bool = False  # per-layer sliding windows (``config.layer_types``; the module's ``sliding_window``)
 
     def num_experts(self, config) -> int:
         return getattr(config, self.experts_key)
 
 
 def check_tp(config, tp: int, world: int | None = None) -> None:
-    check_divisible(tp, world, num_attention_heads=config.num_attention_heads,
-                    num_key_value_heads=config.num_key_value_heads)
+    check_divisible(
+        tp, world, num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads
+    )
 
 
 class MoeAdapter:
@@ -116,8 +153,11 @@ class MoeAdapter:
     def __init__(self, family: MoeFamily, check_moe, max_tp: tuple[int, str] | None = None):
         self.FAMILY, self.check_moe, self.max_tp = family, check_moe, max_tp
         # the attention projections the op graph calls (not the experts: fused tensors, no modules)
-        self.LORA_TARGETS = MLA_LORA_TARGETS if family.attention == "mla" else \
-            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+        self.LORA_TARGETS = (
+            MLA_LORA_TARGETS
+            if family.attention == "mla"
+            else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+        )
 
     def check_cp(self, config, cp: int, comm: str) -> None:
         """Context parallelism the family's attention cannot take, refused in one line."""
@@ -125,21 +165,29 @@ class MoeAdapter:
         if f.linear_attention and deltanet.linear_layers(config):
             deltanet.check_cp(cp, f.name)
         if cp > 1 and f.attention == "gated":
-            raise ValueError(f"context_parallel.size {cp} with {f.name}'s output-gated attention is not supported "
-                             f"yet; use context_parallel.size 1")
+            raise ValueError(
+                f"context_parallel.size {cp} with {f.name}'s output-gated attention is not supported "
+                f"yet; use context_parallel.size 1"
+            )
         if cp > 1 and f.sinks:
-            raise ValueError(f"context_parallel.size {cp} with {f.name}'s attention sinks (eager attention with a "
-                             f"sink logit per head) is not supported yet; use context_parallel.size 1")
+            raise ValueError(
+                f"context_parallel.size {cp} with {f.name}'s attention sinks (eager attention with a "
+                f"sink logit per head) is not supported yet; use context_parallel.size 1"
+            )
         if cp > 1 and comm == "ring" and f.attention == "mla":
-            raise ValueError(f"context_parallel.comm 'ring' with {f.name}'s multi-head latent attention (q/k and v "
-                             f"of other widths) is not supported; use context_parallel.comm 'ulysses'")
+            raise ValueError(
+                f"context_parallel.comm 'ring' with {f.name}'s multi-head latent attention (q/k and v "
+                f"of other widths) is not supported; use context_parallel.comm 'ulysses'"
+            )
 
     def check_aux(self, coef: float | None) -> None:
         """``ValueError`` for a load-balancing loss weight on a family whose HF model trains none."""
         if coef and not self.FAMILY.aux_loss:
-            raise ValueError(f"dhelix.expert_parallel.aux_loss_coef {coef} with {self.FAMILY.name}: its HF model has no "
-                             f"load-balancing loss (the router balances through e_score_correction_bias); remove "
-                             f"the key or set it to 0")
+            raise ValueError(
+                f"dhelix.expert_parallel.aux_loss_coef {coef} with {self.FAMILY.name}: its HF model has no "
+                f"load-balancing loss (the router balances through e_score_correction_bias); remove "
+                f"the key or set it to 0"
+            )
 
     @property
     def NOISE_KEYS(self) -> tuple[str, ...]:
@@ -162,6 +210,7 @@ class MoeAdapter:
     def check_ep(self, config, ep: int, dp_size: int | None = None) -> None:
         """``ValueError`` unless ``ep`` divides the experts (and the DP size), listing valid sizes."""
         from ds_dhelix.moe.experts import check_ep as check_sizes
+
         self.check_moe(config)
         f = self.FAMILY
         check_sizes(f.num_experts(config), config.num_experts_per_tok, ep, dp_size, key=f.experts_key)
@@ -175,16 +224,22 @@ class MoeAdapter:
     def build_graph(self, model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None, **options):
         """Shard ``model`` in place for this TP and EP rank and return its op graph (options: see
         :func:`build_graph`)."""
-        return build_graph(self.FAMILY, model, tp, tp_rank, tp_group, tp_grad_group, check_ep=self.check_ep,
-                           **options)
+        return build_graph(self.FAMILY, model, tp, tp_rank, tp_group, tp_grad_group, check_ep=self.check_ep, **options)
 
 
 def grouped_sigmoid_route(gate, x):
     """``MoeFamily.route`` of DeepSeek-V3 and GLM-4.5 (``moe.router.grouped_sigmoid_topk``): fp32
     logits of the router weight, ``e_score_correction_bias`` for the choice only."""
     logits = F.linear(x.float(), gate.weight.float())
-    weights, experts = grouped_sigmoid_topk(logits, gate.top_k, gate.e_score_correction_bias, gate.num_group,
-                                            gate.topk_group, gate.norm_topk_prob, gate.routed_scaling_factor)
+    weights, experts = grouped_sigmoid_topk(
+        logits,
+        gate.top_k,
+        gate.e_score_correction_bias,
+        gate.num_group,
+        gate.topk_group,
+        gate.norm_topk_prob,
+        gate.routed_scaling_factor,
+    )
     return logits, weights, experts
 
 
@@ -202,17 +257,27 @@ def check_groups(config, name: str) -> None:
     if groups < 1 or num % groups:
         raise ValueError(f"{name}: n_group {groups} must divide n_routed_experts {num}")
     if groups > 1 and num // groups < 2:
-        raise ValueError(f"{name}: n_group {groups} leaves {num // groups} expert per group; a group scores its two "
-                         f"best experts: use n_group <= {num // 2}")
+        raise ValueError(
+            f"{name}: n_group {groups} leaves {num // groups} expert per group; a group scores its two "
+            f"best experts: use n_group <= {num // 2}"
+        )
     if not 1 <= keep <= groups:
         raise ValueError(f"{name}: topk_group {keep} must lie in 1..n_group {groups}")
     if not 1 <= k <= keep * (num // groups):
-        raise ValueError(f"{name}: num_experts_per_tok {k} with topk_group {keep} of n_group {groups}: a token picks "
-                         f"among {keep * (num // groups)} experts; use 1..{keep * (num // groups)}")
+        raise ValueError(
+            f"{name}: num_experts_per_tok {k} with topk_group {keep} of n_group {groups}: a token picks "
+            f"among {keep * (num // groups)} experts; use 1..{keep * (num // groups)}"
+        )
 
 
-MLA_LORA_TARGETS = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
-                    "self_attn.kv_b_proj", "self_attn.o_proj")
+MLA_LORA_TARGETS = (
+    "self_attn.q_proj",
+    "self_attn.q_a_proj",
+    "self_attn.q_b_proj",
+    "self_attn.kv_a_proj_with_mqa",
+    "self_attn.kv_b_proj",
+    "self_attn.o_proj",
+)
 
 
 def check_top_k(config, key: str) -> None:
@@ -245,9 +310,11 @@ def check_layers(config, name: str) -> None:
     if step is not None and step < 1:
         raise ValueError(f"{name}: decoder_sparse_step {step} must be >= 1")
     if len(dense_layers(config)) == n:
-        raise ValueError(f"{name}: every one of its {n} layers is dense (first_k_dense_replace / mlp_only_layers / "
-                         f"decoder_sparse_step), so the model has no experts; train it as a dense model or keep "
-                         f"some MoE layers")
+        raise ValueError(
+            f"{name}: every one of its {n} layers is dense (first_k_dense_replace / mlp_only_layers / "
+            f"decoder_sparse_step), so the model has no experts; train it as a dense model or keep "
+            f"some MoE layers"
+        )
 
 
 def is_sparse(layer) -> bool:
@@ -260,6 +327,7 @@ def checkpoint_source(family: MoeFamily, name: str, config):
     its file name; expert ``e``'s gate and up rows make ``gate_up_proj[e]``, its down projection
     ``down_proj[e]`` (None: the name itself)."""
     from .loading import Joined, Key
+
     head, sep, leaf = name.partition(".mlp.")
     if not sep or family.files_experts is None:
         return None
@@ -269,8 +337,18 @@ def checkpoint_source(family: MoeFamily, name: str, config):
     if leaf == f"{family.router}.weight":
         return Key(f"{block}.{family.files_router}.weight")
     if leaf == "experts.gate_up_proj":
-        return Joined(0, tuple(Joined(0, (Key(f"{block}.experts.{e}.{gate}.weight"), Key(f"{block}.experts.{e}.{up}.weight")),
-                                      sizes=(inter, inter)) for e in range(n)), stack=True)
+        return Joined(
+            0,
+            tuple(
+                Joined(
+                    0,
+                    (Key(f"{block}.experts.{e}.{gate}.weight"), Key(f"{block}.experts.{e}.{up}.weight")),
+                    sizes=(inter, inter),
+                )
+                for e in range(n)
+            ),
+            stack=True,
+        )
     if leaf == "experts.down_proj":
         return Joined(0, tuple(Key(f"{block}.experts.{e}.{down}.weight") for e in range(n)), stack=True)
     return Key(f"{block}.{leaf}")
@@ -312,6 +390,7 @@ def qkv_op(at, qk_norm: str | None):
         def fn(side, xf):
             q, k, v = project(side, xf)
             return at.q_norm(q), at.k_norm(k), v
+
         return fn
     hd = at.head_dim
 
@@ -319,6 +398,7 @@ def qkv_op(at, qk_norm: str | None):
         s, b, _ = xf.shape
         q, k, v = at.q_norm(at.q_proj(xf)), at.k_norm(at.k_proj(xf)), at.v_proj(xf)
         return tuple(t.view(s, b, -1, hd).permute(1, 2, 0, 3) for t in (q, k, v))
+
     return full
 
 
@@ -333,21 +413,33 @@ def mixer_ops(index: int, layer, config, tp: int, draws, family: MoeFamily, xin:
     window = layer_window(at, config) if family.sliding else None
     if family.attention == "gated":
         norms = (at.q_norm, at.k_norm) if hasattr(at, "q_norm") else None
-        core = attn_core_op(at, config, hf.eager_attention_forward, rotary=rotary(hf.apply_rotary_pos_emb, None, norms),
-                            drop=drop, window=window)
+        core = attn_core_op(
+            at,
+            config,
+            hf.eager_attention_forward,
+            rotary=rotary(hf.apply_rotary_pos_emb, None, norms),
+            drop=drop,
+            window=window,
+        )
         return gated_attention.mixer_ops(at, xin, core)
     if family.attention == "mla":  # the latent projections and their norms: not linear on the way to q_b/kv_b
-        qkv, rope, widths = comp("attn.qkv", (xin,), ("q", "k", "v"), mla.qkv_fn(at)), \
-            mla.rotary_fn(at, config, hf), mla.head_dims(at)
+        qkv, rope, widths = (
+            comp("attn.qkv", (xin,), ("q", "k", "v"), mla.qkv_fn(at)),
+            mla.rotary_fn(at, config, hf),
+            mla.head_dims(at),
+        )
     else:
         qk_norm = family.qk_norm if hasattr(at, "q_norm") else None  # (GLM-4.5: only with use_qk_norm)
         qkv = comp("attn.qkv", (xin,), ("q", "k", "v"), qkv_op(at, qk_norm), linear=qk_norm is None)
         rope, widths = rotary(hf.apply_rotary_pos_emb), None
     return context_attention(
-        cp, cp_heads(config, tp), qkv,
+        cp,
+        cp_heads(config, tp),
+        qkv,
         attn_core_op(at, config, hf.eager_attention_forward, rotary=rope, drop=drop, window=window),
         comp("attn.out", ("o",), ("ao",), lambda side, o: (project(at.o_proj, o, bias=False),), linear=True),
-        widths=widths)
+        widths=widths,
+    )
 
 
 def attention_ops(index: int, layer, config, tp: int, tp_group, draws, family: MoeFamily, cp=None):
@@ -371,16 +463,44 @@ def attention_ops(index: int, layer, config, tp: int, tp_group, draws, family: M
 
 def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics: MoeMetrics, family: MoeFamily):
     """``moe.router`` .. ``moe.add`` of layer ``index``."""
-    block = layer.mlp
+    block, ep, cf = layer.mlp, ep_groups.size, settings["capacity_factor"]
+    kernels = settings["kernels"]
+
+    def add(side, h2, ys, w, *shared):
+        routed = kernels.decode(ys, w, side["moe"][index]).view(h2.shape)
+        return (h2 + (routed + shared[0] if shared else routed),)  # HF's order: (routed + shared) + residual
+
+    aux = (f"aux.{index}",) if family.aux_loss else ()
+    ops = [comp("moe.router", ("x2",), ("xs", "w") + aux, _router_fn(index, block, family, ep, settings, metrics))]
+    if ep > 1:
+        if cf is None:  # dropless: the split sizes travel first, asynchronously
+            ops.append(
+                comm("moe.counts", CountExchange(index, ep_groups, metrics, settings["host_copies"]), "xs", "xc")
+            )
+        dispatch = ExpertAllToAll(index, ep_groups, True, metrics)
+        ops.append(comm("moe.dispatch", dispatch, "xs" if cf is not None else "xc", "xr"))
+    ops += _shared_ops(block, family) + _expert_ops(index, block, family, ep, settings["grouped_mm"])
+    if ep > 1:
+        ops.append(comm("moe.combine", ExpertAllToAll(index, ep_groups, False, metrics), "yr", "ys"))
+    ops.append(comp("moe.add", ("h2", "ys", "w") + (("ysh",) if family.shared_expert else ()), ("h",), add))
+    return ops
+
+
+def _router_fn(index: int, block, family: MoeFamily, ep: int, settings: dict, metrics: MoeMetrics):
+    """The ``moe.router`` op's body: router noise drawn from the run's seed, logits, top-k, the
+    tokens' copies sorted by expert (``route_tokens``), the aux-loss piece."""
     gate = getattr(block, family.router)
-    num_experts, top_k, ep = family.num_experts(settings["config"]), gate.top_k, ep_groups.size
-    cf, grouped, base_seed, rank, kernels, copies = (settings[k] for k in ("capacity_factor", "grouped_mm", "seed",
-                                                                           "rank", "kernels", "host_copies"))
+    num_experts, top_k = family.num_experts(settings["config"]), gate.top_k
+    cf, base_seed, rank, kernels = (settings[k] for k in ("capacity_factor", "seed", "rank", "kernels"))
+    grouped, copies = settings["grouped_mm"], settings["host_copies"]
 
     def router(side, x2):
         x = x2.reshape(-1, x2.shape[-1])
-        noise = seeded_rng(x.device, draw_seed(base_seed, side["serial"], index, rank)) \
-            if block.training else contextlib.nullcontext()
+        noise = (
+            seeded_rng(x.device, draw_seed(base_seed, side["serial"], index, rank))
+            if block.training
+            else contextlib.nullcontext()
+        )
         with noise:
             eps = getattr(block, family.block_jitter) if family.block_jitter else 0.0
             if block.training and eps > 0:  # the sparse block's input jitter (HF: in place, the experts see it)
@@ -396,34 +516,42 @@ def moe_ops(index: int, layer, ep_groups: ExpertGroups, settings: dict, metrics:
             metrics.record_route(index, route.counts, route.dropped if route.padded else None)
         return (xs, weights) + ((aux_piece(logits, top_k),) if family.aux_loss else ())
 
-    def add(side, h2, ys, w, *shared):
-        routed = kernels.decode(ys, w, side["moe"][index]).view(h2.shape)
-        return (h2 + (routed + shared[0] if shared else routed),)  # HF's order: (routed + shared) + residual
+    return router
 
-    xr, yr = ("xr", "yr") if ep > 1 else ("xs", "ys")
-    ops = [comp("moe.router", ("x2",), ("xs", "w") + ((f"aux.{index}",) if family.aux_loss else ()), router)]
-    if ep > 1:
-        if cf is None:  # dropless: the split sizes travel first, asynchronously
-            ops.append(comm("moe.counts", CountExchange(index, ep_groups, metrics, copies), "xs", "xc"))
-        ops.append(comm("moe.dispatch", ExpertAllToAll(index, ep_groups, True, metrics),
-                        "xs" if cf is not None else "xc", "xr"))
-    if family.shared_expert == "gated":  # right after the dispatch: it computes while the routed tokens are in flight
-        ops.append(comp("moe.shared", ("x2",), ("ysh",), lambda side, x: (
-            torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x),)))
-    elif family.shared_expert == "plain":
-        ops.append(comp("moe.shared", ("x2",), ("ysh",), lambda side, x: (block.shared_experts(x),)))
+
+def _shared_ops(block, family: MoeFamily) -> list:
+    """The shared expert, right after the dispatch: it computes while the routed tokens are in flight."""
+    if family.shared_expert == "gated":
+        return [
+            comp(
+                "moe.shared",
+                ("x2",),
+                ("ysh",),
+                lambda side, x: (torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x),),
+            )
+        ]
+    if family.shared_expert == "plain":
+        return [comp("moe.shared", ("x2",), ("ysh",), lambda side, x: (block.shared_experts(x),))]
+    return []
+
+
+def _expert_ops(index: int, block, family: MoeFamily, ep: int, grouped) -> list:
+    """``moe.experts.up`` / ``.act`` / ``.down`` on this EP rank's experts."""
     experts, layout = block.experts, family.layout
     act = layout_act(layout, experts)
-    ops += [comp("moe.experts.up", (xr,), ("xg",),
-                 lambda side, x: (run_expert_up(x, side["moe"][index], experts, ep, grouped, layout),), linear=True),
-            comp("moe.experts.act", ("xg",), ("xa",), lambda side, g: (act(g),), selective=True),
-            comp("moe.experts.down", ("xa",), (yr,),
-                 lambda side, a: (run_expert_down(a, side["moe"][index], experts, ep, grouped, layout),),
-                 linear=True)]
-    if ep > 1:
-        ops.append(comm("moe.combine", ExpertAllToAll(index, ep_groups, False, metrics), "yr", "ys"))
-    ops.append(comp("moe.add", ("h2", "ys", "w") + (("ysh",) if family.shared_expert else ()), ("h",), add))
-    return ops
+    xr, yr = ("xr", "yr") if ep > 1 else ("xs", "ys")
+
+    def up(side, x):
+        return (run_expert_up(x, side["moe"][index], experts, ep, grouped, layout),)
+
+    def down(side, a):
+        return (run_expert_down(a, side["moe"][index], experts, ep, grouped, layout),)
+
+    return [
+        comp("moe.experts.up", (xr,), ("xg",), up, linear=True),
+        comp("moe.experts.act", ("xg",), ("xa",), lambda side, g: (act(g),), selective=True),
+        comp("moe.experts.down", ("xa",), (yr,), down, linear=True),
+    ]
 
 
 def dense_mlp_ops(layer) -> list:
@@ -440,10 +568,18 @@ def dense_mlp_ops(layer) -> list:
     def glu(g, u):
         return mlp.act_fn(g) * u
 
-    return [comp("mlp.up", ("x2",), ("gate", "up"), lambda side, x: (mlp.gate_proj(x), mlp.up_proj(x)), linear=True),
-            comp("mlp.down", ("gate", "up"), ("mo",), lambda side, g, u: (mlp.down_proj(lean(glu, g, u)),),
-                 linear=True, selective=True),
-            comp("mlp.add", ("h2", "mo"), ("h",), lambda side, h2, m: (h2 + m,))]
+    return [
+        comp("mlp.up", ("x2",), ("gate", "up"), lambda side, x: (mlp.gate_proj(x), mlp.up_proj(x)), linear=True),
+        comp(
+            "mlp.down",
+            ("gate", "up"),
+            ("mo",),
+            lambda side, g, u: (mlp.down_proj(lean(glu, g, u)),),
+            linear=True,
+            selective=True,
+        ),
+        comp("mlp.add", ("h2", "mo"), ("h",), lambda side, h2, m: (h2 + m,)),
+    ]
 
 
 def loss_op(config, sparse: list[int], coef: float, tp: int, tp_grad_group, metrics: MoeMetrics, num_experts: int):
@@ -457,11 +593,13 @@ def loss_op(config, sparse: list[int], coef: float, tp: int, tp_grad_group, metr
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         from torch.distributed.nn.functional import all_reduce
+
         return all_reduce(t, group=tp_grad_group)
 
     def fn(side, logits, *pieces):
-        ce = F.cross_entropy(logits.float().flatten(0, 1), side["targets"].flatten(),
-                             ignore_index=-100, reduction="sum") / loss_denominator(side)
+        ce = F.cross_entropy(
+            logits.float().flatten(0, 1), side["targets"].flatten(), ignore_index=-100, reduction="sum"
+        ) / loss_denominator(side)
         if not pieces:  # a family without HF's load-balancing loss (DeepSeek-V3, GLM-4.5)
             return (ce,)
         tokens = logits.shape[0] * logits.shape[1]
@@ -472,52 +610,74 @@ def loss_op(config, sparse: list[int], coef: float, tp: int, tp_grad_group, metr
     return comp("head.loss", ("logits",) + keys, ("loss",), fn)
 
 
-def build_graph(family: MoeFamily, model, tp: int = 1, tp_rank: int = 0, tp_group=None, tp_grad_group=None, *,
-                ep_groups: ExpertGroups | None = None, capacity_factor: float | None = None,
-                aux_loss_coef: float | None = None, grouped_mm: bool | None = None, kernels: str = "torch",
-                seed: int | None = None, check_ep=None, cp: ContextShards | None = None) -> ModelGraph:
+def build_graph(
+    family: MoeFamily,
+    model,
+    tp: int = 1,
+    tp_rank: int = 0,
+    tp_group=None,
+    tp_grad_group=None,
+    *,
+    ep_groups: ExpertGroups | None = None,
+    capacity_factor: float | None = None,
+    aux_loss_coef: float | None = None,
+    grouped_mm: bool | None = None,
+    kernels: str = "torch",
+    seed: int | None = None,
+    check_ep=None,
+    cp: ContextShards | None = None,
+) -> ModelGraph:
     """Shard ``model`` in place for this TP rank and EP rank and return its op graph.
 
     ``capacity_factor`` None = dropless; ``aux_loss_coef`` None = the config's
     ``router_aux_loss_coef`` (0 when ``output_router_logits`` is off, as in HF); ``grouped_mm``
     None = auto (grouped GEMM on CUDA bf16, else a loop over experts); ``kernels``: the dispatch and
     combine kernels (``ds_dhelix.moe.kernels``: "torch" or "tutel")."""
-    config = model.config
-    ep_groups = ep_groups or ExpertGroups()
-    check_tp(config, tp)
-    check_dropout(config, ("attention_dropout",), family.name)
-    if check_ep is not None:
-        check_ep(config, ep_groups.size)
-    shard(model, tp, tp_rank, ep_groups)
+    config, ep_groups = model.config, ep_groups or ExpertGroups()
+    replicated = _check_and_shard(family, model, tp, tp_rank, tp_grad_group, ep_groups, check_ep)
     inner = model.model
-    replicated = None
-    if tp > 1:  # every parameter TP does not cut (norms, router, experts, embedding, head) sees a sequence shard
-        replicated = mark_replicated([p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)],
-                                     tp_grad_group)
-    if aux_loss_coef and not family.aux_loss:
-        raise ValueError(f"aux_loss_coef {aux_loss_coef} with {family.name}: its HF model has no load-balancing loss")
-    if aux_loss_coef is None:
-        aux_loss_coef = default_aux_loss_coef(config) if family.aux_loss else 0.0
-    num_layers = len(inner.layers)
+    aux_loss_coef = _aux_loss_coef(family, config, aux_loss_coef)
     sparse = [i for i, layer in enumerate(inner.layers) if is_sparse(layer)]
-    metrics = MoeMetrics(num_layers, family.num_experts(config))
+    metrics = MoeMetrics(len(inner.layers), family.num_experts(config))
     draws = Draws(seed)  # router noise and attention dropout
     settings = {"capacity_factor": capacity_factor, "grouped_mm": grouped_mm, "seed": draws.base, "rank": draws.rank,
-                "config": config, "kernels": make_kernels(kernels),
-                "host_copies": HostCopies()}  # split sizes to the host: one side stream for the graph
-
+                "config": config, "kernels": make_kernels(kernels)}  # fmt: skip
+    settings["host_copies"] = HostCopies()  # split sizes to the host: one side stream for the graph
     blocks = [[embed_op(inner.embed_tokens)]]
     for i, layer in enumerate(inner.layers):
-        blocks.append(attention_ops(i, layer, config, tp, tp_group, draws, family, cp)
-                      + (moe_ops(i, layer, ep_groups, settings, metrics, family) if i in sparse else
-                         dense_mlp_ops(layer)))
-    blocks.append(head_ops(inner.norm, model.lm_head)[:2]
-                  + [loss_op(config, sparse if family.aux_loss else [], aux_loss_coef,
-                             *sequence_ranks(tp, tp_grad_group, cp), metrics, family.num_experts(config))])
-    meta = {"moe_metrics": metrics, "expert_groups": ep_groups, "capacity_factor": capacity_factor, "moe_kernels": kernels,
-            "aux_loss_coef": aux_loss_coef, "sparse_layers": sparse}
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side_inputs(model, family), cp), family=family.family,
-                      meta=meta, replicated=replicated)
+        mlp = moe_ops(i, layer, ep_groups, settings, metrics, family) if i in sparse else dense_mlp_ops(layer)
+        blocks.append(attention_ops(i, layer, config, tp, tp_group, draws, family, cp) + mlp)
+    loss = loss_op(config, sparse if family.aux_loss else [], aux_loss_coef, *sequence_ranks(tp, tp_grad_group, cp),
+                   metrics, family.num_experts(config))  # fmt: skip
+    blocks.append(head_ops(inner.norm, model.lm_head)[:2] + [loss])
+    meta = {"moe_metrics": metrics, "expert_groups": ep_groups, "capacity_factor": capacity_factor,
+            "moe_kernels": kernels, "aux_loss_coef": aux_loss_coef, "sparse_layers": sparse}  # fmt: skip
+    side = make_side_fn(tp, tp_rank, side_inputs(model, family), cp)
+    return ModelGraph(blocks, side, family=family.family, meta=meta, replicated=replicated)
+
+
+def _check_and_shard(family: MoeFamily, model, tp: int, tp_rank: int, tp_grad_group, ep_groups, check_ep):
+    """The family's checks, then ``model`` cut in place for this TP and EP rank; returns the
+    TP-replicated parameters' gradient reduction (None at TP 1)."""
+    check_tp(model.config, tp)
+    check_dropout(model.config, ("attention_dropout",), family.name)
+    if check_ep is not None:
+        check_ep(model.config, ep_groups.size)
+    shard(model, tp, tp_rank, ep_groups)
+    if tp == 1:
+        return None
+    # every parameter TP does not cut (norms, router, experts, embedding, head) sees a sequence shard
+    return mark_replicated([p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)],
+                           tp_grad_group)  # fmt: skip
+
+
+def _aux_loss_coef(family: MoeFamily, config, coef: float | None) -> float:
+    """The coefficient a graph trains the load-balancing loss with (None: HF's default for the family)."""
+    if coef and not family.aux_loss:
+        raise ValueError(f"aux_loss_coef {coef} with {family.name}: its HF model has no load-balancing loss")
+    if coef is None:
+        return default_aux_loss_coef(config) if family.aux_loss else 0.0
+    return coef
 
 
 def default_aux_loss_coef(config) -> float:
@@ -525,6 +685,7 @@ def default_aux_loss_coef(config) -> float:
     has ``output_router_logits`` on, else 0 (always 0 for a family whose HF model has no such loss:
     DeepSeek-V3, GLM-4.5)."""
     from .adapters import adapter_for
+
     family = getattr(adapter_for(config), "FAMILY", None)
     if family is not None and not getattr(family, "aux_loss", True):
         return 0.0
@@ -555,11 +716,17 @@ def attention_side(model, family: MoeFamily):
         s = side["seq_len"]
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         if window and s > window:
-            raise ValueError(f"sequence length {s} exceeds {family.name}'s sliding_window {window}; the ds_dhelix "
-                             f"adapter runs full causal attention: use --seq-len <= {window}")
+            raise ValueError(
+                f"sequence length {s} exceeds {family.name}'s sliding_window {window}; the ds_dhelix "
+                f"adapter runs full causal attention: use --seq-len <= {window}"
+            )
         dummy = inner.embed_tokens.weight[:1]
         cos, sin = inner.rotary_emb(dummy, side_positions(side, dummy.device))
-        return {"cos": cos, "sin": sin, "moe": {},
-                **causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"), side)}
+        return {
+            "cos": cos,
+            "sin": sin,
+            "moe": {},
+            **causal_mask_side(config, dummy.dtype, s, dummy.device, side.get("position_ids"), side),
+        }
 
     return extra

@@ -2,6 +2,7 @@
 q and k normalised over all heads of a token before RoPE (under TP their sums of squares are
 all-reduced: ``dense_family.full_qk_norm``), sliding and full layers (``layer_types``) each with
 its own RoPE."""
+
 from __future__ import annotations
 
 from transformers.models.olmo3 import modeling_olmo3 as hf

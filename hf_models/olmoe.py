@@ -3,15 +3,25 @@ shared MoE layer machinery (``moe_family.py``): the router is HF's softmax top-k
 renormalised when ``norm_topk_prob``), q and k get an RMSNorm over the whole projection (every
 head at once, so TP would need a norm across ranks: TP = 1 only), files store one
 ``gate_proj``/``up_proj``/``down_proj`` per expert under ``mlp``. ``clip_qkv`` is refused."""
+
 from __future__ import annotations
 
 from transformers.models.olmoe import modeling_olmoe as hf
 
 from .moe_family import MoeAdapter, MoeFamily, check_top_k
 
-FAMILY = MoeFamily(name="OLMoE", family="olmoe", hf=hf, router="gate", block_jitter=None,
-                   experts_key="num_experts", files_block="mlp", files_router="gate",
-                   files_experts=("gate_proj", "up_proj", "down_proj"), qk_norm="full")
+FAMILY = MoeFamily(
+    name="OLMoE",
+    family="olmoe",
+    hf=hf,
+    router="gate",
+    block_jitter=None,
+    experts_key="num_experts",
+    files_block="mlp",
+    files_router="gate",
+    files_experts=("gate_proj", "up_proj", "down_proj"),
+    qk_norm="full",
+)
 
 
 def check_moe(config) -> None:
@@ -20,6 +30,13 @@ def check_moe(config) -> None:
         raise ValueError(f"OLMoE clip_qkv {config.clip_qkv} is not supported yet; use a checkpoint with clip_qkv null")
 
 
-ADAPTER = MoeAdapter(FAMILY, check_moe, max_tp=(1, "its q/k RMSNorm runs over all heads at once, which a TP shard "
-                                                   "does not hold; use tensor_parallel.size 1 and expert_parallel "
-                                                   "for the experts"))
+ADAPTER = MoeAdapter(
+    FAMILY,
+    check_moe,
+    max_tp=(
+        1,
+        "its q/k RMSNorm runs over all heads at once, which a TP shard "
+        "does not hold; use tensor_parallel.size 1 and expert_parallel "
+        "for the experts",
+    ),
+)

@@ -2,6 +2,7 @@
 allocated, so a 70B model costs seconds) and run through its adapter's graph builder, so every
 block's op names, kinds and ``linear`` marks are the engine's own; plus each layer's sliding
 window. What ``dhelix predict`` prices (``ds_dhelix.predict``)."""
+
 from __future__ import annotations
 
 import copy
@@ -22,6 +23,7 @@ def config_of(spec: str):
     path = os.path.expanduser(spec)
     if path.endswith(".json") and os.path.isfile(path):
         from transformers import AutoConfig
+
         try:
             return AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as err:
@@ -32,9 +34,11 @@ def config_of(spec: str):
 def meta_model(config):
     """``config``'s causal LM on the meta device (shapes only)."""
     from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                                attn_implementation=family_attn_implementation(config))
+        return AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation=family_attn_implementation(config)
+        )
 
 
 def _windows(model) -> tuple[int | None, ...]:

@@ -2,6 +2,7 @@
 ``gate_up_proj`` (rows [gate | up], cut per half), partial rotary (``partial_rotary_factor``) and
 LongRoPE through HF's own rotary embedding, dropout on the attention and MLP outputs
 (``resid_pdrop``)."""
+
 from __future__ import annotations
 
 from transformers.models.phi3 import modeling_phi3 as hf
@@ -13,5 +14,7 @@ def check(config) -> None:
     warn_unused(config, "embd_pdrop", "Phi-3")
 
 
-ADAPTER = DenseAdapter(DenseFamily(name="Phi-3", family="phi3", hf=hf, fused_qkv=True, fused_gate_up=True,
-                                   resid_dropout="resid_pdrop"), check)
+ADAPTER = DenseAdapter(
+    DenseFamily(name="Phi-3", family="phi3", hf=hf, fused_qkv=True, fused_gate_up=True, resid_dropout="resid_pdrop"),
+    check,
+)

@@ -6,16 +6,26 @@ when ``norm_topk_prob``), a shared-expert MLP gated by ``sigmoid(shared_expert_g
 ``moe_intermediate_size``, files store one ``gate_proj``/``up_proj``/``down_proj`` per expert under
 ``mlp``. Dense MLP layers (``mlp_only_layers``,
 ``decoder_sparse_step``) run as ``moe_family.dense_mlp_ops``."""
+
 from __future__ import annotations
 
 from transformers.models.qwen2_moe import modeling_qwen2_moe as hf
 
 from .moe_family import MoeAdapter, MoeFamily, check_layers, check_top_k
 
-FAMILY = MoeFamily(name="Qwen2-MoE", family="qwen2_moe", hf=hf, router="gate", block_jitter=None,
-                   experts_key="num_experts", files_block="mlp", files_router="gate",
-                   files_experts=("gate_proj", "up_proj", "down_proj"), inter_key="moe_intermediate_size",
-                   shared_expert="gated")
+FAMILY = MoeFamily(
+    name="Qwen2-MoE",
+    family="qwen2_moe",
+    hf=hf,
+    router="gate",
+    block_jitter=None,
+    experts_key="num_experts",
+    files_block="mlp",
+    files_router="gate",
+    files_experts=("gate_proj", "up_proj", "down_proj"),
+    inter_key="moe_intermediate_size",
+    shared_expert="gated",
+)
 
 
 def check_moe(config) -> None:

@@ -3,6 +3,7 @@ family machinery: Gated DeltaNet linear-attention layers (``deltanet.py``) among
 layers with an output gate, q/k norm per head and partial rotary (``gated_attention.py``), as
 ``config.layer_types`` says; zero-centred RMSNorms (1 + w: HF's own modules), pre-norm, SwiGLU.
 A multimodal ``qwen3_5`` checkpoint is refused in one line (``adapters.REFUSED``)."""
+
 from __future__ import annotations
 
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
@@ -19,5 +20,7 @@ def check_layer_types(config, name: str) -> None:
         raise ValueError(f"{name} layer_types {bad}: only {list(KINDS)} exist")
 
 
-ADAPTER = DenseAdapter(DenseFamily(name="Qwen3.5", family="qwen3_5", hf=hf, qk_norm="head", attention="gated",
-                                   linear_attention=True), lambda config: check_layer_types(config, "Qwen3.5"))
+ADAPTER = DenseAdapter(
+    DenseFamily(name="Qwen3.5", family="qwen3_5", hf=hf, qk_norm="head", attention="gated", linear_attention=True),
+    lambda config: check_layer_types(config, "Qwen3.5"),
+)

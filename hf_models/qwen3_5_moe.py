@@ -5,6 +5,7 @@ sparse: HF's softmax top-k router (top-k weights always renormalised), a shared-
 by ``sigmoid(shared_expert_gate(x))`` (``moe.shared``), experts of ``moe_intermediate_size``;
 files store one ``gate_proj``/``up_proj``/``down_proj`` per expert under ``mlp``. A multimodal
 ``qwen3_5_moe`` checkpoint is refused in one line (``adapters.REFUSED``)."""
+
 from __future__ import annotations
 
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
@@ -12,10 +13,22 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 from .moe_family import MoeAdapter, MoeFamily, check_top_k
 from .qwen3_5 import check_layer_types
 
-FAMILY = MoeFamily(name="Qwen3.5-MoE", family="qwen3_5_moe", hf=hf, router="gate", block_jitter=None,
-                   experts_key="num_experts", files_block="mlp", files_router="gate",
-                   files_experts=("gate_proj", "up_proj", "down_proj"), inter_key="moe_intermediate_size",
-                   shared_expert="gated", qk_norm="head", attention="gated", linear_attention=True)
+FAMILY = MoeFamily(
+    name="Qwen3.5-MoE",
+    family="qwen3_5_moe",
+    hf=hf,
+    router="gate",
+    block_jitter=None,
+    experts_key="num_experts",
+    files_block="mlp",
+    files_router="gate",
+    files_experts=("gate_proj", "up_proj", "down_proj"),
+    inter_key="moe_intermediate_size",
+    shared_expert="gated",
+    qk_norm="head",
+    attention="gated",
+    linear_attention=True,
+)
 
 
 def check_moe(config) -> None:

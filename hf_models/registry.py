@@ -56,6 +56,7 @@ def check_weight_files(path: str) -> None:
     """``ValueError`` naming the file when a checkpoint directory's safetensors files are not whole:
     each header must parse and every tensor's bytes must lie inside the file."""
     import struct
+
     names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     for name in names:
         full = os.path.join(path, name)
@@ -66,8 +67,10 @@ def check_weight_files(path: str) -> None:
                 raise ValueError(f"{full}: not a safetensors file ({size} bytes, no header); re-save the checkpoint")
             (length,) = struct.unpack("<Q", head)
             if length > size - 8:
-                raise ValueError(f"{full}: truncated (its header alone needs {length} bytes, the file has {size}); "
-                                 f"copy or save the checkpoint again")
+                raise ValueError(
+                    f"{full}: truncated (its header alone needs {length} bytes, the file has {size}); "
+                    f"copy or save the checkpoint again"
+                )
             try:
                 header = json.loads(f.read(length))
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -75,8 +78,10 @@ def check_weight_files(path: str) -> None:
         ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
         need = 8 + length + max(ends, default=0)
         if need > size:
-            raise ValueError(f"{full}: truncated (its tensors need {need} bytes, the file has {size}); "
-                             f"copy or save the checkpoint again")
+            raise ValueError(
+                f"{full}: truncated (its tensors need {need} bytes, the file has {size}); "
+                f"copy or save the checkpoint again"
+            )
 
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
@@ -95,21 +100,29 @@ def resolve_attn_implementation(requested: str | None, name_or_path: str | os.Pa
     if choice is None:
         choice = family_attn_implementation(load_config(name_or_path))
     if choice not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attention implementation {choice!r} is not supported; use one of {list(ATTN_IMPLEMENTATIONS)}")
+        raise ValueError(
+            f"attention implementation {choice!r} is not supported; use one of {list(ATTN_IMPLEMENTATIONS)}"
+        )
     if choice == "sdpa" and not sdpa_supported(load_config(name_or_path)):
-        raise ValueError(f"attention implementation 'sdpa': transformers' {load_config(name_or_path).model_type} model "
-                         f"has none (gpt-oss: its attention sinks); use eager (the default for it) or flash_attention_2")
+        raise ValueError(
+            f"attention implementation 'sdpa': transformers' {load_config(name_or_path).model_type} model "
+            f"has none (gpt-oss: its attention sinks); use eager (the default for it) or flash_attention_2"
+        )
     if choice == "flash_attention_2":
         import importlib.util
+
         if importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available():
-            raise ValueError("flash_attention_2 needs the flash-attn package and a CUDA device "
-                             "(pip install flash-attn); use sdpa or eager")
+            raise ValueError(
+                "flash_attention_2 needs the flash-attn package and a CUDA device "
+                "(pip install flash-attn); use sdpa or eager"
+            )
     return choice
 
 
 def sdpa_supported(config) -> bool:
     """Whether transformers' causal LM of ``config`` runs sdpa attention (gpt-oss does not)."""
     from transformers import AutoModelForCausalLM
+
     cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
     return bool(getattr(cls, "_supports_sdpa", True))
 
@@ -147,8 +160,7 @@ def _not_found_message(name: str) -> str:
     if os.sep in name or name.startswith((".", "~")):
         return f"checkpoint directory {name!r} not found (downloads are disabled: pass a local directory)"
     return (
-        f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory "
-        f"(downloads are disabled)"
+        f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory (downloads are disabled)"
     )
 
 
@@ -229,8 +241,10 @@ def load_tokenizer_for(name_or_path: str | os.PathLike, cache_dir: str | os.Path
     from ds_dhelix.data import DEFAULT_CACHE_DIR, DEFAULT_VOCAB_SIZE, get_tokenizer
 
     name = os.path.expanduser(os.fspath(name_or_path))
-    if not is_preset(name) and os.path.isdir(name) and any(
-        os.path.isfile(os.path.join(name, f)) for f in _TOKENIZER_FILES
+    if (
+        not is_preset(name)
+        and os.path.isdir(name)
+        and any(os.path.isfile(os.path.join(name, f)) for f in _TOKENIZER_FILES)
     ):
         from transformers import AutoTokenizer
 

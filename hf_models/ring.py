@@ -27,12 +27,13 @@ backward merge). Scores, softmax and the running output are float32 whatever the
 the last step casts back. The exchange's backward sends the key/value gradients back the other
 way, to the rank that owns them (``comm.RingPass``).
 """
+
 from __future__ import annotations
 
 import torch
 
-from ds_dhelix.runtime.comm import RingPass
 from ds_dhelix.graph.model_graph import comm, comp
+from ds_dhelix.runtime.comm import RingPass
 
 _HIDDEN = -1e30
 """Score of a masked pair: finite, so a query row that sees nothing of a block has a finite
@@ -43,8 +44,9 @@ def zigzag_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Positions of CP rank ``rank``'s tokens: chunks ``rank`` and ``2cp-1-rank`` of ``2cp``."""
     n = seq_len // (2 * cp)
     late = 2 * cp - 1 - rank
-    return torch.cat([torch.arange(rank * n, (rank + 1) * n, device=device),
-                      torch.arange(late * n, (late + 1) * n, device=device)])
+    return torch.cat(
+        [torch.arange(rank * n, (rank + 1) * n, device=device), torch.arange(late * n, (late + 1) * n, device=device)]
+    )
 
 
 def local_positions(side: dict, index: torch.Tensor) -> dict:
@@ -130,9 +132,18 @@ class _FusedBlock(torch.autograd.Function):
         def widen(t, fill=0.0):
             return torch.cat([t, torch.full_like(t[..., :1], fill)], dim=-1)
 
-        dq, dk, dv = _FUSED_BACKWARD(torch.cat([g_o, g_lse.unsqueeze(-1)], dim=-1).contiguous(), widen(q),
-                                     widen(k), widen(v), widen(o, -1.0), lse, 0.0, ctx.causal,
-                                     attn_mask=ctx.bias, scale=ctx.scaling)
+        dq, dk, dv = _FUSED_BACKWARD(
+            torch.cat([g_o, g_lse.unsqueeze(-1)], dim=-1).contiguous(),
+            widen(q),
+            widen(k),
+            widen(v),
+            widen(o, -1.0),
+            lse,
+            0.0,
+            ctx.causal,
+            attn_mask=ctx.bias,
+            scale=ctx.scaling,
+        )
         d = q.shape[-1]
         return dq[..., :d], dk[..., :d], dv[..., :d], None, None, None
 
@@ -161,7 +172,7 @@ def ring_attention(cp, qkv, core, out) -> list:
     body = core.fn
     if not isinstance(body, AttentionCore):
         raise ValueError("context_parallel.comm 'ring' needs an attention core it can split into ring steps; "
-                         "this model's adapter has none: use comm 'ulysses'")
+                         "this model's adapter has none: use comm 'ulysses'")  # fmt: skip
     c, r, module = cp.size, cp.rank, body.module
     p_drop = body.drop.p if body.drop is not None else 0.0
 
@@ -172,8 +183,9 @@ def ring_attention(cp, qkv, core, out) -> list:
         index = side["ring_index"]
         if body.rotary is not None:
             q, k = body.rotary(q, k, local_positions(side, index))
-        o, lse = block_attention(q, k, v, module.scaling, _documents(side, index, index),
-                                 drop(), side, "attn.ring0", causal=True)
+        o, lse = block_attention(
+            q, k, v, module.scaling, _documents(side, index, index), drop(), side, "attn.ring0", causal=True
+        )
         return q, torch.stack([k, v]), o, lse
 
     def finished(o, lse, last: bool, dtype):
@@ -189,12 +201,12 @@ def ring_attention(cp, qkv, core, out) -> list:
             index, n = side["ring_index"], qr.shape[2] // 2
             k_index = zigzag_index(side["seq_len"], c, src, index.device)
             if src < r:  # their early chunk, seen in full by every local query
-                ob, lb = block_attention(qr, kv[0][:, :, :n], kv[1][:, :, :n], module.scaling,
-                                         _documents(side, index, k_index[:n]), drop(), side, name)
+                docs = _documents(side, index, k_index[:n])
+                ob, lb = block_attention(qr, kv[0][:, :, :n], kv[1][:, :, :n], module.scaling, docs, drop(), side, name)
                 o, lse = merge(o, lse, ob, lb)
             else:  # all of theirs, seen in full by the local late chunk only
-                ob, lb = block_attention(qr[:, :, n:], kv[0], kv[1], module.scaling,
-                                         _documents(side, index[n:], k_index), drop(), side, name)
+                docs = _documents(side, index[n:], k_index)
+                ob, lb = block_attention(qr[:, :, n:], kv[0], kv[1], module.scaling, docs, drop(), side, name)
                 late, late_lse = merge(o[:, :, n:], lse[:, :, n:], ob, lb)
                 o, lse = torch.cat([o[:, :, :n], late], dim=2), torch.cat([lse[:, :, :n], late_lse], dim=2)
             return finished(o, lse, last, qr.dtype)

@@ -1,5 +1,6 @@
 """SmolLM3 adapter: Llama with NoPE layers (``no_rope_layers``: 0 = no rotary embedding in that
 layer) and, where ``use_sliding_window`` is on, sliding-window layers (``layer_types``)."""
+
 from __future__ import annotations
 
 from transformers.models.smollm3 import modeling_smollm3 as hf

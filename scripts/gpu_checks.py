@@ -47,6 +47,7 @@ go to ``<out>/gpu_checks.json``.
    / A40 by the device name, H100's numbers in a CPU dry run), and the GEMM efficiency each
    projection reached (the preset assumes ``gemm_efficiency``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,6 +69,7 @@ from ds_dhelix.moe.kernels import tutel_missing  # noqa: E402
 from ds_dhelix.runtime.comm import cuda_connections_warning  # noqa: E402
 from ds_dhelix.runtime.executor import Executor  # noqa: E402
 from ds_dhelix.runtime.trace import TraceRecorder  # noqa: E402
+from ds_dhelix.verify import random_batches  # noqa: E402
 from hf_models.adapters import adapter_for  # noqa: E402
 from hf_models.registry import build_model  # noqa: E402
 
@@ -78,12 +80,7 @@ def _sync(device: torch.device) -> None:
 
 
 def make_batches(vocab: int, num: int, size: int, seq: int, device) -> list[dict]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(num):
-        ids = torch.randint(3, vocab, (size, seq), generator=gen).to(device)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+    return random_batches(vocab, num, size, seq, device=device)
 
 
 def _executor_step(model, batches, schedule: str) -> tuple[list, dict]:
@@ -101,9 +98,11 @@ def check_parity(ref, batches) -> dict:
     for name in ("si", "si-ends"):
         losses, grads = runs[name]
         diff = max((grads[k] - seq_grads[k]).abs().max().item() for k in seq_grads)
-        out[name] = {"bitwise": all(torch.equal(a, b) for a, b in zip(losses, seq_losses))
-                     and all(torch.equal(grads[k], seq_grads[k]) for k in seq_grads),
-                     "max_abs_grad_diff": diff}
+        out[name] = {
+            "bitwise": all(torch.equal(a, b) for a, b in zip(losses, seq_losses))
+            and all(torch.equal(grads[k], seq_grads[k]) for k in seq_grads),
+            "max_abs_grad_diff": diff,
+        }
     return out
 
 
@@ -137,7 +136,8 @@ def check_step_time(ref, batches, steps: int, device) -> dict:
     return {f"{k}_ms": round(v, 2) for k, v in timings.items()} | {
         "executor_vs_hf": round(timings["sequential"] / timings["hf"], 3),
         "executor_1thread_vs_hf": round(timings["sequential_1thread"] / timings["hf"], 3),
-        "si_vs_sequential": round(timings["sequential"] / timings["si"], 3)}
+        "si_vs_sequential": round(timings["sequential"] / timings["si"], 3),
+    }
 
 
 def check_profiler(ref, batches, device, out_dir: str | None) -> dict:
@@ -146,7 +146,8 @@ def check_profiler(ref, batches, device, out_dir: str | None) -> dict:
     model = copy.deepcopy(ref)
     graph = adapter_for(model.config).build_graph(model)
     Executor(graph, None, recorder=TraceRecorder(0, record_function=True)).run_microbatches(
-        list(batches), "si", 1 / len(batches))  # warm-up
+        list(batches), "si", 1 / len(batches)
+    )  # warm-up
     for p in model.parameters():
         p.grad = None
     rec = TraceRecorder(0, record_function=True)
@@ -164,8 +165,10 @@ def check_profiler(ref, batches, device, out_dir: str | None) -> dict:
             return e.cpu_time_total / 1e3
         return getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) / 1e3
 
-    table = sorted(((name, round(device_ms(ranges[name]), 3), ranges[name].count)
-                    for name in spans if name in ranges), key=lambda r: -r[1])
+    table = sorted(
+        ((name, round(device_ms(ranges[name]), 3), ranges[name].count) for name in spans if name in ranges),
+        key=lambda r: -r[1],
+    )
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, "profiler_trace.json")
@@ -173,14 +176,17 @@ def check_profiler(ref, batches, device, out_dir: str | None) -> dict:
         with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
             g.write(f.read())
         os.remove(path)
-    return {"spans": len(spans), "missing_ranges": sorted(spans - set(ranges)),
-            "op_kernel_ms" if device.type == "cuda" else "op_cpu_ms": {name: ms for name, ms, _ in table[:16]},
-            "named_ms": round(sum(ms for _, ms, _ in table), 3)}
+    return {
+        "spans": len(spans),
+        "missing_ranges": sorted(spans - set(ranges)),
+        "op_kernel_ms" if device.type == "cuda" else "op_cpu_ms": {name: ms for name, ms, _ in table[:16]},
+        "named_ms": round(sum(ms for _, ms, _ in table), 3),
+    }
 
 
 def check_stream_overlap(device, reps: int = 20) -> dict:
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-    host = torch.empty(256 * 2 ** 20, dtype=torch.uint8, pin_memory=True)  # 256 MiB
+    host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)  # 256 MiB
     dev = torch.empty_like(host, device=device)
     side = torch.cuda.Stream(device)
 
@@ -207,8 +213,12 @@ def check_stream_overlap(device, reps: int = 20) -> dict:
         timed(fn)  # warm-up
     alone_c, alone_x = timed(compute), timed(copies)
     both = timed(lambda: (copies(), compute()))
-    return {"compute_ms": round(alone_c, 2), "copy_ms": round(alone_x, 2), "both_ms": round(both, 2),
-            "overlap": round((alone_c + alone_x - both) / min(alone_c, alone_x), 3)}
+    return {
+        "compute_ms": round(alone_c, 2),
+        "copy_ms": round(alone_x, 2),
+        "both_ms": round(both, 2),
+        "overlap": round((alone_c + alone_x - both) / min(alone_c, alone_x), 3),
+    }
 
 
 @contextlib.contextmanager
@@ -217,11 +227,17 @@ def one_rank_world(device):
     import torch.distributed as dist
 
     from ds_dhelix.runtime.spawn import free_port
+
     started = not dist.is_initialized()
     if started:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                device_id=torch.device("cuda", index))  # torch 2.11 wants the index
+        dist.init_process_group(
+            "nccl",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", index),
+        )  # torch 2.11 wants the index
     try:
         yield
     finally:
@@ -236,8 +252,9 @@ def check_device_events(device, size_mib: int = 512, reps: int = 40) -> dict:
     import torch.distributed as dist
 
     from ds_dhelix.runtime.comm import Pending
+
     with one_rank_world(device):
-        x = torch.ones(size_mib * 2 ** 18, device=device)
+        x = torch.ones(size_mib * 2**18, device=device)
         out = torch.empty_like(x)
         a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
 
@@ -257,19 +274,29 @@ def check_device_events(device, size_mib: int = 512, reps: int = 40) -> dict:
         one(False)  # warm-up (NCCL's first call sets up the communicator)
         busy_a, exposed_a, host_a = one(False)
         busy_b, exposed_b, host_b = one(True)
-        return {"waited_at_once": {"busy_ms": round(busy_a, 3), "exposed_ms": round(exposed_a, 3),
-                                   "host_wait_ms": round(host_a, 3)},
-                "behind_compute": {"busy_ms": round(busy_b, 3), "exposed_ms": round(exposed_b, 3),
-                                   "host_wait_ms": round(host_b, 3)},
-                "exposed_share_at_once": round(exposed_a / max(busy_a, 1e-9), 3),
-                "exposed_share_hidden": round(exposed_b / max(busy_b, 1e-9), 3)}
+        return {
+            "waited_at_once": {
+                "busy_ms": round(busy_a, 3),
+                "exposed_ms": round(exposed_a, 3),
+                "host_wait_ms": round(host_a, 3),
+            },
+            "behind_compute": {
+                "busy_ms": round(busy_b, 3),
+                "exposed_ms": round(exposed_b, 3),
+                "host_wait_ms": round(host_b, 3),
+            },
+            "exposed_share_at_once": round(exposed_a / max(busy_a, 1e-9), 3),
+            "exposed_share_hidden": round(exposed_b / max(busy_b, 1e-9), 3),
+        }
 
 
-def check_tutel_kernels(device, tokens: int = 8192, hidden: int = 2048, experts: int = 8, top_k: int = 2,
-                        reps: int = 10) -> dict:
+def check_tutel_kernels(
+    device, tokens: int = 8192, hidden: int = 2048, experts: int = 8, top_k: int = 2, reps: int = 10
+) -> dict:
     """torch's and tutel's dispatch / combine kernels on the same routes (``ds_dhelix.moe.kernels``)."""
     from ds_dhelix.moe.kernels import make_kernels
     from ds_dhelix.moe.router import route_tokens
+
     kernels = {name: make_kernels(name) for name in ("torch", "tutel")}
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(tokens, experts, generator=gen).to(device)
@@ -279,42 +306,73 @@ def check_tutel_kernels(device, tokens: int = 8192, hidden: int = 2048, experts:
         x = torch.randn(tokens, hidden, generator=gen).to(device, dtype).requires_grad_()
         runs = {}
         for name, k in kernels.items():
-            def step(k=k):
+
+            def step(k=k, x=x):
                 xs, route = route_tokens(x, selected, experts, None, k)
                 y = k.decode(xs, weights, route)
                 y.backward(torch.ones_like(y))
                 return xs.detach(), y.detach()
+
             runs[name] = step() + (round(_timed_ms(step, device, reps), 3),)
         (xs_a, y_a, ms_a), (xs_b, y_b, ms_b) = runs["torch"], runs["tutel"]
         out[str(dtype).removeprefix("torch.")] = {
-            "buffer_equal": torch.equal(xs_a, xs_b), "combined_equal": torch.equal(y_a, y_b),
+            "buffer_equal": torch.equal(xs_a, xs_b),
+            "combined_equal": torch.equal(y_a, y_b),
             "combined_max_diff": float((y_a.float() - y_b.float()).abs().max()),
-            "torch_ms": ms_a, "tutel_ms": ms_b}
+            "torch_ms": ms_a,
+            "tutel_ms": ms_b,
+        }
     return {"tokens": tokens, "hidden": hidden, "experts": experts, "top_k": top_k, **out}
 
 
-def check_tutel_overlap(device, tokens: int = 16384, hidden: int = 2048, ffn: int = 4096, experts: int = 8,
-                        reps: int = 10) -> dict:
+def check_tutel_overlap(
+    device, tokens: int = 16384, hidden: int = 2048, ffn: int = 4096, experts: int = 8, reps: int = 10
+) -> dict:
     """tutel's MoE layer (bf16) at a2a_ffn_overlap_degree 1, 2, 4 on a one-rank world."""
     from tutel import moe as tutel_moe
+
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     out = {}
     with one_rank_world(device):
-        layer = tutel_moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": 1.0},
-                                    experts={"type": "ffn", "count_per_node": experts, "hidden_size_per_expert": ffn,
-                                             "activation_fn": torch.nn.functional.silu},  # (its default names F unimported)
-                                    model_dim=hidden).to(device, torch.bfloat16)
+        layer = tutel_moe.moe_layer(
+            gate_type={"type": "top", "k": 2, "capacity_factor": 1.0},
+            experts={
+                "type": "ffn",
+                "count_per_node": experts,
+                "hidden_size_per_expert": ffn,
+                "activation_fn": torch.nn.functional.silu,
+            },  # (its default names F unimported)
+            model_dim=hidden,
+        ).to(device, torch.bfloat16)
         for degree in (1, 2, 4):
+
             def step(degree=degree):
                 layer(x, a2a_ffn_overlap_degree=degree).float().sum().backward()
+
             out[f"overlap{degree}_ms"] = round(_timed_ms(step, device, reps), 3)
     return {"tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts, "ranks": 1, **out}
 
 
-ROOFLINE_SHAPES = {"cuda": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                                 num_key_value_heads=8, vocab_size=32000, batch=2, seq=2048),
-                   "cpu": dict(hidden_size=128, intermediate_size=352, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=2048, batch=2, seq=64)}
+ROOFLINE_SHAPES = {
+    "cuda": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        batch=2,
+        seq=2048,
+    ),
+    "cpu": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        batch=2,
+        seq=64,
+    ),
+}
 
 
 class _CurrentOp:
@@ -357,7 +415,8 @@ def _si_step_syncs(model, batches) -> dict:
     batches = [{**b, "loss_denominator": float(b["input_ids"].numel())} for b in batches]  # as the training loop
     seq_model = copy.deepcopy(model)
     seq = Executor(adapter_for(seq_model.config).build_graph(seq_model)).run_microbatches(
-        batches, "sequential", 1 / len(batches))
+        batches, "sequential", 1 / len(batches)
+    )
     current, found = _CurrentOp(), {}
     ex = Executor(adapter_for(model.config).build_graph(model), watchdog=current)
     ex.run_microbatches(batches, "si", 1 / len(batches))  # warm-up
@@ -365,22 +424,30 @@ def _si_step_syncs(model, batches) -> dict:
     with recorded_syncs(current, found):
         mbs = ex.run_microbatches(batches, "si", 1 / len(batches))
     torch.cuda.synchronize()
-    return {"syncs": sum(found.values()), "where": found,
-            "si_losses_bitwise": all(torch.equal(a.loss, b.loss) for a, b in zip(mbs, seq))}
+    return {
+        "syncs": sum(found.values()),
+        "where": found,
+        "si_losses_bitwise": all(torch.equal(a.loss, b.loss) for a, b in zip(mbs, seq)),
+    }
 
 
 def _dropless_bodies_syncs(device) -> dict:
     """The dropless per-layer path on a one-rank NCCL world: moe.counts (its ``HostCopies`` copy
     ordered after the exchange), moe.dispatch (the one read: an event, not a device sync), the
     experts' regrouping, moe.combine, forward and backward."""
+    import torch.distributed as dist
+
     from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll
     from ds_dhelix.moe.router import route_tokens
     from ds_dhelix.runtime.groups import ExpertGroups
-    import torch.distributed as dist
+
     with one_rank_world(device):
         groups = ExpertGroups(size=1, group=dist.group.WORLD, count_group=dist.group.WORLD)
-        counts, dispatch, combine = CountExchange(0, groups), ExpertAllToAll(0, groups, True), \
-            ExpertAllToAll(0, groups, False)
+        counts, dispatch, combine = (
+            CountExchange(0, groups),
+            ExpertAllToAll(0, groups, True),
+            ExpertAllToAll(0, groups, False),
+        )
         current, found, ok = _CurrentOp(), {}, []
         for step in range(2):  # the first warms up (NCCL's communicator, pinned host blocks)
             x = torch.randn(4096, 1024, device=device)
@@ -402,9 +469,11 @@ def check_host_syncs(device, micro_batches: int, size: int, seq: int) -> dict:
     Expected: 0 syncs everywhere. One GPU has no EP=2: the CPU test ``tests/test_host_syncs.py``
     counts the reads there."""
     out = {}
-    for name, preset, dtype in (("tiny-llama", "tiny-llama", torch.float32),
-                                ("tiny-mixtral-bf16", "tiny-mixtral", torch.bfloat16),
-                                ("tiny-mixtral-fp32", "tiny-mixtral", torch.float32)):
+    for name, preset, dtype in (
+        ("tiny-llama", "tiny-llama", torch.float32),
+        ("tiny-mixtral-bf16", "tiny-mixtral", torch.bfloat16),
+        ("tiny-mixtral-fp32", "tiny-mixtral", torch.float32),
+    ):
         model = build_model(preset, seed=1234, dtype=dtype)[0].to(device)
         out[name] = _si_step_syncs(model, make_batches(model.config.vocab_size, micro_batches, size, seq, device))
     out["dropless_bodies"] = _dropless_bodies_syncs(device)
@@ -437,10 +506,10 @@ def _op_times(graph, side: dict, device) -> dict:
     for b, block in enumerate(graph.blocks):
         for op in block:
             args = [env[k] for k in op.inputs]
-            fwd = _timed_ms(lambda: op.fn(side, *args), device)
+            fwd = _timed_ms(lambda op=op, args=args: op.fn(side, *args), device)
             leaves = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
 
-            def backward():
+            def backward(op=op, leaves=leaves):
                 outs = [o for o in op.fn(side, *leaves) if o.requires_grad]
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
@@ -459,13 +528,20 @@ def check_roofline(device) -> dict:
     from ds_dhelix.predict.hardware import load_hardware
     from ds_dhelix.predict.roofline import op_work
     from ds_dhelix.predict.shapes import ModelOutline, OpLine, RunLayout, model_shape
+
     sizes = dict(ROOFLINE_SHAPES[device.type])
     batch, seq = sizes.pop("batch"), sizes.pop("seq")
-    config = AutoConfig.for_model("llama", num_hidden_layers=1, head_dim=sizes["hidden_size"] // sizes["num_attention_heads"],
-                                  max_position_embeddings=seq, **sizes)
+    config = AutoConfig.for_model(
+        "llama",
+        num_hidden_layers=1,
+        head_dim=sizes["hidden_size"] // sizes["num_attention_heads"],
+        max_position_embeddings=seq,
+        **sizes,
+    )
     dtype = "bf16" if device.type == "cuda" else "fp32"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
-                                             attn_implementation="sdpa").to(device)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, attn_implementation="sdpa"
+    ).to(device)
     graph = adapter_for(config).build_graph(model)
     ids = torch.randint(3, config.vocab_size, (batch, seq), device=device)
     measured = _op_times(graph, graph.make_side({"input_ids": ids, "labels": ids}), device)
@@ -479,16 +555,28 @@ def check_roofline(device) -> dict:
         work = op_work(op_name, block_context(shape, layout, outline, b))
         pf = sum(kernel_ms(hw, k, dtype) for k in work.fwd)
         pb = sum(kernel_ms(hw, k, dtype) for k in work.bwd + work.wgrad)
-        ops[op_name] = {"fwd_ms": round(fwd, 4), "fwd_pred_ms": round(pf, 4), "bwd_ms": round(bwd, 4),
-                        "bwd_pred_ms": round(pb, 4)}
+        ops[op_name] = {
+            "fwd_ms": round(fwd, 4),
+            "fwd_pred_ms": round(pf, 4),
+            "bwd_ms": round(bwd, 4),
+            "bwd_pred_ms": round(pb, 4),
+        }
         flops = sum(k.flops for k in work.fwd if k.kind == "gemm")
         if flops and op_name != "mlp.down":
             gemm_eff[op_name] = round(flops / (fwd / 1e3) / hw.gpu.peak_flops(dtype), 3)
     total = sum(v["fwd_ms"] + v["bwd_ms"] for v in ops.values())
     pred = sum(v["fwd_pred_ms"] + v["bwd_pred_ms"] for v in ops.values())
-    return {"preset": preset, "dtype": dtype, "tokens": batch * seq, "ops": ops, "measured_ms": round(total, 3),
-            "predicted_ms": round(pred, 3), "measured_over_predicted": round(total / pred, 3),
-            "gemm_efficiency_reached": gemm_eff, "gemm_efficiency_assumed": hw.assumptions.gemm_efficiency}
+    return {
+        "preset": preset,
+        "dtype": dtype,
+        "tokens": batch * seq,
+        "ops": ops,
+        "measured_ms": round(total, 3),
+        "predicted_ms": round(pred, 3),
+        "measured_over_predicted": round(total / pred, 3),
+        "gemm_efficiency_reached": gemm_eff,
+        "gemm_efficiency_assumed": hw.assumptions.gemm_efficiency,
+    }
 
 
 def main(argv=None) -> int:
@@ -514,8 +602,14 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         results.append(row)
 
-    report("env", lambda: {"torch": torch.__version__, "device": args.device,
-                           "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
+    report(
+        "env",
+        lambda: {
+            "torch": torch.__version__,
+            "device": args.device,
+            "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        },
+    )
     ref = build_model(args.model, seed=1234)[0].to(device)
     batches = make_batches(ref.config.vocab_size, args.micro_batches, args.micro_batch_size, args.seq_len, device)
     report("parity", lambda: check_parity(ref, batches))
@@ -524,16 +618,27 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         report("stream_overlap", lambda: check_stream_overlap(device))
         report("device_events", lambda: check_device_events(device))
-        report("connections", lambda: {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
-                                       "warning": cuda_connections_warning(device)})
+        report(
+            "connections",
+            lambda: {
+                "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+                "warning": cuda_connections_warning(device),
+            },
+        )
         report("host_syncs", lambda: check_host_syncs(device, args.micro_batches, 2, 256))
     report("roofline", lambda: check_roofline(device))
     missing = tutel_missing()
     if missing:
         report("tutel_kernels", lambda: {"skipped": missing})
     else:
-        report("tutel_kernels", lambda: check_tutel_kernels(device) if device.type == "cuda" else
-               check_tutel_kernels(device, tokens=256, hidden=64, reps=2))
+        report(
+            "tutel_kernels",
+            lambda: (
+                check_tutel_kernels(device)
+                if device.type == "cuda"
+                else check_tutel_kernels(device, tokens=256, hidden=64, reps=2)
+            ),
+        )
         if device.type == "cuda":
             report("tutel_overlap", lambda: check_tutel_overlap(device))
     if args.out:

@@ -9,6 +9,7 @@ commit:
     python -m scripts.update_golden            # from the project root, ~1 minute
     python -m scripts.update_golden tiny-qwen3 # only these presets (a new family); the rest kept
 """
+
 from __future__ import annotations
 
 import json
@@ -20,31 +21,51 @@ GOLDEN_PATH = os.path.join(ROOT, "tests", "golden", "losses.json")
 WORLD = 2
 
 # preset -> its layout on the 2-rank world (dense: TP=2; MoE: EP=2 over DP=2)
-LAYOUTS = {"tiny-llama": {"tp": 2}, "tiny-gpt2": {"tp": 2}, "tiny-gpt-neox": {"tp": 2},
-           "tiny-qwen2": {"tp": 2}, "tiny-qwen3": {"tp": 2}, "tiny-mistral": {"tp": 2}, "tiny-gemma3": {"tp": 2},
-           "tiny-phi3": {"tp": 2}, "tiny-smollm3": {"tp": 2}, "tiny-olmo3": {"tp": 2},
-           "tiny-phimoe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-mixtral": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-qwen3-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-olmoe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-qwen2-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-deepseek-v3": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-glm4-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-gpt-oss": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-qwen3-moe-mixed": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
-           "tiny-qwen3-5": {"tp": 2},
-           "tiny-qwen3-5-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}}}
+LAYOUTS = {
+    "tiny-llama": {"tp": 2},
+    "tiny-gpt2": {"tp": 2},
+    "tiny-gpt-neox": {"tp": 2},
+    "tiny-qwen2": {"tp": 2},
+    "tiny-qwen3": {"tp": 2},
+    "tiny-mistral": {"tp": 2},
+    "tiny-gemma3": {"tp": 2},
+    "tiny-phi3": {"tp": 2},
+    "tiny-smollm3": {"tp": 2},
+    "tiny-olmo3": {"tp": 2},
+    "tiny-phimoe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+    "tiny-mixtral": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+    "tiny-qwen3-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+    "tiny-olmoe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+    "tiny-qwen2-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+    "tiny-deepseek-v3": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+    "tiny-glm4-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+    "tiny-gpt-oss": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+    "tiny-qwen3-moe-mixed": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+    "tiny-qwen3-5": {"tp": 2},
+    "tiny-qwen3-5-moe": {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
+}
 
 
 def golden_options(preset: str):
-    from ds_dhelix.engine.parity import ParityOptions
-    return ParityOptions(model=preset, steps=3, micro_batches=4, micro_batch_size=2, seq_len=32, num_layers=2,
-                         zero_stage=1, seed=1234, **LAYOUTS[preset])
+    from ds_dhelix.verify import ParityOptions
+
+    return ParityOptions(
+        model=preset,
+        steps=3,
+        micro_batches=4,
+        micro_batch_size=2,
+        seq_len=32,
+        num_layers=2,
+        zero_stage=1,
+        seed=1234,
+        **LAYOUTS[preset],
+    )
 
 
 def _rank(rank, world, presets):
-    from ds_dhelix.engine.parity import make_batches, train_schedule
+    from ds_dhelix.verify import make_batches, train_schedule
     from hf_models.registry import load_config
+
     out = {}
     for preset in presets:
         opts = golden_options(preset)
@@ -56,12 +77,14 @@ def _rank(rank, world, presets):
 def run_golden(presets=tuple(LAYOUTS), timeout: float = 600.0) -> dict:
     """``{preset: {"sequential": [losses], "si": [losses]}}`` measured now."""
     from ds_dhelix.runtime.spawn import run_ranks
+
     return run_ranks(_rank, WORLD, args=(tuple(presets),), timeout=timeout)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import torch
+
     only = list(sys.argv[1:] if argv is None else argv)
     unknown = sorted(set(only) - set(LAYOUTS))
     if unknown:
@@ -71,11 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     if only and os.path.exists(GOLDEN_PATH):  # the other presets keep the losses they have
         with open(GOLDEN_PATH) as f:
             losses = {**json.load(f)["losses"], **losses}
-    doc = {"about": "losses of 3 optimizer steps per preset (scripts/update_golden.py); regenerate only on "
-                    "purpose", "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-           "options": {p: {k: v for k, v in vars(golden_options(p)).items() if k != "extra"} | LAYOUTS[p]
-                       for p in LAYOUTS},
-           "losses": losses}
+    doc = {
+        "about": "losses of 3 optimizer steps per preset (scripts/update_golden.py); regenerate only on purpose",
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "options": {
+            p: {k: v for k, v in vars(golden_options(p)).items() if k != "extra"} | LAYOUTS[p] for p in LAYOUTS
+        },
+        "losses": losses,
+    }
     os.makedirs(os.path.dirname(GOLDEN_PATH), exist_ok=True)
     with open(GOLDEN_PATH, "w") as f:
         json.dump(doc, f, indent=1)

@@ -3,6 +3,7 @@ micro-batches the adapter and executor tests compare against, and the ``gpu`` ma
 
 Tests import helpers with ``from tests.conftest import ...``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,8 +26,10 @@ def _no_deepspeed_shm_left_behind():
     """DeepSpeed's CPU all-reduce leaves a ~69 MB /dev/shm file per rank and port; ds_dhelix's
     builds release theirs (``comm.release_deepspeed_shm``), plain ``deepspeed.initialize`` runs in
     tests do not: what a test's processes left is removed after it (they have exited by then)."""
+
     def ours():
         return set(glob.glob(f"/dev/shm/{SHM_BUFFER_PREFIX}_{os.getuid()}_*"))
+
     before = ours()
     yield
     for path in ours() - before:
@@ -66,23 +69,22 @@ def make_config(preset: str, attn: str = "sdpa", **overrides):
 def make_model(config):
     """The HF model of ``config``, seeded, in train mode."""
     from transformers import AutoModelForCausalLM
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
-                                                 attn_implementation=config._attn_implementation)
+        model = AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), dtype=torch.float32, attn_implementation=config._attn_implementation
+        )
     return model.train()
 
 
 def make_batches(vocab: int, num: int) -> list[dict]:
     """``num`` micro-batches of [BATCH, SEQ] random ids; the first masks its first targets."""
-    gen = torch.Generator().manual_seed(1)
-    batches = []
-    for k in range(num):
-        ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)
-        labels = ids.clone()
-        if k == 0:
-            labels[0, :5] = -100  # ignored targets (prompt masking)
-        batches.append({"input_ids": ids, "labels": labels})
+    from ds_dhelix.verify import random_batches
+
+    batches = random_batches(vocab, num, BATCH, SEQ)
+    if batches:
+        batches[0]["labels"][0, :5] = -100  # ignored targets (prompt masking)
     return batches
 
 
@@ -107,6 +109,7 @@ def process_groups(tp: int = 1, ep: int = 1):
 
     from ds_dhelix.config.dims import ParallelDims
     from ds_dhelix.runtime.groups import ProcessGroups
+
     return ProcessGroups.create(ParallelDims(dist.get_world_size(), tp=tp, ep=ep))
 
 
@@ -118,6 +121,7 @@ def straight_run(tmp_path_factory):
     compare against it (exact resume, training from a checkpoint directory, refused resumes).
     Returns ``{"cfg", "ck", "summary", "weights"}``."""
     from tests.test_long_job import LAYOUTS, STOP, TOTAL, _cmd, _config, _ok, _run, _summary, _weights
+
     runs = {}
 
     def get(layout: str) -> dict:
@@ -125,10 +129,29 @@ def straight_run(tmp_path_factory):
             name, model = LAYOUTS[layout]
             tmp = tmp_path_factory.mktemp(f"straight-{layout}")
             cfg, ck = _config(tmp, name), tmp / "ck"
-            _ok(_run(_cmd(cfg, model, tmp / "hf", "--steps", str(TOTAL), "--save-interval", str(STOP),
-                          "--ds-checkpoint", str(ck), "--json-summary", str(tmp / "summary.json"))))
-            runs[layout] = {"cfg": cfg, "ck": ck, "summary": _summary(tmp / "summary.json"),
-                            "weights": _weights(tmp / "hf")}
+            _ok(
+                _run(
+                    _cmd(
+                        cfg,
+                        model,
+                        tmp / "hf",
+                        "--steps",
+                        str(TOTAL),
+                        "--save-interval",
+                        str(STOP),
+                        "--ds-checkpoint",
+                        str(ck),
+                        "--json-summary",
+                        str(tmp / "summary.json"),
+                    )
+                )
+            )
+            runs[layout] = {
+                "cfg": cfg,
+                "ck": ck,
+                "summary": _summary(tmp / "summary.json"),
+                "weights": _weights(tmp / "hf"),
+            }
         return runs[layout]
 
     return get

@@ -14,6 +14,7 @@ sums, so results differ by rounding only. Observed max abs diff (losses ~7.6): T
 gradients <= 4.5e-8; TP=2 losses <= 9.5e-7, gradients <= 1.2e-7. We allow rtol=1e-4, atol=1e-5:
 two orders above rounding, far below real bugs (a missing gradient hook on wpe gives 5e-2).
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,23 +25,35 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_dhelix.runtime.executor import Executor
 from ds_dhelix.graph.ops import backward_order
 from ds_dhelix.planning.plan import default_plan
+from ds_dhelix.runtime.executor import Executor
 from hf_models.adapters import adapter_for
 from hf_models.common import gather_param
 from hf_models.registry import load_config
-from tests.conftest import (gathered_grad, hf_reference, make_batches, make_config, make_model, process_groups,
-                            run_ranks)
+from tests.conftest import gathered_grad, hf_reference, make_batches, make_config, make_model, process_groups, run_ranks
 
-DENSE_FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3",
-                  "tiny-olmo3", "tiny-qwen3-5")
+DENSE_FAMILIES = (
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-mistral",
+    "tiny-gemma3",
+    "tiny-phi3",
+    "tiny-smollm3",
+    "tiny-olmo3",
+    "tiny-qwen3-5",
+)
 """The presets of the dense family machinery (``hf_models/dense_family.py``)."""
 PRESETS = DENSE_FAMILIES + ("tiny-gpt2", "tiny-gpt-neox")
 SUITE_OVERRIDES = {  # what these tests' short sequences (SEQ = 16) need to exercise each family's twist
     "tiny-gemma3": (("final_logit_softcapping", 30.0),),
-    "tiny-qwen2": (("use_sliding_window", True), ("sliding_window", 8), ("max_window_layers", 1),
-                   ("layer_types", ["full_attention", "sliding_attention"])),
+    "tiny-qwen2": (
+        ("use_sliding_window", True),
+        ("sliding_window", 8),
+        ("max_window_layers", 1),
+        ("layer_types", ["full_attention", "sliding_attention"]),
+    ),
     "tiny-smollm3": (("no_rope_layers", [1, 0]),),
 }
 TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
@@ -74,7 +87,7 @@ def test_tp1_graph_matches_hf(preset, attn):
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 VARIANTS = [
@@ -86,8 +99,11 @@ VARIANTS = [
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("preset, attn, overrides", VARIANTS,
-                         ids=["neox-sequential-residual", "neox-tied", "gpt2-untied", "gpt2-upcast-layer-scale"])
+@pytest.mark.parametrize(
+    "preset, attn, overrides",
+    VARIANTS,
+    ids=["neox-sequential-residual", "neox-tied", "gpt2-untied", "gpt2-upcast-layer-scale"],
+)
 def test_tp1_config_variants(preset, attn, overrides):
     config = make_config(preset, attn, **overrides)
     ref = make_model(config)
@@ -99,13 +115,14 @@ def test_tp1_config_variants(preset, attn, overrides):
     ref_params = dict(ref.named_parameters())
     assert ref_params.keys() == dict(model.named_parameters()).keys()
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # --------------------------------------------------------------------------------- TP=2 ranks
 def _tp2_rank(rank, world, preset, overrides, num_mb):
     """One rank of the TP=2 checks; returns plain numbers and flags (asserted in pytest)."""
     from ds_dhelix.engine.checkpoint import export_hf
+
     torch.manual_seed(123)  # anything not seeded explicitly must not matter
     layout = process_groups(tp=world)
     config = make_config(preset, **overrides)
@@ -115,11 +132,14 @@ def _tp2_rank(rank, world, preset, overrides, num_mb):
     models, losses = {}, {}
     for schedule in ("sequential", "si"):
         models[schedule] = copy.deepcopy(ref)
-        losses[schedule] = run_graph(models[schedule], world, layout.tp_rank, layout.tp,
-                                     layout.tp_grad_group, batches, schedule)
+        losses[schedule] = run_graph(
+            models[schedule], world, layout.tp_rank, layout.tp, layout.tp_grad_group, batches, schedule
+        )
     want = hf_reference(ref, batches)
-    out = {"keys_equal": list(models["sequential"].state_dict().keys()) == keys,
-           "num_sharded": sum(getattr(p, "tensor_model_parallel", False) for p in models["si"].parameters())}
+    out = {
+        "keys_equal": list(models["sequential"].state_dict().keys()) == keys,
+        "num_sharded": sum(getattr(p, "tensor_model_parallel", False) for p in models["si"].parameters()),
+    }
     total = [loss.clone() for loss in losses["sequential"]]
     for t in total:
         dist.all_reduce(t, group=layout.tp_grad_group)
@@ -139,20 +159,21 @@ def _tp2_rank(rank, world, preset, overrides, num_mb):
             out["grad_far"].append(name)
         if not torch.equal(gather_param(q, layout.tp_grad_group, world), ref_params[name].detach()):
             out["params_inexact"].append(name)
-    out["export_logits_equal"] = _export_round_trip(export_hf, models["sequential"], ref, batches[0],
-                                                    layout, world)
+    out["export_logits_equal"] = _export_round_trip(export_hf, models["sequential"], ref, batches[0], layout, world)
     return out
 
 
 def _export_round_trip(export_hf, model, ref, batch, layout, world) -> bool | None:
     """export_hf of the sharded model -> from_pretrained -> the HF model's logits, bitwise (rank 0)."""
     from transformers import AutoModelForCausalLM
+
     with tempfile.TemporaryDirectory() as tmp:
         path = export_hf(model, f"{tmp}/hf", tp_group=layout.tp_grad_group, tp_size=world)
         if path is None:
             return None
-        back = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                    attn_implementation=ref.config._attn_implementation)
+        back = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=ref.config._attn_implementation
+        )
         with torch.no_grad():
             return torch.equal(back(batch["input_ids"]).logits, ref.eval()(batch["input_ids"]).logits)
 
@@ -168,16 +189,37 @@ SHAPE_VARIANTS = {  # other shapes than the presets': the adapters must not depe
     "gemma3-h96": ("tiny-gemma3", (("hidden_size", 96), ("intermediate_size", 192))),
     "phi3-h192": ("tiny-phi3", (("hidden_size", 192), ("intermediate_size", 256))),
     "qwen3-h96": ("tiny-qwen3", (("hidden_size", 96), ("intermediate_size", 192))),
-    "qwen3_5-h96": ("tiny-qwen3-5", (("hidden_size", 96), ("intermediate_size", 192), ("attention_bias", True),
-                                     ("linear_num_value_heads", 6), ("linear_value_head_dim", 16),
-                                     ("linear_conv_kernel_dim", 3))),
-    "llama3-rope": ("tiny-llama", (("rope_parameters", {  # Llama 3's rope_type: low frequencies rescaled
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),)),
+    "qwen3_5-h96": (
+        "tiny-qwen3-5",
+        (
+            ("hidden_size", 96),
+            ("intermediate_size", 192),
+            ("attention_bias", True),
+            ("linear_num_value_heads", 6),
+            ("linear_value_head_dim", 16),
+            ("linear_conv_kernel_dim", 3),
+        ),
+    ),
+    "llama3-rope": (
+        "tiny-llama",
+        (
+            (
+                "rope_parameters",
+                {  # Llama 3's rope_type: low frequencies rescaled
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ),
+        ),
+    ),
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _suite_results() -> dict:
     runs = [(preset, SUITE_OVERRIDES.get(preset, ()), 4) for preset in PRESETS]
     runs += [(preset, SUITE_OVERRIDES.get(preset, ()) + over, 2) for preset, over in SHAPE_VARIANTS.values()]
@@ -257,13 +299,16 @@ def test_tp2_gpt_neox_sequential_residual_tied():
 
 
 # --------------------------------------------------------------------------------- (e) check_tp
-@pytest.mark.parametrize("preset, tp, named, valid", [
-    ("tiny-llama", 3, ["num_attention_heads=4", "intermediate_size=352"], "[1, 2, 4]"),
-    ("tiny-gpt2", 8, ["n_head=4"], "[1, 2, 4]"),
-    ("tiny-gpt2", 3, ["n_head=4", "n_inner=512"], "[1, 2, 4]"),
-    ("tiny-gpt-neox", 8, ["num_attention_heads=4"], "[1, 2, 4]"),
-    ("tiny-gpt-neox", 3, ["num_attention_heads=4", "intermediate_size=512"], "[1, 2, 4]"),
-])
+@pytest.mark.parametrize(
+    "preset, tp, named, valid",
+    [
+        ("tiny-llama", 3, ["num_attention_heads=4", "intermediate_size=352"], "[1, 2, 4]"),
+        ("tiny-gpt2", 8, ["n_head=4"], "[1, 2, 4]"),
+        ("tiny-gpt2", 3, ["n_head=4", "n_inner=512"], "[1, 2, 4]"),
+        ("tiny-gpt-neox", 8, ["num_attention_heads=4"], "[1, 2, 4]"),
+        ("tiny-gpt-neox", 3, ["num_attention_heads=4", "intermediate_size=512"], "[1, 2, 4]"),
+    ],
+)
 def test_check_tp_names_bad_dimension(preset, tp, named, valid):
     config = load_config(preset)
     adapter = adapter_for(config)
@@ -294,8 +339,11 @@ def test_check_tp_kv_heads_divide_or_are_replicated(kv, tp, fine):
     if fine:
         adapter_for(config).check_tp(config, tp)
         return
-    with pytest.raises(ValueError, match=r"num_key_value_heads=3: TP must divide the kv heads or be a multiple of "
-                                         r"them .* valid TP sizes: \[1, 3, 6, 12\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_key_value_heads=3: TP must divide the kv heads or be a multiple of "
+        r"them .* valid TP sizes: \[1, 3, 6, 12\]",
+    ):
         adapter_for(config).check_tp(config, tp)
 
 
@@ -321,6 +369,7 @@ def test_lean_activation_saves_its_inputs_only_and_gives_the_same_gradients(act)
 
     from ds_dhelix.runtime.memory import ActivationMeter
     from hf_models.common import lean
+
     fn = ACT2FN["gelu_new"] if act == "gelu_new" else (lambda g, u: torch.nn.functional.silu(g) * u)
     n_in = 1 if act == "gelu_new" else 2
     xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(n_in)]

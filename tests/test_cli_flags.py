@@ -2,6 +2,7 @@
 once, in ``ds_dhelix/commands/common.py``: every command that has one gets it from
 ``add_layout_flags``, with the same type, metavar, choices and meaning, and the defaults that differ
 between commands are the ones listed here. ``--link-gbps unshaped`` parses wherever a link is."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,9 @@ LINK_COMMANDS = {"profile", "validate-plan", "bench", "trace", "predict"}
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
-    spec = importlib.util.spec_from_file_location("dhelix_docs_hook", os.path.join(ROOT, "docs", "hooks", "reference.py"))
+    spec = importlib.util.spec_from_file_location(
+        "dhelix_docs_hook", os.path.join(ROOT, "docs", "hooks", "reference.py")
+    )
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
     return {name: parser for name, (_, parser) in hook.subcommand_parsers().items()}
@@ -54,8 +57,7 @@ def test_no_command_declares_a_layout_flag_itself():
             continue
         tree = ast.parse(open(os.path.join(COMMANDS_DIR, name)).read())
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "add_argument"):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
                 names = {a.value for a in node.args if isinstance(a, ast.Constant)}
                 found += [f"{name}:{node.lineno} {n}" for n in names & flags]
     assert not found, f"declare these with common.add_layout_flags: {found}"
@@ -85,14 +87,16 @@ def test_layout_flags_cover_the_commands_that_have_a_layout():
     assert {n for n, dests in have.items() if "link_gbps" in dests} == LINK_COMMANDS
     assert {"model", "tp", "ep", "cp", "cp_comm"} <= have["profile"] & have["validate-plan"] & have["trace"]
     assert {"model", "tp", "pp", "ep", "dp", "cp", "seq_len", "micro_batch_size", "micro_batches"} <= (
-        have["parity"] & have["bench"] & have["predict"])
+        have["parity"] & have["bench"] & have["predict"]
+    )
     assert have["plan"] == set()
 
 
 def _argv(command: str, *extra: str) -> list[str]:
     """``extra`` and each required flag of ``command`` given a placeholder."""
-    required = [x for a in PARSERS[command]._actions if a.required and a.option_strings
-                for x in (a.option_strings[0], "1")]
+    required = [
+        x for a in PARSERS[command]._actions if a.required and a.option_strings for x in (a.option_strings[0], "1")
+    ]
     return [*required, *extra]
 
 
@@ -118,6 +122,7 @@ def test_given_only_and_suppressed_defaults():
 
 def test_trace_defaults_are_its_options_defaults():
     from ds_dhelix.bench.tracing import TraceOptions
+
     args = PARSERS["trace"].parse_args([])
     d = TraceOptions()
     for dest in _layout_actions(PARSERS["trace"]):
@@ -131,6 +136,7 @@ def test_profile_and_validate_plan_take_unshaped_as_no_link(tmp_path, capsys):
     from ds_dhelix.cli import main
     from ds_dhelix.commands.profile import options
     from ds_dhelix.planning import planner
+
     args = PARSERS["profile"].parse_args(["--out", str(tmp_path / "t.json"), "--link-gbps", "unshaped"])
     assert options(args)["link_gbps"] is None
     ops = planner.TINY_LAYER_OPS

@@ -163,9 +163,17 @@ def test_section_must_be_object():
 @pytest.mark.parametrize(
     "section, path, expect",
     [
-        ({"schedule": "dualpipe"}, "dhelix.schedule", "sequential, si, intra, auto, w, dualpipev; did you mean 'dualpipev'"),
+        (
+            {"schedule": "dualpipe"},
+            "dhelix.schedule",
+            "sequential, si, intra, auto, w, dualpipev; did you mean 'dualpipev'",
+        ),
         ({"schedule": "1f1b"}, "dhelix.schedule", "sequential, si, intra, auto, w, dualpipev"),
-        ({"si_execution": "streaming"}, "dhelix.si_execution", "reactive, plan; did you mean 'reactive'? (formerly 'stream')"),
+        (
+            {"si_execution": "streaming"},
+            "dhelix.si_execution",
+            "reactive, plan; did you mean 'reactive'? (formerly 'stream')",
+        ),
         ({"si_execution": "reactiv"}, "dhelix.si_execution", "did you mean 'reactive'?"),
         ({"planner": {"profile": "auto"}}, "dhelix.planner.profile", "needs dhelix.si_execution = 'plan'"),
         ({"pair_ends": True, "si_execution": "plan"}, "dhelix.pair_ends", "si_execution 'plan'"),
@@ -239,7 +247,14 @@ def test_batch_mismatch_message_has_the_numbers():
         ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 8, 2, 2, 1, (12, 2, 3)),
         ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2}, 4, 1, 2, 1, (24, 2, 6)),
         ({"train_batch_size": 32, "gradient_accumulation_steps": 4}, 8, 2, 1, 2, (32, 2, 4)),
-        ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 2, 1, 1, 1, (8, 2, 2)),
+        (
+            {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+            2,
+            1,
+            1,
+            1,
+            (8, 2, 2),
+        ),
     ],
 )
 def test_batch_filled_like_deepspeed(ds, world, tp, pp, ep, expect):
@@ -264,12 +279,17 @@ def test_sizes_default_to_the_dhelix_section():
 
 
 def test_world_not_divisible_lists_choices():
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tensor_parallel.size 4 x pipeline.stages 1 = 4.*\[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"world size 6 is not divisible by tensor_parallel.size 4 x pipeline.stages 1 = 4.*\[1, 2, 3, 6\]",
+    ):
         derive_batch({"train_batch_size": 6}, 6, 4, 1, 1)
 
 
 def test_ep_must_divide_dp():
-    with pytest.raises(ValueError, match=r"expert_parallel.size 3 .* data-parallel size 4 .*valid ep sizes: \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"expert_parallel.size 3 .* data-parallel size 4 .*valid ep sizes: \[1, 2, 4\]"
+    ):
         derive_batch({"train_batch_size": 8}, 4, 1, 1, 3)
 
 
@@ -278,8 +298,14 @@ def test_ep_must_divide_dp():
     [
         ({}, "set train_batch_size or train_micro_batch_size_per_gpu"),
         ({"gradient_accumulation_steps": 2}, "set train_batch_size or train_micro_batch_size_per_gpu"),
-        ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4}, r"train_batch_size 6 is not a multiple of micro 4 x data-parallel size 2.*multiple of 8"),
-        ({"train_batch_size": 6, "gradient_accumulation_steps": 4}, r"train_batch_size 6 is not a multiple of accumulation 4 x data-parallel size 2"),
+        (
+            {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4},
+            r"train_batch_size 6 is not a multiple of micro 4 x data-parallel size 2.*multiple of 8",
+        ),
+        (
+            {"train_batch_size": 6, "gradient_accumulation_steps": 4},
+            r"train_batch_size 6 is not a multiple of accumulation 4 x data-parallel size 2",
+        ),
         ({"train_batch_size": "auto"}, "train_batch_size must be a positive integer, got 'auto'"),
         ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu must be a positive integer"),
     ],

@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 
-from ds_dhelix.data import corpus  # get_tokenizer calls corpus.train_tokenizer
 from ds_dhelix.data import (
     BOS_ID,
     EOS_ID,
@@ -18,6 +17,7 @@ from ds_dhelix.data import (
     batch_iterator,
     build_embedded_corpus,
     check_batch_shape,
+    corpus,  # get_tokenizer calls corpus.train_tokenizer
     corpus_hash,
     encode_text,
     get_tokenizer,

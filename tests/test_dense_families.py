@@ -1,7 +1,7 @@
 """Every dense family of the family spec (``hf_models/dense_family.py``) through the real DeepSpeed
 engine, in one spawned 2-rank world (``run_parities``): for each family and each setting, SI is
 bitwise equal to sequential and the sharded model is close to the unsharded HF one (the tolerances
-and their reason: ``ds_dhelix.engine.parity``).
+and their reason: ``ds_dhelix.verify``).
 
     base        TP=2, ZeRO-1, fp32 (the golden losses' layout, with HF compared)
     zero0/zero2 ZeRO-0 and ZeRO-2 (their own gradient norm and reduction paths: other last bits than
@@ -20,28 +20,49 @@ settings are the extended tier (``pytest -m extended``, part of ``make test-all`
 one world of its own. Qwen3.5 (Gated DeltaNet layers among output-gated attention layers, 2 layers:
 one of each kind) refuses packed documents and context parallelism (``hf_models/deltanet.py``).
 """
+
 from __future__ import annotations
 
 import functools
 
 import pytest
 
-from ds_dhelix.engine.parity import ParityOptions, run_parities
+from ds_dhelix.verify import ParityOptions, run_parities
 
-FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3",
-            "tiny-olmo3", "tiny-qwen3-5")
+FAMILIES = (
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-mistral",
+    "tiny-gemma3",
+    "tiny-phi3",
+    "tiny-smollm3",
+    "tiny-olmo3",
+    "tiny-qwen3-5",
+)
 SETTINGS = {
-    "base": {}, "zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2},
-    "docs": {"packing": "docs", "dropout": 0.1}, "selective": {"recompute": "selective"},
-    "full": {"recompute": "full"}, "bf16": {"dtype": "bf16"}, "cp2": {"tp": 1, "cp": 2}, "dropout": {"dropout": 0.1},
+    "base": {},
+    "zero0": {"zero_stage": 0},
+    "zero2": {"zero_stage": 2},
+    "docs": {"packing": "docs", "dropout": 0.1},
+    "selective": {"recompute": "selective"},
+    "full": {"recompute": "full"},
+    "bf16": {"dtype": "bf16"},
+    "cp2": {"tp": 1, "cp": 2},
+    "dropout": {"dropout": 0.1},
 }
-NOT_RUN = {("tiny-olmo3", "cp2"),  # its q/k norm over all heads is refused with context parallelism
-           ("tiny-qwen3-5", "docs"), ("tiny-qwen3-5", "cp2")}  # Gated DeltaNet layers refuse both
+NOT_RUN = {
+    ("tiny-olmo3", "cp2"),  # its q/k norm over all heads is refused with context parallelism
+    ("tiny-qwen3-5", "docs"),
+    ("tiny-qwen3-5", "cp2"),
+}  # Gated DeltaNet layers refuse both
 ONLY = {"dropout": ("tiny-qwen3-5",)}  # a setting for some families only (the others' docs runs their dropout)
 
 
 def exists(family: str, setting: str) -> bool:
     return family in ONLY.get(setting, (family,))
+
+
 SAME_LOSSES_AS_BASE = ("selective", "full")
 PEAK_WITHIN_3_PERCENT = ("base", "docs", "selective")
 CORE = ("base", "docs", "selective")
@@ -56,10 +77,11 @@ def options(family: str, setting: str) -> ParityOptions:
     return ParityOptions(model=family, num_layers=2, seq_len=32, steps=3, **SETTINGS[setting])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tier_results(is_core: bool) -> dict:
-    keys = [(f, s) for f in FAMILIES for s in SETTINGS
-            if exists(f, s) and (f, s) not in NOT_RUN and core(f, s) == is_core]
+    keys = [
+        (f, s) for f in FAMILIES for s in SETTINGS if exists(f, s) and (f, s) not in NOT_RUN and core(f, s) == is_core
+    ]
     if not is_core:  # the extended settings compare their losses with base's
         keys += [(f, "base") for f in FAMILIES]
     return dict(zip(keys, run_parities([options(f, s) for f, s in keys], timeout=840)))
@@ -69,8 +91,12 @@ def results_of(family: str, setting: str) -> dict:
     return tier_results(core(family, setting))[family, setting]
 
 
-CASES = [pytest.param(f, s, marks=() if core(f, s) else pytest.mark.extended, id=f"{f}-{s}")
-         for f in FAMILIES for s in SETTINGS if exists(f, s)]
+CASES = [
+    pytest.param(f, s, marks=() if core(f, s) else pytest.mark.extended, id=f"{f}-{s}")
+    for f in FAMILIES
+    for s in SETTINGS
+    if exists(f, s)
+]
 
 
 @pytest.mark.timeout(900)
@@ -93,8 +119,9 @@ def test_si_bitwise_and_close_to_hf(family, setting):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family, setting", [(f, s) for f in FAMILIES for s in PEAK_WITHIN_3_PERCENT
-                                             if (f, s) not in NOT_RUN])
+@pytest.mark.parametrize(
+    "family, setting", [(f, s) for f in FAMILIES for s in PEAK_WITHIN_3_PERCENT if (f, s) not in NOT_RUN]
+)
 def test_si_activation_peak_within_3_percent(family, setting):
     peak = results_of(family, setting)["peak_activation_bytes"]
     assert 0 < peak["si"] <= 1.03 * peak["sequential"], peak
@@ -104,8 +131,12 @@ def test_ring_attention_refuses_sliding_windows():
     from ds_dhelix.config.dims import ParallelDims
     from hf_models.adapters import check_model
     from hf_models.registry import load_config
-    with pytest.raises(ValueError, match=r"context_parallel.comm 'ring' with Mistral's sliding-window layers "
-                                         r"\(sliding_window=8\) is not supported; use context_parallel.comm 'ulysses'"):
+
+    with pytest.raises(
+        ValueError,
+        match=r"context_parallel.comm 'ring' with Mistral's sliding-window layers "
+        r"\(sliding_window=8\) is not supported; use context_parallel.comm 'ulysses'",
+    ):
         check_model(ParallelDims(2, cp=2, cp_comm="ring"), load_config("tiny-mistral"))
     check_model(ParallelDims(2, cp=2, cp_comm="ulysses"), load_config("tiny-mistral"))
     check_model(ParallelDims(2, cp=2, cp_comm="ring"), load_config("tiny-qwen3"))  # no window: ring runs
@@ -115,6 +146,7 @@ def test_olmo3_full_qk_norm_refusals():
     from ds_dhelix.config.dims import ParallelDims
     from hf_models.adapters import adapter_for, check_model
     from hf_models.registry import load_config
+
     config = load_config("tiny-olmo3")
     with pytest.raises(ValueError, match=r"context_parallel.size 2 with OLMo 3's q/k norm over all heads"):
         check_model(ParallelDims(2, cp=2), config)
@@ -123,12 +155,14 @@ def test_olmo3_full_qk_norm_refusals():
         adapter_for(config).check_tp(config, 2)
 
 
-@pytest.mark.parametrize("preset, key, value", [("tiny-phi3", "embd_pdrop", 0.1),
-                                               ("tiny-gemma3", "attn_logit_softcapping", 50.0)])
+@pytest.mark.parametrize(
+    "preset, key, value", [("tiny-phi3", "embd_pdrop", 0.1), ("tiny-gemma3", "attn_logit_softcapping", 50.0)]
+)
 def test_settings_transformers_does_not_apply_are_warned(preset, key, value):
     """Stored by the config, ignored by transformers' own model (5.24), so ignored here too: said once."""
     from hf_models.adapters import adapter_for
     from hf_models.registry import load_config
+
     config = load_config(preset)
     setattr(config, key, value)
     with pytest.warns(UserWarning, match=rf"{key}={value!r} is not applied"):
@@ -140,6 +174,7 @@ def test_qwen3_5_layer_kinds_and_where_the_deltanet_ops_sit():
     the delta rule run between the sequence all-gather and the reduce-scatter (the whole sequence)."""
     from hf_models.adapters import adapter_for
     from hf_models.registry import build_model
+
     model, _ = build_model("tiny-qwen3-5", seed=0, num_layers=2)
     graph = adapter_for(model.config).build_graph(model, tp=2, tp_rank=1)  # (collectives built, not run)
     linear, full = ([op.name for op in graph.blocks[b]][:7] for b in (1, 2))
@@ -158,13 +193,20 @@ def test_qwen3_5_refusals_come_before_any_model():
     from ds_dhelix.config.dims import ParallelDims
     from hf_models.adapters import adapter_for, check_model, check_packing
     from hf_models.registry import load_config
+
     for preset, name in (("tiny-qwen3-5", "Qwen3.5"), ("tiny-qwen3-5-moe", "Qwen3.5-MoE")):
         config = load_config(preset)
-        with pytest.raises(ValueError, match=rf"context_parallel.size 2 with {name}'s Gated DeltaNet layers .* "
-                                             r"use context_parallel.size 1"):
+        with pytest.raises(
+            ValueError,
+            match=rf"context_parallel.size 2 with {name}'s Gated DeltaNet layers .* "
+            r"use context_parallel.size 1",
+        ):
             check_model(ParallelDims(2, cp=2), config)
-        with pytest.raises(ValueError, match=rf"--packing docs with {name}'s Gated DeltaNet layers.*use --packing "
-                                             r"concat"):
+        with pytest.raises(
+            ValueError,
+            match=rf"--packing docs with {name}'s Gated DeltaNet layers.*use --packing "
+            r"concat",
+        ):
             check_packing(config, "docs")
         check_packing(config, "concat")
         config.linear_num_key_heads, config.linear_num_value_heads = 3, 6
@@ -186,6 +228,7 @@ def test_qwen3_5_packed_documents_refused_at_the_side_inputs_too():
 
     from hf_models.adapters import adapter_for
     from hf_models.registry import build_model
+
     model, _ = build_model("tiny-qwen3-5", seed=0, num_layers=2)
     graph = adapter_for(model.config).build_graph(model)
     ids = torch.randint(3, 100, (1, 16))
@@ -202,12 +245,27 @@ def test_qwen3_5_checkpoint_of_other_sizes(tmp_path):
     TP=2 SI bitwise equal to sequential and close to HF (``dhelix parity``'s tolerances)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
-    config = Qwen3_5TextConfig(vocab_size=2048, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
-                               layer_types=["linear_attention", "full_attention", "linear_attention"],
-                               num_attention_heads=6, num_key_value_heads=2, head_dim=16, attention_bias=True,
-                               linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
-                               linear_value_head_dim=24, linear_conv_kernel_dim=3, max_position_embeddings=256,
-                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+    config = Qwen3_5TextConfig(
+        vocab_size=2048,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=True,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=3,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(7)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "qwen3_5")
     r = run_parities([ParityOptions(model=str(tmp_path / "qwen3_5"), tp=2, seq_len=32, steps=2)], timeout=560)[0]

@@ -1,9 +1,10 @@
 """The documentation site builds cleanly and its generated references match the code.
 
-    mkdocs build --strict      no broken link, no missing page, no unresolved API reference
-    configuration reference    every key the "dhelix" section accepts, its allowed values real
-    CLI reference              every flag of train.py and of each `dhelix` subcommand
+mkdocs build --strict      no broken link, no missing page, no unresolved API reference
+configuration reference    every key the "dhelix" section accepts, its allowed values real
+CLI reference              every flag of train.py and of each `dhelix` subcommand
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,8 @@ import sys
 
 import pytest
 
-from ds_dhelix.config.reference import markdown as config_markdown, rows
+from ds_dhelix.config.reference import markdown as config_markdown
+from ds_dhelix.config.reference import rows
 from ds_dhelix.config.section import DhelixConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +25,9 @@ MKDOCS = os.path.join(os.path.dirname(sys.executable), "mkdocs")
 
 
 def _hook():
-    spec = importlib.util.spec_from_file_location("dhelix_docs_hook", os.path.join(ROOT, "docs", "hooks", "reference.py"))
+    spec = importlib.util.spec_from_file_location(
+        "dhelix_docs_hook", os.path.join(ROOT, "docs", "hooks", "reference.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -61,8 +65,9 @@ def test_listed_choices_are_what_the_section_accepts(row):
 
     if leaf == "auto_candidates":  # a list of schedules: each layout's whole list
         config(["sequential", "si", "intra"])
-        DhelixConfig.from_dict({"schedule": "auto", "pipeline": {"stages": 2},
-                                "auto_candidates": ["sequential", "w", "dualpipev"]})
+        DhelixConfig.from_dict(
+            {"schedule": "auto", "pipeline": {"stages": 2}, "auto_candidates": ["sequential", "w", "dualpipev"]}
+        )
         assert set(row.choices) == {"sequential", "si", "intra", "w", "dualpipev"}
     else:
         for choice in row.choices:
@@ -86,8 +91,13 @@ def test_cli_reference_lists_every_flag():
 
 @pytest.mark.skipif(not os.path.exists(MKDOCS), reason="the docs extra is not installed (pip install -e '.[docs]')")
 def test_site_builds_strict(tmp_path):
-    out = subprocess.run([MKDOCS, "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [MKDOCS, "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     config_page = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
     cli_page = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
@@ -106,6 +116,9 @@ def test_architecture_names_every_module():
         for folder, _, files in os.walk(os.path.join(ROOT, top)):
             if "__pycache__" in folder or "results" in folder:
                 continue
-            missing += [os.path.relpath(os.path.join(folder, f), ROOT) for f in files
-                        if f.endswith(".py") and f != "__init__.py" and not re.search(rf"\b{re.escape(f)}\b", text)]
+            missing += [
+                os.path.relpath(os.path.join(folder, f), ROOT)
+                for f in files
+                if f.endswith(".py") and f != "__init__.py" and not re.search(rf"\b{re.escape(f)}\b", text)
+            ]
     assert missing == [], f"docs/architecture.md has no line for {missing}"

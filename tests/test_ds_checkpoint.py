@@ -1,5 +1,6 @@
 """DeepSpeed checkpoints of a DhelixEngine (TP=2, ZeRO-1): save, load into a fresh engine, and
 the next step is bitwise the same as without the interruption."""
+
 import torch
 
 from ds_dhelix.runtime.spawn import run_ranks
@@ -7,7 +8,8 @@ from ds_dhelix.runtime.spawn import run_ranks
 
 def _rank(rank, world, ckpt_dir):
     import ds_dhelix
-    from ds_dhelix.engine.parity import ParityOptions, build, make_batches
+    from ds_dhelix.verify import ParityOptions, build, make_batches
+
     opts = ParityOptions(model="tiny-llama", tp=2, steps=3, micro_batches=2, seq_len=32, num_layers=2)
     batches = make_batches(opts, 2048)
 

@@ -2,6 +2,7 @@
 PipelineEngine (1F1B) and DualPipeVEngine over the HF decoder layers (PP=2, 2 ranks) and over our
 op graph's TP layers (PP=2 x TP=2, 4 ranks) train to the losses of our sequential fold on the same
 model and micro-batches. CPU, fp32, gloo."""
+
 import pytest
 
 from ds_dhelix.runtime.spawn import run_ranks
@@ -15,7 +16,8 @@ LOSS_TOLERANCE = 1e-5
 
 def _rank_losses(rank, world, tp):
     from ds_dhelix.bench.ds_pipelines import build_deepspeed_pipe
-    from ds_dhelix.engine.parity import ParityOptions, build, make_batches, train_pipeline
+    from ds_dhelix.verify import ParityOptions, build, make_batches, train_pipeline
+
     opts = ParityOptions(**OPTS, tp=tp)
     batches = make_batches(opts, 2048)
     ours = train_pipeline(opts, "sequential", batches)
@@ -24,8 +26,9 @@ def _rank_losses(rank, world, tp):
     out = {"ours": ours and ours["losses"]}
     for schedule in ("1f1b", "dualpipev"):
         engine = build_deepspeed_pipe(build(opts), opts.pp, schedule, config, tp=opts.tp, seed=opts.seed)
-        out[schedule] = [float(engine.train_batch(iter([(b["input_ids"], b["labels"]) for b in step])))
-                         for step in batches]
+        out[schedule] = [
+            float(engine.train_batch(iter([(b["input_ids"], b["labels"]) for b in step]))) for step in batches
+        ]
         engine.destroy()
     return out
 

@@ -1,8 +1,15 @@
 """Model folding: layer -> (rank, phase), uneven counts, explicit splits, errors."""
+
 import pytest
 
 from ds_dhelix.schedule.folding import (
-    balanced_split, chunk_index, chunk_owner, fold_layers, next_chunk_owner, prev_chunk_owner)
+    balanced_split,
+    chunk_index,
+    chunk_owner,
+    fold_layers,
+    next_chunk_owner,
+    prev_chunk_owner,
+)
 
 
 def test_even_fold_is_a_u():
@@ -39,13 +46,16 @@ def test_explicit_split():
     assert list(fold.layers(1, 1)) == [5, 6, 7, 8] and list(fold.layers(0, 1)) == [9]
 
 
-@pytest.mark.parametrize("args, match", [
-    ((3, 2), r"num_layers=3 < 4 chunks.*num_stages <= 1"),
-    ((8, 0), r"num_stages=0"),
-    ((8, 2, [2, 2, 4]), r"split=\[2, 2, 4\] has 3 entries.*needs 2\*2=4"),
-    ((8, 2, [2, 2, 2, 3]), r"sums to 9 but num_layers=8"),
-    ((8, 2, [0, 4, 2, 2]), r"integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((3, 2), r"num_layers=3 < 4 chunks.*num_stages <= 1"),
+        ((8, 0), r"num_stages=0"),
+        ((8, 2, [2, 2, 4]), r"split=\[2, 2, 4\] has 3 entries.*needs 2\*2=4"),
+        ((8, 2, [2, 2, 2, 3]), r"sums to 9 but num_layers=8"),
+        ((8, 2, [0, 4, 2, 2]), r"integer >= 1"),
+    ],
+)
 def test_bad_input_raises_with_values(args, match):
     with pytest.raises(ValueError, match=match):
         fold_layers(*args)
@@ -59,7 +69,13 @@ def test_table_lists_every_layer_between_embedding_and_head():
     body = [line.split() for line in lines[2:-1]]
     assert [row[0] for row in body] == [str(i) for i in range(6)]
     assert [(row[2], row[3]) for row in body] == [
-        ("0", "0"), ("1", "0"), ("2", "0"), ("2", "1"), ("1", "1"), ("0", "1")]
+        ("0", "0"),
+        ("1", "0"),
+        ("2", "0"),
+        ("2", "1"),
+        ("1", "1"),
+        ("0", "1"),
+    ]
 
 
 def test_topology_helpers():

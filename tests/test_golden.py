@@ -7,6 +7,7 @@ matmuls with other vector kernels (AVX2 vs AVX-512), which reorders sums at the 
 relative; a change to the math (a dropped op, a wrong scale, other data or optimizer settings)
 moves these losses by 1e-3 or more. SI and sequential are also compared with each other: bitwise.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,6 +26,7 @@ def measured():
 
 def test_golden_file_covers_every_preset():
     from hf_models.registry import PRESETS
+
     with open(GOLDEN_PATH) as f:
         golden = json.load(f)["losses"]
     assert set(golden) == set(LAYOUTS) == {p for p in PRESETS if p.startswith("tiny-")}

@@ -1,5 +1,6 @@
 """scripts/gpu_checks.py, the prepared GPU checks, dry-run on CPU so it does not rot between the
 sessions that are lent a device: every check runs, SI and pair_ends are bitwise sequential."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,22 @@ from scripts.gpu_checks import main
 
 @pytest.mark.timeout(120)
 def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
-    rc = main(["--device", "cpu", "--steps", "1", "--micro-batches", "3", "--micro-batch-size", "1",
-               "--seq-len", "32", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--micro-batches",
+            "3",
+            "--micro-batch-size",
+            "1",
+            "--seq-len",
+            "32",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     rows = {r["check"]: r for r in json.loads((tmp_path / "gpu_checks.json").read_text())}
     assert rc == 0, rows
     # stream_overlap, device_events, connections and tutel_overlap need CUDA
@@ -26,9 +41,10 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
     assert all(v["fwd_ms"] > 0 and v["fwd_pred_ms"] >= 0 for v in roofline["ops"].values())
     assert roofline["predicted_ms"] > 0 and roofline["measured_ms"] > 0
     tutel = rows["tutel_kernels"]  # torch's and tutel's dispatch / combine on the same routes (or why not)
-    assert tutel["ok"] and (tutel.get("skipped") or (tutel["float32"]["buffer_equal"] and
-                                                     tutel["float32"]["combined_equal"]))
-    lines = [l for l in capsys.readouterr().out.strip().splitlines() if l.startswith("{")]
+    assert tutel["ok"] and (
+        tutel.get("skipped") or (tutel["float32"]["buffer_equal"] and tutel["float32"]["combined_equal"])
+    )
+    lines = [line for line in capsys.readouterr().out.strip().splitlines() if line.startswith("{")]
     assert len(lines) == 6  # one JSON line per check
 
 
@@ -36,6 +52,7 @@ def test_cuda_connections_warning_names_the_setting():
     import torch
 
     from ds_dhelix.runtime.comm import cuda_connections_warning
+
     cuda = torch.device("cuda")
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in cuda_connections_warning(cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert cuda_connections_warning(cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) is None

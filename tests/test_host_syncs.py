@@ -22,6 +22,7 @@ carry ``loss_denominator`` as the training loop (``ds_dhelix.training``) gives i
 them reads nothing (without one, ``make_side`` counts the valid targets: one read per micro-batch,
 before the step's first op).
 """
+
 from __future__ import annotations
 
 import collections
@@ -38,8 +39,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_DIR = os.path.dirname(torch.__file__)
 MICRO = 4  # micro-batches of the counted step
 
-VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "is_nonzero",
-               "equal", "allclose"}
+VALUE_READS = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "numpy",
+    "cpu",
+    "is_nonzero",
+    "equal",
+    "allclose",
+}
 """Tensor methods and functions that hand a value to the host."""
 SYNCING_OPS = {"bincount", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
 """Ops whose output size depends on the values: on CUDA they copy a count to the host first."""
@@ -55,13 +67,21 @@ def read_kind(func, args, kwargs) -> str | None:
     name = getattr(func, "__name__", "")
     if name in VALUE_READS or name in SYNCING_OPS:
         return name
-    if name in ("tensor", "as_tensor") and kwargs.get("device") is not None and args \
-            and isinstance(args[0], (list, tuple)):
+    if (
+        name in ("tensor", "as_tensor")
+        and kwargs.get("device") is not None
+        and args
+        and isinstance(args[0], (list, tuple))
+    ):
         return "tensor(list, device=)"
     if name in ("__getitem__", "__setitem__") and len(args) > 1 and _has_bool_index(args[1]):
         return f"{name}[bool mask]"
-    if name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor) \
-            and kwargs.get("output_size") is None:
+    if (
+        name == "repeat_interleave"
+        and len(args) > 1
+        and isinstance(args[1], torch.Tensor)
+        and kwargs.get("output_size") is None
+    ):
         return "repeat_interleave(no output_size)"
     if name == "where" and len(args) == 1:
         return "where(cond)"
@@ -110,6 +130,7 @@ def count_si_step(graph, model, batches) -> dict:
     """Host reads of the second SI step of a reactive executor on ``graph`` (as the engine builds it)."""
     from ds_dhelix.runtime.executor import Executor
     from ds_dhelix.runtime.memory import ActivationMeter
+
     ex = Executor(graph, meter=ActivationMeter(model.parameters()))
     ex.run_microbatches(batches, "si", 1.0 / len(batches))  # warm-up: first-step caches
     model.zero_grad(set_to_none=True)
@@ -123,12 +144,21 @@ def _moe_case(rank, preset, tp, ep, capacity_factor, grouped):
     from hf_models.adapters import adapter_for
     from tests.conftest import process_groups
     from tests.test_moe import make_config, make_model
+
     lay = process_groups(tp=tp, ep=ep)
     config = make_config(preset)
     model = make_model(config)
-    graph = adapter_for(config).build_graph(model, tp, lay.tp_rank, lay.tp, lay.tp_grad_group, seed=11,
-                                            ep_groups=lay.expert_groups(), capacity_factor=capacity_factor,
-                                            grouped_mm=grouped)
+    graph = adapter_for(config).build_graph(
+        model,
+        tp,
+        lay.tp_rank,
+        lay.tp,
+        lay.tp_grad_group,
+        seed=11,
+        ep_groups=lay.expert_groups(),
+        capacity_factor=capacity_factor,
+        grouped_mm=grouped,
+    )
     sparse = len(graph.meta["sparse_layers"])
     return {"reads": count_si_step(graph, model, _batches(config.vocab_size, rank // tp)), "sparse_layers": sparse}
 
@@ -136,6 +166,7 @@ def _moe_case(rank, preset, tp, ep, capacity_factor, grouped):
 def _dense_case(rank, world):
     from hf_models.adapters import adapter_for
     from tests.conftest import make_config, make_model, process_groups
+
     layout = process_groups(tp=world)
     config = make_config("tiny-llama")
     model = make_model(config)
@@ -184,8 +215,9 @@ def test_si_step_host_reads(counted, case):
         want = got["sparse_layers"] * MICRO * per_layer
         splits = sum(n for site, n in reads.items() if site.startswith(SPLIT_READ))
         others = {site: n for site, n in reads.items() if not site.startswith(SPLIT_READ)}
-        assert not others and splits == want, \
+        assert not others and splits == want, (
             f"{case}, rank {rank}: expected {want} split-size reads and nothing else, got:\n{_describe(reads)}"
+        )
 
 
 # ------------------------------------------------------------------------------ the device-side pieces
@@ -204,6 +236,7 @@ def _reference_expert_major_index(recv_counts: torch.Tensor) -> torch.Tensor:
 
 def test_expert_major_index_on_the_device_is_the_host_loops():
     from ds_dhelix.moe.experts import expert_major_index
+
     gen = torch.Generator().manual_seed(0)
     shapes = [(2, 2), (4, 3), (1, 4), (3, 1)]
     for ep, local in shapes:
@@ -216,6 +249,7 @@ def test_expert_major_index_on_the_device_is_the_host_loops():
 def _reference_capacity_encode(x, selected, num_experts, cf):
     """The send buffer capacity mode built before: boolean masks and ``index_copy``."""
     from ds_dhelix.moe.router import capacity_for
+
     n_tok, k = selected.shape
     sel = selected.reshape(-1)
     order = torch.argsort(sel, stable=True)
@@ -226,14 +260,16 @@ def _reference_capacity_encode(x, selected, num_experts, cf):
     keep = pos < cap
     slot = sorted_sel * cap + pos
     token_of = torch.div(order, k, rounding_mode="floor")[keep]
-    return x.new_zeros(num_experts * cap, x.shape[-1]).index_copy(0, slot[keep], x.index_select(0, token_of)), \
-        int((~keep).sum())
+    return x.new_zeros(num_experts * cap, x.shape[-1]).index_copy(0, slot[keep], x.index_select(0, token_of)), int(
+        (~keep).sum()
+    )
 
 
 @pytest.mark.parametrize("cf", [0.5, 1.0, 4.0])
 def test_capacity_route_with_fixed_shapes_is_bitwise_the_masked_one(cf):
     """Send buffer, gradient to the tokens and dropped count as the masked version gave them."""
     from ds_dhelix.moe.router import route_tokens
+
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(23, 8, generator=gen)
     selected = torch.randint(0, 3, (23, 2), generator=gen)  # expert 3 of 4 gets nothing
@@ -246,7 +282,7 @@ def test_capacity_route_with_fixed_shapes_is_bitwise_the_masked_one(cf):
             dropped = int(route.dropped)
         else:
             buf, dropped = _reference_capacity_encode(leaf, selected, 4, cf)
-        buf.backward(g[:buf.shape[0]])
+        buf.backward(g[: buf.shape[0]])
         results.append((buf.detach(), leaf.grad, dropped))
     (b1, g1, d1), (b2, g2, d2) = results
     assert torch.equal(b1, b2) and torch.equal(g1, g2) and d1 == d2
@@ -256,6 +292,7 @@ def test_capacity_route_with_fixed_shapes_is_bitwise_the_masked_one(cf):
 def test_grouped_linear_takes_device_sizes():
     """The grouped GEMM with the rows per expert as a device tensor (no host list) is the one with a list."""
     from ds_dhelix.moe.experts import expert_linear
+
     gen = torch.Generator().manual_seed(2)
     x, w, b = torch.randn(10, 8, generator=gen), torch.randn(3, 16, 8, generator=gen), torch.randn(3, 16, generator=gen)
     sizes = [4, 0, 6]
@@ -270,6 +307,7 @@ def test_grouped_linear_takes_device_sizes():
 def test_host_copy_on_cpu_is_the_tensor_itself():
     """CPU: no stream, no copy, no event; the same calls as on CUDA, read as lists."""
     from ds_dhelix.runtime.comm import HostCopies
+
     copies = HostCopies()
     t = torch.tensor([[1, 2], [3, 4]])
     copy = copies.start(t)
@@ -285,6 +323,7 @@ def test_step_moe_numbers_are_read_once_at_the_end():
     from ds_dhelix.engine.moe_engine import DhelixMoeEngine
     from ds_dhelix.moe.metrics import MoeMetrics
     from ds_dhelix.moe.router import route_tokens
+
     metrics = MoeMetrics(num_layers=2, num_experts=4)
     x, selected = torch.randn(6, 3), torch.tensor([[0, 1]] * 5 + [[2, 3]])
     reads = HostReads()

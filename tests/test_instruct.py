@@ -2,6 +2,7 @@
 answers (the positions equal transformers' own assistant mask, token for token), whole-record
 packing, streaming, evaluation during a train.py run, resume mid-epoch, and train.py against
 examples/trainer_sft.py on the same file."""
+
 import glob
 import json
 import os
@@ -12,8 +13,6 @@ import sys
 import pytest
 import torch
 
-from ds_dhelix.data.batches import block_batches, stream_batches
-from ds_dhelix.data.packing import Packer
 from ds_dhelix.data.records import CHATML_TEMPLATE, RecordEncoder, open_records
 from ds_dhelix.data.sources import DataOptions, load_data
 from tests.conftest import free_port
@@ -35,16 +34,20 @@ def chat_records(n=60, seed=0, long_every=7):
     for i in range(n):
         messages = [{"role": "system", "content": _say(rng, 4)}] if i % 2 else []
         for _ in range(1 + i % 3):
-            messages += [{"role": "user", "content": _say(rng, rng.randint(2, 8))},
-                         {"role": "assistant", "content": _say(rng, 80 if i % long_every == 0 else rng.randint(2, 12))}]
+            messages += [
+                {"role": "user", "content": _say(rng, rng.randint(2, 8))},
+                {"role": "assistant", "content": _say(rng, 80 if i % long_every == 0 else rng.randint(2, 12))},
+            ]
         out.append({"messages": messages})
     return out
 
 
 def completion_records(n=60, seed=1):
     rng = random.Random(seed)
-    return [{"prompt": _say(rng, rng.randint(3, 10)), "completion": _say(rng, 60 if i % 7 == 0 else rng.randint(2, 10))}
-            for i in range(n)]
+    return [
+        {"prompt": _say(rng, rng.randint(3, 10)), "completion": _say(rng, 60 if i % 7 == 0 else rng.randint(2, 10))}
+        for i in range(n)
+    ]
 
 
 def write_jsonl(path, records):
@@ -57,14 +60,20 @@ def write_jsonl(path, records):
 @pytest.fixture(scope="module")
 def tokenizer():
     from hf_models.registry import load_tokenizer_for
+
     return load_tokenizer_for("tiny-llama")
 
 
 def _hf_masks(tokenizer, records):
     out = []
     for r in records:
-        got = tokenizer.apply_chat_template(r["messages"], chat_template=CHATML_TEMPLATE, tokenize=True,
-                                            return_dict=True, return_assistant_tokens_mask=True)
+        got = tokenizer.apply_chat_template(
+            r["messages"],
+            chat_template=CHATML_TEMPLATE,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
         out.append((list(got["input_ids"]), list(got["assistant_masks"])))
     return out
 
@@ -104,8 +113,9 @@ def test_chat_loss_positions_are_transformers_assistant_mask(tmp_path, tokenizer
     s = data.stats
     assert s.loss_tokens == sum(expected_mask)
     assert s.truncated == long > 0 and s.no_loss == no_loss and s.dropped == 0 and s.records == len(records)
-    dropped = load_data(DataOptions(path=path, chat_template="chatml", packing=packing, seq_len=seq, drop_long=True),
-                        tokenizer)
+    dropped = load_data(
+        DataOptions(path=path, chat_template="chatml", packing=packing, seq_len=seq, drop_long=True), tokenizer
+    )
     too_long = sum(len(ids) > seq for ids, _ in _hf_masks(tokenizer, records))
     assert dropped.stats.dropped == too_long and dropped.stats.truncated == 0
 
@@ -113,10 +123,12 @@ def test_chat_loss_positions_are_transformers_assistant_mask(tmp_path, tokenizer
 def test_options_the_records_would_not_use_are_refused(tmp_path, tokenizer):
     chat = write_jsonl(tmp_path / "chat.jsonl", chat_records(8))
     pc = write_jsonl(tmp_path / "pc.jsonl", completion_records(8))
-    for options, words in ((DataOptions(path=pc, chat_template="chatml"), "--chat-template renders chat"),
-                           (DataOptions(path=chat, chat_template="chatml", drop_long=True), "--drop-long"),
-                           (DataOptions(drop_long=True, packing="docs"), "text records under --packing docs"),
-                           (DataOptions(path=chat, chat_template="chatml", workers=2, stream_above=1), "--data-workers 2")):
+    for options, words in (
+        (DataOptions(path=pc, chat_template="chatml"), "--chat-template renders chat"),
+        (DataOptions(path=chat, chat_template="chatml", drop_long=True), "--drop-long"),
+        (DataOptions(drop_long=True, packing="docs"), "text records under --packing docs"),
+        (DataOptions(path=chat, chat_template="chatml", workers=2, stream_above=1), "--data-workers 2"),
+    ):
         with pytest.raises(ValueError, match=words):
             load_data(options, tokenizer)
 
@@ -131,7 +143,9 @@ def test_template_without_markers_gives_the_same_mask(tokenizer):
 
 
 def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
-    rewrites = PLAIN_CHATML.replace("{{ m['content'] }}<|im_end|>", "{{ m['content'] if loop.last else '...' }}<|im_end|>")
+    rewrites = PLAIN_CHATML.replace(
+        "{{ m['content'] }}<|im_end|>", "{{ m['content'] if loop.last else '...' }}<|im_end|>"
+    )
     encoder = RecordEncoder(tokenizer, "chat", chat_template=rewrites)
     with pytest.raises(ValueError, match="renders earlier turns differently"):
         encoder({"messages": [chat_records(3)[2]["messages"]]})
@@ -160,6 +174,7 @@ def test_prompt_completion_loss_is_the_completion(tmp_path, tokenizer):
 def test_file_kinds_read_the_same_records(tmp_path, tokenizer):
     """.jsonl, .json, .parquet and a save_to_disk directory: the same blocks."""
     import datasets
+
     records = completion_records(30)
     jsonl = write_jsonl(tmp_path / "d.jsonl", records)
     (tmp_path / "d.json").write_text(json.dumps(records))
@@ -179,6 +194,7 @@ def test_tokenisation_is_cached_across_runs(tmp_path, tokenizer):
 
     def cached():
         return sorted(glob.glob(os.path.join(cache_dir, "cache-*.arrow")))
+
     first = load_data(DataOptions(path=path, chat_template="chatml", packing="docs", seq_len=96), tokenizer)
     files = cached()
     assert files  # the tokenised records were written beside datasets' copy of the file
@@ -196,8 +212,10 @@ def test_stream_packs_the_blocks_of_the_whole_file_and_resumes(tmp_path, tokeniz
     blocks = list(stream.stream(0))
     assert torch.equal(torch.stack([b["input_ids"] for b in blocks]), whole.train.fields["input_ids"])
     assert stream.stats.as_dict() == whole.stats.as_dict()
-    for make in (lambda start: stream.batches(2, seed=3, rank=1, replicas=2, start=start),
-                 lambda start: whole.batches(2, seed=3, rank=1, replicas=2, start=start)):
+    for make in (
+        lambda start: stream.batches(2, seed=3, rank=1, replicas=2, start=start),
+        lambda start: whole.batches(2, seed=3, rank=1, replicas=2, start=start),
+    ):
         straight = [next(it) for it in [make(0)] for _ in range(40)]  # several epochs
         resumed = [next(it) for it in [make(17)] for _ in range(23)]
         assert all(torch.equal(a[k], b[k]) for a, b in zip(straight[17:], resumed) for k in a)
@@ -206,8 +224,9 @@ def test_stream_packs_the_blocks_of_the_whole_file_and_resumes(tmp_path, tokeniz
 def test_eval_fraction_holds_records_out(tmp_path, tokenizer):
     records = chat_records(50)
     path = write_jsonl(tmp_path / "chat.jsonl", records)
-    data = load_data(DataOptions(path=path, chat_template="chatml", packing="none", seq_len=96, eval_fraction=0.2),
-                     tokenizer)
+    data = load_data(
+        DataOptions(path=path, chat_template="chatml", packing="none", seq_len=96, eval_fraction=0.2), tokenizer
+    )
     assert data.stats.records == 40 and data.eval.stats.records == 10
     train_rows = {tuple(r.tolist()) for r in data.train.fields["input_ids"]}
     assert not any(tuple(r.tolist()) in train_rows for r in data.eval.fields["input_ids"])
@@ -215,12 +234,18 @@ def test_eval_fraction_holds_records_out(tmp_path, tokenizer):
 
 # ---------------------------------------------------------------- train.py, end to end
 
+
 def _config(tmp_path, schedule):
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-           "steps_per_print": 10 ** 6, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-           "zero_optimization": {"stage": 1},
-           "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": schedule},
-           "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": 2}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": schedule},
+        "dhelix": {"enabled": True, "schedule": schedule, "tensor_parallel": {"size": 2}},
+    }
     path = tmp_path / f"{schedule}.json"
     path.write_text(json.dumps(cfg))
     return str(path)
@@ -228,17 +253,31 @@ def _config(tmp_path, schedule):
 
 def _train(tmp_path, name, schedule, *extra, script="train.py"):
     out = tmp_path / name
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
-           str(free_port()), os.path.join(ROOT, script), "--deepspeed", _config(tmp_path, schedule),
-           "--output-dir", str(out / "hf"), "--json-summary", str(tmp_path / f"{name}.json"), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        os.path.join(ROOT, script),
+        "--deepspeed",
+        _config(tmp_path, schedule),
+        "--output-dir",
+        str(out / "hf"),
+        "--json-summary",
+        str(tmp_path / f"{name}.json"),
+        *extra,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((tmp_path / f"{name}.json").read_text()), proc
 
 
 def _scalars(tb_dir, tag):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     found = {}
     for f in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
         acc = EventAccumulator(f)
@@ -254,10 +293,28 @@ def test_chat_run_evaluates_and_si_equals_sequential_across_a_resume(tmp_path, t
     inside its second epoch and resumed. Losses and eval losses bitwise equal; Eval/loss at
     5/10/15/20 in TensorBoard; the data fields say what the loss was computed on."""
     path = write_jsonl(tmp_path / "chat.jsonl", chat_records(40, long_every=5))
-    common = ["--data", path, "--chat-template", "chatml", "--packing", "docs", "--seq-len", "64", "--steps", "20",
-              "--eval-fraction", "0.15", "--eval-interval", "5"]
-    blocks = len(load_data(DataOptions(path=path, chat_template="chatml", packing="docs", seq_len=64,
-                                       eval_fraction=0.15, seed=1234), tokenizer).train)
+    common = [
+        "--data",
+        path,
+        "--chat-template",
+        "chatml",
+        "--packing",
+        "docs",
+        "--seq-len",
+        "64",
+        "--steps",
+        "20",
+        "--eval-fraction",
+        "0.15",
+        "--eval-interval",
+        "5",
+    ]
+    blocks = len(
+        load_data(
+            DataOptions(path=path, chat_template="chatml", packing="docs", seq_len=64, eval_fraction=0.15, seed=1234),
+            tokenizer,
+        ).train
+    )
     epoch_steps = blocks // 4  # micro 2 x accumulation 2, one replica
     stop = next(k for k in range(epoch_steps + 1, 20) if k % epoch_steps)  # inside the second epoch
     seq, _ = _train(tmp_path, "seq", "sequential", *common)
@@ -276,7 +333,10 @@ def test_chat_run_evaluates_and_si_equals_sequential_across_a_resume(tmp_path, t
     assert d["format"] == "chat" and d["loss_on"] == "answers" and d["truncated"] > 0 and d["records"] == 34
     assert 0 < d["loss_tokens"] < d["tokens"] and 0 < d["padding_fraction"] < 1 and d["eval"]["records"] == 6
     assert _scalars(str(tmp_path / "tb"), "Data/loss_tokens")[0] == d["loss_tokens"]
-    assert f"step 20 {second['eval_losses'][-1]['loss']:.4f}" in proc.stdout and "chat records, loss on answers" in proc.stdout
+    assert (
+        f"step 20 {second['eval_losses'][-1]['loss']:.4f}" in proc.stdout
+        and "chat records, loss on answers" in proc.stdout
+    )
 
 
 @pytest.mark.slow
@@ -286,8 +346,9 @@ def test_train_py_and_trainer_example_first_step_loss(tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", chat_records(40))
     common = ["--data", path, "--chat-template", "chatml", "--packing", "docs", "--seq-len", "64"]
     ours, _ = _train(tmp_path, "train_py", "si", *common, "--steps", "2")
-    theirs, _ = _train(tmp_path, "trainer", "si", *common, "--max-steps", "2", "--train-py-order",
-                       script="examples/trainer_sft.py")
+    theirs, _ = _train(
+        tmp_path, "trainer", "si", *common, "--max-steps", "2", "--train-py-order", script="examples/trainer_sft.py"
+    )
     print(f"first-step loss: train.py {ours['losses'][0]!r}, trainer_sft.py {theirs['losses'][0]!r}")
     # the same engine and batches; the Trainer averages the micro-batch losses itself (float32
     # sums in another order): equal to ~1e-7, held to 1e-5
@@ -302,9 +363,9 @@ def test_a_1gb_file_streams_with_flat_memory(tmp_path):
     lines = [json.dumps(r) + "\n" for r in chat_records(400)]
     block = "".join(lines).encode()
     small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
-    small.write_bytes((block * (2 ** 20 // len(block) + 1))[:2 ** 20].rsplit(b"\n", 1)[0] + b"\n")
+    small.write_bytes((block * (2**20 // len(block) + 1))[: 2**20].rsplit(b"\n", 1)[0] + b"\n")
     with open(big, "wb") as f:
-        for _ in range(2 ** 30 // len(block) + 1):
+        for _ in range(2**30 // len(block) + 1):
             f.write(block)
     common = ["--chat-template", "chatml", "--packing", "docs", "--seq-len", "64", "--steps", "5"]
     runs = {}
@@ -322,25 +383,52 @@ def test_a_checkpoint_from_before_data_formats_resumes_text_only():
     """A checkpoint written before records had a format recorded source, tokens, seed and packing;
     it resumes a text run with those, and is refused for a chat run or other tokens."""
     from ds_dhelix.engine.resume import check_resume
+
     old = {"source": "/d.txt", "tokens": 100, "seed": 1, "packing": "docs"}
-    new = {"source": "/d.txt", "seed": 1, "format": "text", "loss_on": "all", "packing": "docs", "drop_long": False,
-           "streaming": False, "eval_fraction": 0.0, "chat_template": None, "tokens": 100, "records": 9,
-           "loss_average": "microbatches"}
+    new = {
+        "source": "/d.txt",
+        "seed": 1,
+        "format": "text",
+        "loss_on": "all",
+        "packing": "docs",
+        "drop_long": False,
+        "streaming": False,
+        "eval_fraction": 0.0,
+        "chat_template": None,
+        "tokens": 100,
+        "records": 9,
+        "loss_average": "microbatches",
+    }
     state = {"total_steps": 10, "data": new}
     assert check_resume({"step": 5, "total_steps": 10, "data": old}, state) == []
     for changed in ({"format": "chat", "loss_on": "answers"}, {"tokens": 101}):
         with pytest.raises(ValueError, match="training data"):
             check_resume({"step": 5, "total_steps": 10, "data": old}, {"total_steps": 10, "data": {**new, **changed}})
     with pytest.raises(ValueError, match="training data"):  # a checkpoint of this version: every field
-        check_resume({"step": 5, "total_steps": 10, "data": new}, {"total_steps": 10, "data": {**new, "drop_long": True}})
+        check_resume(
+            {"step": 5, "total_steps": 10, "data": new}, {"total_steps": 10, "data": {**new, "drop_long": True}}
+        )
 
 
 def test_a_stream_too_short_for_one_step_is_refused_before_any_model(tmp_path, monkeypatch, capsys):
     import train
+
     path = write_jsonl(tmp_path / "pc.jsonl", completion_records(3))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(train, "run", lambda *a: pytest.fail("started"))
-    rc = train.main(["--deepspeed", os.path.join(ROOT, "ds_configs", "tiny_llama_cpu.json"), "--data", path,
-                     "--packing", "none", "--stream-above", "1", "--output-dir", str(tmp_path / "out")])
+    rc = train.main(
+        [
+            "--deepspeed",
+            os.path.join(ROOT, "ds_configs", "tiny_llama_cpu.json"),
+            "--data",
+            path,
+            "--packing",
+            "none",
+            "--stream-above",
+            "1",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "fewer than 4 blocks" in err and "one micro-batch (4)" in err, err

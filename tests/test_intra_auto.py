@@ -2,20 +2,20 @@
 
 intra: each micro-batch cut in two halves along the batch, run as a forward pair then a backward
 pair. It is held to sequential within the HF tolerances (one more split of each sum), and bitwise
-to sequential over half-size micro-batches (``ds_dhelix.engine.parity``). auto: the chooser's trial
+to sequential over half-size micro-batches (``ds_dhelix.verify``). auto: the chooser's trial
 phases and decisions, and real engines whose trial steps train exactly as the chosen schedule does.
 """
+
 import pytest
 import torch
 
-from ds_dhelix.planning.autoschedule import AutoSchedule, describe
-from ds_dhelix.engine.build import check_setup
 from ds_dhelix.config.section import DhelixConfig
+from ds_dhelix.engine.build import check_setup
+from ds_dhelix.planning.autoschedule import AutoSchedule, describe
 from ds_dhelix.runtime.interpreter import half_batches, half_serial
-from ds_dhelix.engine.parity import ParityOptions, run_parity
+from ds_dhelix.verify import ParityOptions, run_parity
 from hf_models.registry import load_config
 from tests.conftest import run_ranks
-
 
 # ---------------------------------------------------------------- halves
 
@@ -55,15 +55,26 @@ def test_intra_tp2_close_to_sequential_and_bitwise_to_half_microbatches():
 def test_intra_moe_balance_loss_per_half_is_bitwise_the_half_microbatches_run():
     """Each half's load-balancing loss weighted by its share of the rows (dropping the weight
     doubles the aux term: the half-size run then differs)."""
-    r = run_parity(ParityOptions(model="tiny-phimoe", tp=1, dp=2, schedule="intra", num_layers=2, seq_len=32,
-                                 extra={"expert_parallel": {"size": 2}}), timeout=300)
+    r = run_parity(
+        ParityOptions(
+            model="tiny-phimoe",
+            tp=1,
+            dp=2,
+            schedule="intra",
+            num_layers=2,
+            seq_len=32,
+            extra={"expert_parallel": {"size": 2}},
+        ),
+        timeout=300,
+    )
     _assert_intra(r)
 
 
 def test_intra_parity_is_not_passed_when_nothing_judged_it():
     """MoE balance loss (not comparable with sequential) and no half-size run (odd micro-batch):
     the result says NOT JUDGED and is not ok; with the half-size run it is judged by it."""
-    from ds_dhelix.engine.parity import compare, judge_halves
+    from ds_dhelix.verify import compare, judge_halves
+
     opts = ParityOptions(model="tiny-phimoe", tp=1, schedule="intra", micro_batch_size=3, dtype="bf16")
     params = {"w": torch.ones(2)}
     seq = {"losses": [1.0], "params": params, "peak_activation_bytes": 1}
@@ -78,25 +89,42 @@ def test_intra_parity_is_not_passed_when_nothing_judged_it():
 
 
 def _setup(section, micro=2, world=2):
-    ds = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 4,
-          "dhelix": {"enabled": True, "tensor_parallel": {"size": 2}, **section}}
+    ds = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 4,
+        "dhelix": {"enabled": True, "tensor_parallel": {"size": 2}, **section},
+    }
     return check_setup(ds, load_config("tiny-llama"), world)
 
 
-@pytest.mark.parametrize("section, micro, match", [
-    ({"schedule": "intra"}, 1, "train_micro_batch_size_per_gpu is 1"),
-    ({"schedule": "intra", "si_execution": "plan"}, 2, "intra pairs the two halves"),
-    ({"schedule": "si", "auto_trials": 5}, 2, "auto_trials is set but schedule is 'si'"),
-    ({"auto_recheck_steps": 500}, 2, "auto_recheck_steps is set but schedule is 'si'"),  # its default: still refused
-    ({"schedule": "auto", "auto_candidates": ["si", "w"]}, 2, r"of \['sequential', 'si', 'intra'\] on one stage \('w'"),
-    ({"schedule": "auto", "pipeline": {"stages": 2}, "auto_candidates": ["w", "si"]}, 2,
-     r"of \['sequential', 'w', 'dualpipev'\] with pipeline.stages = 2 \('si': one-stage schedule\)"),
-    ({"schedule": "auto", "auto_candidates": ["si"]}, 2, "two or more different"),
-    ({"schedule": "auto", "auto_candidates": ["intra", "si"]}, 1, "leaves one candidate"),
-    ({"schedule": "auto", "auto_trials": 0}, 2, "auto_trials"),
-    ({"schedule": "intra", "pipeline": {"stages": 2}}, 2, "a pipeline runs one of"),
-    ({"schedule": "auto", "si_execution": "plan"}, 2, "includes 'intra' with si_execution 'plan'"),
-])
+@pytest.mark.parametrize(
+    "section, micro, match",
+    [
+        ({"schedule": "intra"}, 1, "train_micro_batch_size_per_gpu is 1"),
+        ({"schedule": "intra", "si_execution": "plan"}, 2, "intra pairs the two halves"),
+        ({"schedule": "si", "auto_trials": 5}, 2, "auto_trials is set but schedule is 'si'"),
+        (
+            {"auto_recheck_steps": 500},
+            2,
+            "auto_recheck_steps is set but schedule is 'si'",
+        ),  # its default: still refused
+        (
+            {"schedule": "auto", "auto_candidates": ["si", "w"]},
+            2,
+            r"of \['sequential', 'si', 'intra'\] on one stage \('w'",
+        ),
+        (
+            {"schedule": "auto", "pipeline": {"stages": 2}, "auto_candidates": ["w", "si"]},
+            2,
+            r"of \['sequential', 'w', 'dualpipev'\] with pipeline.stages = 2 \('si': one-stage schedule\)",
+        ),
+        ({"schedule": "auto", "auto_candidates": ["si"]}, 2, "two or more different"),
+        ({"schedule": "auto", "auto_candidates": ["intra", "si"]}, 1, "leaves one candidate"),
+        ({"schedule": "auto", "auto_trials": 0}, 2, "auto_trials"),
+        ({"schedule": "intra", "pipeline": {"stages": 2}}, 2, "a pipeline runs one of"),
+        ({"schedule": "auto", "si_execution": "plan"}, 2, "includes 'intra' with si_execution 'plan'"),
+    ],
+)
 def test_intra_and_auto_refusals(section, micro, match):
     with pytest.raises(ValueError, match=match):
         _setup(section, micro, world=4)
@@ -145,9 +173,11 @@ def test_auto_alternates_warms_up_once_and_keeps_the_fastest():
 def test_auto_decides_by_the_slowest_ranks_medians():
     """Every rank takes the element-wise max over ranks: here another rank is slower under si."""
     other_rank = {"sequential": 1.5, "si": 9.0}
+
     def reduce_max(values):
         theirs = [other_rank["sequential"]] * 3 + [other_rank["si"]] * 3
         return [max(a, b) for a, b in zip(values, theirs)]
+
     auto = AutoSchedule(("sequential", "si"), trials=3, recheck_steps=0, reduce_max=reduce_max)
     ran, decided = _drive(auto, {"sequential": 1.0, "si": 0.5}, 8 + 50)
     assert decided[0]["chosen"] == "sequential" and len(decided) == 1  # recheck 0: never again
@@ -167,8 +197,11 @@ def test_auto_median_resists_one_slow_step():
 def _graph(*kinds):
     """A ModelGraph of one layer block whose ops are of ``kinds`` ("comp" / "comm")."""
     from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
-    ops = [comm(f"op{i}", None, "x", "x") if kind == "comm" else comp(f"op{i}", ("x",), ("x",), None)
-           for i, kind in enumerate(kinds)]
+
+    ops = [
+        comm(f"op{i}", None, "x", "x") if kind == "comm" else comp(f"op{i}", ("x",), ("x",), None)
+        for i, kind in enumerate(kinds)
+    ]
     return ModelGraph(blocks=[[], ops, []], make_side=dict)
 
 
@@ -176,6 +209,7 @@ def test_auto_takes_sequential_without_a_trial_when_nothing_to_hide():
     """No COMM op in the graph (TP, EP, CP 1): sequential from step 1, no trial, no re-check, and
     the decision (its log line) says why; a graph with a collective is timed as before."""
     from ds_dhelix.planning.autoschedule import nothing_to_hide
+
     assert nothing_to_hide(_graph("comp", "comm", "comp")) is None
     reason = nothing_to_hide(_graph("comp", "comp"))
     assert reason.startswith("nothing to hide")
@@ -200,14 +234,16 @@ def test_auto_takes_sequential_without_a_trial_when_nothing_to_hide():
 def _auto_rank(rank, world, candidates, layout):
     from ds_dhelix.engine.build import build_engine
     from ds_dhelix.engine.checkpoint import full_state_dict
-    from ds_dhelix.engine.parity import build, make_batches
     from ds_dhelix.engine.pipe_module import gather_hf_state_dict
+    from ds_dhelix.verify import build, make_batches
+
     opts = ParityOptions(model="tiny-llama", seq_len=32, **layout)
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     out = {}
-    for name, extra in (("auto", {"schedule": "auto", "auto_candidates": candidates, "auto_trials": 1,
-                                  "auto_recheck_steps": 2}),
-                        ("chosen", None)):
+    for name, extra in (
+        ("auto", {"schedule": "auto", "auto_candidates": candidates, "auto_trials": 1, "auto_recheck_steps": 2}),
+        ("chosen", None),
+    ):
         if name == "chosen":  # the schedule auto settled on, from the start
             extra = {"schedule": out["auto"]["decisions"][0]["chosen"]}
         config = opts.ds_config("si")
@@ -218,8 +254,11 @@ def _auto_rank(rank, world, candidates, layout):
             ran.append(engine.current_schedule if engine.auto is None else engine.auto.schedule())
             engine.train_batch(iter(step))
         gather = gather_hf_state_dict if opts.pp > 1 else full_state_dict
-        out[name] = {"params": gather(engine.module, engine.groups.tp_grad_group, engine.groups.tp_size),
-                     "ran": ran, "decisions": engine.auto.decisions if engine.auto is not None else None}
+        out[name] = {
+            "params": gather(engine.module, engine.groups.tp_grad_group, engine.groups.tp_size),
+            "ran": ran,
+            "decisions": engine.auto.decisions if engine.auto is not None else None,
+        }
         engine.destroy()
     return out if rank == 0 else None
 

@@ -1,4 +1,5 @@
 """Link emulation: command shapes, and (where this machine allows) a real shaped 2-rank gloo run."""
+
 import os
 import socket
 import subprocess
@@ -17,8 +18,7 @@ needs_link = pytest.mark.skipif(not AVAILABLE, reason=f"link emulation unavailab
 
 def test_unshaped_command_only_sets_gloo_env():
     cmd = wrap_command(["python", "train.py"], None)
-    assert cmd.argv == ["env", "GLOO_SOCKET_IFNAME=lo", "MASTER_ADDR=127.0.0.1",
-                        "python", "train.py"]
+    assert cmd.argv == ["env", "GLOO_SOCKET_IFNAME=lo", "MASTER_ADDR=127.0.0.1", "python", "train.py"]
     assert cmd.warning is None
 
 
@@ -28,7 +28,7 @@ def test_shaped_command_shape(monkeypatch):
     assert warning is None
     assert argv[0] == "unshare" and "-n" in argv[1:3]
     i = argv.index("-c")
-    script, dollar0, rest = argv[i + 1], argv[i + 2], argv[i + 3:]
+    script, dollar0, rest = argv[i + 1], argv[i + 2], argv[i + 3 :]
     assert argv[i - 1] == "sh" and dollar0 == "sh"
     assert rest == ["python", "-c", "print('a b')"]  # passed through "$@": no quoting issues
     assert script.startswith("ip link set lo up && ")
@@ -52,8 +52,13 @@ def test_bad_arguments():
 
 
 def test_run_unshaped_command():
-    proc = run_in_link([sys.executable, "-c", "import os; print(os.environ['GLOO_SOCKET_IFNAME'])"],
-                       None, capture_output=True, text=True, timeout=60)
+    proc = run_in_link(
+        [sys.executable, "-c", "import os; print(os.environ['GLOO_SOCKET_IFNAME'])"],
+        None,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "lo"
 
 
@@ -77,8 +82,7 @@ def _rank(rank: int, port: int, numel: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
-                            rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}", rank=rank, world_size=2)
     x = torch.full((numel,), float(rank + 1))
     dist.all_reduce(torch.ones(1))  # connect first: time only the big transfer
     t0 = time.perf_counter()
@@ -97,8 +101,7 @@ def _two_rank_allreduce(numel: int) -> list[tuple[float, float, float]]:
         port = s.getsockname()[1]
         s.close()
         mp.spawn(_rank, args=(port, numel, out_dir), nprocs=2, join=True)
-        return [tuple(map(float, open(os.path.join(out_dir, f"rank{r}")).read().split()))
-                for r in range(2)]
+        return [tuple(map(float, open(os.path.join(out_dir, f"rank{r}")).read().split())) for r in range(2)]
 
 
 @pytest.mark.slow

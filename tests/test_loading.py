@@ -1,6 +1,7 @@
 """Sharded loading: a rank's shards read slice by slice from the safetensors files equal the shards
 cut from the fully loaded model, bit for bit, for every family and cut (TP rows, TP columns, GPT-2's
 fused q|k|v columns, EP experts, both), from single-file and index checkpoints, in fp32 and bf16."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,17 @@ from hf_models.loading import CheckpointFiles, Joined, Key, checkpoint_source, e
 from hf_models.registry import build_model
 
 SHARD = {"tiny-gpt2": gpt2.shard, "tiny-gpt-neox": gpt_neox.shard}
-DENSE = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3", "tiny-smollm3",
-         "tiny-olmo3", "tiny-qwen3-5")
+DENSE = (
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-mistral",
+    "tiny-gemma3",
+    "tiny-phi3",
+    "tiny-smollm3",
+    "tiny-olmo3",
+    "tiny-qwen3-5",
+)
 """The dense family machinery's presets (Phi-3: fused q|k|v and gate|up rows; Gemma 3: tied head;
 Qwen3.5: a Gated DeltaNet's q|k|v rows and conv channels by key / value head)."""
 
@@ -85,6 +95,7 @@ def test_selection_reads_runs_and_restores_order(tmp_path):
     """Index selections (out of order, repeated, over joined parts) read what indexing the full
     tensor would."""
     from safetensors.torch import save_file
+
     a, b = torch.randn(6, 5), torch.randn(6, 5)
     save_file({"a": a, "b": b}, str(tmp_path / "model.safetensors"))
     files = CheckpointFiles(str(tmp_path))
@@ -106,6 +117,7 @@ def test_bin_only_and_mismatched_checkpoints_are_refused(tmp_path):
         CheckpointFiles(str(tmp_path))
     _, path = _save(tmp_path, "tiny-llama")
     from hf_models.registry import load_config, with_num_layers
+
     config = load_config(path)
     config.intermediate_size *= 2  # config.json that does not match the weights
     model = empty_model(path, config=config)
@@ -116,8 +128,18 @@ def test_bin_only_and_mismatched_checkpoints_are_refused(tmp_path):
         materialize(wrong, CheckpointFiles(path))
 
 
-@pytest.mark.parametrize("preset", ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe",
-                                    "tiny-qwen2-moe", "tiny-gpt-neox", "tiny-qwen3-5-moe"])
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "tiny-phimoe",
+        "tiny-mixtral",
+        "tiny-qwen3-moe",
+        "tiny-olmoe",
+        "tiny-qwen2-moe",
+        "tiny-gpt-neox",
+        "tiny-qwen3-5-moe",
+    ],
+)
 def test_export_layout_is_what_save_pretrained_writes(tmp_path, preset):
     full, path = _save(tmp_path, preset)
     keys = {k for n, p in full.named_parameters() for k, _ in file_tensors(checkpoint_source(full, n), p.detach())}
@@ -141,20 +163,35 @@ def test_train_from_a_checkpoint_dir_equals_the_preset_run(tmp_path, layout, str
     bitwise like the preset it was saved from (the shared straight run of ``conftest.straight_run``),
     and exports sharded files that load back equal."""
     from tests.test_long_job import LAYOUTS, TOTAL, _cmd, _ok, _run, _weights
+
     _, preset = LAYOUTS[layout]
     straight = straight_run(layout)
     model, _ = build_model(preset, seed=1234)  # train.py's default --seed
     ckpt = tmp_path / "ckpt"
     model.save_pretrained(ckpt, max_shard_size="300KB")  # an index checkpoint
     out = tmp_path / "hf-dir"
-    _ok(_run(_cmd(straight["cfg"], str(ckpt), out, "--steps", str(TOTAL), "--json-summary", str(tmp_path / "dir.json"),
-                  "--max-shard-size", "200KB")))
+    _ok(
+        _run(
+            _cmd(
+                straight["cfg"],
+                str(ckpt),
+                out,
+                "--steps",
+                str(TOTAL),
+                "--json-summary",
+                str(tmp_path / "dir.json"),
+                "--max-shard-size",
+                "200KB",
+            )
+        )
+    )
     run = _summary(tmp_path / "dir.json")
     assert run["losses"] == straight["summary"]["losses"]
     a, b = straight["weights"], _weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert os.path.isfile(out / "model.safetensors.index.json")  # 200KB shards: several files
     from transformers import AutoModelForCausalLM
+
     back = AutoModelForCausalLM.from_pretrained(out)
     assert {n for n, _ in back.named_parameters()} == {n for n, _ in model.named_parameters()}
     for mark in run["memory"]:
@@ -168,13 +205,29 @@ def test_small_llama_bf16_checkpoint_loads_within_its_bf16_shard(tmp_path):
     loads stays within 1.25 x its bf16 shard + 64 MiB (an fp32 copy would need twice the shard)."""
     import subprocess
     import sys
+
     model, _ = build_model("small-llama", seed=0, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "ckpt")
     del model
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.load_memory", "--tp", "2", "--child",
-                          str(tmp_path / "ckpt"), "sharded", "1"], cwd=root, capture_output=True, text=True,
-                         timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.load_memory",
+            "--tp",
+            "2",
+            "--child",
+            str(tmp_path / "ckpt"),
+            "sharded",
+            "1",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert 90 < r["shard_mib"] < 100 and r["load_mib"] <= 1.25 * r["shard_mib"] + 64, r
@@ -182,6 +235,7 @@ def test_small_llama_bf16_checkpoint_loads_within_its_bf16_shard(tmp_path):
 
 def test_attention_choice_defaults_to_the_checkpoint_setting(tmp_path):
     from hf_models.registry import resolve_attn_implementation
+
     _, path = _save(tmp_path, "tiny-llama")
     config = json.load(open(os.path.join(path, "config.json")))
     config["_attn_implementation"] = "eager"
@@ -201,10 +255,12 @@ def test_qwen3_5_language_model_of_a_multimodal_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from hf_models.registry import load_config
+
     text = {k: v for k, v in load_config("tiny-qwen3-5").to_dict().items() if k not in ("model_type", "architectures")}
-    config = Qwen3_5Config(text_config={**text, "num_hidden_layers": 2, "layer_types": text["layer_types"][:2]},
-                           vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
-                                              out_hidden_size=128))
+    config = Qwen3_5Config(
+        text_config={**text, "num_hidden_layers": 2, "layer_types": text["layer_types"][:2]},
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=128),
+    )
     torch.manual_seed(0)
     Qwen3_5ForConditionalGeneration(config).save_pretrained(tmp_path / "mm")
     with pytest.raises(ValueError, match="multimodal Qwen3.5 checkpoint"):

@@ -13,6 +13,7 @@ timeout):
                      collective and the peer
     HF export        a failure in the middle of a save leaves the previous export and no temporary folder
 """
+
 from __future__ import annotations
 
 import glob
@@ -30,8 +31,12 @@ from tests.conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-LAYOUTS = {"llama-tp2-si": ("tiny_llama_cpu.json", "tiny-llama"), "phimoe-ep2-si": ("phimoe_ep2.json", "tiny-phimoe"),
-           "llama-pp2-w": ("tiny_llama_pp2_w.json", "tiny-llama"), "llama-cp2-si": ("tiny_llama_cp2.json", "tiny-llama")}
+LAYOUTS = {
+    "llama-tp2-si": ("tiny_llama_cpu.json", "tiny-llama"),
+    "phimoe-ep2-si": ("phimoe_ep2.json", "tiny-phimoe"),
+    "llama-pp2-w": ("tiny_llama_pp2_w.json", "tiny-llama"),
+    "llama-cp2-si": ("tiny_llama_cp2.json", "tiny-llama"),
+}
 
 
 def _config(tmp, name: str, tb: bool = False, scheduler: bool = True) -> str:
@@ -46,9 +51,23 @@ def _config(tmp, name: str, tb: bool = False, scheduler: bool = True) -> str:
 
 
 def _cmd(cfg: str, model: str, out, *extra) -> list[str]:
-    return [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), os.path.join(ROOT, "train.py"),
-            "--deepspeed", cfg, "--model", model,
-            "--seq-len", "32", "--output-dir", str(out), *extra]
+    return [
+        DEEPSPEED,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        os.path.join(ROOT, "train.py"),
+        "--deepspeed",
+        cfg,
+        "--model",
+        model,
+        "--seq-len",
+        "32",
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
 
 
 def _run(cmd, timeout=300) -> subprocess.CompletedProcess:
@@ -62,6 +81,7 @@ def _ok(proc) -> None:
 
 def _weights(path) -> dict:
     from safetensors.torch import load_file
+
     out = {}
     for f in sorted(glob.glob(os.path.join(str(path), "*.safetensors"))):
         out.update(load_file(f))
@@ -90,8 +110,21 @@ def test_stop_and_resume_equals_a_straight_run(tmp_path, layout, straight_run):
     full = straight["summary"]
     if stops:
         ck = tmp_path / "ck"
-        first = _run(_cmd(cfg, model, tmp_path / "a", "--steps", str(TOTAL), "--stop-after", str(STOP),
-                          "--ds-checkpoint", str(ck), "--json-summary", str(tmp_path / "a.json")))
+        first = _run(
+            _cmd(
+                cfg,
+                model,
+                tmp_path / "a",
+                "--steps",
+                str(TOTAL),
+                "--stop-after",
+                str(STOP),
+                "--ds-checkpoint",
+                str(ck),
+                "--json-summary",
+                str(tmp_path / "a.json"),
+            )
+        )
         _ok(first)
         assert f"leaving after step {STOP} of {TOTAL}" in first.stdout
         assert not (tmp_path / "a").exists()  # an intermediate stop exports nothing
@@ -100,7 +133,11 @@ def test_stop_and_resume_equals_a_straight_run(tmp_path, layout, straight_run):
     else:
         ck = straight["ck"]
         resume, before = ["--resume", str(ck / f"global_step{STOP}"), "--ds-checkpoint", str(tmp_path / "ck2")], None
-    _ok(_run(_cmd(cfg, model, tmp_path / "b", "--steps", str(TOTAL), *resume, "--json-summary", str(tmp_path / "b.json"))))
+    _ok(
+        _run(
+            _cmd(cfg, model, tmp_path / "b", "--steps", str(TOTAL), *resume, "--json-summary", str(tmp_path / "b.json"))
+        )
+    )
     b = _summary(tmp_path / "b.json")
     assert b["start_step"] == STOP and len(b["losses"]) == TOTAL - STOP
     assert b["losses"] == full["losses"][STOP:] and b["lrs"] == full["lrs"][STOP:]  # bitwise: the same floats
@@ -116,6 +153,7 @@ def test_stop_and_resume_equals_a_straight_run(tmp_path, layout, straight_run):
 
 def _lr_continues_in_tensorboard(tb_dir, lrs) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     logged = {}
     for f in glob.glob(str(tb_dir / "**" / "events.out.tfevents.*"), recursive=True):
         acc = EventAccumulator(f)
@@ -132,11 +170,25 @@ def test_resume_that_changes_the_run_is_refused(tmp_path, straight_run):
     straight = straight_run("llama-tp2-si")  # a TOTAL-step run of tiny_llama_cpu.json at --seq-len 32
     cfg, ck = straight["cfg"], straight["ck"]
     env = dict(os.environ, WORLD_SIZE="2")
-    for extra, words in ((["--steps", "30"], ["total_steps", f"checkpoint {TOTAL}, this run 30"]),
-                         (["--steps", str(TOTAL), "--seq-len", "64"], ["seq_len", "checkpoint 32, this run 64"])):
-        argv = [sys.executable, os.path.join(ROOT, "train.py"), "--deepspeed", cfg, "--seq-len", "32",
-                "--resume", str(ck), "--ds-checkpoint", str(tmp_path / "ck"), "--output-dir", str(tmp_path / "b"),
-                *extra]
+    for extra, words in (
+        (["--steps", "30"], ["total_steps", f"checkpoint {TOTAL}, this run 30"]),
+        (["--steps", str(TOTAL), "--seq-len", "64"], ["seq_len", "checkpoint 32, this run 64"]),
+    ):
+        argv = [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "--deepspeed",
+            cfg,
+            "--seq-len",
+            "32",
+            "--resume",
+            str(ck),
+            "--ds-checkpoint",
+            str(tmp_path / "ck"),
+            "--output-dir",
+            str(tmp_path / "b"),
+            *extra,
+        ]
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         lines = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
@@ -148,8 +200,23 @@ def test_resume_that_changes_the_run_is_refused(tmp_path, straight_run):
 def test_periodic_checkpoints_keep_the_newest(tmp_path):
     cfg = _config(tmp_path, "tiny_llama_cpu.json")
     ck = tmp_path / "ck"
-    _ok(_run(_cmd(cfg, "tiny-llama", tmp_path / "a", "--steps", "7", "--save-interval", "2",
-                  "--keep-checkpoints", "2", "--ds-checkpoint", str(ck))))
+    _ok(
+        _run(
+            _cmd(
+                cfg,
+                "tiny-llama",
+                tmp_path / "a",
+                "--steps",
+                "7",
+                "--save-interval",
+                "2",
+                "--keep-checkpoints",
+                "2",
+                "--ds-checkpoint",
+                str(ck),
+            )
+        )
+    )
     tags = sorted(t for t in os.listdir(ck) if t.startswith("global_step"))
     assert tags == ["global_step6", "global_step7"], tags  # 2, 4, 6 periodic + 7 at the end; newest 2 kept
     assert (ck / "latest").read_text() == "global_step7"
@@ -162,17 +229,18 @@ def test_periodic_checkpoints_keep_the_newest(tmp_path):
 
 def _start(cmd) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _ranks(proc, timeout=60.0) -> list:
     """The rank processes under a launcher, rank 0 first, once both run."""
     import psutil
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        kids = [k for k in psutil.Process(proc.pid).children(recursive=True)
-                if "--local_rank" in " ".join(k.cmdline())]
+        kids = [k for k in psutil.Process(proc.pid).children(recursive=True) if "--local_rank" in " ".join(k.cmdline())]
         if len(kids) == 2:
             return sorted(kids, key=lambda k: " ".join(k.cmdline()))
         time.sleep(0.5)
@@ -185,6 +253,7 @@ class _Stderr:
 
     def __init__(self, proc):
         import threading
+
         self.chunks, self.thread = [], threading.Thread(target=self._read, args=(proc.stderr,), daemon=True)
         self.thread.start()
         # stdout drained too, so a full pipe never blocks the launcher
@@ -197,6 +266,7 @@ class _Stderr:
     def wait_for_step(self, step: int, timeout: float = 120.0) -> None:
         """Until rank 0's progress bar shows ``step`` steps done (the bar's "n/total")."""
         import re
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             done = [int(n) for n in re.findall(r"\b(\d+)/100000\b", "".join(self.chunks[-50:]))]
@@ -221,10 +291,12 @@ def _kill_group(proc) -> None:
 @pytest.mark.timeout(400)
 def test_sigterm_to_the_launcher_stops_every_rank_and_saves(tmp_path):
     import psutil
+
     cfg = _config(tmp_path, "tiny_llama_cpu.json", scheduler=False)  # constant LR: any length resumes alike
     ck = tmp_path / "ck"
-    proc = _start(_cmd(cfg, "tiny-llama", tmp_path / "a", "--steps", "100000", "--ds-checkpoint", str(ck),
-                       "--save-on-signal"))
+    proc = _start(
+        _cmd(cfg, "tiny-llama", tmp_path / "a", "--steps", "100000", "--ds-checkpoint", str(ck), "--save-on-signal")
+    )
     try:
         ranks, stderr = _ranks(proc), _Stderr(proc)
         stderr.wait_for_step(3)
@@ -242,10 +314,37 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_saves(tmp_path):
     step = int((ck / "latest").read_text().removeprefix("global_step"))
     assert step >= 1
     # the saved checkpoint resumes to what an uninterrupted run of step + 2 steps gives
-    _ok(_run(_cmd(cfg, "tiny-llama", tmp_path / "b", "--steps", str(step + 2), "--resume", str(ck),
-                  "--allow-resume-change", "--ds-checkpoint", str(ck), "--json-summary", str(tmp_path / "b.json"))))
-    _ok(_run(_cmd(cfg, "tiny-llama", tmp_path / "full", "--steps", str(step + 2),
-                  "--json-summary", str(tmp_path / "full.json"))))
+    _ok(
+        _run(
+            _cmd(
+                cfg,
+                "tiny-llama",
+                tmp_path / "b",
+                "--steps",
+                str(step + 2),
+                "--resume",
+                str(ck),
+                "--allow-resume-change",
+                "--ds-checkpoint",
+                str(ck),
+                "--json-summary",
+                str(tmp_path / "b.json"),
+            )
+        )
+    )
+    _ok(
+        _run(
+            _cmd(
+                cfg,
+                "tiny-llama",
+                tmp_path / "full",
+                "--steps",
+                str(step + 2),
+                "--json-summary",
+                str(tmp_path / "full.json"),
+            )
+        )
+    )
     assert _summary(tmp_path / "b.json")["losses"] == _summary(tmp_path / "full.json")["losses"][step:]
 
 
@@ -253,6 +352,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_saves(tmp_path):
 @pytest.mark.timeout(300)
 def test_sigkill_of_one_rank_ends_the_other_with_one_line(tmp_path):
     import psutil
+
     cfg = _config(tmp_path, "tiny_llama_cpu.json")
     proc = _start(_cmd(cfg, "tiny-llama", tmp_path / "a", "--steps", "100000"))
     try:
@@ -277,6 +377,7 @@ def test_failed_export_keeps_the_previous_one_and_no_temporary_folder(tmp_path, 
     from ds_dhelix.engine import checkpoint
     from ds_dhelix.engine.checkpoint import EXPORT_MARK, export_hf
     from hf_models.registry import build_model
+
     model, _ = build_model("tiny-llama", seed=0)
     out = tmp_path / "hf"
     export_hf(model, str(out))
@@ -291,6 +392,7 @@ def test_failed_export_keeps_the_previous_one_and_no_temporary_folder(tmp_path, 
         if len(calls) > 5:
             raise OSError("disk full")
         add(self, key, tensor)
+
     monkeypatch.setattr(checkpoint.ShardWriter, "add", broken)
     with pytest.raises(OSError, match="disk full"):
         export_hf(model, str(out), max_shard_size="100KB")  # several files: the failure comes mid-export
@@ -302,6 +404,7 @@ def test_export_without_atomic_exchange_puts_the_previous_one_back_on_failure(tm
     """Where renameat2(RENAME_EXCHANGE) is missing, publish_dir renames twice; a failure of the
     second rename restores the previous directory."""
     from ds_dhelix.engine import checkpoint
+
     target, new = tmp_path / "hf", tmp_path / ".tmp-hf-new"
     target.mkdir()
     (target / "a").write_text("old")
@@ -315,6 +418,7 @@ def test_export_without_atomic_exchange_puts_the_previous_one_back_on_failure(tm
         if len(calls) == 2:
             raise OSError("no space left")
         real(src, dst)
+
     monkeypatch.setattr(checkpoint.os, "rename", rename)
     with pytest.raises(OSError, match="no space"):
         checkpoint.publish_dir(str(new), str(target))
@@ -327,6 +431,7 @@ def test_export_without_atomic_exchange_puts_the_previous_one_back_on_failure(tm
 
 def test_atomic_exchange_swaps_directories(tmp_path):
     from ds_dhelix.engine.checkpoint import _exchange_for_test, publish_dir
+
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()

@@ -19,6 +19,7 @@ token order inside each expert GEMM and in the aux-loss sums differs; fp32 round
 max abs diff: losses <= 4.8e-7 (values ~7.6), gradients <= 4.1e-8. We allow rtol=1e-4, atol=1e-5,
 the tolerance of the dense adapters (tests/test_adapters.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -33,14 +34,25 @@ TOL = dict(rtol=1e-4, atol=1e-5)  # see the module docstring
 SEED, BATCH, SEQ, MICRO = 3, 2, 16, 2
 
 
-MOE_PRESETS = ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-deepseek-v3",
-               "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-moe-mixed")
+MOE_PRESETS = (
+    "tiny-phimoe",
+    "tiny-mixtral",
+    "tiny-qwen3-moe",
+    "tiny-qwen2-moe",
+    "tiny-olmoe",
+    "tiny-deepseek-v3",
+    "tiny-glm4-moe",
+    "tiny-gpt-oss",
+    "tiny-qwen3-moe-mixed",
+)
 
 
 def make_config(preset="tiny-phimoe", **overrides):
     from hf_models.registry import load_config
+
     config = load_config(preset)
     from hf_models.registry import family_attn_implementation, with_num_layers
+
     config = with_num_layers(config, 2)  # (DeepSeek-V3, GLM-4.5: a dense layer, then an MoE one)
     config._attn_implementation = family_attn_implementation(config)
     for key, value in overrides.items():
@@ -50,6 +62,7 @@ def make_config(preset="tiny-phimoe", **overrides):
 
 def make_model(config):
     from transformers import AutoModelForCausalLM
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
@@ -58,12 +71,10 @@ def make_model(config):
 
 def make_batches(world: int, vocab: int) -> list[list[dict]]:
     """``[rank][k]`` micro-batches: different data on every rank (ranks are DP peers)."""
-    gen = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(world):
-        ids = [torch.randint(3, vocab, (BATCH, SEQ), generator=gen) for _ in range(MICRO)]
-        out.append([{"input_ids": i, "labels": i.clone()} for i in ids])
-    return out
+    from ds_dhelix.verify import random_batches
+
+    flat = random_batches(vocab, world * MICRO, BATCH, SEQ, seed=5)
+    return [flat[r * MICRO : (r + 1) * MICRO] for r in range(world)]
 
 
 def sparse_layers(model) -> list:
@@ -75,9 +86,11 @@ def force_experts(model, bias):
     sparsemixer, else softmax top-k, renormalised where the family does). The families with a bias of
     their own take it there: gpt-oss's router bias, DeepSeek-V3's and GLM-4.5's
     ``e_score_correction_bias`` (the choice only: the weights stay the plain scores)."""
-    from transformers.models.phimoe.modeling_phimoe import sparsemixer
     import torch.nn.functional as F
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
     from hf_models.adapters import adapter_for
+
     family = adapter_for(model.config).FAMILY
     for layer in sparse_layers(model):
         router = getattr(layer.mlp, family.router)
@@ -104,6 +117,7 @@ def force_experts(model, bias):
 
 def ep_graph(model, layout, **kw):
     from hf_models.adapters import adapter_for
+
     return adapter_for(model.config).build_graph(model, ep_groups=layout.expert_groups(), seed=11, **kw)
 
 
@@ -111,10 +125,11 @@ def run(graph, batches, schedule, deferred=None):
     """Losses of one step; ``schedule`` "sequential", "si" (default plan), "si-reactive" (reactive
     pairs, weight gradients deferred: their op names are added to ``deferred`` when given) or
     "si-ends" (reactive, first two forwards and last two backwards paired too)."""
-    from ds_dhelix.runtime.executor import Executor
     from ds_dhelix.graph.ops import backward_order
     from ds_dhelix.planning.plan import default_plan
+    from ds_dhelix.runtime.executor import Executor
     from ds_dhelix.runtime.trace import TraceRecorder
+
     specs = graph.layer_specs()
     rec = TraceRecorder(0) if deferred is not None else None
     ex = Executor(graph, default_plan(specs, backward_order(specs)) if schedule == "si" else None, recorder=rec)
@@ -159,6 +174,7 @@ def grad_diff(model, ref_grads) -> float:
 def _rank_main(rank, world, preset):
     from ds_dhelix.engine.checkpoint import full_state_dict
     from tests.conftest import process_groups
+
     lay = process_groups(tp=1, ep=2)
     res = {}
     config = make_config(preset)
@@ -170,10 +186,14 @@ def _rank_main(rank, world, preset):
         model = make_model(config)
         graph = ep_graph(model, lay, capacity_factor=cf)
         losses = run(graph, batches[rank], "sequential")
-        res[name] = {"losses": losses, "hf": hf_losses[rank], "grad_diff": grad_diff(model, hf_grads),
-                     "load": graph.meta["moe_metrics"].load.sum(dim=1)[graph.meta["sparse_layers"]].tolist(),
-                     "sparse": len(sparse_layers(model)),
-                     "dropped": sum(graph.meta["moe_metrics"].dropped)}
+        res[name] = {
+            "losses": losses,
+            "hf": hf_losses[rank],
+            "grad_diff": grad_diff(model, hf_grads),
+            "load": graph.meta["moe_metrics"].load.sum(dim=1)[graph.meta["sparse_layers"]].tolist(),
+            "sparse": len(sparse_layers(model)),
+            "dropped": sum(graph.meta["moe_metrics"].dropped),
+        }
     full = full_state_dict(model)
     fresh = dict(make_model(config).named_parameters())  # (full_state_dict: the parameters; buffers stay whole)
     res["gather_equal"] = sorted(full) == sorted(fresh) and all(torch.equal(full[k], fresh[k]) for k in full)
@@ -186,13 +206,15 @@ def _rank_main(rank, world, preset):
         res["mismatch_error"] = str(err)
 
     # (b) SI vs sequential with jitter: seeded router noise, bitwise
-    jitter = make_config(preset, **{k: 0.05 for k in ("router_jitter_noise", "input_jitter_noise")
-                                    if hasattr(config, k)})  # the jitter a family has (Qwen, OLMoE: none)
+    jitter = make_config(
+        preset, **{k: 0.05 for k in ("router_jitter_noise", "input_jitter_noise") if hasattr(config, k)}
+    )  # the jitter a family has (Qwen, OLMoE: none)
     out, res["deferred"] = {}, set()
     for schedule in ("sequential", "si", "si-reactive", "si-ends"):
         model = make_model(jitter)
-        losses = run(ep_graph(model, lay), batches[rank], schedule,
-                     res["deferred"] if schedule == "si-reactive" else None)
+        losses = run(
+            ep_graph(model, lay), batches[rank], schedule, res["deferred"] if schedule == "si-reactive" else None
+        )
         out[schedule] = (losses, {n: p.grad.clone() for n, p in model.named_parameters()})
     ls, gs = out["sequential"]
     res["si_bitwise"] = {k: ls == li and all(torch.equal(gs[n], gi[n]) for n in gs) for k, (li, gi) in out.items()}
@@ -206,8 +228,12 @@ def _rank_main(rank, world, preset):
         graph = ep_graph(model, lay)
         losses = run(graph, batches[rank], schedule)
         experts = sparse_layers(model)[0].mlp.experts
-        res[f"zero_{schedule}"] = {"losses": losses, "hf": ref_losses[rank], "grad_diff": grad_diff(model, ref_grads),
-                                   "grad_is_zero": bool((experts.gate_up_proj.grad == 0).all())}
+        res[f"zero_{schedule}"] = {
+            "losses": losses,
+            "hf": ref_losses[rank],
+            "grad_diff": grad_diff(model, ref_grads),
+            "grad_is_zero": bool((experts.gate_up_proj.grad == 0).all()),
+        }
     res["roundtrip"] = dispatch_roundtrip(rank, lay)
     return res
 
@@ -217,6 +243,7 @@ def dispatch_roundtrip(rank, lay) -> dict:
     splits and with EP rank 1 receiving nothing."""
     from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll
     from ds_dhelix.moe.router import route_tokens
+
     groups = lay.expert_groups()
     gen = torch.Generator().manual_seed(rank)
     ok = {}
@@ -284,28 +311,32 @@ def test_gather_and_refuse_foreign_shard(ep2):
 
 # ------------------------------------------------------------------------------ engine
 def test_si_bitwise_through_engine_dp2_ep2():
-    from ds_dhelix.engine.parity import ParityOptions, run_parity
-    opts = ParityOptions(model="tiny-phimoe", tp=1, dp=2, num_layers=2, seq_len=32, zero_stage=1,
-                         extra={"expert_parallel": {"size": 2}})
+    from ds_dhelix.verify import ParityOptions, run_parity
+
+    opts = ParityOptions(
+        model="tiny-phimoe", tp=1, dp=2, num_layers=2, seq_len=32, zero_stage=1, extra={"expert_parallel": {"size": 2}}
+    )
     r = run_parity(opts, timeout=300)
     assert r["bitwise_equal"], r["max_abs_diff_vs_sequential"]
     assert r["losses"]["si"] == r["losses"]["sequential"]
-    # tolerances and their reason: ds_dhelix.engine.parity (observed: params 8.3e-6, losses 2.4e-7)
+    # tolerances and their reason: ds_dhelix.verify (observed: params 8.3e-6, losses 2.4e-7)
     assert r["hf_close"], r
 
 
 def _tp2_ep2_main(rank, world):
     """TP=2 attention x EP=2 experts on 4 ranks (DP=2): losses and gathered gradients vs HF."""
-    from tests.conftest import process_groups
     from hf_models import phimoe
     from hf_models.common import gather_param
+    from tests.conftest import process_groups
+
     lay = process_groups(tp=2, ep=2)
     config = make_config()
     batches = make_batches(lay.dp_size, config.vocab_size)
     hf_losses, hf_grads = hf_reference(config, batches)
     model = make_model(config)
-    graph = phimoe.ADAPTER.build_graph(model, 2, lay.tp_rank, lay.tp, lay.tp_grad_group,
-                               ep_groups=lay.expert_groups(), seed=11)
+    graph = phimoe.ADAPTER.build_graph(
+        model, 2, lay.tp_rank, lay.tp, lay.tp_grad_group, ep_groups=lay.expert_groups(), seed=11
+    )
     losses = torch.tensor(run(graph, batches[lay.dp_rank], "si"))
     dist.all_reduce(losses, group=lay.tp_grad_group)  # TP shares -> micro-batch loss
     worst = 0.0
@@ -333,6 +364,7 @@ def test_tp2_ep2_matches_hf():
 # ------------------------------------------------------------------------------ single process
 def test_capacity_drops_and_counts():
     from ds_dhelix.moe.router import combine_copies, route_tokens
+
     x = torch.arange(6 * 3, dtype=torch.float32).view(6, 3)
     selected = torch.tensor([[0, 1]] * 5 + [[2, 3]])  # expert 0 and 1: 5 copies each
     buf, route = route_tokens(x, selected, 4, capacity_factor=1.0)  # C = ceil(6*2/4) = 3
@@ -344,6 +376,7 @@ def test_capacity_drops_and_counts():
 
 def test_grouped_gemm_matches_loop():
     from ds_dhelix.moe.experts import expert_ffn
+
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(10, 8, generator=gen)
     gate_up, down = torch.randn(3, 16, 8, generator=gen), torch.randn(3, 8, 8, generator=gen)  # 16-byte strides
@@ -360,9 +393,13 @@ def test_grouped_gemm_matches_loop():
 
 def test_bad_ep_and_top_k():
     from hf_models import phimoe
+
     config = make_config()
-    with pytest.raises(ValueError, match=r"expert_parallel.size 3 does not divide num_local_experts 4; "
-                                         r"valid EP sizes: \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"expert_parallel.size 3 does not divide num_local_experts 4; "
+        r"valid EP sizes: \[1, 2, 4\]",
+    ):
         phimoe.ADAPTER.check_ep(config, 3)
     with pytest.raises(ValueError, match=r"does not divide the data-parallel size 2.*valid EP sizes: \[1, 2\]"):
         phimoe.ADAPTER.check_ep(config, 4, dp_size=2)
@@ -373,6 +410,7 @@ def test_bad_ep_and_top_k():
 def test_expert_parallel_on_dense_model_is_refused():
     from ds_dhelix.engine.build import check_setup
     from hf_models.registry import load_config
+
     for section in ({"size": 2}, {"capacity_factor": 1.5}):
         cfg = {"train_micro_batch_size_per_gpu": 1, "dhelix": {"enabled": True, "expert_parallel": section}}
         with pytest.raises(ValueError, match="has no experts"):
@@ -385,7 +423,8 @@ def _resume_main(rank, world, ckpt_dir):
     and the next step is bitwise that of the uninterrupted run. A shard from another EP size is refused."""
     import ds_dhelix
     from ds_dhelix.engine.checkpoint import full_state_dict
-    from ds_dhelix.engine.parity import ParityOptions
+    from ds_dhelix.verify import ParityOptions
+
     opts = ParityOptions(model="tiny-phimoe", tp=1, dp=2, micro_batches=2, extra={"expert_parallel": {"size": 2}})
     config = make_config()
 
@@ -398,8 +437,12 @@ def _resume_main(rank, world, ckpt_dir):
     engine = ds_dhelix.initialize(model=make_model(config), config=opts.ds_config("si"))[0]
     it = data()
     engine.train_batch(it), engine.train_batch(it)
-    metrics = {"load": engine.moe_expert_load.sum(dim=1).tolist(), "aux": engine.moe_aux_loss,
-               "a2a_ms": engine.moe_a2a_ms, "exposed_ms": engine.moe_a2a_exposed_ms}
+    metrics = {
+        "load": engine.moe_expert_load.sum(dim=1).tolist(),
+        "aux": engine.moe_aux_loss,
+        "a2a_ms": engine.moe_a2a_ms,
+        "exposed_ms": engine.moe_a2a_exposed_ms,
+    }
     engine.save_checkpoint(ckpt_dir)
     saved = full_state_dict(engine.module)
     next_loss = float(engine.train_batch(it))
@@ -414,8 +457,11 @@ def _resume_main(rank, world, ckpt_dir):
         next(it)
     resumed_loss = float(resumed.train_batch(it))
     after_resumed = full_state_dict(resumed.module)
-    res = {"metrics": metrics, "loaded_equal": all(torch.equal(saved[k], loaded[k]) for k in saved),
-           "step_equal": next_loss == resumed_loss and all(torch.equal(after[k], after_resumed[k]) for k in after)}
+    res = {
+        "metrics": metrics,
+        "loaded_equal": all(torch.equal(saved[k], loaded[k]) for k in saved),
+        "step_equal": next_loss == resumed_loss and all(torch.equal(after[k], after_resumed[k]) for k in after),
+    }
     dist.barrier()
     if rank == 0:  # pretend the shard came from an EP=4 run
         path = resumed._expert_shard_path(ckpt_dir, "global_step2", 0)
@@ -450,10 +496,19 @@ def test_grouped_sigmoid_router_is_hfs(groups, keep):
     as HF's ``DeepseekV3TopkRouter``, bit for bit, with a correction bias that changes the choice."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
     from ds_dhelix.moe.router import grouped_sigmoid_topk
     from hf_models.moe_family import grouped_sigmoid_route
-    config = DeepseekV3Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=groups,
-                              topk_group=keep, routed_scaling_factor=2.5, norm_topk_prob=True)
+
+    config = DeepseekV3Config(
+        hidden_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=groups,
+        topk_group=keep,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
     gen = torch.Generator().manual_seed(0)
     router = DeepseekV3TopkRouter(config)
     with torch.no_grad():
@@ -474,8 +529,10 @@ def test_gpt_oss_router_and_experts_are_hfs():
     clamped SwiGLU) give HF's ``GptOssTopKRouter`` / ``GptOssExperts`` outputs."""
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+
     from ds_dhelix.moe.experts import GPT_OSS_LAYOUT, expert_linear, layout_act
     from hf_models.moe_family import biased_softmax_route
+
     config = GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
     gen = torch.Generator().manual_seed(1)
     router, experts = GptOssTopKRouter(config), GptOssExperts(config)
@@ -492,8 +549,9 @@ def test_gpt_oss_router_and_experts_are_hfs():
     weight = torch.cat([w[sel == e] for e in range(4)])
     h = expert_linear(x[rows], sizes, experts.gate_up_proj, False, experts.gate_up_proj_bias, True)
     assert (h.abs() > config.swiglu_limit).any()  # the clamp is exercised
-    y = expert_linear(layout_act(GPT_OSS_LAYOUT, experts)(h), sizes, experts.down_proj, False,
-                      experts.down_proj_bias, True)
+    y = expert_linear(
+        layout_act(GPT_OSS_LAYOUT, experts)(h), sizes, experts.down_proj, False, experts.down_proj_bias, True
+    )
     got = torch.zeros_like(x).index_add_(0, rows, y * weight[:, None])
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)  # another summation order of the copies
 
@@ -501,10 +559,15 @@ def test_gpt_oss_router_and_experts_are_hfs():
 def test_dense_layers_follow_hfs_rule():
     """``dense_layers``: DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step,
     matching the MLP class HF builds for each layer; a model left without MoE layers is refused."""
-    from hf_models.moe_family import dense_layers, check_layers
+    from hf_models.moe_family import check_layers, dense_layers
     from hf_models.registry import build_model, load_config
-    for preset, overrides in (("tiny-deepseek-v3", {}), ("tiny-qwen3-moe-mixed", {}),
-                              ("tiny-qwen3-moe", {"decoder_sparse_step": 2}), ("tiny-glm4-moe", {})):
+
+    for preset, overrides in (
+        ("tiny-deepseek-v3", {}),
+        ("tiny-qwen3-moe-mixed", {}),
+        ("tiny-qwen3-moe", {"decoder_sparse_step": 2}),
+        ("tiny-glm4-moe", {}),
+    ):
         model, _ = build_model(preset, seed=0, overrides=overrides)
         hf_dense = [i for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "experts")]
         assert dense_layers(model.config) == hf_dense and hf_dense, (preset, hf_dense)
@@ -521,9 +584,11 @@ def test_dense_layers_follow_hfs_rule():
 def test_parity_result_says_why_hf_may_differ_in_capacity_mode():
     """HF's MoE blocks are dropless: a parity run in capacity mode carries the note saying when
     hf_close can hold; a dropless one carries none."""
-    from ds_dhelix.engine.parity import CAPACITY_NOTE, ParityOptions, _result_note
-    capacity = ParityOptions(model="tiny-mixtral", tp=1, dp=2,
-                             extra={"expert_parallel": {"size": 2, "capacity_factor": 1.25}})
+    from ds_dhelix.verify import CAPACITY_NOTE, ParityOptions, result_note
+
+    capacity = ParityOptions(
+        model="tiny-mixtral", tp=1, dp=2, extra={"expert_parallel": {"size": 2, "capacity_factor": 1.25}}
+    )
     dropless = ParityOptions(model="tiny-mixtral", tp=1, dp=2, extra={"expert_parallel": {"size": 2}})
-    assert _result_note(capacity) == CAPACITY_NOTE and "dropless" in CAPACITY_NOTE
-    assert _result_note(dropless) == ""
+    assert result_note(capacity) == CAPACITY_NOTE and "dropless" in CAPACITY_NOTE
+    assert result_note(dropless) == ""

@@ -1,16 +1,20 @@
 """HF MoE checkpoint (every family, DeepSeek-V3's and GLM-4.5's router biases included) -> EP=2 training, each rank reading only its experts
 (``ds_dhelix.empty_model`` + ``weights=``) -> streamed HF checkpoint: plain transformers and an EP=1
 run both reproduce the trained model's loss."""
+
 import torch
 
 from ds_dhelix.runtime.spawn import run_ranks
 
 
 def _cfg(ep):
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-           "zero_optimization": {"stage": 1},
-           "dhelix": {"enabled": True, "schedule": "si"}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "dhelix": {"enabled": True, "schedule": "si"},
+    }
     if ep > 1:
         cfg["dhelix"]["expert_parallel"] = {"size": ep}
     return cfg
@@ -25,8 +29,18 @@ def _batches(seed, n):
     return out
 
 
-PRESETS = ["tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-deepseek-v3",
-           "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-moe-mixed", "tiny-qwen3-5-moe"]
+PRESETS = [
+    "tiny-phimoe",
+    "tiny-mixtral",
+    "tiny-qwen3-moe",
+    "tiny-qwen2-moe",
+    "tiny-olmoe",
+    "tiny-deepseek-v3",
+    "tiny-glm4-moe",
+    "tiny-gpt-oss",
+    "tiny-qwen3-moe-mixed",
+    "tiny-qwen3-5-moe",
+]
 
 
 def _biases(model) -> dict:
@@ -36,6 +50,7 @@ def _biases(model) -> dict:
 
 def _train_and_export(src, dst, rank):
     import ds_dhelix
+
     model = ds_dhelix.empty_model(src)
     engine, *_ = ds_dhelix.initialize(model=model, config=_cfg(2), weights=src)
     assert engine.load_report is not None and engine.load_report.bytes_read > 0
@@ -51,6 +66,7 @@ def _train_and_export(src, dst, rank):
 def _eval_ep1(src):
     import ds_dhelix
     from hf_models.registry import build_model
+
     model, _ = build_model(src, seed=0)
     engine, *_ = ds_dhelix.initialize(model=model, config=_cfg(1))
     return float(engine.eval_batch(iter(_batches(99, 1) * 2)))
@@ -69,7 +85,9 @@ def _every_family(rank, world, root):
 
 def test_hf_to_ep2_to_hf_and_ep1(tmp_path):
     from transformers import AutoModelForCausalLM
+
     from hf_models.registry import build_model
+
     g = torch.Generator().manual_seed(5)
     sources = {}
     for preset in PRESETS:

@@ -19,36 +19,58 @@ kind) refuses context parallelism (``hf_models/deltanet.py``).
 ``make test`` runs ep2 for every family and the settings in CORE; the rest is the extended tier
 (``pytest -m extended``, part of ``make test-all``).
 """
+
 from __future__ import annotations
 
 import functools
 
 import pytest
 
-from ds_dhelix.engine.parity import ParityOptions, run_parities
+from ds_dhelix.verify import ParityOptions, run_parities
 
-FAMILIES = ("tiny-phimoe", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-deepseek-v3",
-            "tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-moe-mixed", "tiny-qwen3-5-moe")
+FAMILIES = (
+    "tiny-phimoe",
+    "tiny-mixtral",
+    "tiny-qwen3-moe",
+    "tiny-qwen2-moe",
+    "tiny-olmoe",
+    "tiny-deepseek-v3",
+    "tiny-glm4-moe",
+    "tiny-gpt-oss",
+    "tiny-qwen3-moe-mixed",
+    "tiny-qwen3-5-moe",
+)
 EP2 = {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}}
 SETTINGS = {
-    "ep2": EP2, "zero0": {**EP2, "zero_stage": 0}, "zero2": {**EP2, "zero_stage": 2},
+    "ep2": EP2,
+    "zero0": {**EP2, "zero_stage": 0},
+    "zero2": {**EP2, "zero_stage": 2},
     "capacity": {**EP2, "extra": {"expert_parallel": {"size": 2, "capacity_factor": 4.0}}},
-    "bf16": {**EP2, "dtype": "bf16"}, "selective": {**EP2, "recompute": "selective"},
-    "tp2": {"tp": 2, "dp": 1}, "cp2": {"tp": 1, "dp": 1, "cp": 2},
+    "bf16": {**EP2, "dtype": "bf16"},
+    "selective": {**EP2, "recompute": "selective"},
+    "tp2": {"tp": 2, "dp": 1},
+    "cp2": {"tp": 1, "dp": 1, "cp": 2},
     "ring2": {"tp": 1, "dp": 1, "cp": 2, "cp_comm": "ring"},
     "tp2ep2": {"tp": 2, "dp": 2, "extra": {"expert_parallel": {"size": 2}}},
 }
-NOT_RUN = {("tiny-olmoe", "tp2"): "OLMoE's q/k norm over the whole projection needs TP=1",
-           ("tiny-olmoe", "tp2ep2"): "OLMoE's q/k norm over the whole projection needs TP=1",
-           ("tiny-gpt-oss", "cp2"): "gpt-oss's attention sinks refuse context parallelism",
-           ("tiny-gpt-oss", "ring2"): "gpt-oss's attention sinks refuse context parallelism",
-           ("tiny-deepseek-v3", "ring2"): "MLA refuses ring attention (q/k and v of other widths)",
-           ("tiny-phimoe", "cp2"): "covered by tests/test_context_parallel.py",
-           ("tiny-qwen3-5-moe", "cp2"): "Gated DeltaNet layers refuse context parallelism",
-           ("tiny-qwen3-5-moe", "ring2"): "Gated DeltaNet layers refuse context parallelism"}
+NOT_RUN = {
+    ("tiny-olmoe", "tp2"): "OLMoE's q/k norm over the whole projection needs TP=1",
+    ("tiny-olmoe", "tp2ep2"): "OLMoE's q/k norm over the whole projection needs TP=1",
+    ("tiny-gpt-oss", "cp2"): "gpt-oss's attention sinks refuse context parallelism",
+    ("tiny-gpt-oss", "ring2"): "gpt-oss's attention sinks refuse context parallelism",
+    ("tiny-deepseek-v3", "ring2"): "MLA refuses ring attention (q/k and v of other widths)",
+    ("tiny-phimoe", "cp2"): "covered by tests/test_context_parallel.py",
+    ("tiny-qwen3-5-moe", "cp2"): "Gated DeltaNet layers refuse context parallelism",
+    ("tiny-qwen3-5-moe", "ring2"): "Gated DeltaNet layers refuse context parallelism",
+}
 CORE = {("tiny-deepseek-v3", s) for s in ("zero0", "zero2", "capacity", "tp2", "cp2", "tp2ep2")} | {
-    ("tiny-glm4-moe", "tp2"), ("tiny-gpt-oss", "tp2"), ("tiny-gpt-oss", "capacity"), ("tiny-qwen3-moe", "tp2"),
-    ("tiny-qwen2-moe", "tp2"), ("tiny-mixtral", "tp2ep2")}
+    ("tiny-glm4-moe", "tp2"),
+    ("tiny-gpt-oss", "tp2"),
+    ("tiny-gpt-oss", "capacity"),
+    ("tiny-qwen3-moe", "tp2"),
+    ("tiny-qwen2-moe", "tp2"),
+    ("tiny-mixtral", "tp2ep2"),
+}
 
 
 RING = ("tiny-olmoe", "tiny-glm4-moe", "tiny-qwen3-moe-mixed")  # ring CP on CPU takes ~95 s a run: these three
@@ -65,14 +87,19 @@ def core(family: str, setting: str) -> bool:
 
 
 def options(family: str, setting: str) -> ParityOptions:
-    return ParityOptions(model=family, num_layers=3 if family == "tiny-deepseek-v3" else 2, seq_len=32, steps=3,
-                         **SETTINGS[setting])
+    return ParityOptions(
+        model=family, num_layers=3 if family == "tiny-deepseek-v3" else 2, seq_len=32, steps=3, **SETTINGS[setting]
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world_results(is_core: bool, world: int, family: str | None = None) -> dict:
-    keys = [(f, s) for f in (FAMILIES if family is None else (family,)) for s in SETTINGS
-            if runs(f, s) and core(f, s) == is_core and options(f, s).world == world]
+    keys = [
+        (f, s)
+        for f in (FAMILIES if family is None else (family,))
+        for s in SETTINGS
+        if runs(f, s) and core(f, s) == is_core and options(f, s).world == world
+    ]
     return dict(zip(keys, run_parities([options(f, s) for f, s in keys], timeout=840))) if keys else {}
 
 
@@ -84,8 +111,12 @@ def results_of(family: str, setting: str) -> dict:
     return world_results(is_core, options(family, setting).world, None if is_core else family)[family, setting]
 
 
-CASES = [pytest.param(f, s, marks=() if core(f, s) else pytest.mark.extended, id=f"{f}-{s}")
-         for f in FAMILIES for s in SETTINGS if runs(f, s) or (f, s) in NOT_RUN]
+CASES = [
+    pytest.param(f, s, marks=() if core(f, s) else pytest.mark.extended, id=f"{f}-{s}")
+    for f in FAMILIES
+    for s in SETTINGS
+    if runs(f, s) or (f, s) in NOT_RUN
+]
 
 
 @pytest.mark.timeout(900)
@@ -107,6 +138,7 @@ def test_si_bitwise_and_close_to_hf(family, setting):
 def test_mixtral_router_is_the_families_and_checks_run_before_the_model():
     from hf_models.adapters import adapter_for
     from hf_models.registry import load_config
+
     config = load_config("tiny-mixtral")
     adapter = adapter_for(config)
     assert adapter.FAMILY.router == "gate" and adapter.FAMILY.num_experts(config) == 4
@@ -121,6 +153,7 @@ def test_family_settings_the_graph_cannot_run_are_refused():
     from ds_dhelix.config.dims import ParallelDims
     from hf_models.adapters import adapter_for, check_model
     from hf_models.registry import load_config
+
     olmoe = load_config("tiny-olmoe")
     with pytest.raises(ValueError, match="OLMoE.*tensor_parallel.size 1"):
         adapter_for(olmoe).check_tp(olmoe, 2)
@@ -153,6 +186,7 @@ def test_shared_expert_runs_while_the_routed_tokens_are_in_flight():
     from ds_dhelix.runtime.groups import ExpertGroups
     from hf_models.adapters import adapter_for
     from hf_models.registry import build_model
+
     for preset, block in (("tiny-qwen2-moe", 1), ("tiny-deepseek-v3", 2)):
         model, _ = build_model(preset, seed=0, num_layers=2)
         graph = adapter_for(model.config).build_graph(model, ep_groups=ExpertGroups(size=2, rank=0))
@@ -164,30 +198,95 @@ def test_shared_expert_runs_while_the_routed_tokens_are_in_flight():
 
 
 OTHER_SIZES = {  # transformers configs at other sizes than the presets (the adapters must not assume theirs)
-    "deepseek_v3": dict(hidden_size=192, intermediate_size=320, moe_intermediate_size=96, num_hidden_layers=3,
-                        first_k_dense_replace=1, num_attention_heads=6, num_key_value_heads=6, q_lora_rank=None,
-                        kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
-                        n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3, n_group=2, topk_group=1,
-                        routed_scaling_factor=1.5, rope_interleave=False, max_position_embeddings=256),
-    "glm4_moe": dict(hidden_size=96, intermediate_size=160, moe_intermediate_size=64, num_hidden_layers=3,
-                     first_k_dense_replace=1, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                     use_qk_norm=False, attention_bias=True, n_routed_experts=8, n_shared_experts=1,
-                     num_experts_per_tok=2, n_group=2, topk_group=1, max_position_embeddings=256),
-    "gpt_oss": dict(hidden_size=96, intermediate_size=64, num_hidden_layers=3, num_attention_heads=6,
-                    num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
-                    sliding_window=8, layer_types=["full_attention", "sliding_attention", "full_attention"],
-                    output_router_logits=True, max_position_embeddings=256),
-    "qwen3_moe": dict(hidden_size=96, intermediate_size=160, moe_intermediate_size=64, num_hidden_layers=3,
-                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_experts=8,
-                      num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[2], output_router_logits=True,
-                      max_position_embeddings=256),
-    "qwen3_5_moe_text": dict(hidden_size=96, num_hidden_layers=3, layer_types=["linear_attention", "linear_attention",
-                             "full_attention"], num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                             attention_bias=True, linear_num_key_heads=2, linear_num_value_heads=6,
-                             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=3,
-                             num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
-                             shared_expert_intermediate_size=48, output_router_logits=True,
-                             max_position_embeddings=256),
+    "deepseek_v3": dict(
+        hidden_size=192,
+        intermediate_size=320,
+        moe_intermediate_size=96,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        q_lora_rank=None,
+        kv_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=3,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        rope_interleave=False,
+        max_position_embeddings=256,
+    ),
+    "glm4_moe": dict(
+        hidden_size=96,
+        intermediate_size=160,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_qk_norm=False,
+        attention_bias=True,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        max_position_embeddings=256,
+    ),
+    "gpt_oss": dict(
+        hidden_size=96,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        output_router_logits=True,
+        max_position_embeddings=256,
+    ),
+    "qwen3_moe": dict(
+        hidden_size=96,
+        intermediate_size=160,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=2,
+        mlp_only_layers=[2],
+        output_router_logits=True,
+        max_position_embeddings=256,
+    ),
+    "qwen3_5_moe_text": dict(
+        hidden_size=96,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=True,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=3,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=48,
+        output_router_logits=True,
+        max_position_embeddings=256,
+    ),
 }
 
 
@@ -195,11 +294,14 @@ def save_other_sizes(root) -> dict[str, str]:
     """``save_pretrained`` directories of OTHER_SIZES (random init, vocabulary 2048)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
     from hf_models.registry import family_attn_implementation
+
     out = {}
     for model_type, fields in OTHER_SIZES.items():
-        config = AutoConfig.for_model(model_type, vocab_size=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                      **fields)
+        config = AutoConfig.for_model(
+            model_type, vocab_size=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2, **fields
+        )
         torch.manual_seed(7)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=family_attn_implementation(config))
         for name, buf in model.named_buffers():  # a router bias that matters (HF initialises it to 0)
@@ -219,10 +321,16 @@ def test_checkpoints_of_other_sizes(tmp_path):
     key heads, conv kernel 3) before an output-gated attention layer with biases."""
     from hf_models.moe_family import dense_layers
     from hf_models.registry import load_config
+
     dirs = save_other_sizes(tmp_path)
     assert dense_layers(load_config(dirs["qwen3_moe"])) == [0, 2]
-    many = [ParityOptions(model=d, tp=1, dp=2, seq_len=32, steps=2, extra={"expert_parallel": {"size": 2}})
-            for d in dirs.values()]
+    many = [
+        ParityOptions(model=d, tp=1, dp=2, seq_len=32, steps=2, extra={"expert_parallel": {"size": 2}})
+        for d in dirs.values()
+    ]
     for model_type, r in zip(dirs, run_parities(many, timeout=560)):
-        assert r["bitwise_equal"] and r["hf_close"] and r["ok"], (model_type, r["max_abs_diff_vs_hf"],
-                                                                  r["max_loss_diff_vs_hf"])
+        assert r["bitwise_equal"] and r["hf_close"] and r["ok"], (
+            model_type,
+            r["max_abs_diff_vs_hf"],
+            r["max_loss_diff_vs_hf"],
+        )

@@ -1,15 +1,22 @@
 """Document-aware data: EOS between documents, --packing docs (positions restart, attention masked
 across documents) and --packing none (right padding honoured), against HF's own masked loss, SI
 equal to sequential bit for bit in every mode; masks the op graph cannot honour are refused."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ds_dhelix.data import (TokenDataset, batch_iterator, document_positions, encode_documents, hf_model_inputs,
-                            split_documents)
-from ds_dhelix.runtime.executor import Executor
+from ds_dhelix.data import (
+    TokenDataset,
+    batch_iterator,
+    document_positions,
+    encode_documents,
+    hf_model_inputs,
+    split_documents,
+)
 from ds_dhelix.engine.stepping import check_attention_mask
+from ds_dhelix.runtime.executor import Executor
 from hf_models.adapters import adapter_for
 from hf_models.registry import build_model
 
@@ -19,6 +26,7 @@ EOS = 2
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from ds_dhelix.data import get_tokenizer
+
     return get_tokenizer(tmp_path_factory.getbasetemp() / "dhelix-cache", 2048)  # the session's cache
 
 
@@ -122,7 +130,8 @@ def test_masks_the_graph_cannot_honour_are_refused():
 
 @pytest.mark.timeout(300)
 def test_parity_packing_docs_bitwise_and_matches_hf_document_masked_loss():
-    from ds_dhelix.engine.parity import ParityOptions, run_parity
+    from ds_dhelix.verify import ParityOptions, run_parity
+
     r = run_parity(ParityOptions(model="tiny-llama", tp=2, schedule="si", packing="docs"), timeout=280)
     assert r["bitwise_equal"] and r["hf_close"], r
     assert "block-diagonal causal mask" in r["hf_comparison"]

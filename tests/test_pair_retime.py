@@ -1,8 +1,9 @@
 """Pair re-timing (benchmarks/pair_retime.py): the makespan of two strands' chains on one compute unit
 and one shared link, by hand-checkable cases, and chains read back from a synthetic trace."""
-import pytest
 
 import random
+
+import pytest
 
 from benchmarks.pair_retime import ChainOp, pair_chains, retime_pair, retime_trace, search_pair, wire_times
 
@@ -86,14 +87,27 @@ def test_search_is_never_worse_than_the_rule_nor_better_than_the_bound():
 
 
 def _span(pid, tid, name, ts, dur, mb, direction, block=1):
-    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts * 1e3, "dur": dur * 1e3,
-            "args": {"microbatch": mb, "direction": direction, "block": block,
-                     "strand": "F" if direction == "forward" else "B"}}
+    return {
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "name": name,
+        "ts": ts * 1e3,
+        "dur": dur * 1e3,
+        "args": {
+            "microbatch": mb,
+            "direction": direction,
+            "block": block,
+            "strand": "F" if direction == "forward" else "B",
+        },
+    }
 
 
 def _lanes(pid):
-    return [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
-            for tid, name in ((1, "compute"), (8, "comm:tp:F"), (9, "comm:tp:B"))]
+    return [
+        {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+        for tid, name in ((1, "compute"), (8, "comm:tp:F"), (9, "comm:tp:B"))
+    ]
 
 
 def test_chains_from_a_trace():
@@ -102,19 +116,24 @@ def test_chains_from_a_trace():
     ev = _lanes(0) + _lanes(1)
     for pid, late in ((0, 0.0), (1, 1.0)):
         # blocks 0..2: the pair's forward block 1 and backward block 1 share layer depth 1
-        ev += [_span(pid, 1, "op", 0, 1, 0, "forward", block=0),    # F0 alone
-               _span(pid, 1, "op", 2, 1, 1, "forward"),             # pair: F1 op
-               _span(pid, 8, "ag", 3 + late, 3 - late, 1, "forward"),  # F1's collective, done at 6
-               _span(pid, 1, "op", 3 + late, 2, 0, "backward"),     # B0's input gradient
-               _span(pid, 1, "op.wgrad", 6, 1, 0, "backward"),      # its deferred weight gradient
-               _span(pid, 1, "tail", 7, 1, 1, "forward", block=2)]
+        ev += [
+            _span(pid, 1, "op", 0, 1, 0, "forward", block=0),  # F0 alone
+            _span(pid, 1, "op", 2, 1, 1, "forward"),  # pair: F1 op
+            _span(pid, 8, "ag", 3 + late, 3 - late, 1, "forward"),  # F1's collective, done at 6
+            _span(pid, 1, "op", 3 + late, 2, 0, "backward"),  # B0's input gradient
+            _span(pid, 1, "op.wgrad", 6, 1, 0, "backward"),  # its deferred weight gradient
+            _span(pid, 1, "tail", 7, 1, 1, "forward", block=2),
+        ]
     trace = {"traceEvents": ev}
     assert wire_times(trace) == {("ag", "forward"): pytest.approx(2.0)}
-    (measured, b, f), = pair_chains(trace, pid=0)
+    ((measured, b, f),) = pair_chains(trace, pid=0)
     assert measured == pytest.approx(6.0)  # 2 .. 8
     assert b == [ChainOp("op", False, 2.0, 1.0, depth=1)]
-    assert f == [ChainOp("op", False, 1.0, depth=1), ChainOp("ag", True, 2.0, depth=1),
-                 ChainOp("tail", False, 1.0, depth=2)]
+    assert f == [
+        ChainOp("op", False, 1.0, depth=1),
+        ChainOp("ag", True, 2.0, depth=1),
+        ChainOp("tail", False, 1.0, depth=2),
+    ]
     r = retime_trace(trace)[0]
     # re-timing: both strands one compute op from their next collective (B has none left), backward
     # wins the tie: B0's op 0-2, F1's op 2-3, its collective 3-5 beside the weight gradient 3-4,
@@ -125,7 +144,6 @@ def test_chains_from_a_trace():
     assert r["search_ms"] == pytest.approx(5.0)
 
 
-
 def test_wire_time_of_a_collective_never_alone():
     """Two collectives always in flight together: each gets its shortest instance (later launch to
     last completion)."""
@@ -134,8 +152,10 @@ def test_wire_time_of_a_collective_never_alone():
         for rep, (dur_a, dur_b) in enumerate(((5, 4), (6, 7))):
             t = 20 * rep
             ev += [_span(pid, 8, "ag", t, dur_a, rep, "forward"), _span(pid, 9, "rs", t + 1, dur_b, rep, "backward")]
-    assert wire_times({"traceEvents": ev}) == {("ag", "forward"): pytest.approx(5.0),
-                                               ("rs", "backward"): pytest.approx(4.0)}
+    assert wire_times({"traceEvents": ev}) == {
+        ("ag", "forward"): pytest.approx(5.0),
+        ("rs", "backward"): pytest.approx(4.0),
+    }
 
 
 def test_no_pairs_no_retiming():

@@ -1,18 +1,19 @@
 """The folded pipeline engine: one copy of the parameters over the stages, W and DualPipeV+SI at
 PP=2 bitwise equal to PP=1 sequential, HF export of a pipelined model, PP=2 x DP=2 training, and
 bad input rejected before any model is built. CPU, fp32, gloo."""
+
 import math
 import os
 
 import pytest
 import torch
 
-from ds_dhelix.engine.parity import ParityOptions, build, make_batches, train_pipeline, train_schedule
 from ds_dhelix.engine.build import check_setup
 from ds_dhelix.engine.pipe_engine import live_keys
-from ds_dhelix.schedule.folding import fold_layers
 from ds_dhelix.engine.pipe_module import decoder_layers, prune_to_stage
 from ds_dhelix.runtime.spawn import run_ranks
+from ds_dhelix.schedule.folding import fold_layers
+from ds_dhelix.verify import ParityOptions, build, make_batches, train_pipeline, train_schedule
 
 # Gradient clipping off: with it, the global norm is summed per stage (PP=2) or per ZeRO partition
 # (DP=2) before the all-reduce, so the clip factor can differ in its last bit from PP=1 (observed:
@@ -46,8 +47,9 @@ def test_stages_hold_one_copy_of_the_parameters_with_hf_names():
 # ---- bitwise parity and export, one 2-rank world -------------------------------------------------
 def _rank_parity(rank, world, out_dir):
     import torch.distributed as dist
+
     ref_opts = ParityOptions(**OPTS, dp=2)  # PP=1 sequential as 2 data-parallel replicas fed the same
-    pp_opts = ParityOptions(**OPTS, pp=2)   # micro-batches: (g + g) / 2 == g exactly, so it is PP=1, DP=1
+    pp_opts = ParityOptions(**OPTS, pp=2)  # micro-batches: (g + g) / 2 == g exactly, so it is PP=1, DP=1
     batches = make_batches(pp_opts, 2048)
     ref = train_schedule(ref_opts, "sequential", [step + step for step in batches])
     out = {"ref": ref}
@@ -55,6 +57,7 @@ def _rank_parity(rank, world, out_dir):
         out[schedule] = train_pipeline(pp_opts, schedule, batches)
     # export a pipelined model: build, prune, gather, write on rank 0
     import ds_dhelix
+
     engine, *_ = ds_dhelix.initialize(model=build(pp_opts), config=pp_opts.ds_config("w"))
     counts = [None] * world
     dist.all_gather_object(counts, sum(p.numel() for p in engine.module.parameters()))
@@ -77,6 +80,7 @@ def test_w_and_dualpipev_bitwise_equal_to_pp1_sequential_and_export(tmp_path):
     whole = build(ParityOptions(**OPTS))
     assert sum(r["counts"]) == sum(p.numel() for p in whole.parameters()), r["counts"]
     from transformers import AutoModelForCausalLM
+
     loaded = AutoModelForCausalLM.from_pretrained(r["path"])
     for name, p in whole.named_parameters():  # the exported model is the freshly built one (no step taken)
         assert torch.equal(loaded.get_parameter(name), p), name
@@ -100,9 +104,14 @@ def test_pp2_dp2_trains_on_four_ranks():
 # ---- bad input --------------------------------------------------------------------------------------
 def _check(world=2, layers=4, zero=1, **dh):
     from hf_models.registry import load_config, with_num_layers
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": dh.pop("m", 4),
-           "zero_optimization": {"stage": zero}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "dhelix": {"enabled": True, "schedule": dh.pop("schedule", "w"), "pipeline": {"stages": 2}, **dh}}
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": dh.pop("m", 4),
+        "zero_optimization": {"stage": zero},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "dhelix": {"enabled": True, "schedule": dh.pop("schedule", "w"), "pipeline": {"stages": 2}, **dh},
+    }
     return check_setup(cfg, with_num_layers(load_config("tiny-llama"), layers), world)
 
 
@@ -111,19 +120,28 @@ def test_valid_pipeline_passes():
     assert setup.fold.chunk_sizes == (1, 1, 1, 1) and setup.batch.gradient_accumulation_steps == 4
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(m=2), ["num_microbatches >= p + 1 = 3", "got 2"]),
-    (dict(m=2, schedule="dualpipev"), ["2 * p - 1 = 3", "got 2"]),
-    (dict(m=2, schedule="auto"), ["schedule 'auto' times ['sequential', 'w', 'dualpipev']", "p + 1 = 3",
-                                  "drop 'w' from dhelix.auto_candidates"]),
-    (dict(schedule="auto", pair_ends=True), ["dhelix.pair_ends = true with pipeline.stages = 2"]),
-    (dict(layers=3), ["num_layers=3", "2*2=4"]),
-    (dict(zero=2), ["zero_optimization.stage = 2", "ZeRO-2/3"]),
-    (dict(zero=3), ["zero_optimization.stage = 3"]),
-    (dict(world=3), ["world size 3", "tensor_parallel.size 1 x pipeline.stages 2"]),
-    (dict(world=4, tensor_parallel={"size": 4}), ["world size 4", "tensor_parallel.size 4 x pipeline.stages 2"]),
-    (dict(schedule="si"), ["'si'", "pipeline.stages = 2"]),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(m=2), ["num_microbatches >= p + 1 = 3", "got 2"]),
+        (dict(m=2, schedule="dualpipev"), ["2 * p - 1 = 3", "got 2"]),
+        (
+            dict(m=2, schedule="auto"),
+            [
+                "schedule 'auto' times ['sequential', 'w', 'dualpipev']",
+                "p + 1 = 3",
+                "drop 'w' from dhelix.auto_candidates",
+            ],
+        ),
+        (dict(schedule="auto", pair_ends=True), ["dhelix.pair_ends = true with pipeline.stages = 2"]),
+        (dict(layers=3), ["num_layers=3", "2*2=4"]),
+        (dict(zero=2), ["zero_optimization.stage = 2", "ZeRO-2/3"]),
+        (dict(zero=3), ["zero_optimization.stage = 3"]),
+        (dict(world=3), ["world size 3", "tensor_parallel.size 1 x pipeline.stages 2"]),
+        (dict(world=4, tensor_parallel={"size": 4}), ["world size 4", "tensor_parallel.size 4 x pipeline.stages 2"]),
+        (dict(schedule="si"), ["'si'", "pipeline.stages = 2"]),
+    ],
+)
 def test_bad_input_is_a_value_error_naming_the_values(kw, words):
     with pytest.raises(ValueError) as err:
         _check(**kw)
@@ -135,8 +153,12 @@ def test_boundary_carries_hidden_and_moe_aux_pieces():
     from ds_dhelix.graph.model_graph import ModelGraph, comp
 
     def layer(i):
-        return [comp("a", ("h",), ("x",), None), comp("r", ("x",), ("y", f"aux.{i}"), None),
-                comp("b", ("h", "y"), ("h",), None)]
+        return [
+            comp("a", ("h",), ("x",), None),
+            comp("r", ("x",), ("y", f"aux.{i}"), None),
+            comp("b", ("h", "y"), ("h",), None),
+        ]
+
     head = [comp("head.loss", ("h", "aux.0", "aux.1"), ("loss",), None)]
     g = ModelGraph([[comp("embed", (), ("h",), None)], layer(0), layer(1), head], make_side=None)
     assert live_keys(g, 0) == ("h",)
@@ -151,6 +173,7 @@ def _rank_moe(rank, world):
     import torch.distributed as dist
 
     from ds_dhelix.engine.build import build_engine
+
     opts = ParityOptions(model="tiny-phimoe", tp=1, pp=2, seq_len=32, micro_batches=3, steps=1)
     engine = build_engine(build(opts), opts.ds_config("w"))
     pieces, grads = {}, {}
@@ -162,6 +185,7 @@ def _rank_moe(rank, world):
             pieces[key] = aux.detach().clone()
             aux.register_hook(lambda g: grads.__setitem__(key, g.clone()))
             return xs, w, aux.view_as(aux)
+
         return router
 
     for block in engine.blocks[0] + engine.blocks[1]:

@@ -1,17 +1,20 @@
 """Pure-data tests of SIPlan: validation, JSON, fingerprint, text timeline, fixed plans."""
+
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds_dhelix.graph.ops import backward_order, op_specs
 from ds_dhelix.planning.plan import Round, SIPlan, default_plan, segment_has_comm, sequential_plan
-from ds_dhelix.planning.planner import LLAMA_LAYER_OPS, FINE_LAYER_OPS, TINY_LAYER_OPS
+from ds_dhelix.planning.planner import FINE_LAYER_OPS, LLAMA_LAYER_OPS, TINY_LAYER_OPS
 
 LAYERS = [LLAMA_LAYER_OPS, FINE_LAYER_OPS, TINY_LAYER_OPS]
 
 op_lists = st.lists(st.sampled_from(["comp", "comm"]), max_size=10).map(
-    lambda kinds: op_specs((f"op{i}", k) for i, k in enumerate(kinds)))
+    lambda kinds: op_specs((f"op{i}", k) for i, k in enumerate(kinds))
+)
 
 
 def _plan(ops, rounds, **kw) -> SIPlan:
@@ -38,8 +41,14 @@ def test_comm_conflicts_finds_rounds_communicating_on_both_strands():
 @pytest.mark.parametrize("ops", LAYERS, ids=["llama", "llama_fine", "tiny"])
 def test_json_round_trip_is_exact(ops, tmp_path):
     plan = default_plan(ops, backward_order(ops))
-    plan = SIPlan(plan.fwd_ops, plan.bwd_ops, plan.rounds, predicted_ms=0.1 + 0.2, source="dp",
-                  meta={"table_meta": {"tp": 8, "device": "x"}, "note": [1, 2.5, None]})
+    plan = SIPlan(
+        plan.fwd_ops,
+        plan.bwd_ops,
+        plan.rounds,
+        predicted_ms=0.1 + 0.2,
+        source="dp",
+        meta={"table_meta": {"tp": 8, "device": "x"}, "note": [1, 2.5, None]},
+    )
     again = SIPlan.from_json(plan.to_json())
     assert again == plan
     assert again.meta == plan.meta and again.predicted_ms == plan.predicted_ms
@@ -111,8 +120,10 @@ def test_default_plan_hides_every_comm_of_a_layer(ops):
 def test_default_plan_pairs_llama_ag_and_rs_with_neighbouring_compute():
     ops = LLAMA_LAYER_OPS
     plan = default_plan(ops, backward_order(ops))
-    pairs = {(tuple(o.name for o in ops[s.fwd[0]:s.fwd[1]]),
-              tuple(o.name for o in plan.bwd_ops[s.bwd[0]:s.bwd[1]])) for s in plan.rounds}
+    pairs = {
+        (tuple(o.name for o in ops[s.fwd[0] : s.fwd[1]]), tuple(o.name for o in plan.bwd_ops[s.bwd[0] : s.bwd[1]]))
+        for s in plan.rounds
+    }
     assert (("attn.ag",), ("mlp.add",)) in pairs
     assert (("attn.qkv", "attn.core", "attn.out"), ("mlp.rs",)) in pairs
 

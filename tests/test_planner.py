@@ -1,4 +1,5 @@
 """Pure-data tests of overlap tables and the SI planner: DP against brute force (hypothesis)."""
+
 from __future__ import annotations
 
 import collections
@@ -7,14 +8,23 @@ import random
 import time
 
 import pytest
-from hypothesis import HealthCheck, assume, event, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
 
 from ds_dhelix import cli
-from ds_dhelix.planning import planner
 from ds_dhelix.graph.ops import backward_order, comm_runs, op_specs
+from ds_dhelix.planning import planner
 from ds_dhelix.planning.plan import SIPlan, default_plan, sequential_plan
-from ds_dhelix.planning.planner import (OverlapTable, candidate_segments, count_plans, plan_dp, plan_exhaustive,
-                                        predict_ms, random_plan, synthetic_table)
+from ds_dhelix.planning.planner import (
+    OverlapTable,
+    candidate_segments,
+    count_plans,
+    plan_dp,
+    plan_exhaustive,
+    predict_ms,
+    random_plan,
+    synthetic_table,
+)
 
 TOL = 1e-9
 
@@ -26,6 +36,7 @@ def _ops(kinds: str, prefix: str = "op"):
 
 # ---- candidate segments -----------------------------------------------------------------
 
+
 def test_candidate_segments_are_runs_inside_comm_runs():
     ops = _ops("ccmcm")
     assert candidate_segments(ops) == [(0, 1), (0, 2), (1, 2), (2, 3), (3, 4), (4, 5)]
@@ -36,19 +47,26 @@ def test_candidate_segments_are_runs_inside_comm_runs():
 def test_candidate_segments_match_definition(kinds):
     ops = _ops(kinds)
     groups = comm_runs(ops)
-    expected = {(a, b) for a in range(len(ops)) for b in range(a + 1, len(ops) + 1)
-                if any(g0 <= a and b <= g1 for g0, g1 in groups)}
+    expected = {
+        (a, b)
+        for a in range(len(ops))
+        for b in range(a + 1, len(ops) + 1)
+        if any(g0 <= a and b <= g1 for g0, g1 in groups)
+    }
     assert set(candidate_segments(ops)) == expected
     assert all(b - a == 1 for a, b in candidate_segments(ops) if ops[a].is_comm)
 
 
 # ---- DP against brute force --------------------------------------------------------------
 
+
 @st.composite
 def tables(draw):
     """Small random tables: random COMM/COMP patterns, some entries missing, sometimes ties."""
+
     def kinds(least: int):
         return st.integers(least, 6).flatmap(lambda n: st.text(alphabet="cm", min_size=n, max_size=n))
+
     fwd = _ops(draw(kinds(1)), "f")
     bwd = backward_order(fwd) if draw(st.booleans()) else _ops(draw(kinds(0)), "b")
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
@@ -68,14 +86,17 @@ def tables(draw):
 
 
 def _map_times(table: OverlapTable, fn) -> OverlapTable:
-    return OverlapTable(table.meta, table.fwd_ops, table.bwd_ops,
-                        {k: fn(v) for k, v in table.fwd_alone_ms.items()},
-                        {k: fn(v) for k, v in table.bwd_alone_ms.items()},
-                        {k: fn(v) for k, v in table.pair_ms.items()})
+    return OverlapTable(
+        table.meta,
+        table.fwd_ops,
+        table.bwd_ops,
+        {k: fn(v) for k, v in table.fwd_alone_ms.items()},
+        {k: fn(v) for k, v in table.bwd_alone_ms.items()},
+        {k: fn(v) for k, v in table.pair_ms.items()},
+    )
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.filter_too_much])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(tables())
 def test_dp_matches_exhaustive_optimum(table):
     dp, ref = plan_dp(table), plan_exhaustive(table)
@@ -116,19 +137,22 @@ def test_random_plan_is_uniform_over_all_plans():
 
 
 def test_plan_dp_on_llama70b_shape(capsys):
-    shapes = {"llama70b": planner.llama70b_table(random.Random(0)),
-              "llama70b-fine": planner.llama70b_table(random.Random(0), fine=True),
-              "stress-40ops-groups-of-8": synthetic_table(*(2 * [_ops("c" * 8 + "m") * 4 + _ops("cccc")]),
-                                                          random.Random(0))}
+    shapes = {
+        "llama70b": planner.llama70b_table(random.Random(0)),
+        "llama70b-fine": planner.llama70b_table(random.Random(0), fine=True),
+        "stress-40ops-groups-of-8": synthetic_table(*(2 * [_ops("c" * 8 + "m") * 4 + _ops("cccc")]), random.Random(0)),
+    }
     for name, table in shapes.items():
         t0 = time.perf_counter()
         plan = plan_dp(table)
         seconds = time.perf_counter() - t0
         with capsys.disabled():
-            print(f"\nplan_dp {name}: {len(table.fwd_ops)} ops/list, {len(table.pair_ms)} pairs, "
-                  f"{seconds * 1e3:.1f} ms, predicted {plan.predicted_ms:.3f} ms "
-                  f"(default {predict_ms(table, default_plan(table.fwd_ops, table.bwd_ops)):.3f}, "
-                  f"sequential {predict_ms(table, sequential_plan(table.fwd_ops, table.bwd_ops)):.3f})")
+            print(
+                f"\nplan_dp {name}: {len(table.fwd_ops)} ops/list, {len(table.pair_ms)} pairs, "
+                f"{seconds * 1e3:.1f} ms, predicted {plan.predicted_ms:.3f} ms "
+                f"(default {predict_ms(table, default_plan(table.fwd_ops, table.bwd_ops)):.3f}, "
+                f"sequential {predict_ms(table, sequential_plan(table.fwd_ops, table.bwd_ops)):.3f})"
+            )
         assert plan.comm_conflicts() == []
         assert plan.predicted_ms <= predict_ms(table, default_plan(table.fwd_ops, table.bwd_ops))
 
@@ -161,6 +185,7 @@ def test_predict_ms_names_missing_and_comm_comm_pairs():
 
 
 # ---- tables: validation, JSON, meta check -----------------------------------------------
+
 
 def test_table_rejects_bad_entries():
     ops = _ops("ccm")
@@ -203,6 +228,7 @@ def test_check_matches_names_every_differing_key():
 
 
 # ---- CLI ---------------------------------------------------------------------------------
+
 
 def test_cli_plan_json_with_exhaustive(capsys, tmp_path):
     out = tmp_path / "plan.json"

@@ -1,14 +1,25 @@
 """A planner that noise cannot fool: entries carry their spread, the DP prices an upper bound of
 each median, and profiling re-measures noisy entries and the plan's own until the plan stays.
 Pure (no processes): a fake probe stands in for the timed layer."""
+
 import math
 import random
 
 import pytest
 
 from ds_dhelix.planning.plan import default_plan
-from ds_dhelix.planning.planner import (EMPTY, MEDIAN_SE, TINY_LAYER_OPS, OverlapTable, noise_aware, plan_dp, plan_keys,
-                                        predict_ms, predicted_spread_ms, synthetic_table)
+from ds_dhelix.planning.planner import (
+    EMPTY,
+    MEDIAN_SE,
+    TINY_LAYER_OPS,
+    OverlapTable,
+    noise_aware,
+    plan_dp,
+    plan_keys,
+    predict_ms,
+    predicted_spread_ms,
+    synthetic_table,
+)
 from ds_dhelix.runtime.profiler import _refine_plan, _remeasure_noisy, _Samples, robust_spread
 
 FWD, BWD = TINY_LAYER_OPS, tuple(reversed(TINY_LAYER_OPS))

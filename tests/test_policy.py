@@ -2,6 +2,7 @@
 chains with the same op times and collective completion times give the same order of compute ops,
 launches and deferred weight gradients, whether the executor runs them (real autograd, collectives
 whose completion follows a virtual clock) or ``dhelix predict`` re-times them on its own clock."""
+
 import random
 
 import pytest
@@ -74,6 +75,7 @@ def _timed(clock: Clock, label: str, ms: float):
         def backward(ctx, g):
             clock.run(label.format(mb=ctx.mb), ms)
             return g * 1.0, None
+
     return Timed
 
 
@@ -87,6 +89,7 @@ def _layer_op(clock: Clock, name: str, fwd: float, bwd: float, wgrad: float, src
         clock.run(f"F{side['mb']}.{name}", fwd)
         w = to_weight.apply(weight, side["mb"])
         return (to_input.apply(x, side["mb"]) + (x.detach() @ w).sum() * 0.0,)
+
     return comp(name, (src,), (dst,), fn, linear=True), weight
 
 
@@ -140,6 +143,7 @@ def _executor_order(monkeypatch, layer=LAYER, num_layers: int = 2) -> list[str]:
     clock = Clock()
     graph = _graph(clock, layer, num_layers)
     import time
+
     monkeypatch.setattr(time, "sleep", lambda s: clock.next_completion())  # polling: time passes
     ex = Executor(graph, defer_weight_grads=True)
     assert ex.reactive and ex.defer_weight_grads and ex.reacts_to_completions
@@ -164,8 +168,15 @@ def test_executor_and_predictor_take_the_same_order(monkeypatch, seed):
     layer = LAYER
     if seed is not None:  # other op and wire times: the order changes, the agreement must not
         rng = random.Random(seed)
-        layer = [(n, rng.choice((0.5, 1.0, 2.0, 3.0)), bwd and rng.choice((0.5, 1.0, 2.0)),
-                  wgrad and rng.choice((0.5, 1.0, 2.0))) for n, _, bwd, wgrad in LAYER]
+        layer = [
+            (
+                n,
+                rng.choice((0.5, 1.0, 2.0, 3.0)),
+                bwd and rng.choice((0.5, 1.0, 2.0)),
+                wgrad and rng.choice((0.5, 1.0, 2.0)),
+            )
+            for n, _, bwd, wgrad in LAYER
+        ]
     executed = _executor_order(monkeypatch, layer)
     predicted = _predicted_order(layer)
     assert executed == predicted
@@ -177,6 +188,7 @@ def test_executor_and_predictor_take_the_same_order(monkeypatch, seed):
 def test_policy_waits_for_the_first_to_complete_only_when_reacting():
     """Both strands' collectives in flight: reacting, wait for whichever completes first (polled);
     otherwise the oldest."""
+
     class Host:
         def completed(self, h):
             return False

@@ -11,12 +11,13 @@
 fp16 runs on this CPU through DeepSpeed's CPU accelerator (``force_fp16_capability`` where it
 would refuse; torch computes fp16 on CPU).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ds_dhelix.engine.parity import ParityOptions, make_batches, run_parity
+from ds_dhelix.verify import ParityOptions, make_batches, run_parity
 from tests.conftest import run_ranks
 
 # fp16 keeps 11 significant bits: every activation and gradient is rounded at ~5e-4 relative. The
@@ -43,8 +44,9 @@ def test_si_bitwise_equals_sequential_in_half_precision(dtype):
 
 def _train_dtypes(rank, world, steps):
     from ds_dhelix.engine.build import build_engine
-    from ds_dhelix.engine.parity import build
     from ds_dhelix.engine.precision import force_fp16_capability
+    from ds_dhelix.verify import build
+
     force_fp16_capability()
     out = {}
     for dtype in ("fp32", "fp16"):
@@ -68,14 +70,15 @@ def test_fp16_tracks_fp32():
     assert abs(n16 / n32 - 1) < NORM_RTOL, (n16, n32)  # the unscaled norm, not scale x norm
     diffs = [abs(a - b) for a, b in zip(r["fp16"]["losses"], r["fp32"]["losses"])]
     assert max(diffs) < LOSS_ATOL, diffs
-    assert r["fp16"]["scales"][0] == 2 ** 16  # no overflow in these steps: the initial scale stays
+    assert r["fp16"]["scales"][0] == 2**16  # no overflow in these steps: the initial scale stays
 
 
 def _overflow_rank(rank, world):
     from ds_dhelix.engine.build import build_engine
     from ds_dhelix.engine.checkpoint import full_state_dict
-    from ds_dhelix.engine.parity import build
     from ds_dhelix.engine.precision import force_fp16_capability
+    from ds_dhelix.verify import build
+
     force_fp16_capability()
     opts = _opts(dtype="fp16", steps=3)
     batches = make_batches(opts, 2048)
@@ -105,7 +108,7 @@ def _overflow_rank(rank, world):
 @pytest.mark.timeout(300)
 def test_overflow_on_one_rank_skips_the_step_on_every_rank():
     for r in run_ranks(_overflow_rank, 2, timeout=280):
-        assert r["scales"] == [2 ** 16, 2 ** 15, 2 ** 15], r["scales"]  # halved once, on both ranks
+        assert r["scales"] == [2**16, 2**15, 2**15], r["scales"]  # halved once, on both ranks
         assert r["skipped"] == [0, 1, 1]
         assert r["unchanged"] == [True, False]  # step 2 skipped (params kept), step 3 trained
 
@@ -117,6 +120,7 @@ def test_fp16_on_a_device_without_it_is_one_line(monkeypatch, capsys, tmp_path):
     from deepspeed.accelerator import get_accelerator
 
     import train
+
     monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = json.load(open(os.path.join(os.path.dirname(__file__), "..", "ds_configs", "tiny_llama_cpu.json")))
@@ -134,7 +138,8 @@ def test_parity_command_runs_fp16_on_a_device_without_it(monkeypatch):
     from deepspeed.accelerator import get_accelerator
 
     from ds_dhelix.commands.parity import _check_setup
-    from ds_dhelix.engine.parity import ParityOptions
+    from ds_dhelix.verify import ParityOptions
+
     monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
     _check_setup(ParityOptions(model="tiny-llama", tp=2, dtype="fp16"))
     assert get_accelerator().is_fp16_supported()
@@ -156,6 +161,7 @@ def test_dropout_si_bitwise_and_hf_compared_with_dropout_off(model):
 def _dropout_graph(seed=5):
     from hf_models.adapters import adapter_for
     from tests.conftest import make_config, make_model
+
     config = make_config("tiny-gpt2", attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
     model = make_model(config)
     return model, adapter_for(config).build_graph(model, seed=seed)
@@ -166,14 +172,14 @@ def test_dropout_masks_follow_the_micro_batch_number_not_the_process():
     uninterrupted run drew for it; another number draws others; eval draws none."""
     from ds_dhelix.runtime.executor import Executor, MicroBatch
     from tests.conftest import make_batches
+
     batches = make_batches(2048, 8)
     model, graph = _dropout_graph()
     ex = Executor(graph)
     ex.run_microbatches(batches[:4], "si", 0.25, first_serial=0)
     later = [float(mb.loss) for mb in ex.run_microbatches(batches[4:], "si", 0.25, first_serial=4)]
     _, fresh = _dropout_graph()
-    again = [float(mb.loss) for mb in Executor(fresh).run_microbatches(batches[4:], "sequential", 0.25,
-                                                                          first_serial=4)]
+    again = [float(mb.loss) for mb in Executor(fresh).run_microbatches(batches[4:], "sequential", 0.25, first_serial=4)]
     other = [float(mb.loss) for mb in Executor(fresh).run_microbatches(batches[4:], "si", 0.25, first_serial=0)]
     assert again == later and other != later
     model.eval()
@@ -190,6 +196,7 @@ def test_dropout_masks_follow_the_base_seed_not_the_process_rng():
     """Two processes (or a resumed one) seed torch differently; the masks follow dhelix.seed only."""
     from ds_dhelix.runtime.executor import Executor
     from tests.conftest import make_batches
+
     batches = make_batches(2048, 4)
 
     def losses(process_seed, base_seed):

@@ -1,19 +1,19 @@
 """dhelix predict (ds_dhelix/predict): the executor's round rules on hand-checkable chains, group
 placement and collective times by the alpha-beta model, op costs against the FLOPs the real graph
 runs, the step of every schedule, the pipeline replay, the CPU table path and every refusal."""
+
 import json
-import math
 
 import pytest
 import torch
 
 from ds_dhelix.config.dims import ParallelDims
-from ds_dhelix.predict.costs import OpTime, StepTimes, roofline_times
+from ds_dhelix.predict import step as S
+from ds_dhelix.predict.costs import OpTime, StepTimes
 from ds_dhelix.predict.hardware import load_hardware
 from ds_dhelix.predict.links import collective_ms, group_ranks, placement
 from ds_dhelix.predict.retime import ChainOp, RoundRules, reactive_rules, retime_pair
 from ds_dhelix.predict.shapes import RunLayout, model_shape
-from ds_dhelix.predict import step as S
 
 
 def comp(ms, deferred=0.0, depth=0):
@@ -60,8 +60,9 @@ def test_trailing_backward_follows_op_by_op():
     # the second strand runs position i only after the first ran its own. B0's op 0-1, its
     # collective flies from 1 (alone until 2: 1 ms left); B1's op 1-2; B1's collective from 2 shares
     # the link: B0's done at 4 (B1's has 1 left, alone until 5); B0's op 4-5, then B1's 5-6
-    r = retime_pair([comp(1), comm(2), comp(1)], [comp(1), comm(2), comp(1)],
-                    rules=reactive_rules(gated=False, trail=True))
+    r = retime_pair(
+        [comp(1), comm(2), comp(1)], [comp(1), comm(2), comp(1)], rules=reactive_rules(gated=False, trail=True)
+    )
     assert r.makespan_ms == pytest.approx(6.0)
     # B1's collective may not start before B0 ran its first op: both fly from 3, sharing the link
     # (done at 5), B1's op 5-6; free, B1's collective flies beside B0's op from 0: done at 4
@@ -106,7 +107,8 @@ def test_alpha_beta_times_by_hand():
     net = hw.node_network_bps * a.link_efficiency * 8 / 8  # 8 of the node's GPUs in the group
     alpha = a.nccl_base_us + 14 * a.nccl_hop_us["nvlink"] + a.nccl_hop_us["net"]
     assert collective_ms(hw, across, "all_gather", nbytes) == pytest.approx(
-        (15 / 16 * nbytes / min(bw, net) + alpha * 1e-6) * 1e3)
+        (15 / 16 * nbytes / min(bw, net) + alpha * 1e-6) * 1e3
+    )
     assert collective_ms(hw, placement(ParallelDims(1), "tp", 8), "all_reduce", nbytes) == 0.0
 
 
@@ -116,8 +118,10 @@ def test_hardware_presets_and_files(tmp_path):
         assert hw.gpu.source and hw.intra_link.source and hw.network.source
     assert load_hardware("A800", network="ib400", nics_per_node=8).node_network_bps == 8 * 400e9 / 8
     path = tmp_path / "mine.yaml"
-    path.write_text("gpu: H100\ngpus_per_node: 4\nintra_link: pcie5\nnetwork: {gbit: 25}\nnics_per_node: 2\n"
-                    "assumptions: {gemm_efficiency: 0.5}\n")
+    path.write_text(
+        "gpu: H100\ngpus_per_node: 4\nintra_link: pcie5\nnetwork: {gbit: 25}\nnics_per_node: 2\n"
+        "assumptions: {gemm_efficiency: 0.5}\n"
+    )
     hw = load_hardware(str(path))
     assert (hw.gpus_per_node, hw.intra_link.gbs, hw.network.gbit, hw.assumptions.gemm_efficiency) == (4, 64, 25, 0.5)
     path.write_text("gpu: H100\ngpus_per_node: 4\nintra_link: pcie5\nnetwork: ib100\nnics: 2\n")
@@ -134,9 +138,11 @@ def _graph_flops(preset: str, batch: int, seq: int):
     """Every op's forward FLOPs as torch counts them running the real op graph (one rank, fp32),
     and the model's outline and shape."""
     from torch.utils.flop_counter import FlopCounterMode
+
     from hf_models.adapters import adapter_for
     from hf_models.outline import model_outline
     from hf_models.registry import build_model
+
     model = build_model(preset, seed=0)[0]
     adapter = adapter_for(model.config)
     options = {"ep_groups": None} if hasattr(adapter, "check_ep") else {}
@@ -163,6 +169,7 @@ def test_projection_flops_match_what_the_graph_runs(preset):
     the experts)."""
     from ds_dhelix.predict.costs import block_context
     from ds_dhelix.predict.roofline import op_work
+
     counted, outline, shape = _graph_flops(preset, 2, 64)
     layout = RunLayout(ParallelDims(1), 64, 2, 1, "fp32")
     checked = 0
@@ -181,21 +188,27 @@ def _times(f_comp=1.0, b_comp=2.0, comm_ms=1.0, layers=2, wgrad=0.5, slowdown=0.
     """A hand-made model: embedding and head of 0.5 ms each way, layers [compute, collective,
     compute (linear)]."""
     edge = (OpTime("e", False, 0.5, 0.5),)
-    layer = (OpTime("a", False, f_comp, b_comp), OpTime("m", True, comm_ms, comm_ms, group="tp", link="tp"),
-             OpTime("l", False, f_comp, b_comp - wgrad, wgrad, linear=True))
+    layer = (
+        OpTime("a", False, f_comp, b_comp),
+        OpTime("m", True, comm_ms, comm_ms, group="tp", link="tp"),
+        OpTime("l", False, f_comp, b_comp - wgrad, wgrad, linear=True),
+    )
     return StepTimes((edge,) + (layer,) * layers + (edge,), {"optimizer": 3.0}, 0.0, slowdown, reacts=True)
 
 
 def _step(name: str, st: StepTimes, m: int, half=None, plan=None):
     """A one-stage step priced from the registry's instruction list of ``name``."""
     from ds_dhelix.schedule.registry import ONE_STAGE, lookup
+
     return S.schedule_step(lookup(name, ONE_STAGE), m, st, half, plan)
 
 
 def test_sequential_is_the_sum():
     st = _times()
     lap = _step("sequential", st, 4)
-    assert lap.ms == pytest.approx(4 * (st.compute_ms() + st.comm_ms())) and lap.wait_ms == pytest.approx(4 * st.comm_ms())
+    assert lap.ms == pytest.approx(4 * (st.compute_ms() + st.comm_ms())) and lap.wait_ms == pytest.approx(
+        4 * st.comm_ms()
+    )
 
 
 def test_si_hides_and_never_beats_the_compute():
@@ -213,6 +226,7 @@ def test_si_is_its_instruction_list_priced():
     st, m = _times(), 5
     from ds_dhelix.schedule import instructions as I
     from ds_dhelix.schedule.registry import ONE_STAGE, lookup
+
     spec = lookup("si", ONE_STAGE)
     f = S.price(I.Forward(0), spec, st, (st, st), None)
     fb = S.price(I.ForwardBackward(1, 0, 0, 0), spec, st, (st, st), None)
@@ -240,8 +254,16 @@ def test_pipeline_replay_matches_the_w_closed_form():
     """Without collectives a chunk pair cannot overlap (c = F + B) and the W schedule's replayed
     makespan is the closed form 2pF + 2(m-1)c + 2pB (pipe/simulate.py's derivation)."""
     from ds_dhelix.predict.pipeline import chunk_costs, pipeline_step
-    st = StepTimes(((OpTime("e", False, 0.0, 0.0),),) + ((OpTime("a", False, 1.0, 2.0),),) * 8
-                   + ((OpTime("e", False, 0.0, 0.0),),), {}, 0.0, 0.0, True)
+
+    st = StepTimes(
+        ((OpTime("e", False, 0.0, 0.0),),)
+        + ((OpTime("a", False, 1.0, 2.0),),) * 8
+        + ((OpTime("e", False, 0.0, 0.0),),),
+        {},
+        0.0,
+        0.0,
+        True,
+    )
     p, m = 2, 6
     k = chunk_costs(st, 8, p)
     F, B, c = k["F"].ms, k["B"].ms, k["c"].ms
@@ -258,14 +280,29 @@ def test_pipeline_replay_matches_the_w_closed_form():
 # ------------------------------------------------------------------------ the command
 def _predict(capsys, *argv):
     from ds_dhelix.cli import main
+
     code = main(["predict", *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
 
 def test_predict_json_on_a_gpu_preset(capsys):
-    code, out, _ = _predict(capsys, "--model", "tiny-phimoe", "--tp", "2", "--ep", "2", "--seq-len", "128",
-                            "--micro-batches", "4", "--hardware", "A800", "--json")
+    code, out, _ = _predict(
+        capsys,
+        "--model",
+        "tiny-phimoe",
+        "--tp",
+        "2",
+        "--ep",
+        "2",
+        "--seq-len",
+        "128",
+        "--micro-batches",
+        "4",
+        "--hardware",
+        "A800",
+        "--json",
+    )
     assert code == 0
     r = json.loads(out)
     assert set(r["modes"]) == {"sequential", "si", "si-ends", "si-plan", "si-planned", "intra"}
@@ -277,29 +314,50 @@ def test_predict_json_on_a_gpu_preset(capsys):
 
 
 def test_predict_pipeline_schedules(capsys):
-    code, out, _ = _predict(capsys, "--model", "small-llama", "--tp", "8", "--pp", "2", "--dp", "4",
-                            "--seq-len", "2048", "--micro-batch-size", "1", "--micro-batches", "8",
-                            "--hardware", "H100", "--json")
+    code, out, _ = _predict(
+        capsys,
+        "--model",
+        "small-llama",
+        "--tp",
+        "8",
+        "--pp",
+        "2",
+        "--dp",
+        "4",
+        "--seq-len",
+        "2048",
+        "--micro-batch-size",
+        "1",
+        "--micro-batches",
+        "8",
+        "--hardware",
+        "H100",
+        "--json",
+    )
     r = json.loads(out)
     assert code == 0 and set(r["modes"]) == {"ds-1f1b", "ds-dualpipev", "sequential", "w", "dualpipev"}
     assert r["modes"]["sequential"]["bubble_fraction"] >= 0.5  # 1 - 1/p, and the transfers between stages
     assert r["modes"]["w"]["step_time_s"] < r["modes"]["sequential"]["step_time_s"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--hardware", "cpu"], "needs --table"),
-    (["--hardware", "cpu", "--table", "t.json"], "needs --link-gbps"),
-    (["--hardware", "H100", "--link-gbps", "2"], "feed --hardware cpu"),
-    (["--hardware", "cpu", "--table", "t.json", "--link-gbps", "2", "--nics-per-node", "2"], "GPU system"),
-    (["--hardware", "H100", "--schedule", "w"], "pipeline mode"),
-    (["--hardware", "H100", "--micro-batch-size", "1", "--schedule", "intra"], "micro-batch-size >= 2"),
-    (["--hardware", "H100", "--pp", "2", "--micro-batches", "2", "--schedule", "w"], "p \\+ 1 = 3"),
-    (["--hardware", "H100", "--ep", "2"], "no experts"),
-    (["--hardware", "H200x"], "did you mean 'H200'"),
-    (["--hardware", "H100", "--network", "ib250"], "ib200"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hardware", "cpu"], "needs --table"),
+        (["--hardware", "cpu", "--table", "t.json"], "needs --link-gbps"),
+        (["--hardware", "H100", "--link-gbps", "2"], "feed --hardware cpu"),
+        (["--hardware", "cpu", "--table", "t.json", "--link-gbps", "2", "--nics-per-node", "2"], "GPU system"),
+        (["--hardware", "H100", "--schedule", "w"], "pipeline mode"),
+        (["--hardware", "H100", "--micro-batch-size", "1", "--schedule", "intra"], "micro-batch-size >= 2"),
+        (["--hardware", "H100", "--pp", "2", "--micro-batches", "2", "--schedule", "w"], "p \\+ 1 = 3"),
+        (["--hardware", "H100", "--ep", "2"], "no experts"),
+        (["--hardware", "H200x"], "did you mean 'H200'"),
+        (["--hardware", "H100", "--network", "ib250"], "ib200"),
+    ],
+)
 def test_predict_refuses_bad_input(capsys, argv, message):
     import re
+
     code, _, err = _predict(capsys, *argv)
     assert code == 2 and re.search(message, err), err
     assert err.startswith("dhelix predict: error:") and err.count("\n") == 1
@@ -318,12 +376,30 @@ def test_cpu_projection_against_a_small_bench(tmp_path):
     from ds_dhelix.bench.options import BenchOptions
     from ds_dhelix.bench.profile_runs import profile_world
     from ds_dhelix.bench.report import write_outputs
-    opts = {"model": "tiny-llama", "tp": 2, "micro_batch_size": 2, "seq_len": 64, "warmup": 1, "repeats": 2,
-            "link_gbps": None}
+
+    opts = {
+        "model": "tiny-llama",
+        "tp": 2,
+        "micro_batch_size": 2,
+        "seq_len": 64,
+        "warmup": 1,
+        "repeats": 2,
+        "link_gbps": None,
+    }
     table, _ = profile_world(opts, timeout=300)
     table.save(str(tmp_path / "table-unshaped.json"))
-    bench = BenchOptions(model="tiny-llama", tp=2, modes=("sequential", "si"), link_gbps=(2.0,), micro_batches=4,
-                         micro_batch_size=2, seq_len=64, warmup=1, repeats=3, timeout=240)
+    bench = BenchOptions(
+        model="tiny-llama",
+        tp=2,
+        modes=("sequential", "si"),
+        link_gbps=(2.0,),
+        micro_batches=4,
+        micro_batch_size=2,
+        seq_len=64,
+        warmup=1,
+        repeats=3,
+        timeout=240,
+    )
     write_outputs(run_bench(bench), str(tmp_path))
     (row,) = compare(str(tmp_path))
     for mode in ("sequential", "si"):
@@ -338,25 +414,45 @@ def _cpu_table(cpu_ms: float = 0.3):
     main thread; one outlier)."""
     from ds_dhelix.graph.ops import backward_order, op_specs
     from ds_dhelix.planning.planner import EMPTY, OverlapTable
-    names = [("attn.norm", "comp"), ("attn.ag", "comm"), ("attn.qkv", "comp"), ("attn.core", "comp"),
-             ("attn.out", "comp"), ("attn.rs", "comm"), ("mlp.norm", "comp"), ("mlp.ag", "comm"),
-             ("mlp.up", "comp"), ("mlp.down", "comp"), ("mlp.rs", "comm"), ("mlp.add", "comp")]
+
+    names = [
+        ("attn.norm", "comp"),
+        ("attn.ag", "comm"),
+        ("attn.qkv", "comp"),
+        ("attn.core", "comp"),
+        ("attn.out", "comp"),
+        ("attn.rs", "comm"),
+        ("mlp.norm", "comp"),
+        ("mlp.ag", "comm"),
+        ("mlp.up", "comp"),
+        ("mlp.down", "comp"),
+        ("mlp.rs", "comm"),
+        ("mlp.add", "comp"),
+    ]
     fwd = op_specs(names)
     bwd = backward_order(fwd)
     n = len(fwd)
-    table = OverlapTable({"layout": "world=2,tp=2,ep=1", "batch_shape": [4, 256], "dtype": "float32",
-                          "link_gbps": None}, fwd, bwd)
+    table = OverlapTable(
+        {"layout": "world=2,tp=2,ep=1", "batch_shape": [4, 256], "dtype": "float32", "link_gbps": None}, fwd, bwd
+    )
     f_ms = {i: 1.0 if fwd[i].is_comm else i + 1.0 for i in range(n)}
     b_ms = {j: 1.0 if bwd[j].is_comm else 2.0 * (n - j) for j in range(n)}
     for i in range(n):
         table.set_entry(((i, i + 1), EMPTY), f_ms[i])
         table.set_entry((EMPTY, (i, i + 1)), b_ms[i])
-    table.comm_cpu_ms = {"fwd": [cpu_ms if op.is_comm else None for op in fwd],
-                         "bwd": [cpu_ms if op.is_comm else None for op in bwd]}
+    table.comm_cpu_ms = {
+        "fwd": [cpu_ms if op.is_comm else None for op in fwd],
+        "bwd": [cpu_ms if op.is_comm else None for op in bwd],
+    }
     table.comm_cpu_ms["fwd"][1] = 5.0  # one rank's outlier run: the median ignores it
-    table.block_ops = {"pre": {"ops": ["embed"], "fwd_ms": [0.5], "bwd_ms": [0.7]},
-                       "post": {"ops": ["head.norm", "head.logits", "head.loss"], "fwd_ms": [0.1, 3.0, 2.0],
-                                "bwd_ms": [0.2, 6.0, 4.0]}}
+    table.block_ops = {
+        "pre": {"ops": ["embed"], "fwd_ms": [0.5], "bwd_ms": [0.7]},
+        "post": {
+            "ops": ["head.norm", "head.logits", "head.loss"],
+            "fwd_ms": [0.1, 3.0, 2.0],
+            "bwd_ms": [0.2, 6.0, 4.0],
+        },
+    }
     return table
 
 
@@ -364,6 +460,7 @@ def test_cpu_times_come_from_the_table():
     from ds_dhelix.predict.cpu import comm_cpu_per_collective, table_times
     from hf_models.outline import model_outline
     from hf_models.registry import load_config
+
     config, dims = load_config("tiny-llama"), ParallelDims(2, tp=2)
     outline, shape = model_outline(config, dims), model_shape(config)
     layout = RunLayout(dims, 256, 4, 16, "fp32")

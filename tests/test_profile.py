@@ -1,13 +1,21 @@
 """Overlap profiling through the real executor, and the planner attached to ds_dhelix.initialize."""
+
 import json
 
 import pytest
 
-from ds_dhelix.planning.planner import OverlapTable, plan_dp
 from ds_dhelix.bench.profile_runs import plan_orders, profile_world, spearman, summarize_validation, validate_world
+from ds_dhelix.planning.planner import OverlapTable, plan_dp
 
-OPTS = {"model": "tiny-llama", "tp": 2, "micro_batch_size": 1, "seq_len": 16, "warmup": 0,
-        "repeats": 1, "link_gbps": None}
+OPTS = {
+    "model": "tiny-llama",
+    "tp": 2,
+    "micro_batch_size": 1,
+    "seq_len": 16,
+    "warmup": 0,
+    "repeats": 1,
+    "link_gbps": None,
+}
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +26,7 @@ def table():
 
 def test_profile_covers_every_candidate(table):
     from ds_dhelix.planning.planner import candidate_segments
+
     fc, bc = candidate_segments(table.fwd_ops), candidate_segments(table.bwd_ops)
     assert set(table.fwd_alone_ms) == set(fc) and set(table.bwd_alone_ms) == set(bc)
     comm_f = {s for s in fc if table.fwd_ops[s[0]].is_comm}
@@ -49,13 +58,27 @@ def test_table_round_trip_and_refusal(table, tmp_path):
 def test_validate_reports_prediction_quality(table):
     from ds_dhelix.planning.plan import default_plan, sequential_plan
     from ds_dhelix.planning.planner import predict_ms
-    res = validate_world({"model": "tiny-llama", "tp": 2, "table": table.to_dict(), "alternatives": 2,
-                          "warmup": 0, "repeats": 1, "seed": 0}, timeout=240)
+
+    res = validate_world(
+        {
+            "model": "tiny-llama",
+            "tp": 2,
+            "table": table.to_dict(),
+            "alternatives": 2,
+            "warmup": 0,
+            "repeats": 1,
+            "seed": 0,
+        },
+        timeout=240,
+    )
     rows = {r["plan"]: r for r in res["rows"]}
     assert set(rows) == {"dp", "default", "sequential", "random0", "random1"}
     # each row's prediction is the table's for that plan; measured times are real and positive
-    fixed = {"dp": plan_dp(table), "default": default_plan(table.fwd_ops, table.bwd_ops),
-             "sequential": sequential_plan(table.fwd_ops, table.bwd_ops)}
+    fixed = {
+        "dp": plan_dp(table),
+        "default": default_plan(table.fwd_ops, table.bwd_ops),
+        "sequential": sequential_plan(table.fwd_ops, table.bwd_ops),
+    }
     for name, plan in fixed.items():
         assert rows[name]["predicted_ms"] == pytest.approx(predict_ms(table, plan))
         assert rows[name]["rounds"] == len(plan.rounds)
@@ -71,29 +94,43 @@ def test_validate_reports_prediction_quality(table):
     if others:
         assert res["best_other_plan"] == others[0]["plan"]
         assert res["dp_vs_best_other_pct"] == pytest.approx(
-            100 * (rows["dp"]["measured_ms"] / others[0]["measured_ms"] - 1))
+            100 * (rows["dp"]["measured_ms"] / others[0]["measured_ms"] - 1)
+        )
     else:
         assert res["best_other_plan"] is None and res["dp_vs_best_other_pct"] is None
     if rows["default"]["same_as_dp"]:  # one plan timed twice: how far apart the machine puts it
         assert res["same_plan_gap_pct"] == pytest.approx(
-            100 * abs(rows["dp"]["measured_ms"] / rows["default"]["measured_ms"] - 1))
+            100 * abs(rows["dp"]["measured_ms"] / rows["default"]["measured_ms"] - 1)
+        )
     else:
         assert res["same_plan_gap_pct"] is None
-    assert res["spearman"] == pytest.approx(spearman([r["predicted_ms"] for r in res["rows"]],
-                                                     [r["measured_ms"] for r in res["rows"]]))
+    assert res["spearman"] == pytest.approx(
+        spearman([r["predicted_ms"] for r in res["rows"]], [r["measured_ms"] for r in res["rows"]])
+    )
     json.dumps(res)
 
 
 def _row(plan, source, same_as_dp, predicted, measured):
-    return {"plan": plan, "source": source, "same_as_dp": same_as_dp, "predicted_ms": predicted,
-            "predicted_spread_ms": 1.0, "measured_ms": measured, "measured_spread_ms": 1.0}
+    return {
+        "plan": plan,
+        "source": source,
+        "same_as_dp": same_as_dp,
+        "predicted_ms": predicted,
+        "predicted_spread_ms": 1.0,
+        "measured_ms": measured,
+        "measured_spread_ms": 1.0,
+    }
 
 
 def test_validation_summary_tells_one_plan_timed_twice_from_another_plan():
     # the DP search found the default plan (source "dp", same rounds): its two timings give the gap
-    rows = [_row("dp", "dp", True, 24.0, 25.3), _row("default", "default", True, 24.0, 24.6),
-            _row("sequential", "sequential", False, 31.0, 30.0), _row("random0", "random", False, 29.0, 27.5),
-            _row("random1", "random", True, 24.0, 26.0)]  # a random draw equal to the DP plan
+    rows = [
+        _row("dp", "dp", True, 24.0, 25.3),
+        _row("default", "default", True, 24.0, 24.6),
+        _row("sequential", "sequential", False, 31.0, 30.0),
+        _row("random0", "random", False, 29.0, 27.5),
+        _row("random1", "random", True, 24.0, 26.0),
+    ]  # a random draw equal to the DP plan
     res = summarize_validation(rows)
     assert res["best_measured_plan"] == "default" and res["dp_rank"] == 2
     assert res["dp_vs_best_pct"] == pytest.approx(100 * (25.3 / 24.6 - 1))
@@ -105,8 +142,9 @@ def test_validation_summary_tells_one_plan_timed_twice_from_another_plan():
     res = summarize_validation(rows)
     assert res["same_plan_gap_pct"] is None and res["best_other_plan"] == "default"
     assert res["dp_vs_best_other_pct"] == pytest.approx(100 * (23.0 / 24.0 - 1))
-    res = summarize_validation([_row("dp", "default-within-noise", True, 24.0, 25.0),
-                                _row("default", "default", True, 24.0, 24.0)])
+    res = summarize_validation(
+        [_row("dp", "default-within-noise", True, 24.0, 25.0), _row("default", "default", True, 24.0, 24.0)]
+    )
     assert res["best_other_plan"] is None and res["dp_vs_best_other_pct"] is None
     assert res["same_plan_gap_pct"] == pytest.approx(100 * (25.0 / 24.0 - 1))
 
@@ -129,14 +167,23 @@ def test_spearman():
 
 def _engine_with_table(rank, world, path, meta_override):
     import torch
+
     import ds_dhelix
     from ds_dhelix.bench.profile_runs import example_batch
     from hf_models.registry import build_model
+
     model, _ = build_model("tiny-llama", seed=0)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-           "dhelix": {"enabled": True, "tensor_parallel": {"size": 2}, "si_execution": "plan",
-                      "planner": {"profile": path}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "dhelix": {
+            "enabled": True,
+            "tensor_parallel": {"size": 2},
+            "si_execution": "plan",
+            "planner": {"profile": path},
+        },
+    }
     batch = example_batch(model.config.vocab_size, 1, 16)
     if meta_override:
         batch = example_batch(model.config.vocab_size, 1, 32)  # another shape than the table's
@@ -150,6 +197,7 @@ def _engine_with_table(rank, world, path, meta_override):
 
 def test_engine_uses_table_and_refuses_mismatch(table, tmp_path):
     from ds_dhelix.runtime.spawn import run_ranks
+
     path = str(tmp_path / "t.json")
     table.save(path)
     ok = run_ranks(_engine_with_table, 2, args=(path, False), timeout=180)

@@ -1,13 +1,14 @@
 """Reactive SI pairs and the communication changes that came with them (gloo ranks, CPU).
 
-    (a) reduce-scatter as all-to-all + local sum == gloo's reduce_scatter (2 ranks: bitwise; 4: close);
-        all-gather as all-to-all == gloo's all_gather_into_tensor (bitwise: copies only)
-    (b) reactive / plan / sequential through the executor on TP=2: losses and every gradient bitwise
-        equal; reactive execution defers the weight gradients of exactly the ops the adapters mark
-        linear (attn.qkv, attn.out, mlp.up, mlp.down, head.logits), none without
-        ``defer_weight_grads``; a tied embedding keeps its order
-    (c) TP-replicated gradients are reduced once per step: one all-reduce, sums match HF
+(a) reduce-scatter as all-to-all + local sum == gloo's reduce_scatter (2 ranks: bitwise; 4: close);
+    all-gather as all-to-all == gloo's all_gather_into_tensor (bitwise: copies only)
+(b) reactive / plan / sequential through the executor on TP=2: losses and every gradient bitwise
+    equal; reactive execution defers the weight gradients of exactly the ops the adapters mark
+    linear (attn.qkv, attn.out, mlp.up, mlp.down, head.logits), none without
+    ``defer_weight_grads``; a tied embedding keeps its order
+(c) TP-replicated gradients are reduced once per step: one all-reduce, sums match HF
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,14 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_dhelix.runtime.comm import all_gather_seq, reduce_scatter_seq
-from ds_dhelix.runtime.executor import Executor
 from ds_dhelix.graph.ops import backward_order
 from ds_dhelix.planning.plan import default_plan
+from ds_dhelix.runtime.comm import all_gather_seq, reduce_scatter_seq
+from ds_dhelix.runtime.executor import Executor
 from ds_dhelix.runtime.trace import TraceRecorder, validate_trace
 from hf_models.adapters import adapter_for
-from tests.conftest import run_ranks
-from tests.conftest import hf_reference, make_batches, make_config, make_model
+from tests.conftest import hf_reference, make_batches, make_config, make_model, run_ranks
 
 
 # ------------------------------------------------------------------------ (a) reduce-scatter
@@ -80,15 +80,19 @@ def test_reduce_scatter_by_all_to_all_matches_gloo_four_ranks():
 # ------------------------------------------------------------------------ (b) reactive vs plan vs sequential
 def _modes_rank(rank, world, preset, overrides):
     from tests.conftest import process_groups
+
     layout = process_groups(tp=world)
     config = make_config(preset, **overrides)
     ref = make_model(config)
     batches = make_batches(config.vocab_size, 4)
     runs = {}
-    for name, schedule, kind, defer in [("sequential", "sequential", None, True), ("plan", "si", "plan", True),
-                                        ("reactive", "si", "reactive", True),
-                                        ("reactive-nodefer", "si", "reactive", False),
-                                        ("reactive-ends", "si", "reactive", True)]:
+    for name, schedule, kind, defer in [
+        ("sequential", "sequential", None, True),
+        ("plan", "si", "plan", True),
+        ("reactive", "si", "reactive", True),
+        ("reactive-nodefer", "si", "reactive", False),
+        ("reactive-ends", "si", "reactive", True),
+    ]:
         model = copy.deepcopy(ref)
         graph = adapter_for(config).build_graph(model, world, layout.tp_rank, layout.tp, layout.tp_grad_group)
         specs = graph.layer_specs()
@@ -97,17 +101,25 @@ def _modes_rank(rank, world, preset, overrides):
         ex = Executor(graph, plan, recorder=rec, defer_weight_grads=defer)
         mbs = ex.run_microbatches(list(batches), "si-ends" if name == "reactive-ends" else schedule, 1.0 / len(batches))
         wgrad = sorted({e["name"] for e in rec.events() if e.get("name", "").endswith(".wgrad")})
-        runs[name] = {"losses": [mb.loss.detach().clone() for mb in mbs],
-                      "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                      "wgrad": wgrad, "comms": ex.stats.num_comms, "react": ex.reacts_to_completions,
-                      "num_deferred": ex.stats.num_deferred,
-                      "replicated_spans": sum(e.get("name") == "replicated.allreduce" for e in rec.events())}
+        runs[name] = {
+            "losses": [mb.loss.detach().clone() for mb in mbs],
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "wgrad": wgrad,
+            "comms": ex.stats.num_comms,
+            "react": ex.reacts_to_completions,
+            "num_deferred": ex.stats.num_deferred,
+            "replicated_spans": sum(e.get("name") == "replicated.allreduce" for e in rec.events()),
+        }
     want = hf_reference(ref, batches)
     seq = runs["sequential"]
-    out = {"wgrad": {k: r["wgrad"] for k, r in runs.items()}, "react": {k: r["react"] for k, r in runs.items()},
-           "num_deferred": {k: r["num_deferred"] for k, r in runs.items()},
-           "replicated_spans": {k: r["replicated_spans"] for k, r in runs.items()},
-           "comms": {k: r["comms"] for k, r in runs.items()}, "differ": {}}
+    out = {
+        "wgrad": {k: r["wgrad"] for k, r in runs.items()},
+        "react": {k: r["react"] for k, r in runs.items()},
+        "num_deferred": {k: r["num_deferred"] for k, r in runs.items()},
+        "replicated_spans": {k: r["replicated_spans"] for k, r in runs.items()},
+        "comms": {k: r["comms"] for k, r in runs.items()},
+        "differ": {},
+    }
     for name, r in runs.items():
         bad = [n for n, g in r["grads"].items() if not torch.equal(g, seq["grads"][n])]
         if not all(torch.equal(a, b) for a, b in zip(r["losses"], seq["losses"])):
@@ -118,18 +130,28 @@ def _modes_rank(rank, world, preset, overrides):
     model_params = {n: p for n, p in runs["reactive"]["grads"].items()}
     out["replicated_vs_hf"] = max(
         (model_params[n] - ref_grads[n].grad).abs().max().item()
-        for n, p in ref.named_parameters() if model_params[n].shape == p.shape)
+        for n, p in ref.named_parameters()
+        if model_params[n].shape == p.shape
+    )
     del want
     return out
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("preset, overrides", [("tiny-llama", ()), ("tiny-gpt2", (("tie_word_embeddings", True),))],
-                         ids=["llama", "gpt2-tied"])
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [("tiny-llama", ()), ("tiny-gpt2", (("tie_word_embeddings", True),))],
+    ids=["llama", "gpt2-tied"],
+)
 def test_reactive_plan_sequential_bitwise(preset, overrides):
     for r in run_ranks(_modes_rank, 2, args=(preset, dict(overrides)), timeout=180):
-        assert r["differ"] == {"sequential": [], "plan": [], "reactive": [], "reactive-nodefer": [],
-                               "reactive-ends": []}, r["differ"]
+        assert r["differ"] == {
+            "sequential": [],
+            "plan": [],
+            "reactive": [],
+            "reactive-nodefer": [],
+            "reactive-ends": [],
+        }, r["differ"]
         assert r["wgrad"]["sequential"] == [] and r["wgrad"]["plan"] == [] and r["wgrad"]["reactive-nodefer"] == []
         # exactly the ops the adapters mark linear (the activation sits in mlp.down, rotary in
         # attn.core, off their weights' paths): fails if deferral silently stops for any of them
@@ -137,8 +159,13 @@ def test_reactive_plan_sequential_bitwise(preset, overrides):
         assert deferred == {"attn.qkv", "attn.out", "mlp.up", "mlp.down", "head.logits"}, deferred
         assert r["num_deferred"]["reactive"] > 0 and r["num_deferred"]["reactive-nodefer"] == 0
         # ProcessGroups gave every TP group two strand groups: reactive execution reacts to completions
-        assert r["react"] == {"sequential": True, "plan": False, "reactive": True, "reactive-nodefer": True,
-                              "reactive-ends": True}
+        assert r["react"] == {
+            "sequential": True,
+            "plan": False,
+            "reactive": True,
+            "reactive-nodefer": True,
+            "reactive-ends": True,
+        }
         # once per step, the same number of collectives in every mode
         assert set(r["replicated_spans"].values()) == {1}
         assert len(set(r["comms"].values())) == 1
@@ -178,6 +205,7 @@ def test_pair_ends_keeps_accumulation_order(monkeypatch, preset, tied):
     those of sequential (tied embeddings too: used at both ends of the backward). TP=1, 3
     micro-batches: F0xF1 | F2xB0 | B1xB2."""
     from ds_dhelix.schedule.policy import Round
+
     monkeypatch.setattr(Round, "until_comm", lambda self, s: -self.head(s).mb.index)
     config = make_config(preset, **({"tie_word_embeddings": True} if tied else {}))
     ref = make_model(config)
@@ -187,8 +215,12 @@ def test_pair_ends_keeps_accumulation_order(monkeypatch, preset, tied):
         model = copy.deepcopy(ref)
         graph = adapter_for(config).build_graph(model)
         rec = TraceRecorder(0)
-        mbs = Executor(graph, None, recorder=rec,  # TP=1: deferral forced (see above)
-                       defer_weight_grads=True).run_microbatches(list(batches), schedule, 1 / 3)
+        mbs = Executor(
+            graph,
+            None,
+            recorder=rec,  # TP=1: deferral forced (see above)
+            defer_weight_grads=True,
+        ).run_microbatches(list(batches), schedule, 1 / 3)
         grads[schedule] = {n: p.grad for n, p in model.named_parameters()}
         losses[schedule] = [mb.loss for mb in mbs]
     assert all(torch.equal(a, b) for a, b in zip(losses["si-ends"], losses["sequential"]))
@@ -224,6 +256,7 @@ class _InstantComm:
 
     def forward(self, x, side, channel=0):
         from ds_dhelix.runtime.comm import Pending
+
         return Pending(_DoneWork(), x + 1)
 
     backward = forward
@@ -232,8 +265,9 @@ class _InstantComm:
 def test_reactive_execution_follows_completed_collectives_until_both_strands_end():
     """Both strands end in a collective that completes at once: the reaction finishes both and the
     step ends (it once tried to wait on an empty list), values as computed one by one."""
-    from ds_dhelix.runtime.executor import MicroBatch
     from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
+    from ds_dhelix.runtime.executor import MicroBatch
+
     work = [comp("double", ("x",), ("y",), lambda side, x: (x * 2,)), comm("send", _InstantComm(), "y", "z")]
     only_comm = [comm("send", _InstantComm(), "x", "z")]
     graph = ModelGraph([work, work, only_comm], make_side=lambda batch: {})
@@ -251,10 +285,12 @@ def test_dispatch_without_counts_op_is_refused():
     """The dropless dispatch needs the split sizes moe.counts exchanges; without them it says so
     instead of posting an all-to-all with unknown sizes."""
     from ds_dhelix.moe.dispatch import ExpertAllToAll
-    from ds_dhelix.runtime.groups import ExpertGroups
     from ds_dhelix.moe.router import Route
-    route = Route(num_tokens=2, top_k=1, counts=torch.tensor([1, 1]), copy_row=torch.arange(2), rows=2,
-                  token_of=torch.arange(2))
+    from ds_dhelix.runtime.groups import ExpertGroups
+
+    route = Route(
+        num_tokens=2, top_k=1, counts=torch.tensor([1, 1]), copy_row=torch.arange(2), rows=2, token_of=torch.arange(2)
+    )
     body = ExpertAllToAll(3, ExpertGroups(size=2), to_experts=True)
     with pytest.raises(RuntimeError, match="layer 3.*moe.counts"):
         body.forward(torch.zeros(2, 4), {"moe": {3: route}})

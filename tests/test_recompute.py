@@ -13,6 +13,7 @@
 Recomputed values are the same ops on the same inputs (dropout masks seeded by micro-batch, layer
 and op), so every comparison here is exact.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -20,31 +21,39 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ds_dhelix.engine.parity import ParityOptions
+from ds_dhelix.verify import ParityOptions
 from tests.conftest import run_ranks
 
 MODES = ("none", "selective", "full")
 
 
 def _train_modes(rank, world, opts: ParityOptions, schedules, modes=MODES):
-    from ds_dhelix.engine.parity import make_batches, train_pipeline, train_schedule
+    from ds_dhelix.verify import make_batches, train_pipeline, train_schedule
     from hf_models.registry import load_config
+
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     out = {}
     for schedule in schedules:
         for mode in modes:
             leg = replace(opts, recompute=mode)
-            out[schedule, mode] = (train_pipeline(leg, schedule, batches) if opts.pp > 1
-                                   else train_schedule(leg, schedule, batches))
+            out[schedule, mode] = (
+                train_pipeline(leg, schedule, batches) if opts.pp > 1 else train_schedule(leg, schedule, batches)
+            )
     return out if rank == 0 else None
 
 
 CASES = {
     "llama-tp2": (ParityOptions(model="tiny-llama", tp=2, num_layers=2, seq_len=32, steps=2), ("sequential", "si")),
-    "gpt2-tp2-dropout": (ParityOptions(model="tiny-gpt2", tp=2, num_layers=2, seq_len=32, steps=2, dropout=0.1),
-                         ("sequential", "si")),
-    "phimoe-ep2": (ParityOptions(model="tiny-phimoe", tp=1, dp=2, num_layers=2, seq_len=32, steps=2,
-                                 extra={"expert_parallel": {"size": 2}}), ("sequential", "si")),
+    "gpt2-tp2-dropout": (
+        ParityOptions(model="tiny-gpt2", tp=2, num_layers=2, seq_len=32, steps=2, dropout=0.1),
+        ("sequential", "si"),
+    ),
+    "phimoe-ep2": (
+        ParityOptions(
+            model="tiny-phimoe", tp=1, dp=2, num_layers=2, seq_len=32, steps=2, extra={"expert_parallel": {"size": 2}}
+        ),
+        ("sequential", "si"),
+    ),
     "pp2": (ParityOptions(model="tiny-llama", tp=1, pp=2, seq_len=32, steps=2), ("w", "dualpipev")),
 }
 
@@ -84,6 +93,7 @@ def test_recomputed_forward_runs_once_on_the_backward_strand():
     from ds_dhelix.runtime.executor import Executor, MicroBatch
     from hf_models.adapters import adapter_for
     from tests.conftest import make_batches, make_config, make_model
+
     config = make_config("tiny-llama")
     model = make_model(config)
     graph = adapter_for(config).build_graph(model)
@@ -93,7 +103,7 @@ def test_recomputed_forward_runs_once_on_the_backward_strand():
     assert ex.tasks(mb, 1, True, 0, 0) == []  # a plan round with no backward ops of the layer yet
     tasks = ex.tasks(mb, 1, True, 0, 2)
     again = [t for t in tasks if t.recompute]
-    assert [t.op.name for t in again] == [op.name for op in ops] and tasks[:len(ops)] == again
+    assert [t.op.name for t in again] == [op.name for op in ops] and tasks[: len(ops)] == again
     assert {(t.strand, t.channel) for t in again} == {("B", 1)}
     assert not any(t.recompute for t in ex.tasks(mb, 1, True, 2, None))  # later rounds: backward only
     assert {t.channel for t in ex.tasks(mb, 1, True, swapped=True) if t.recompute} == {0}
@@ -103,10 +113,15 @@ def test_recomputed_forward_runs_once_on_the_backward_strand():
 def test_activation_checkpointing_section():
     from ds_dhelix.engine.build import check_setup
     from hf_models.registry import load_config
+
     opts = ParityOptions(tp=1)
     config = opts.ds_config("si")
-    check_setup({**config, "activation_checkpointing": {"partition_activations": False,
-                                                        "cpu_checkpointing": False}}, load_config("tiny-llama"), 1)
+    check_setup(
+        {**config, "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False}},
+        load_config("tiny-llama"),
+        1,
+    )
     with pytest.raises(ValueError, match=r"sets partition_activations .*dhelix.*recompute"):
-        check_setup({**config, "activation_checkpointing": {"partition_activations": True}},
-                    load_config("tiny-llama"), 1)
+        check_setup(
+            {**config, "activation_checkpointing": {"partition_activations": True}}, load_config("tiny-llama"), 1
+        )

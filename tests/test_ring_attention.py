@@ -9,13 +9,14 @@ ranks point to point (``attn.kv<i>`` COMM ops), zig-zag split, log-sum-exp merge
                ranks (three ring steps); heads too few for Ulysses
     refused    a sequence the zig-zag split cannot cut, an adapter without a ring core
 """
+
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ds_dhelix.engine.build import check_setup
 from ds_dhelix.config.dims import ParallelDims
+from ds_dhelix.engine.build import check_setup
 from ds_dhelix.graph.model_graph import comp
 from ds_dhelix.runtime.groups import ContextShards
 from hf_models.common import context_attention, make_side_fn
@@ -26,10 +27,12 @@ from tests.test_context_parallel import _parity as cp_parity
 
 
 def _config(cp=2, tp=1):
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "dhelix": {"enabled": True, "tensor_parallel": {"size": tp},
-                       "context_parallel": {"size": cp, "comm": "ring"}}}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "dhelix": {"enabled": True, "tensor_parallel": {"size": tp}, "context_parallel": {"size": cp, "comm": "ring"}},
+    }
 
 
 # ------------------------------------------------------------------ the ring's math, one process
@@ -45,7 +48,7 @@ def _ring_by_hand(q, k, v, c, segments=None):
     step i taken from rank (r - i) mod c's first op, as the exchange would deliver it. Returns the
     attention output [b, h, s, d] back in sequence order."""
     b, h, s, d = q.shape
-    module = SimpleNamespace(scaling=d ** -0.5, training=False)
+    module = SimpleNamespace(scaling=d**-0.5, training=False)
     core = comp("attn.core", ("q", "k", "v"), ("o",), AttentionCore(None, module))
     qkv = comp("attn.qkv", ("x",), ("q", "k", "v"), None)
     out = comp("attn.out", ("o",), ("ao",), None)
@@ -85,6 +88,7 @@ def test_ring_steps_give_causal_attention_and_its_gradients(c, docs, fused, monk
     # fused: torch's CPU flash-attention kernel with the widened backward (ring._FusedBlock);
     # else the scores through autograd (the path of attention dropout and of other devices)
     import hf_models.ring as ring
+
     calls = []
     if not fused:
         monkeypatch.setattr(ring, "_FUSED", None)
@@ -117,8 +121,10 @@ def test_ring_steps_give_causal_attention_and_its_gradients(c, docs, fused, monk
 
 
 def _exchange(rank, world):
-    from ds_dhelix.runtime.comm import RingPass, StrandGroups
     import torch.distributed as dist
+
+    from ds_dhelix.runtime.comm import RingPass, StrandGroups
+
     ring = RingPass(StrandGroups.of(dist.group.WORLD), world)
     x = torch.full((2, 3), float(rank))
     fwd = ring.forward(x, {}, 0).wait()
@@ -129,6 +135,7 @@ def _exchange(rank, world):
 @pytest.mark.timeout(120)
 def test_ring_step_sends_forward_and_its_gradient_back():
     from ds_dhelix.runtime.spawn import run_ranks
+
     # 3 ranks, so r + 1 and r - 1 differ: forward receives from the previous rank, backward from the next
     got = run_ranks(_exchange, 3, timeout=90)
     assert got == [(2.0, 1.0), (0.0, 2.0), (1.0, 0.0)], got
@@ -147,8 +154,11 @@ def test_ring_side_inputs_hold_the_zig_zag_tokens():
 def test_a_sequence_the_zig_zag_split_cannot_cut_is_refused():
     with pytest.raises(ValueError) as err:
         ParallelDims(4, tp=2, cp=2, cp_comm="ring").check_seq_len(100, "--seq-len")
-    words = ["--seq-len 100 is not divisible by 2 x tensor_parallel.size 2 x context_parallel.size 2 = 8",
-             "zig-zag", "multiple of 8"]
+    words = [
+        "--seq-len 100 is not divisible by 2 x tensor_parallel.size 2 x context_parallel.size 2 = 8",
+        "zig-zag",
+        "multiple of 8",
+    ]
     assert all(w in str(err.value) for w in words), str(err.value)
     ParallelDims(4, tp=2, cp=2).check_seq_len(100)  # Ulysses: tp x cp = 4 divides it
     make_side = make_side_fn(1, 0, cp=ContextShards(2, 1, None, comm="ring"))
@@ -158,18 +168,24 @@ def test_a_sequence_the_zig_zag_split_cannot_cut_is_refused():
 
 def test_parity_command_refuses_an_odd_split_before_any_rank(capsys):
     from ds_dhelix.cli import main
+
     assert main(["parity", "--tp", "1", "--cp", "4", "--cp-comm", "ring", "--seq-len", "36"]) != 0
     err = capsys.readouterr().err
-    assert "dhelix parity: error: --seq-len 36 is not divisible by 2 x tensor_parallel.size 1 x " \
-           "context_parallel.size 4 = 8" in err, err
+    assert (
+        "dhelix parity: error: --seq-len 36 is not divisible by 2 x tensor_parallel.size 1 x "
+        "context_parallel.size 4 = 8" in err
+    ), err
     assert err.count("\n") == 1  # one line, no traceback
 
 
 def test_ring_needs_no_head_split_that_ulysses_needs():
     # tiny-llama has 4 query heads: Ulysses cannot split them over 8 CP ranks, the ring can
     with pytest.raises(ValueError, match="or context_parallel.comm 'ring'"):
-        check_setup({**_config(cp=8), "dhelix": {**_config(cp=8)["dhelix"], "context_parallel": {"size": 8}}},
-                    load_config("tiny-llama"), 8)
+        check_setup(
+            {**_config(cp=8), "dhelix": {**_config(cp=8)["dhelix"], "context_parallel": {"size": 8}}},
+            load_config("tiny-llama"),
+            8,
+        )
     assert check_setup(_config(cp=8), load_config("tiny-llama"), 8).dims.cp_comm == "ring"
 
 
@@ -194,9 +210,10 @@ def test_llama_ring_cp2_at_seq_512_matches_hf():
 
 @pytest.mark.slow
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("model,kw", [("tiny-llama", {"packing": "docs", "seq_len": 128}),
-                                      ("tiny-gpt2", {"zero_stage": 2}),
-                                      ("tiny-phimoe", {})])
+@pytest.mark.parametrize(
+    "model,kw",
+    [("tiny-llama", {"packing": "docs", "seq_len": 128}), ("tiny-gpt2", {"zero_stage": 2}), ("tiny-phimoe", {})],
+)
 def test_ring_cp2_parity(model, kw):
     _assert_parity(_parity(model=model, **kw))
 

@@ -1,5 +1,6 @@
 """Schedules as data, replayed for every rank: the registry's one-stage and folded pipeline
 schedules, correctness, bubble closed form, and corrupted schedules that the replay must catch."""
+
 import json
 
 import pytest
@@ -8,8 +9,22 @@ from ds_dhelix.cli import main
 from ds_dhelix.schedule import registry as R
 from ds_dhelix.schedule.fold import dualpipev_si_schedule, sequential_fold_schedule, w_schedule
 from ds_dhelix.schedule.instructions import (
-    Backward, BackwardBackward, FixActivationBudget, Forward, ForwardBackward, ForwardForward, LoadMicroBatch,
-    OptimizerStep, RecvActivation, ReduceGrads, SendActivation, SendGrad, WaitRecv, WaitSends, forward_only)
+    Backward,
+    BackwardBackward,
+    FixActivationBudget,
+    Forward,
+    ForwardBackward,
+    ForwardForward,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    ReduceGrads,
+    SendActivation,
+    SendGrad,
+    WaitRecv,
+    WaitSends,
+    forward_only,
+)
 from ds_dhelix.schedule.simulate import replay, sequential_bubble_closed_form, w_bubble_closed_form
 
 
@@ -26,6 +41,7 @@ def _cases(name, stages=(1, 2, 3, 4)):
 
 
 # ---- correct schedules ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["w", "dualpipev", "sequential"])
 def test_replay_passes_from_minimum_to_3p(name):
@@ -78,8 +94,16 @@ def test_sequential_runs_one_microbatch_at_a_time():
     schedule = sequential_fold_schedule(2, 2)
     assert not _pairs(schedule)
     computes = [ins for ins in schedule[1] if isinstance(ins, (Forward, Backward))]
-    assert computes == [Forward(0, 0), Forward(0, 1), Backward(0, 1), Backward(0, 0),
-                        Forward(1, 0), Forward(1, 1), Backward(1, 1), Backward(1, 0)]
+    assert computes == [
+        Forward(0, 0),
+        Forward(0, 1),
+        Backward(0, 1),
+        Backward(0, 0),
+        Forward(1, 0),
+        Forward(1, 1),
+        Backward(1, 1),
+        Backward(1, 0),
+    ]
     result = replay(schedule, 2, 1, 2)
     assert result.bubble_fraction == pytest.approx(sequential_bubble_closed_form(2, 2))
 
@@ -92,8 +116,7 @@ def test_w_bubble_closed_form_matches_replay(fwd, bwd, pair):
     for p, m in _cases("w", (2, 3, 4)):
         result = replay(w_schedule(p, m), m, fwd, bwd, pair)
         assert result.ok
-        assert result.bubble_fraction == pytest.approx(w_bubble_closed_form(p, m, fwd, bwd, pair),
-                                                       abs=1e-12), (p, m)
+        assert result.bubble_fraction == pytest.approx(w_bubble_closed_form(p, m, fwd, bwd, pair), abs=1e-12), (p, m)
 
 
 def test_w_bubble_closed_form_values_and_domain():
@@ -108,14 +131,31 @@ def test_w_bubble_closed_form_values_and_domain():
 
 def test_render_timeline_w_p2_m4():
     text = replay(w_schedule(2, 4), 4, 1, 1).render_timeline().splitlines()
-    assert text[1].split() == ["rank", "0", "F0", "F1", ".", "F0'", "F2B0'", "F1'", "F3B1'",
-                               "F2'B0", "B2'", "F3'B1", "B3'", "B2", ".", "B3"]
+    assert text[1].split() == [
+        "rank",
+        "0",
+        "F0",
+        "F1",
+        ".",
+        "F0'",
+        "F2B0'",
+        "F1'",
+        "F3B1'",
+        "F2'B0",
+        "B2'",
+        "F3'B1",
+        "B3'",
+        "B2",
+        ".",
+        "B3",
+    ]
     assert text[2].split()[2:4] == [".", "F0"]
     wide = replay(w_schedule(2, 3), 3, 1, 2).render_timeline()
     assert "F2B0'------" in wide  # a 2-unit pair spans two cells
 
 
 # ---- corrupted schedules ----------------------------------------------------------------------
+
 
 def _kinds(schedule, m):
     result = replay(schedule, m)
@@ -218,7 +258,7 @@ def test_pairing_a_chunk_with_itself_is_caught():
     schedule = sequential_fold_schedule(1, 1)
     rank = schedule[0]
     i = _index(rank, Forward(0, 1))
-    rank[i:i + 2] = [ForwardBackward(0, 1, 0, 1)]
+    rank[i : i + 2] = [ForwardBackward(0, 1, 0, 1)]
     kinds, text = _kinds(schedule, 1)
     assert kinds == {"work"} and "its own backward" in text
 
@@ -232,6 +272,7 @@ def test_load_outside_rank0_is_caught():
 
 # ---- CLI ----------------------------------------------------------------------------------------
 
+
 def test_cli_simulate_prints_timeline_and_bubble(capsys):
     assert main(["simulate", "--schedule", "w", "--stages", "2", "--microbatches", "4"]) == 0
     out = capsys.readouterr().out
@@ -240,8 +281,23 @@ def test_cli_simulate_prints_timeline_and_bubble(capsys):
 
 
 def test_cli_simulate_json(capsys):
-    assert main(["simulate", "--schedule", "dualpipev", "--stages", "3", "--microbatches", "5",
-                 "--pair-cost", "sum", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--schedule",
+                "dualpipev",
+                "--stages",
+                "3",
+                "--microbatches",
+                "5",
+                "--pair-cost",
+                "sum",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] and data["pair_cost"] == 3 and data["bubble_closed_form"] is None
     assert len(data["timeline"]) == 3
@@ -264,6 +320,7 @@ def test_cli_simulate_exit_nonzero_on_error(monkeypatch, capsys):
             schedule = spec.build(p, m)
             schedule[0].remove(SendActivation(0, 0, 1))
             return schedule
+
         return R.ScheduleSpec(spec.name, spec.layout, spec.summary, build, spec.minimum)
 
     monkeypatch.setattr(cmd, "lookup", broken)
@@ -278,6 +335,7 @@ def test_latency_delays_the_receivers():
 
 
 # ---- one stage -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", R.names(R.ONE_STAGE, built=True))
 def test_one_stage_schedules_replay(name):
@@ -295,15 +353,30 @@ def test_one_stage_schedules_replay(name):
 
 def test_one_stage_lists_read_as_the_executor_runs_them():
     assert R.build("si", R.ONE_STAGE, 1, 3)[0] == [
-        LoadMicroBatch(0), Forward(0), FixActivationBudget(), LoadMicroBatch(1), ForwardBackward(1, 0, 0, 0),
-        LoadMicroBatch(2), ForwardBackward(2, 0, 1, 0), Backward(2), ReduceGrads(), OptimizerStep()]
+        LoadMicroBatch(0),
+        Forward(0),
+        FixActivationBudget(),
+        LoadMicroBatch(1),
+        ForwardBackward(1, 0, 0, 0),
+        LoadMicroBatch(2),
+        ForwardBackward(2, 0, 1, 0),
+        Backward(2),
+        ReduceGrads(),
+        OptimizerStep(),
+    ]
     ends = [i for i in R.build("si-ends", R.ONE_STAGE, 1, 4)[0] if not isinstance(i, LoadMicroBatch)]
-    assert ends[:4] == [ForwardForward(0, 1), ForwardBackward(2, 0, 0, 0), ForwardBackward(3, 0, 1, 0),
-                        BackwardBackward(2, 3)]
+    assert ends[:4] == [
+        ForwardForward(0, 1),
+        ForwardBackward(2, 0, 0, 0),
+        ForwardBackward(3, 0, 1, 0),
+        BackwardBackward(2, 3),
+    ]
     intra = [i for i in R.build("intra", R.ONE_STAGE, 1, 2)[0] if not isinstance(i, LoadMicroBatch)]
     assert intra[:4] == [ForwardForward(0, 1), BackwardBackward(0, 1), ForwardForward(2, 3), BackwardBackward(2, 3)]
-    assert [i for i in forward_only(R.build("si", R.ONE_STAGE, 1, 2)[0]) if not isinstance(i, LoadMicroBatch)] \
-        == [Forward(0), Forward(1)]
+    assert [i for i in forward_only(R.build("si", R.ONE_STAGE, 1, 2)[0]) if not isinstance(i, LoadMicroBatch)] == [
+        Forward(0),
+        Forward(1),
+    ]
 
 
 def test_the_replay_catches_a_broken_one_stage_list():
@@ -322,6 +395,7 @@ def test_registry_is_the_one_list_of_names():
     from ds_dhelix.config.section import ONE_STAGE_SCHEDULES, PIPELINE_SCHEDULES, SCHEDULES
     from ds_dhelix.predict.pipeline import PIPE_MODES
     from ds_dhelix.predict.step import MODES
+
     assert ONE_STAGE_SCHEDULES == R.names(R.ONE_STAGE, configured=True)
     assert PIPELINE_SCHEDULES == R.names(R.PIPELINE, configured=True)
     assert set(SCHEDULES) == set(ONE_STAGE_SCHEDULES) | set(PIPELINE_SCHEDULES)
@@ -341,6 +415,7 @@ def test_cli_simulate_one_stage(capsys):
 
 
 # ---- the documented example --------------------------------------------------------------------
+
 
 def _diff_additions(text: str) -> dict[str, str]:
     """The added lines of each file of the first ```diff block in ``text``."""
@@ -387,7 +462,8 @@ def test_the_documented_example_schedule(monkeypatch):
     for name in ("sequential", "si-lead2"):
         model = copy.deepcopy(ref)
         mbs = Executor(adapter_for(config).build_graph(model), defer_weight_grads=True).run_microbatches(
-            list(batches), name, 0.25)
+            list(batches), name, 0.25
+        )
         out[name] = ([mb.loss for mb in mbs], {n: p.grad for n, p in model.named_parameters()})
     assert all(torch.equal(a, b) for a, b in zip(out["si-lead2"][0], out["sequential"][0]))
     assert all(torch.equal(g, out["sequential"][1][n]) for n, g in out["si-lead2"][1].items())

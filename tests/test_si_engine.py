@@ -1,10 +1,10 @@
 """The SI schedule through the real DeepSpeed engine: bitwise equal to sequential, close to the
 unsharded HF model, no extra activation memory. CPU, fp32, gloo."""
-import pytest
 
+import pytest
 import torch
 
-from ds_dhelix.engine.parity import HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, ParityOptions, compare, run_parity
+from ds_dhelix.verify import HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, ParityOptions, compare, run_parity
 
 
 def parity(**kw):
@@ -15,7 +15,7 @@ def parity(**kw):
 def assert_parity(r):
     assert r["bitwise_equal"], r["max_abs_diff_vs_sequential"]
     assert r["losses"]["si"] == r["losses"]["sequential"]
-    # tolerances and their reason: ds_dhelix.engine.parity (HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE)
+    # tolerances and their reason: ds_dhelix.verify (HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE)
     assert r["max_loss_diff_vs_hf"] <= HF_LOSS_TOLERANCE, r["losses"]
     assert r["max_abs_diff_vs_hf"] <= r["hf_grad_tolerance"], r["max_abs_diff_vs_hf"]
     assert r["hf_close"] and r["ok"]
@@ -33,9 +33,15 @@ def test_si_bitwise_other_families(model):
     assert_parity(r)
 
 
-@pytest.mark.parametrize("model, layout", [("tiny-llama", {"tp": 2}), ("tiny-gpt2", {"tp": 2}),
-                                           ("tiny-gpt-neox", {"tp": 2}),
-                                           ("tiny-phimoe", {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}})])
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        ("tiny-llama", {"tp": 2}),
+        ("tiny-gpt2", {"tp": 2}),
+        ("tiny-gpt-neox", {"tp": 2}),
+        ("tiny-phimoe", {"tp": 1, "dp": 2, "extra": {"expert_parallel": {"size": 2}}}),
+    ],
+)
 def test_si_peak_activation_within_3_percent(model, layout):
     r = parity(model=model, steps=2, **layout)
     pk = r["peak_activation_bytes"]
@@ -49,11 +55,12 @@ def test_meter_leaks_nothing_when_a_weight_gradient_is_deferred():
     import math
 
     from ds_dhelix.runtime.memory import ActivationMeter
+
     w = torch.nn.Parameter(torch.randn(16, 16))
     meter = ActivationMeter([w])
     x = torch.randn(8, 16).requires_grad_()
     with meter.hooks():
-        out = (0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))) @ w
+        out = (0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))) @ w
     g = torch.ones_like(out)
     torch.autograd.backward([out], [g], inputs=[x], retain_graph=True)  # input gradient first
     torch.autograd.backward([out], [g], inputs=[w])  # the deferred weight gradient
@@ -89,14 +96,20 @@ def test_few_microbatches_hint():
 def test_hf_comparison_fails_on_a_gradient_or_loss_off_by_more_than_rounding():
     """compare() judges the first-step gradients and the losses against HF, each on its own."""
     grads = {"w": torch.tensor([0.5, -2.0])}
-    run = {"losses": [7.0, 6.9], "params": {"w": torch.zeros(2)}, "peak_activation_bytes": 1,
-           "first_step": {"grads": grads, "loss": 7.0}}
+    run = {
+        "losses": [7.0, 6.9],
+        "params": {"w": torch.zeros(2)},
+        "peak_activation_bytes": 1,
+        "first_step": {"grads": grads, "loss": 7.0},
+    }
     hf = {"losses": [7.0, 6.9], "grads": {"w": torch.tensor([0.5, -2.0])}}
     opts = ParityOptions()
     assert compare(opts, run, run, hf)["ok"]
     off = {**hf, "grads": {"w": torch.tensor([0.5, -2.0 + 10 * HF_GRAD_TOLERANCE * 2.0])}}
     r = compare(opts, run, run, off)
-    assert not r["hf_close"] and not r["ok"] and r["hf_grad_tolerance"] == pytest.approx(HF_GRAD_TOLERANCE * 2.0, rel=1e-3)
+    assert (
+        not r["hf_close"] and not r["ok"] and r["hf_grad_tolerance"] == pytest.approx(HF_GRAD_TOLERANCE * 2.0, rel=1e-3)
+    )
     assert not compare(opts, run, run, {**hf, "losses": [7.0, 6.9 + 1e-3]})["ok"]
     other = {**run, "params": {"w": torch.tensor([0.0, 1e-9])}}
     assert not compare(opts, run, other, hf)["bitwise_equal"]
@@ -107,6 +120,7 @@ def test_stochastic_settings_of_each_family_and_their_overrides():
     """Every dense family's dropout rates and the MoE families' router noise, nonzero ones only."""
     from hf_models.adapters import stochastic_keys, stochastic_off_overrides, stochastic_settings
     from hf_models.registry import load_config
+
     gpt2 = load_config("tiny-gpt2")
     assert stochastic_settings(gpt2) == {} and stochastic_off_overrides(gpt2) == {}
     gpt2.resid_pdrop, gpt2.attn_pdrop = 0.1, 0.2
@@ -115,8 +129,11 @@ def test_stochastic_settings_of_each_family_and_their_overrides():
     mixtral = load_config("tiny-mixtral")
     mixtral.router_jitter_noise = 0.1
     assert stochastic_settings(mixtral) == {"router_jitter_noise": 0.1}
-    assert stochastic_keys(load_config("tiny-phimoe")) == ("attention_dropout", "router_jitter_noise",
-                                                           "input_jitter_noise")
+    assert stochastic_keys(load_config("tiny-phimoe")) == (
+        "attention_dropout",
+        "router_jitter_noise",
+        "input_jitter_noise",
+    )
     assert stochastic_keys(load_config("tiny-qwen3-moe")) == ("attention_dropout",)  # no router noise
     assert stochastic_keys(load_config("tiny-gpt-neox")) == ("hidden_dropout", "attention_dropout")
 
@@ -124,6 +141,7 @@ def test_stochastic_settings_of_each_family_and_their_overrides():
 def _checkpoint(path, preset, **config):
     """``preset`` (2 layers) with ``config`` keys set, saved as an HF checkpoint directory."""
     from hf_models.registry import build_model
+
     build_model(preset, seed=1234, num_layers=2, overrides=config)[0].save_pretrained(path)
     return str(path)
 
@@ -133,7 +151,8 @@ def test_checkpoint_with_dropout_or_router_jitter_is_compared_with_hf_with_them_
     """A GPT-2 checkpoint trained with dropout 0.1 and a Mixtral one with router jitter 0.1: the
     trained legs keep them (SI bitwise equal to sequential), HF is compared on the first step with
     them off, and the result names what was switched off (one 2-rank world for both)."""
-    from ds_dhelix.engine.parity import run_parities
+    from ds_dhelix.verify import run_parities
+
     drop = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.1)
     gpt2 = _checkpoint(tmp_path / "gpt2", "tiny-gpt2", **drop)
     mixtral = _checkpoint(tmp_path / "mixtral", "tiny-mixtral", router_jitter_noise=0.1)

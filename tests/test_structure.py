@@ -1,12 +1,13 @@
 """Code structure the project promises.
 
-    layers and cycles: import-linter's contracts (``[tool.importlinter]`` in pyproject.toml), run
-                       with ``lint-imports``; imports inside functions count too
-    the rest by pure AST reading (no imports):
-    no private name (``_x``) imported from another project module
-    no function in ds_dhelix/ or hf_models/ longer than MAX_FUNCTION_LINES
-    no module-level mutable state rebound with ``global``
+layers and cycles: import-linter's contracts (``[tool.importlinter]`` in pyproject.toml), run
+                   with ``lint-imports``; imports inside functions count too
+the rest by pure AST reading (no imports):
+no private name (``_x``) imported from another project module
+no function in ds_dhelix/ or hf_models/ longer than MAX_FUNCTION_LINES
+no module-level mutable state rebound with ``global``
 """
+
 from __future__ import annotations
 
 import ast
@@ -56,8 +57,7 @@ def _lint_imports(root: str) -> subprocess.CompletedProcess:
     if not os.path.exists(LINT_IMPORTS):
         pytest.fail(f"{LINT_IMPORTS} is missing: install the dev extra (pip install -e '.[dev]')")
     env = {**os.environ, "PYTHONPATH": root}  # the tree under test, before the editable install
-    return subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_import_contracts_hold():
@@ -66,11 +66,22 @@ def test_import_contracts_hold():
     assert out.returncode == 0 and "0 broken" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("module, line, broken", [
-    ("ds_dhelix/graph/ops.py", "from ds_dhelix.engine import build", "ds_dhelix.graph.ops -> ds_dhelix.engine.build"),
-    ("ds_dhelix/runtime/executor.py", "from hf_models import common", "ds_dhelix.runtime.executor -> hf_models.common"),
-    ("ds_dhelix/planning/plan.py", "import deepspeed", "ds_dhelix.planning.plan -> deepspeed"),
-])
+@pytest.mark.parametrize(
+    "module, line, broken",
+    [
+        (
+            "ds_dhelix/graph/ops.py",
+            "from ds_dhelix.engine import build",
+            "ds_dhelix.graph.ops -> ds_dhelix.engine.build",
+        ),
+        (
+            "ds_dhelix/runtime/executor.py",
+            "from hf_models import common",
+            "ds_dhelix.runtime.executor -> hf_models.common",
+        ),
+        ("ds_dhelix/planning/plan.py", "import deepspeed", "ds_dhelix.planning.plan -> deepspeed"),
+    ],
+)
 def test_a_broken_contract_fails(tmp_path, module, line, broken):
     """The check can fail: one deliberate import against a contract, in a copy of the tree."""
     for name in ("ds_dhelix", "hf_models", "benchmarks"):

@@ -1,4 +1,5 @@
 """Trace writer: valid Chrome JSON, named lanes, overlap detection, merging ranks."""
+
 import json
 import time
 
@@ -15,8 +16,7 @@ def _recorder(rank, **kw):
         t0 = time.perf_counter()
         with rec.span("compute", "mlp.fc1", span_args("beta", mb, "mlp.fc1")):
             time.sleep(0.001)
-        rec.add_span("comm:tp", "attn.rs", t0, time.perf_counter(),
-                     span_args("alpha", mb, "attn.rs"))
+        rec.add_span("comm:tp", "attn.rs", t0, time.perf_counter(), span_args("alpha", mb, "attn.rs"))
     return rec
 
 

@@ -1,5 +1,6 @@
 """dhelix trace: a few SI steps give one valid Chrome trace with a compute lane and per-strand
 communication lanes on every rank, spans ordered and non-overlapping within each lane."""
+
 import json
 import os
 import subprocess
@@ -23,9 +24,32 @@ def test_trace_of_si_steps(tmp_path):
     out = tmp_path / "trace.json"
     # behind an emulated link where this machine can (root + iproute2), else on plain loopback
     link = ["--link-gbps", "5"] if link_emulation_available()[0] else []
-    argv = [sys.executable, "-m", "ds_dhelix.cli", "trace", "--model", "tiny-llama", "--tp", "2",
-            "--steps", "2", "--num-layers", "2", "--seq-len", "64", "--micro-batch-size", "2",
-            "--micro-batches", "3", "--out", str(out), "--timeout", "150", "--json", *link]
+    argv = [
+        sys.executable,
+        "-m",
+        "ds_dhelix.cli",
+        "trace",
+        "--model",
+        "tiny-llama",
+        "--tp",
+        "2",
+        "--steps",
+        "2",
+        "--num-layers",
+        "2",
+        "--seq-len",
+        "64",
+        "--micro-batch-size",
+        "2",
+        "--micro-batches",
+        "3",
+        "--out",
+        str(out),
+        "--timeout",
+        "150",
+        "--json",
+        *link,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,8 +59,11 @@ def test_trace_of_si_steps(tmp_path):
     trace = json.loads(out.read_text())
     assert validate_trace(trace, lanes=("compute", "comm:tp:F", "comm:tp:B")) == []
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-             if e["ph"] == "M" and e["name"] == "thread_name"}
+    lanes = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
     by_lane = {}
     for e in spans:
         by_lane.setdefault((e["pid"], lanes[(e["pid"], e["tid"])]), []).append(e)
@@ -83,11 +110,18 @@ def test_trace_of_si_steps(tmp_path):
 def test_trace_analysis_command_reads_a_trace(tmp_path, capsys):
     """The research CLI over a trace file (a tiny synthetic one: one rank, one step, one pair)."""
     from ds_dhelix.runtime.trace import TraceRecorder
+
     rec = TraceRecorder(0, record_function=False)
 
     def args(strand, mb, block, op):
-        return {"strand": strand, "microbatch": mb, "block": block, "op": op,
-                "direction": "backward" if strand == "B" else "forward"}
+        return {
+            "strand": strand,
+            "microbatch": mb,
+            "block": block,
+            "op": op,
+            "direction": "backward" if strand == "B" else "forward",
+        }
+
     rec.add_span("compute", "embed", 0.000, 0.001, args("F", 0, 0, "embed"))
     rec.add_span("compute", "head.loss", 0.001, 0.002, args("F", 0, 1, "head.loss"))
     rec.add_span("compute", "embed", 0.004, 0.005, args("F", 1, 0, "embed"))

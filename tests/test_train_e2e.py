@@ -1,5 +1,6 @@
 """End to end: the real DeepSpeed launcher runs train.py on 2 CPU ranks (TP=2, SI): the loss falls,
 TensorBoard has the loss scalar, and the exported HF checkpoint reproduces the trained model."""
+
 import glob
 import json
 import os
@@ -21,9 +22,25 @@ def run_train(tmp_path, steps=40, extra=()):
     cfg_path = tmp_path / "ds.json"
     cfg_path.write_text(json.dumps(cfg))
     summary = tmp_path / "summary.json"
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
-           "--master_port", str(free_port()), os.path.join(ROOT, "train.py"), "--deepspeed", str(cfg_path), "--steps", str(steps),
-           "--seq-len", "64", "--output-dir", str(tmp_path / "hf"), "--json-summary", str(summary), *extra]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        os.path.join(ROOT, "train.py"),
+        "--deepspeed",
+        str(cfg_path),
+        "--steps",
+        str(steps),
+        "--seq-len",
+        "64",
+        "--output-dir",
+        str(tmp_path / "hf"),
+        "--json-summary",
+        str(summary),
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -37,6 +54,7 @@ def test_launcher_trains_logs_and_exports(tmp_path):
     assert "hidden" in proc.stdout  # summary line says how much communication was hidden
     # TensorBoard event files hold the loss scalar
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     files = glob.glob(str(tmp_path / "tb" / "**" / "events.out.tfevents.*"), recursive=True)
     assert files, "no TensorBoard event file"
     tags = set()
@@ -47,6 +65,7 @@ def test_launcher_trains_logs_and_exports(tmp_path):
     assert {"Train/loss", "Train/lr", "Train/tokens_per_s", "Train/grad_norm"} <= tags, tags
     # the HF checkpoint, loaded by plain transformers, reproduces the trained model's loss
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert glob.glob(str(tmp_path / "hf" / "*.safetensors"))

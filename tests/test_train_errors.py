@@ -6,6 +6,7 @@ row lists words the error line must contain. Most rows run ``train.main`` in thi
 checks run before any distributed start-up); a few run the real script in a subprocess, to see
 the whole output of a real invocation.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,6 +38,7 @@ def _file(tmp, name, text) -> str:
 
 def _truncated_checkpoint(tmp) -> str:
     from hf_models.registry import build_model
+
     model, _ = build_model("tiny-llama", seed=0)
     out = tmp / "ckpt"
     model.save_pretrained(out)
@@ -47,6 +49,7 @@ def _truncated_checkpoint(tmp) -> str:
 
 def _bin_only_checkpoint(tmp) -> str:
     from hf_models.registry import build_model
+
     model, _ = build_model("tiny-llama", seed=0)
     out = tmp / "bin-ckpt"
     model.save_pretrained(out)
@@ -58,6 +61,7 @@ def _bin_only_checkpoint(tmp) -> str:
 def _setdh(key, value):
     def change(cfg):
         cfg["dhelix"][key] = value
+
     return change
 
 
@@ -75,90 +79,253 @@ CASES = [
     ("invalid-json", 2, lambda t: ["--deepspeed", _file(t, "bad.json", '{"train_batch_size": 4,,}')], ["line 1"]),
     ("unknown-preset", 2, lambda t: ["--deepspeed", BASE, "--model", "tiny-lama"], ["tiny-lama", "tiny-llama"]),
     ("missing-model-dir", 2, lambda t: ["--deepspeed", BASE, "--model", "/nonexistent/ckpt"], ["/nonexistent/ckpt"]),
-    ("truncated-safetensors", 2, lambda t: ["--deepspeed", BASE, "--model", _truncated_checkpoint(t)],
-     ["model.safetensors", "truncated"]),
+    (
+        "truncated-safetensors",
+        2,
+        lambda t: ["--deepspeed", BASE, "--model", _truncated_checkpoint(t)],
+        ["model.safetensors", "truncated"],
+    ),
     ("missing-data", 2, lambda t: ["--deepspeed", BASE, "--data", "/nonexistent/data.txt"], ["/nonexistent/data.txt"]),
-    ("malformed-jsonl", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.jsonl", '{"text": "a"}\n{"text": \n')],
-     ["d.jsonl:2", "not valid JSON"]),
-    ("jsonl-without-text", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.jsonl", '{"txt": "a"}\n')],
-     ["d.jsonl: record 1", "cannot tell the format", "'messages'", "--data-format"]),
-    ("record-without-its-field", 2, lambda t: ["--deepspeed", BASE, "--data",
-                                               _file(t, "d.jsonl", '{"text": "a"}\n{"text": 3}\n')],
-     ["d.jsonl: record 2 (text)", "'text' must be a str"]),
-    ("chat-without-a-template", 2, lambda t: ["--deepspeed", BASE, "--data", _file(
-        t, "c.jsonl", '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')],
-     ["chat template", "--chat-template"]),
-    ("chat-bad-role", 2, lambda t: ["--deepspeed", BASE, "--chat-template", "chatml", "--data", _file(
-        t, "c.jsonl", '{"messages": [{"role": "human", "content": "hi"}]}\n')],
-     ["record 1 (chat)", "message 0", "role"]),
+    (
+        "malformed-jsonl",
+        2,
+        lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.jsonl", '{"text": "a"}\n{"text": \n')],
+        ["d.jsonl:2", "not valid JSON"],
+    ),
+    (
+        "jsonl-without-text",
+        2,
+        lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.jsonl", '{"txt": "a"}\n')],
+        ["d.jsonl: record 1", "cannot tell the format", "'messages'", "--data-format"],
+    ),
+    (
+        "record-without-its-field",
+        2,
+        lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.jsonl", '{"text": "a"}\n{"text": 3}\n')],
+        ["d.jsonl: record 2 (text)", "'text' must be a str"],
+    ),
+    (
+        "chat-without-a-template",
+        2,
+        lambda t: [
+            "--deepspeed",
+            BASE,
+            "--data",
+            _file(
+                t,
+                "c.jsonl",
+                '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n',
+            ),
+        ],
+        ["chat template", "--chat-template"],
+    ),
+    (
+        "chat-bad-role",
+        2,
+        lambda t: [
+            "--deepspeed",
+            BASE,
+            "--chat-template",
+            "chatml",
+            "--data",
+            _file(t, "c.jsonl", '{"messages": [{"role": "human", "content": "hi"}]}\n'),
+        ],
+        ["record 1 (chat)", "message 0", "role"],
+    ),
     ("answers-of-text", 2, lambda t: ["--deepspeed", BASE, "--loss-on", "answers"], ["--loss-on answers", "text"]),
-    ("eval-interval-without-data", 2, lambda t: ["--deepspeed", BASE, "--eval-interval", "5"],
-     ["--eval-interval", "--eval-data"]),
-    ("eval-fraction-out-of-range", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.txt", "x " * 50),
-                                                 "--eval-fraction", "1.5"], ["--eval-fraction", "[0, 1)"]),
+    (
+        "eval-interval-without-data",
+        2,
+        lambda t: ["--deepspeed", BASE, "--eval-interval", "5"],
+        ["--eval-interval", "--eval-data"],
+    ),
+    (
+        "eval-fraction-out-of-range",
+        2,
+        lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.txt", "x " * 50), "--eval-fraction", "1.5"],
+        ["--eval-fraction", "[0, 1)"],
+    ),
     ("bad-stream-size", 2, lambda t: ["--deepspeed", BASE, "--stream-above", "lots"], ["--stream-above", "256MB"]),
-    ("unknown-data-suffix", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.csv", "a,b\n")],
-     ["--data", "d.csv", ".parquet"]),
+    (
+        "unknown-data-suffix",
+        2,
+        lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.csv", "a,b\n")],
+        ["--data", "d.csv", ".parquet"],
+    ),
     ("empty-data", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.txt", "\n \n")], ["d.txt", "no text"]),
-    ("data-too-short", 2, lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.txt", "a few words only")],
-     ["tokens", "fewer than one micro-batch"]),
-    ("bin-only-checkpoint", 2, lambda t: ["--deepspeed", BASE, "--model", _bin_only_checkpoint(t)],
-     ["pytorch_model.bin", "safe_serialization=True"]),
-    ("padding-with-moe", 2, lambda t: ["--deepspeed", os.path.join(ROOT, "ds_configs", "phimoe_ep2.json"),
-                                       "--model", "tiny-phimoe", "--packing", "none"], ["--packing none", "load-balancing"]),
-    ("max-shard-size", 2, lambda t: ["--deepspeed", BASE, "--max-shard-size", "big"], ["--max-shard-size 'big'", "5GB"]),
-    ("flash-attention-unavailable", 2, lambda t: ["--deepspeed", BASE, "--attn-implementation", "flash_attention_2"],
-     ["flash_attention_2", "flash-attn", "sdpa"]),
+    (
+        "data-too-short",
+        2,
+        lambda t: ["--deepspeed", BASE, "--data", _file(t, "d.txt", "a few words only")],
+        ["tokens", "fewer than one micro-batch"],
+    ),
+    (
+        "bin-only-checkpoint",
+        2,
+        lambda t: ["--deepspeed", BASE, "--model", _bin_only_checkpoint(t)],
+        ["pytorch_model.bin", "safe_serialization=True"],
+    ),
+    (
+        "padding-with-moe",
+        2,
+        lambda t: [
+            "--deepspeed",
+            os.path.join(ROOT, "ds_configs", "phimoe_ep2.json"),
+            "--model",
+            "tiny-phimoe",
+            "--packing",
+            "none",
+        ],
+        ["--packing none", "load-balancing"],
+    ),
+    (
+        "max-shard-size",
+        2,
+        lambda t: ["--deepspeed", BASE, "--max-shard-size", "big"],
+        ["--max-shard-size 'big'", "5GB"],
+    ),
+    (
+        "flash-attention-unavailable",
+        2,
+        lambda t: ["--deepspeed", BASE, "--attn-implementation", "flash_attention_2"],
+        ["flash_attention_2", "flash-attn", "sdpa"],
+    ),
     ("seq-len-0", 2, lambda t: ["--deepspeed", BASE, "--seq-len", "0"], ["--seq-len must be >= 1"]),
     ("steps-0", 2, lambda t: ["--deepspeed", BASE, "--steps", "0"], ["--steps must be >= 1"]),
-    ("seq-len-not-divisible", 2, lambda t: ["--deepspeed", BASE, "--seq-len", "63"], ["--seq-len 63", "tensor_parallel.size 2"]),
-    ("batch-arithmetic", 2, lambda t: ["--deepspeed", _config(t, _set("train_batch_size", 8))],
-     ["train_batch_size 8", "micro 4", "accumulation 4", "data-parallel size 1"]),
-    ("tp-not-dividing-heads", 3, lambda t: ["--deepspeed", _config(t, _setdh("tensor_parallel", {"size": 3}))],
-     ["tensor_parallel.size 3", "valid TP sizes"]),
-    ("unknown-dhelix-key", 2, lambda t: ["--deepspeed", _config(t, _setdh("schedul", "si"))], ["dhelix.schedul", "schedule"]),
-    ("misspelled-deepspeed-key", 2, lambda t: ["--deepspeed", _config(t, _set("gradient_acumulation_steps", 4))],
-     ["gradient_acumulation_steps", "did you mean 'gradient_accumulation_steps'"]),
-    ("optimiser", 2, lambda t: ["--deepspeed", _config(t, lambda c: c.__setitem__("optimiser", c.pop("optimizer")))],
-     ["'optimiser'", "did you mean 'optimizer'"]),
-    ("zero-without-optimizer", 2, lambda t: ["--deepspeed", _config(t, _pop("optimizer"))],
-     ["zero_optimization.stage = 1", '"optimizer"']),
-    ("zero-3", 2, lambda t: ["--deepspeed", _config(t, _set("zero_optimization", {"stage": 3}))],
-     ["zero_optimization.stage = 3", "supported stages are [0, 1, 2]"]),
-    ("zero-2-with-pipeline", 2, lambda t: ["--deepspeed", _config(t, _set("zero_optimization", {"stage": 2}), base=PP)],
-     ["zero_optimization.stage = 2", "pipeline.stages = 2"]),
-    ("activation-checkpointing", 2, lambda t: ["--deepspeed", _config(t, _set("activation_checkpointing", {"partition_activations": True}))],
-     ["activation_checkpointing"]),
-    ("sequence-parallel-off", 2, lambda t: ["--deepspeed", _config(t, _setdh("tensor_parallel", {"size": 2, "sequence_parallel": False}))],
-     ["dhelix.tensor_parallel.sequence_parallel"]),
-    ("output-dir-is-a-file", 2, lambda t: ["--deepspeed", BASE, "--output-dir", _file(t, "out", "x")],
-     ["--output-dir", "regular file", "--overwrite-output-dir"]),
-    ("output-dir-under-a-file", 2, lambda t: ["--deepspeed", BASE, "--output-dir", _file(t, "f", "x") + "/run"],
-     ["--output-dir", "is not a directory"]),
-    ("ds-checkpoint-foreign-dir", 2, lambda t: ["--deepspeed", BASE, "--ds-checkpoint",
-                                                os.path.dirname(_file(t, "notes.txt", "mine"))],
-     ["--ds-checkpoint", "did not write"]),
-    ("save-interval-without-dir", 2, lambda t: ["--deepspeed", BASE, "--save-interval", "5"],
-     ["--save-interval needs --ds-checkpoint"]),
+    (
+        "seq-len-not-divisible",
+        2,
+        lambda t: ["--deepspeed", BASE, "--seq-len", "63"],
+        ["--seq-len 63", "tensor_parallel.size 2"],
+    ),
+    (
+        "batch-arithmetic",
+        2,
+        lambda t: ["--deepspeed", _config(t, _set("train_batch_size", 8))],
+        ["train_batch_size 8", "micro 4", "accumulation 4", "data-parallel size 1"],
+    ),
+    (
+        "tp-not-dividing-heads",
+        3,
+        lambda t: ["--deepspeed", _config(t, _setdh("tensor_parallel", {"size": 3}))],
+        ["tensor_parallel.size 3", "valid TP sizes"],
+    ),
+    (
+        "unknown-dhelix-key",
+        2,
+        lambda t: ["--deepspeed", _config(t, _setdh("schedul", "si"))],
+        ["dhelix.schedul", "schedule"],
+    ),
+    (
+        "misspelled-deepspeed-key",
+        2,
+        lambda t: ["--deepspeed", _config(t, _set("gradient_acumulation_steps", 4))],
+        ["gradient_acumulation_steps", "did you mean 'gradient_accumulation_steps'"],
+    ),
+    (
+        "optimiser",
+        2,
+        lambda t: ["--deepspeed", _config(t, lambda c: c.__setitem__("optimiser", c.pop("optimizer")))],
+        ["'optimiser'", "did you mean 'optimizer'"],
+    ),
+    (
+        "zero-without-optimizer",
+        2,
+        lambda t: ["--deepspeed", _config(t, _pop("optimizer"))],
+        ["zero_optimization.stage = 1", '"optimizer"'],
+    ),
+    (
+        "zero-3",
+        2,
+        lambda t: ["--deepspeed", _config(t, _set("zero_optimization", {"stage": 3}))],
+        ["zero_optimization.stage = 3", "supported stages are [0, 1, 2]"],
+    ),
+    (
+        "zero-2-with-pipeline",
+        2,
+        lambda t: ["--deepspeed", _config(t, _set("zero_optimization", {"stage": 2}), base=PP)],
+        ["zero_optimization.stage = 2", "pipeline.stages = 2"],
+    ),
+    (
+        "activation-checkpointing",
+        2,
+        lambda t: ["--deepspeed", _config(t, _set("activation_checkpointing", {"partition_activations": True}))],
+        ["activation_checkpointing"],
+    ),
+    (
+        "sequence-parallel-off",
+        2,
+        lambda t: ["--deepspeed", _config(t, _setdh("tensor_parallel", {"size": 2, "sequence_parallel": False}))],
+        ["dhelix.tensor_parallel.sequence_parallel"],
+    ),
+    (
+        "output-dir-is-a-file",
+        2,
+        lambda t: ["--deepspeed", BASE, "--output-dir", _file(t, "out", "x")],
+        ["--output-dir", "regular file", "--overwrite-output-dir"],
+    ),
+    (
+        "output-dir-under-a-file",
+        2,
+        lambda t: ["--deepspeed", BASE, "--output-dir", _file(t, "f", "x") + "/run"],
+        ["--output-dir", "is not a directory"],
+    ),
+    (
+        "ds-checkpoint-foreign-dir",
+        2,
+        lambda t: ["--deepspeed", BASE, "--ds-checkpoint", os.path.dirname(_file(t, "notes.txt", "mine"))],
+        ["--ds-checkpoint", "did not write"],
+    ),
+    (
+        "save-interval-without-dir",
+        2,
+        lambda t: ["--deepspeed", BASE, "--save-interval", "5"],
+        ["--save-interval needs --ds-checkpoint"],
+    ),
     ("resume-missing", 2, lambda t: ["--deepspeed", BASE, "--resume", "/nonexistent/ck"], ["/nonexistent/ck"]),
-    ("checkpoint-inside-output-dir", 2, lambda t: ["--deepspeed", BASE, "--output-dir", str(t / "x"),
-                                                  "--ds-checkpoint", str(t / "x" / "ck")], ["lies in --output-dir"]),
-    ("json-summary-in-missing-dir", 2, lambda t: ["--deepspeed", BASE, "--json-summary", "/nonexistent/s.json"],
-     ["--json-summary", "not a writable directory"]),
-    ("zero-optimization-not-an-object", 2, lambda t: ["--deepspeed", _config(t, _set("zero_optimization", True))],
-     ['"zero_optimization" must be a JSON object']),
-    ("ulysses-sequence-parallel", 2, lambda t: ["--deepspeed", _config(t, _set("sequence_parallel_size", 2))],
-     ["sequence_parallel_size", "not supported"]),
-    ("disabled-section-with-settings", 2, lambda t: ["--deepspeed", _config(t, _setdh("enabled", False))],
-     ["dhelix.enabled is false", "schedule"]),
-    ("watchdog-on-plain-deepspeed", 2, lambda t: ["--deepspeed", _config(t, _pop("dhelix")), "--watchdog-s", "5"],
-     ["--watchdog-s", "does not enable dhelix"]),
+    (
+        "checkpoint-inside-output-dir",
+        2,
+        lambda t: ["--deepspeed", BASE, "--output-dir", str(t / "x"), "--ds-checkpoint", str(t / "x" / "ck")],
+        ["lies in --output-dir"],
+    ),
+    (
+        "json-summary-in-missing-dir",
+        2,
+        lambda t: ["--deepspeed", BASE, "--json-summary", "/nonexistent/s.json"],
+        ["--json-summary", "not a writable directory"],
+    ),
+    (
+        "zero-optimization-not-an-object",
+        2,
+        lambda t: ["--deepspeed", _config(t, _set("zero_optimization", True))],
+        ['"zero_optimization" must be a JSON object'],
+    ),
+    (
+        "ulysses-sequence-parallel",
+        2,
+        lambda t: ["--deepspeed", _config(t, _set("sequence_parallel_size", 2))],
+        ["sequence_parallel_size", "not supported"],
+    ),
+    (
+        "disabled-section-with-settings",
+        2,
+        lambda t: ["--deepspeed", _config(t, _setdh("enabled", False))],
+        ["dhelix.enabled is false", "schedule"],
+    ),
+    (
+        "watchdog-on-plain-deepspeed",
+        2,
+        lambda t: ["--deepspeed", _config(t, _pop("dhelix")), "--watchdog-s", "5"],
+        ["--watchdog-s", "does not enable dhelix"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("case, world, argv, words", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_before_any_model(tmp_path, monkeypatch, capsys, case, world, argv, words):
     import train
+
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.chdir(tmp_path)  # default --output-dir under the temporary directory
     started = []
@@ -174,14 +341,24 @@ def test_bad_input_is_one_line_before_any_model(tmp_path, monkeypatch, capsys, c
 
 def _train(*args, world=2):
     env = dict(os.environ, WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("argv, word", [
-    (["--deepspeed", "/nonexistent/ds.json"], "/nonexistent/ds.json"),
-    (["--deepspeed", BASE, "--model", "tiny-lama"], "tiny-lama"),
-], ids=["missing-config", "unknown-preset"])
+@pytest.mark.parametrize(
+    "argv, word",
+    [
+        (["--deepspeed", "/nonexistent/ds.json"], "/nonexistent/ds.json"),
+        (["--deepspeed", BASE, "--model", "tiny-lama"], "tiny-lama"),
+    ],
+    ids=["missing-config", "unknown-preset"],
+)
 def test_real_invocation_prints_one_line_and_no_traceback(argv, word):
     proc = _train(*argv)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
@@ -192,8 +369,19 @@ def test_real_invocation_prints_one_line_and_no_traceback(argv, word):
 def test_unknown_deepspeed_key_can_be_allowed_with_a_warning(tmp_path):
     """dhelix.allow_unknown_deepspeed_keys turns the refusal into a warning (keys of a newer DeepSpeed)."""
     from ds_dhelix.config.ds_keys import check_deepspeed_keys, deepspeed_keys
-    assert {"train_batch_size", "optimizer", "scheduler", "zero_optimization", "bf16", "fp16",
-            "tensorboard", "activation_checkpointing", "gradient_clipping", "dhelix"} <= deepspeed_keys()
+
+    assert {
+        "train_batch_size",
+        "optimizer",
+        "scheduler",
+        "zero_optimization",
+        "bf16",
+        "fp16",
+        "tensorboard",
+        "activation_checkpointing",
+        "gradient_clipping",
+        "dhelix",
+    } <= deepspeed_keys()
     with pytest.warns(UserWarning, match="future_key"):
         assert check_deepspeed_keys({"future_key": 1, "train_batch_size": 2}, allow_unknown=True) == ["future_key"]
     with pytest.raises(ValueError, match="future_key"):

@@ -1,19 +1,20 @@
 """Hugging Face Trainer, accelerate and multi-node launches (2 CPU ranks, every run bounded):
 
-    DhelixTrainer     examples/trainer_sft.py under torchrun: a ds_dhelix engine with TP=2 and SI,
-                      20 steps bitwise equal to "schedule": "sequential", and close to a plain
-                      transformers.Trainer (data parallel, the same samples per step); the HF
-                      checkpoint loads with from_pretrained; TensorBoard has the loss and the
-                      hidden-communication fraction; resume from checkpoint-10 to 20 == uninterrupted
-    launchers         deepspeed --num_gpus 2 and accelerate launch (ds_configs/accelerate_deepspeed.yaml)
-                      give the torchrun losses; Phi-MoE EP=2 trains through DhelixTrainer; CP=2
-                      gives TP=2's losses; a PEFT LoRA model: SI = sequential bitwise, close to the
-                      plain Trainer with the same PEFT model, the adapter written by save_model
-    two nodes         train.py as two DeepSpeed nodes on one machine (--hostfile, --no_ssh, --node_rank)
-                      == the one-node 2-rank run; every global rank writes its checkpoint files
-    no silent run     a plain Trainer given an enabled dhelix section raises DhelixConfigIgnored;
-                      DhelixTrainer refuses settings the op graph cannot honour
+DhelixTrainer     examples/trainer_sft.py under torchrun: a ds_dhelix engine with TP=2 and SI,
+                  20 steps bitwise equal to "schedule": "sequential", and close to a plain
+                  transformers.Trainer (data parallel, the same samples per step); the HF
+                  checkpoint loads with from_pretrained; TensorBoard has the loss and the
+                  hidden-communication fraction; resume from checkpoint-10 to 20 == uninterrupted
+launchers         deepspeed --num_gpus 2 and accelerate launch (ds_configs/accelerate_deepspeed.yaml)
+                  give the torchrun losses; Phi-MoE EP=2 trains through DhelixTrainer; CP=2
+                  gives TP=2's losses; a PEFT LoRA model: SI = sequential bitwise, close to the
+                  plain Trainer with the same PEFT model, the adapter written by save_model
+two nodes         train.py as two DeepSpeed nodes on one machine (--hostfile, --no_ssh, --node_rank)
+                  == the one-node 2-rank run; every global rank writes its checkpoint files
+no silent run     a plain Trainer given an enabled dhelix section raises DhelixConfigIgnored;
+                  DhelixTrainer refuses settings the op graph cannot honour
 """
+
 from __future__ import annotations
 
 import glob
@@ -61,8 +62,21 @@ def _sft(launcher: list[str], cfg: str, out, *extra, packing="none") -> list[str
     # packing none: one right-padded document per row, where the Trainer's num_items_in_batch
     # weighting differs from a mean of micro-batch means, so the comparison with the plain Trainer
     # checks it (MoE models refuse padding: their router loss would count it)
-    return [*launcher, EXAMPLE, "--deepspeed", cfg, "--seq-len", "32", "--packing", packing, "--output-dir", str(out),
-            "--json-summary", str(out) + ".json", *extra]
+    return [
+        *launcher,
+        EXAMPLE,
+        "--deepspeed",
+        cfg,
+        "--seq-len",
+        "32",
+        "--packing",
+        packing,
+        "--output-dir",
+        str(out),
+        "--json-summary",
+        str(out) + ".json",
+        *extra,
+    ]
 
 
 def _torchrun() -> list[str]:
@@ -89,8 +103,17 @@ def test_context_parallel_through_the_trainer(si_run):
     right-padded documents): the Trainer's token count divided by tp x cp, losses as TP=2's."""
     tmp, _, si = si_run
     out = tmp / "cp"
-    _ok(_run(_sft(_torchrun(), _config(tmp, tensor_parallel={"size": 1}, context_parallel={"size": 2}), out,
-                  "--max-steps", str(STEPS))))
+    _ok(
+        _run(
+            _sft(
+                _torchrun(),
+                _config(tmp, tensor_parallel={"size": 1}, context_parallel={"size": 2}),
+                out,
+                "--max-steps",
+                str(STEPS),
+            )
+        )
+    )
     cp = _summary(out)
     assert (cp["engine"], cp["tp_size"], cp["cp_size"], cp["schedule"]) == ("DhelixEngine", 1, 2, "si")
     gap = max(abs(a - b) for a, b in zip(cp["losses"], si["losses"], strict=True))
@@ -115,10 +138,12 @@ def test_dhelix_trainer_si_sequential_plain(si_run):
     assert si["losses"][-1] < si["losses"][0] - 0.3  # it trains
 
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(si["hf_checkpoint"])
     assert hf.model.layers[0].self_attn.q_proj.weight.shape[0] == hf.config.num_attention_heads * hf.config.head_dim
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     tags = events.Tags()["scalars"]
@@ -133,8 +158,13 @@ def test_trainer_resume_is_exact(si_run):
     ckpt = out / "checkpoint-10"
     assert glob.glob(str(ckpt / "global_step10")) and (ckpt / "trainer_state.json").exists()
     resumed_out = tmp / "resumed"
-    _ok(_run(_sft(_torchrun(), _config(tmp), resumed_out, "--max-steps", str(STEPS),
-                  "--resume-from-checkpoint", str(ckpt))))
+    _ok(
+        _run(
+            _sft(
+                _torchrun(), _config(tmp), resumed_out, "--max-steps", str(STEPS), "--resume-from-checkpoint", str(ckpt)
+            )
+        )
+    )
     assert _summary(resumed_out)["losses"] == si["losses"][10:]  # steps 11-20, bitwise
 
 
@@ -149,9 +179,17 @@ def test_other_launchers_give_the_torchrun_losses(si_run, launcher):
     assert "deepspeed_config_file: ds_configs/tiny_llama_cpu.json" in shipped
     accelerate_yaml = tmp / "accelerate.yaml"
     accelerate_yaml.write_text(shipped.replace("ds_configs/tiny_llama_cpu.json", cfg))
-    cmd = {"deepspeed": [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", port],
-           "accelerate": [os.path.join(BIN, "accelerate"), "launch", "--main_process_port", port, "--config_file",
-                          str(accelerate_yaml)]}[launcher]
+    cmd = {
+        "deepspeed": [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", port],
+        "accelerate": [
+            os.path.join(BIN, "accelerate"),
+            "launch",
+            "--main_process_port",
+            port,
+            "--config_file",
+            str(accelerate_yaml),
+        ],
+    }[launcher]
     out = tmp / launcher
     # the schedule is written in the ds_config (120 steps), so 3 steps are the first 3 of the 20
     _ok(_run(_sft(cmd, cfg, out, "--max-steps", "3")))
@@ -165,8 +203,11 @@ def test_peft_lora_model_through_the_trainer(tmp_path):
     """A PEFT LoRA model (--lora-r 8) through DhelixTrainer: SI = sequential bitwise, close to the
     plain Trainer with the same PEFT model, and save_model writes the adapter PEFT loads."""
     runs = {}
-    for name, cfg, extra in (("si", _config(tmp_path), ()), ("seq", _config(tmp_path, schedule="sequential"), ()),
-                             ("plain", _config(tmp_path), ("--plain",))):
+    for name, cfg, extra in (
+        ("si", _config(tmp_path), ()),
+        ("seq", _config(tmp_path, schedule="sequential"), ()),
+        ("plain", _config(tmp_path), ("--plain",)),
+    ):
         out = tmp_path / f"lora-{name}"
         _ok(_run(_sft(_torchrun(), cfg, out, "--max-steps", "8", "--lora-r", "8", *extra)))
         runs[name] = _summary(out)
@@ -174,6 +215,7 @@ def test_peft_lora_model_through_the_trainer(tmp_path):
     gap = max(abs(a - b) for a, b in zip(runs["plain"]["losses"], runs["si"]["losses"], strict=True))
     assert gap < PLAIN_TOLERANCE, (gap, runs["plain"]["losses"], runs["si"]["losses"])
     from peft import PeftConfig
+
     final = runs["si"]["hf_checkpoint"]
     assert os.path.isfile(os.path.join(final, "adapter_model.safetensors"))
     assert PeftConfig.from_pretrained(final).r == 8
@@ -182,8 +224,22 @@ def test_peft_lora_model_through_the_trainer(tmp_path):
 @pytest.mark.timeout(300)
 def test_phimoe_expert_parallel_through_the_trainer(tmp_path):
     out = tmp_path / "moe"
-    _ok(_run(_sft(_torchrun(), _config(tmp_path, "phimoe_ep2.json"), out, "--model", "tiny-phimoe",
-                  "--max-steps", "3", "--eval-blocks", "8", packing="concat")))
+    _ok(
+        _run(
+            _sft(
+                _torchrun(),
+                _config(tmp_path, "phimoe_ep2.json"),
+                out,
+                "--model",
+                "tiny-phimoe",
+                "--max-steps",
+                "3",
+                "--eval-blocks",
+                "8",
+                packing="concat",
+            )
+        )
+    )
     got = _summary(out)
     assert (got["engine"], got["ep_size"], got["schedule"]) == ("DhelixMoeEngine", 2, "si")
     assert len(got["losses"]) == 3 and all(torch.isfinite(torch.tensor(got["losses"])))
@@ -195,16 +251,50 @@ def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
     cfg = _config(tmp_path)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
-    args = ["--deepspeed", cfg, "--model", "tiny-llama", "--steps", "3", "--seq-len", "32",
-            "--ds-checkpoint", str(tmp_path / "ck"), "--save-interval", "3"]
+    args = [
+        "--deepspeed",
+        cfg,
+        "--model",
+        "tiny-llama",
+        "--steps",
+        "3",
+        "--seq-len",
+        "32",
+        "--ds-checkpoint",
+        str(tmp_path / "ck"),
+        "--save-interval",
+        "3",
+    ]
     deepspeed = os.path.join(BIN, "deepspeed")
     port = str(free_port())
-    nodes = [subprocess.Popen([deepspeed, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(r),
-                               "--master_addr", "127.0.0.1", "--master_port", port, os.path.join(ROOT, "train.py"),
-                               *args, "--output-dir", str(tmp_path / "two"),
-                               "--json-summary", str(tmp_path / "two.json")],
-                              cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                deepspeed,
+                "--hostfile",
+                str(hostfile),
+                "--no_ssh",
+                "--node_rank",
+                str(r),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                os.path.join(ROOT, "train.py"),
+                *args,
+                "--output-dir",
+                str(tmp_path / "two"),
+                "--json-summary",
+                str(tmp_path / "two.json"),
+            ],
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     try:
         logs = [n.communicate(timeout=240)[0] for n in nodes]
     finally:
@@ -214,13 +304,29 @@ def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
         assert n.returncode == 0, log[-3000:]
     assert "nnodes=2, num_local_procs=1, node_rank=1" in logs[1]
     one = tmp_path / "one"
-    _ok(_run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), os.path.join(ROOT, "train.py"),
-              *args[:-4], "--output-dir", str(one), "--json-summary", str(one) + ".json"]))
+    _ok(
+        _run(
+            [
+                deepspeed,
+                "--num_gpus",
+                "2",
+                "--master_port",
+                str(free_port()),
+                os.path.join(ROOT, "train.py"),
+                *args[:-4],
+                "--output-dir",
+                str(one),
+                "--json-summary",
+                str(one) + ".json",
+            ]
+        )
+    )
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["losses"] == json.loads((tmp_path / "one.json").read_text())["losses"]
     step = tmp_path / "ck" / "global_step3"
     assert sorted(p.name for p in step.glob("*rng*")) == ["dhelix_rng_rank0000.pt", "dhelix_rng_rank0001.pt"]
     from transformers import AutoModelForCausalLM
+
     AutoModelForCausalLM.from_pretrained(tmp_path / "two")  # exported by global rank 0
 
 
@@ -280,8 +386,10 @@ def test_no_silent_plain_trainer_and_refused_settings(tmp_path):
     cfg.pop("scheduler")
     cfg["tensorboard"]["enabled"] = False
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    proc = _run([sys.executable, str(script), str(tmp_path / "cfg.json"), str(free_port()), str(tmp_path)],
-                env={"PYTHONPATH": ROOT})
+    proc = _run(
+        [sys.executable, str(script), str(tmp_path / "cfg.json"), str(free_port()), str(tmp_path)],
+        env={"PYTHONPATH": ROOT},
+    )
     _ok(proc)
     # the Trainer's LR schedule (no "scheduler" in the config) wraps DeepSpeed's optimizer
     # ... and the draws' base seed follows TrainingArguments.seed
@@ -292,6 +400,7 @@ def test_no_silent_plain_trainer_and_refused_settings(tmp_path):
 
 def test_example_refuses_a_resume_folder_that_is_no_checkpoint(tmp_path, capsys):
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("trainer_sft_example", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

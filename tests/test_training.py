@@ -1,12 +1,13 @@
 """The training loop in the package (``ds_dhelix.training``):
 
-    one evaluation   DhelixTrainer.evaluate's eval_loss is train.py's Eval/loss on the same engine and
-                     data (2 CPU ranks, tiny-llama TP=2 SI, prompt-completion records: answers of
-                     varying length), bitwise; the Trainer's former plain mean of batch means is not
-    replica shares   the evaluation micro-batches of every data-parallel replica: each block once,
-                     the fill-up weighed 0
-    options          bad LoopOptions are one ValueError naming the field
+one evaluation   DhelixTrainer.evaluate's eval_loss is train.py's Eval/loss on the same engine and
+                 data (2 CPU ranks, tiny-llama TP=2 SI, prompt-completion records: answers of
+                 varying length), bitwise; the Trainer's former plain mean of batch means is not
+replica shares   the evaluation micro-batches of every data-parallel replica: each block once,
+                 the fill-up weighed 0
+options          bad LoopOptions are one ValueError naming the field
 """
+
 from __future__ import annotations
 
 import json
@@ -33,13 +34,32 @@ def _both_evaluations(rank, world, cfg: dict, data_path: str, out: str):
     from ds_dhelix.data import DataOptions, load_data
     from ds_dhelix.training import evaluate
     from hf_models.registry import build_model, load_tokenizer_for
+
     tokenizer = load_tokenizer_for("tiny-llama")
-    data = load_data(DataOptions(path=data_path, packing="none", seq_len=32, eval_fraction=0.25,
-                                 pad_id=tokenizer.pad_token_id or tokenizer.eos_token_id), tokenizer)
-    args = TrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=MICRO,
-                             per_device_eval_batch_size=MICRO, gradient_accumulation_steps=4, learning_rate=3e-3,
-                             adam_beta2=0.95, weight_decay=0.01, warmup_steps=10, use_cpu=True, report_to=[],
-                             deepspeed=cfg)
+    data = load_data(
+        DataOptions(
+            path=data_path,
+            packing="none",
+            seq_len=32,
+            eval_fraction=0.25,
+            pad_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        ),
+        tokenizer,
+    )
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=1,
+        per_device_train_batch_size=MICRO,
+        per_device_eval_batch_size=MICRO,
+        gradient_accumulation_steps=4,
+        learning_rate=3e-3,
+        adam_beta2=0.95,
+        weight_decay=0.01,
+        warmup_steps=10,
+        use_cpu=True,
+        report_to=[],
+        deepspeed=cfg,
+    )
     trainer = ds_dhelix.DhelixTrainer(model=build_model("tiny-llama", seed=0)[0], args=args, eval_dataset=data.eval)
     trainer_loss = trainer.evaluate()["eval_loss"]
     engine = trainer._engine
@@ -48,8 +68,14 @@ def _both_evaluations(rank, world, cfg: dict, data_path: str, out: str):
     targets = [valid_targets(b["labels"]) for b in trainer.get_eval_dataloader()]
     tp = engine.groups.tp_size
     engine.destroy()
-    return {"trainer": trainer_loss, "train_py": train_py["loss"], "mean_of_means": sum(batch_means) / len(batch_means),
-            "blocks": len(data.eval), "targets": targets, "tp": tp}
+    return {
+        "trainer": trainer_loss,
+        "train_py": train_py["loss"],
+        "mean_of_means": sum(batch_means) / len(batch_means),
+        "blocks": len(data.eval),
+        "targets": targets,
+        "tp": tp,
+    }
 
 
 @pytest.mark.timeout(400)
@@ -86,15 +112,18 @@ def test_every_block_once_over_the_replicas_and_the_fill_up_weighs_nothing(block
     assert sum(sum(w) for _, w in shares) == blocks * 7
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"steps": 0}, "steps"),
-    ({"steps": 5, "keep_checkpoints": 0}, "keep_checkpoints"),
-    ({"steps": 5, "eval_interval": -1}, "eval_interval"),
-    ({"steps": 5, "loss_average": "sum"}, "loss_average"),
-    ({"steps": 5, "save_interval": 2}, "save_interval"),
-    ({"steps": 5, "stop_after": 2}, "stop_after"),
-    ({"steps": 5, "save_on_signal": True}, "save_on_signal"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"steps": 0}, "steps"),
+        ({"steps": 5, "keep_checkpoints": 0}, "keep_checkpoints"),
+        ({"steps": 5, "eval_interval": -1}, "eval_interval"),
+        ({"steps": 5, "loss_average": "sum"}, "loss_average"),
+        ({"steps": 5, "save_interval": 2}, "save_interval"),
+        ({"steps": 5, "stop_after": 2}, "stop_after"),
+        ({"steps": 5, "save_on_signal": True}, "save_on_signal"),
+    ],
+)
 def test_bad_loop_options_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"LoopOptions.{field}"):
         LoopOptions(**kwargs)

@@ -14,6 +14,7 @@ the bench's ``tutel`` peer.
 Every test but the last skips when tutel is not importable (it is optional: ``make venv`` installs
 it from ``../shared/wheels/`` where that folder exists).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,6 +36,7 @@ def _route_both(cf, dtype=torch.float32, num_experts=4, top_k=3, tokens=37, hidd
     """The same routing through torch's and tutel's kernels: {name: (buffer, combined, x grad, logits grad, route)}."""
     from ds_dhelix.moe.kernels import TorchKernels, TutelKernels
     from ds_dhelix.moe.router import route_tokens
+
     out = {}
     for kernels in (TorchKernels(), TutelKernels()):
         g = torch.Generator().manual_seed(3)
@@ -68,7 +70,8 @@ def test_kernels_match_torch(cf):
     bf16 = _route_both(cf, dtype=torch.bfloat16)  # tutel computes bf16 in fp32: close, not equal
     assert torch.equal(bf16["torch"][0], bf16["tutel"][0])
     assert float((bf16["torch"][1].float() - bf16["tutel"][1].float()).abs().max()) <= 0.02 * float(
-        bf16["torch"][1].float().abs().max())
+        bf16["torch"][1].float().abs().max()
+    )
 
 
 def test_bad_kernels_are_refused_before_any_model():
@@ -76,18 +79,27 @@ def test_bad_kernels_are_refused_before_any_model():
     from hf_models.registry import load_config
 
     def config(kernels, fp16=False, ep=2):
-        return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-                **({"fp16": {"enabled": True}} if fp16 else {}),
-                "dhelix": {"enabled": True, "expert_parallel": {"size": ep}, "moe": {"kernels": kernels}}}
+        return {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 2,
+            **({"fp16": {"enabled": True}} if fp16 else {}),
+            "dhelix": {"enabled": True, "expert_parallel": {"size": ep}, "moe": {"kernels": kernels}},
+        }
 
     with pytest.raises(ValueError, match=r"dhelix.moe.kernels = 'triton' is invalid: choose one of torch, tutel"):
         check_setup(config("triton"), load_config("tiny-mixtral"), 2)
     with pytest.raises(ValueError, match=r"kernels 'tutel' with a model without experts"):
-        check_setup({**config("tutel", ep=1), "dhelix": {"enabled": True, "moe": {"kernels": "tutel"},
-                                                         "tensor_parallel": {"size": 2}}},
-                    load_config("tiny-llama"), 2)
+        check_setup(
+            {
+                **config("tutel", ep=1),
+                "dhelix": {"enabled": True, "moe": {"kernels": "tutel"}, "tensor_parallel": {"size": 2}},
+            },
+            load_config("tiny-llama"),
+            2,
+        )
     if MISSING is None:
         from ds_dhelix.engine.precision import force_fp16_capability
+
         force_fp16_capability()
         with pytest.raises(ValueError, match=r"fp16 on CPU: tutel's CPU kernels take float32 only"):
             check_setup(config("tutel", fp16=True), load_config("tiny-mixtral"), 2)
@@ -95,10 +107,19 @@ def test_bad_kernels_are_refused_before_any_model():
 
 
 def _options(model, **kw):
-    from ds_dhelix.engine.parity import ParityOptions
+    from ds_dhelix.verify import ParityOptions
+
     ep = {"size": 2, **kw.pop("ep", {})}
-    return ParityOptions(model=model, tp=1, dp=2, num_layers=2, seq_len=32, steps=2,
-                         extra={"expert_parallel": ep, "moe": {"kernels": "tutel"}}, **kw)
+    return ParityOptions(
+        model=model,
+        tp=1,
+        dp=2,
+        num_layers=2,
+        seq_len=32,
+        steps=2,
+        extra={"expert_parallel": ep, "moe": {"kernels": "tutel"}},
+        **kw,
+    )
 
 
 def _check_parity(r):
@@ -112,21 +133,26 @@ def _check_parity(r):
 @needs_tutel
 @pytest.mark.timeout(600)
 def test_tutel_kernels_si_bitwise_and_close_to_hf_and_torch():
-    from ds_dhelix.engine.parity import run_parities
+    from ds_dhelix.verify import run_parities
+
     _check_parity(run_parities([_options("tiny-mixtral")], timeout=540)[0])
 
 
-EXTENDED = {"qwen3-moe": ("tiny-qwen3-moe", {}), "phimoe": ("tiny-phimoe", {}),
-            "mixtral-capacity": ("tiny-mixtral", {"capacity_factor": 4.0}),
-            "qwen3-moe-capacity": ("tiny-qwen3-moe", {"capacity_factor": 4.0}),
-            "phimoe-capacity": ("tiny-phimoe", {"capacity_factor": 4.0})}
+EXTENDED = {
+    "qwen3-moe": ("tiny-qwen3-moe", {}),
+    "phimoe": ("tiny-phimoe", {}),
+    "mixtral-capacity": ("tiny-mixtral", {"capacity_factor": 4.0}),
+    "qwen3-moe-capacity": ("tiny-qwen3-moe", {"capacity_factor": 4.0}),
+    "phimoe-capacity": ("tiny-phimoe", {"capacity_factor": 4.0}),
+}
 
 
 @needs_tutel
 @pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_tutel_kernels_other_families_and_capacity():
-    from ds_dhelix.engine.parity import run_parities
+    from ds_dhelix.verify import run_parities
+
     results = run_parities([_options(model, ep=ep) for model, ep in EXTENDED.values()], timeout=840)
     for name, r in zip(EXTENDED, results):
         _check_parity(r)
@@ -137,12 +163,44 @@ def test_tutel_kernels_other_families_and_capacity():
 @pytest.mark.extended
 @pytest.mark.timeout(600)
 def test_bench_tutel_row_and_its_first_step_loss():
-    out = subprocess.run([sys.executable, "-m", "ds_dhelix.cli", "bench", "--model", "tiny-mixtral", "--tp", "1",
-                          "--ep", "2", "--modes", "tutel", "tutel-overlap2", "sequential", "--link-gbps", "unshaped",
-                          "--num-layers", "2", "--seq-len", "32", "--micro-batches", "2", "--warmup", "1",
-                          "--repeats", "1", "--timeout", "400", "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=540,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_dhelix.cli",
+            "bench",
+            "--model",
+            "tiny-mixtral",
+            "--tp",
+            "1",
+            "--ep",
+            "2",
+            "--modes",
+            "tutel",
+            "tutel-overlap2",
+            "sequential",
+            "--link-gbps",
+            "unshaped",
+            "--num-layers",
+            "2",
+            "--seq-len",
+            "32",
+            "--micro-batches",
+            "2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--timeout",
+            "400",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     rows = {r["mode"]: r for r in json.loads(out.stdout)["results"]}
     assert rows["tutel"]["status"] == "ok" and rows["tutel"]["step_time_s"] > 0, rows["tutel"]
     assert rows["tutel"]["loss_close"], (rows["tutel"]["first_step_loss"], rows["sequential"]["first_step_loss"])
@@ -153,16 +211,55 @@ def test_without_tutel_the_tests_skip_and_the_kernels_are_refused(tmp_path):
     hidden = tmp_path / "tutel"
     hidden.mkdir()
     (hidden / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                            "tests/test_tutel.py", "-k", "kernels_match or si_bitwise"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert "4 skipped" in tests.stdout and "tutel is not importable (ImportError: hidden by the test)" in tests.stdout, \
-        tests.stdout[-2000:]
-    cli = subprocess.run([sys.executable, "-m", "ds_dhelix.cli", "parity", "--model", "tiny-mixtral", "--ep", "2",
-                          "--moe-kernels", "tutel"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
+    tests = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_tutel.py",
+            "-k",
+            "kernels_match or si_bitwise",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert (
+        "4 skipped" in tests.stdout and "tutel is not importable (ImportError: hidden by the test)" in tests.stdout
+    ), tests.stdout[-2000:]
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_dhelix.cli",
+            "parity",
+            "--model",
+            "tiny-mixtral",
+            "--ep",
+            "2",
+            "--moe-kernels",
+            "tutel",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert cli.returncode == 2, cli.stderr[-2000:]
     last = cli.stderr.strip().splitlines()[-1]
-    assert last.startswith("dhelix parity: error: dhelix.moe.kernels 'tutel': tutel is not importable") and \
-        "pip install ../shared/wheels/tutel-*.whl" in last, last
+    assert (
+        last.startswith("dhelix parity: error: dhelix.moe.kernels 'tutel': tutel is not importable")
+        and "pip install ../shared/wheels/tutel-*.whl" in last
+    ), last

@@ -1,4 +1,5 @@
 """Hang watchdog: fires in a stuck process (exit 3, names the position), quiet while beating."""
+
 import subprocess
 import sys
 import textwrap
@@ -11,8 +12,7 @@ from ds_dhelix.runtime.watchdog import EXIT_CODE, Watchdog
 
 def _run(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
     script = "import time\nfrom ds_dhelix.runtime.watchdog import Watchdog\n" + textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
 
 
 def test_fires_when_stuck():
@@ -53,8 +53,9 @@ def test_partial_beats_keep_position_and_report():
     wd.beat(step=4)
     wd.beat(microbatch=1, strand="alpha", op="mlp.fc2")
     text = wd.report(12.34)
-    assert text.startswith("[dhelix watchdog] rank 2 stuck for 12.3s at step 4, micro-batch 1, "
-                           "strand alpha, op mlp.fc2\n")
+    assert text.startswith(
+        "[dhelix watchdog] rank 2 stuck for 12.3s at step 4, micro-batch 1, strand alpha, op mlp.fc2\n"
+    )
     assert "describe_fn failed" in text
     with pytest.raises(ValueError, match="timeout_s"):
         Watchdog(0, rank=0)
@@ -63,6 +64,7 @@ def test_partial_beats_keep_position_and_report():
 def _one_rank_fails(rank, world):
     import torch
     import torch.distributed as dist
+
     if rank == 0:
         raise RuntimeError("rank zero broke first")
     dist.recv(torch.zeros(1), src=0)  # waits for a peer that will never send
@@ -72,6 +74,7 @@ def _one_rank_fails(rank, world):
 def test_world_timeout_shows_the_rank_that_failed_first():
     """A rank's error leaves its peers waiting on it: the timeout says which rank failed, and how."""
     from tests.conftest import run_ranks
+
     with pytest.raises(TimeoutError) as err:
         run_ranks(_one_rank_fails, 2, timeout=20)
     assert "rank 0 failed first" in str(err.value) and "rank zero broke first" in str(err.value)
@@ -80,13 +83,18 @@ def test_world_timeout_shows_the_rank_that_failed_first():
 def test_collective_failures_names_deepspeeds_own_collectives():
     # a backend error inside DeepSpeed's reduction / optimizer step reads like the executor's own
     from ds_dhelix.runtime.comm import CollectiveError, collective_failures
-    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:28572: "
-                        "Connection reset by peer. This is typically caused by a remote worker hanging")
+
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:28572: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging"
+    )
     with pytest.raises(CollectiveError) as info:
         with collective_failures("of the gradient reduction and optimizer step"):
             raise gloo
-    assert str(info.value) == ("collective of the gradient reduction and optimizer step failed "
-                               "(peer 127.0.0.1:28572): Read error [127.0.0.1]:28572: Connection reset by peer")
+    assert str(info.value) == (
+        "collective of the gradient reduction and optimizer step failed "
+        "(peer 127.0.0.1:28572): Read error [127.0.0.1]:28572: Connection reset by peer"
+    )
     assert info.value.__cause__ is gloo
     with pytest.raises(CollectiveError, match="^collective during optimizer step failed"):
         with collective_failures(lambda: "during optimizer step"):  # a position read when it fails

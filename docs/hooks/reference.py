@@ -4,6 +4,7 @@ when the site is built, so neither can drift from it.
     docs/reference/config.md  <!-- dhelix:config-reference -->  the "dhelix" dataclasses (ds_dhelix.config.reference)
     docs/reference/cli.md     <!-- dhelix:cli-reference -->     train.py's and every `dhelix` subcommand's argparse parser
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ CLI_MARKER = "<!-- dhelix:cli-reference -->"
 
 def config_markdown() -> str:
     from ds_dhelix.config.reference import markdown
+
     return markdown()
 
 
@@ -32,6 +34,7 @@ def train_parser() -> argparse.ArgumentParser:
 def subcommand_parsers() -> dict[str, tuple[str, argparse.ArgumentParser]]:
     """``dhelix <command>`` -> (its one-line help, its parser), in the order ``dhelix --help`` lists them."""
     from ds_dhelix.cli import build_parser
+
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     helps = {a.dest: a.help for a in sub._choices_actions}
@@ -99,6 +102,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     marker, make = GENERATED[uri]
     if marker not in markdown:
         from mkdocs.exceptions import PluginError
+
         raise PluginError(f"{uri} lost its marker {marker}: the generated reference would be missing")
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)

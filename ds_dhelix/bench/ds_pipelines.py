@@ -6,6 +6,7 @@ recomputed per layer; Llama-style models only), built into DeepSpeed's ``Pipelin
     engine = build_deepspeed_pipe(model, pp=2, schedule="1f1b", ds_config=...)
     engine.train_batch(iter([(input_ids, labels), ...]))
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,12 +58,19 @@ def pipe_layers(model) -> list[nn.Module]:
     """[embed, decoder layers..., norm+head] of a Llama-style HF model, for a PipelineModule."""
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        raise ValueError(f"DeepSpeed's pipeline baselines wrap Llama-style models (model.embed_tokens/layers/norm/rotary_emb); "
-                         f"{type(model).__name__} is not one; use tiny-llama or a Llama checkpoint")
+        raise ValueError(
+            f"DeepSpeed's pipeline baselines wrap Llama-style models (model.embed_tokens/layers/norm/rotary_emb); "
+            f"{type(model).__name__} is not one; use tiny-llama or a Llama checkpoint"
+        )
     if model.config.tie_word_embeddings:
-        raise ValueError("DeepSpeed's pipeline baselines: tied embeddings would need a TiedLayerSpec; use an untied model")
-    return ([HFEmbedPipe(inner.embed_tokens)] + [HFDecoderPipe(layer, inner.rotary_emb) for layer in inner.layers]
-            + [HFHeadPipe(inner.norm, model.lm_head)])
+        raise ValueError(
+            "DeepSpeed's pipeline baselines: tied embeddings would need a TiedLayerSpec; use an untied model"
+        )
+    return (
+        [HFEmbedPipe(inner.embed_tokens)]
+        + [HFDecoderPipe(layer, inner.rotary_emb) for layer in inner.layers]
+        + [HFHeadPipe(inner.norm, model.lm_head)]
+    )
 
 
 # ------------------------------------------------------------- TP inside stages: our op graph's layers
@@ -137,14 +145,17 @@ def graph_pipe_layers(model, tp: int, tp_rank: int, tp_group, seed: int = 0):
     gradient that of this rank's share), and the
     replicated weights whose gradients are summed over ``tp_group`` once per step."""
     from hf_models.adapters import adapter_for
+
     pipe_layers(model)  # the same model check as the HF-layer baselines
     graph = adapter_for(model.config).build_graph(model, tp, tp_rank, tp_group, tp_group, seed=seed)
     inner, pre, *body, post = model.model, *graph.blocks
     *head, loss_op = post
     assert loss_op.outputs == ("loss",), loss_op
-    layers = ([GraphEmbedPipe(pre, inner.embed_tokens, graph.make_side)]
-              + [GraphLayerPipe(ops, layer, graph.make_side, tp) for ops, layer in zip(body, inner.layers)]
-              + [GraphHeadPipe(head, inner.norm, model.lm_head)])
+    layers = (
+        [GraphEmbedPipe(pre, inner.embed_tokens, graph.make_side)]
+        + [GraphLayerPipe(ops, layer, graph.make_side, tp) for ops, layer in zip(body, inner.layers)]
+        + [GraphHeadPipe(head, inner.norm, model.lm_head)]
+    )
 
     def loss_fn(logits, labels):
         share = loss_op.fn(graph.make_side({"input_ids": labels, "labels": labels}), logits)[0]
@@ -160,6 +171,7 @@ def _sum_replicated_before_reduce(engine, replicated) -> None:
     their TP group (what our executor does after a step's last backward): DeepSpeed's pipelines
     reduce over data parallelism only."""
     from deepspeed.runtime.pipe import schedule
+
     base = type(engine)._INSTRUCTION_MAP
     reduce = base[schedule.ReduceGrads]
 
@@ -180,6 +192,7 @@ def build_deepspeed_pipe(model, pp: int, schedule: str, ds_config: dict, tp: int
     from deepspeed.runtime.pipe import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
     if schedule not in ("1f1b", "dualpipev"):
         raise ValueError(f"schedule={schedule!r}: DeepSpeed's pipelines are '1f1b' and 'dualpipev'")
     micro_batches = ds_config.get("gradient_accumulation_steps", 1)
@@ -203,12 +216,15 @@ def build_deepspeed_pipe(model, pp: int, schedule: str, ds_config: dict, tp: int
         grid = {"topology": topology}
         # each TP rank's activation is its own sequence shard: DeepSpeed's default of sending 1/tp of a
         # (replicated) activation and all-gathering it on the next stage would mix the shards
-        ds_config = {**ds_config, "pipeline": {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
-                                               "grad_partitioned": False}}
+        ds_config = {
+            **ds_config,
+            "pipeline": {**ds_config.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False},
+        }
     part = "type:GraphLayerPipe" if tp > 1 else "type:HFDecoderPipe"
     module = cls(layers=layers, loss_fn=loss_fn, partition_method=part, **grid)
-    engine, *_ = deepspeed.initialize(model=module, config=ds_config,
-                                      model_parameters=[p for p in module.parameters() if p.requires_grad])
+    engine, *_ = deepspeed.initialize(
+        model=module, config=ds_config, model_parameters=[p for p in module.parameters() if p.requires_grad]
+    )
     if replicated is not None:
         _sum_replicated_before_reduce(engine, replicated)
     return engine

@@ -25,6 +25,7 @@ collective, exposed the time spent blocked waiting for one (all as the executor 
 Hidden time is measured against the *sequential* run's comm: under SI a collective's completion
 is only observed between compute ops, so the mode's own comm time overstates what it hid.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -51,12 +52,18 @@ def _median(steps: list[dict], key: str):
 
 
 def mode_medians(steps: list[dict]) -> dict:
-    return {key: _median(steps, key)
-            for key in ("step_s", "compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s")}
+    return {
+        key: _median(steps, key) for key in ("step_s", "compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s")
+    }
 
 
-def summarize_link(opts: BenchOptions, gbps: float | None, result: dict,
-                   peak_flops: float | None = None, flops_per_token: float | None = None) -> list[dict]:
+def summarize_link(
+    opts: BenchOptions,
+    gbps: float | None,
+    result: dict,
+    peak_flops: float | None = None,
+    flops_per_token: float | None = None,
+) -> list[dict]:
     """One row per mode of ``opts`` for the link-rate ``result`` of ``world.measure_link``."""
     outcomes = result.get("modes", {})
     seq = outcomes.get("sequential", {})
@@ -67,9 +74,16 @@ def summarize_link(opts: BenchOptions, gbps: float | None, result: dict,
     rows = []
     for mode in opts.modes:
         out = outcomes.get(mode) or {"status": "error", "reason": result.get("error", "no result")}
-        row = {"mode": mode, "link_gbps": gbps, "link": link_label(gbps),
-               "shaped": bool(result.get("shaped")), "status": out["status"], "reason": out.get("reason"),
-               "build_s": out.get("build_s"), **(out.get("info") or {})}
+        row = {
+            "mode": mode,
+            "link_gbps": gbps,
+            "link": link_label(gbps),
+            "shaped": bool(result.get("shaped")),
+            "status": out["status"],
+            "reason": out.get("reason"),
+            "build_s": out.get("build_s"),
+            **(out.get("info") or {}),
+        }
         if out.get("steps"):
             row.update(_timing(opts, out["steps"], seq_med, ideal, mode, peak_flops, flops_per_token, cores))
         row.update(first_step_loss=out.get("first_step_loss"), **_loss_vs_sequential(mode, out, seq))
@@ -83,28 +97,48 @@ def _loss_vs_sequential(mode: str, out: dict, seq: dict) -> dict:
     """A peer's first-step loss against sequential's (the same model, batches and objective): the
     difference and whether it is within the peer's stated tolerance (tutel: ``LOSS_TOLERANCE``)."""
     from .tutel_peer import LOSS_TOLERANCE, TUTEL_MODES
+
     ours, theirs = seq.get("first_step_loss"), out.get("first_step_loss")
     if mode not in TUTEL_MODES or ours is None or theirs is None:
         return {}
     diff = abs(theirs - ours)
-    return {"first_step_loss_diff_vs_sequential": diff, "loss_tolerance": LOSS_TOLERANCE,
-            "loss_close": diff <= LOSS_TOLERANCE}
+    return {
+        "first_step_loss_diff_vs_sequential": diff,
+        "loss_tolerance": LOSS_TOLERANCE,
+        "loss_close": diff <= LOSS_TOLERANCE,
+    }
 
 
 def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, cores=None) -> dict:
     med = mode_medians(steps)
     step_s = med["step_s"]
     times = [s["step_s"] for s in steps]
-    row = {"steps": len(steps), "repeats_below_minimum": len(steps) < MIN_REPEATS,
-           "step_times_s": times, "step_time_s": step_s, "step_time_min_s": min(times),
-           "step_time_max_s": max(times), "tokens_per_s": opts.tokens_per_step / step_s,
-           "compute_s": med["compute_s"], "comm_s": med["comm_s"], "exposed_comm_s": med["exposed_s"],
-           "cpu_s": med["cpu_s"], "other_threads_cpu_s": None,
-           "peak_activation_bytes": max((s["peak_activation_bytes"] for s in steps
-                                         if s.get("peak_activation_bytes") is not None), default=None),
-           "hidden_of_hideable": None, "hidden_of_comm": None, "ideal_speedup": ideal,
-           "speedup_vs_sequential": None, "achieved_over_ideal": None, "step_bound_speedup": None,
-           "cpu_bound_speedup": None, "cpu_bound_over_ideal": None, "mfu": None}
+    row = {
+        "steps": len(steps),
+        "repeats_below_minimum": len(steps) < MIN_REPEATS,
+        "step_times_s": times,
+        "step_time_s": step_s,
+        "step_time_min_s": min(times),
+        "step_time_max_s": max(times),
+        "tokens_per_s": opts.tokens_per_step / step_s,
+        "compute_s": med["compute_s"],
+        "comm_s": med["comm_s"],
+        "exposed_comm_s": med["exposed_s"],
+        "cpu_s": med["cpu_s"],
+        "other_threads_cpu_s": None,
+        "peak_activation_bytes": max(
+            (s["peak_activation_bytes"] for s in steps if s.get("peak_activation_bytes") is not None), default=None
+        ),
+        "hidden_of_hideable": None,
+        "hidden_of_comm": None,
+        "ideal_speedup": ideal,
+        "speedup_vs_sequential": None,
+        "achieved_over_ideal": None,
+        "step_bound_speedup": None,
+        "cpu_bound_speedup": None,
+        "cpu_bound_over_ideal": None,
+        "mfu": None,
+    }
     if med["cpu_s"] is not None and med["main_thread_cpu_s"] is not None:
         row["other_threads_cpu_s"] = max(0.0, med["cpu_s"] - med["main_thread_cpu_s"])
     ref = seq_med or med  # sequential comm / comp: what there was to hide
@@ -133,8 +167,11 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, core
 def comm_comp_ratio(rows: list[dict]) -> dict:
     """comm / comp of the sequential run: at the reference link (2 Gbit/s, else the first
     measured) and per link."""
-    by_link = {r["link"]: r["comm_s"] / r["compute_s"] for r in rows
-               if r["mode"] == "sequential" and r.get("comm_s") and r.get("compute_s")}
+    by_link = {
+        r["link"]: r["comm_s"] / r["compute_s"]
+        for r in rows
+        if r["mode"] == "sequential" and r.get("comm_s") and r.get("compute_s")
+    }
     ref = link_label(REFERENCE_GBPS)
     ref = ref if ref in by_link else next(iter(by_link), None)
     return {"value": by_link.get(ref), "link": ref, "by_link": by_link}

@@ -40,13 +40,14 @@ With ``pp > 1`` (folded pipeline over ``pp`` stages of ``tp`` ranks each) the mo
     dualpipev     ds_dhelix DualPipeV order with SI pairs (``dualpipev-si``, its old name, is read too)
     auto          "schedule": "auto" over sequential, w, dualpipev (on request; timed after its trials)
 """
+
 from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field
 
-from ..runtime.linkemu import DEFAULT_BURST_KB
 from ..graph.recompute import MODES as RECOMPUTE_MODES
+from ..runtime.linkemu import DEFAULT_BURST_KB
 from ..schedule.registry import ALIASES, ONE_STAGE, PIPELINE, lookup, names
 
 TUTEL_MODES = ("tutel", "tutel-overlap2", "tutel-overlap4")
@@ -73,7 +74,6 @@ PP_MODES = ("ds-1f1b", "ds-dualpipev", *names(PIPELINE))
 
 PP_DEFAULT_MODES = tuple(m for m in PP_MODES if m != "auto")
 """Modes of a pipeline run unless ``--modes`` says otherwise (``auto`` is asked for by name)."""
-
 
 
 def split_mode(mode: str) -> tuple[str, str | None]:
@@ -172,8 +172,10 @@ class BenchOptions:
             if g is not None and (isinstance(g, str) or not g > 0):
                 raise ValueError(f"link rate {g} Gbit/s must be > 0 (or 'unshaped')")
         if self.link_burst_kb < 65:
-            raise ValueError(f"link-burst-kb {self.link_burst_kb} is below the loopback MTU (64 KiB): "
-                             f"the token bucket would drop full-size packets; use >= 65")
+            raise ValueError(
+                f"link-burst-kb {self.link_burst_kb} is below the loopback MTU (64 KiB): "
+                f"the token bucket would drop full-size packets; use >= 65"
+            )
         for name in ("tp", "pp", "cp", "ep", "micro_batches", "micro_batch_size", "seq_len", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -184,8 +186,10 @@ class BenchOptions:
         if self.cp_comm not in ("ulysses", "ring"):
             raise ValueError(f"cp-comm {self.cp_comm!r}: choose ulysses or ring")
         from ds_dhelix.config.dims import ParallelDims
-        ParallelDims(self.tp * self.cp, tp=self.tp, cp=self.cp, cp_comm=self.cp_comm).check_seq_len(self.seq_len,
-                                                                                                  "seq-len")
+
+        ParallelDims(self.tp * self.cp, tp=self.tp, cp=self.cp, cp_comm=self.cp_comm).check_seq_len(
+            self.seq_len, "seq-len"
+        )
         if self.zero_stage not in (0, 1, 2):
             raise ValueError(f"zero stage {self.zero_stage} not supported here; use 0, 1 or 2")
         if self.lora_r < 0:
@@ -193,8 +197,10 @@ class BenchOptions:
         if self.moe_kernels not in ("torch", "tutel"):
             raise ValueError(f"moe-kernels {self.moe_kernels!r}: choose torch or tutel")
         if self.lora_r and self.pp > 1:
-            raise ValueError(f"--lora-r with --pp {self.pp}: DeepSpeed's pipeline peers train no PEFT model; "
-                             f"benchmark LoRA with one stage")
+            raise ValueError(
+                f"--lora-r with --pp {self.pp}: DeepSpeed's pipeline peers train no PEFT model; "
+                f"benchmark LoRA with one stage"
+            )
 
     def _check_modes(self) -> None:
         allowed = PP_MODES if self.pp > 1 else MODES
@@ -208,8 +214,10 @@ class BenchOptions:
         for m in self.modes:
             base, recompute = split_mode(m)
             if recompute is not None and (base not in DHELIX_MODES or recompute not in RECOMPUTE_MODES):
-                raise ValueError(f"bench mode {m!r}: only a ds_dhelix mode ({', '.join(d for d in DHELIX_MODES if d in allowed)}) "
-                                 f"takes '+' and a recompute mode ({', '.join(RECOMPUTE_MODES)}), e.g. si+full")
+                raise ValueError(
+                    f"bench mode {m!r}: only a ds_dhelix mode ({', '.join(d for d in DHELIX_MODES if d in allowed)}) "
+                    f"takes '+' and a recompute mode ({', '.join(RECOMPUTE_MODES)}), e.g. si+full"
+                )
         if len(set(self.modes)) != len(self.modes):
             raise ValueError(f"bench modes {list(self.modes)} name a mode twice")
         if not self.modes:
@@ -217,25 +225,35 @@ class BenchOptions:
 
     def _check_layout(self) -> None:
         if self.pp > 1 and self.ep != 1:
-            raise ValueError(f"--pp {self.pp} with --ep {self.ep}: the pipeline benchmark has no expert "
-                             f"parallelism inside stages (ds_dhelix pipelines refuse it too); drop --ep")
+            raise ValueError(
+                f"--pp {self.pp} with --ep {self.ep}: the pipeline benchmark has no expert "
+                f"parallelism inside stages (ds_dhelix pipelines refuse it too); drop --ep"
+            )
         if self.data_parallel is not None:
             if self.data_parallel < 1 or self.data_parallel % self.ep:
-                raise ValueError(f"--dp {self.data_parallel} must be >= 1 and a multiple of --ep {self.ep} (expert "
-                                 f"parallelism shards experts inside the data-parallel ranks)")
+                raise ValueError(
+                    f"--dp {self.data_parallel} must be >= 1 and a multiple of --ep {self.ep} (expert "
+                    f"parallelism shards experts inside the data-parallel ranks)"
+                )
             if self.pp > 1 and self.data_parallel > 1:
-                raise ValueError(f"--dp {self.data_parallel} with --pp {self.pp}: the pipeline bench runs one rank "
-                                 f"per stage; drop --dp")
+                raise ValueError(
+                    f"--dp {self.data_parallel} with --pp {self.pp}: the pipeline bench runs one rank "
+                    f"per stage; drop --dp"
+                )
         if self.cp > 1 and self.pp > 1:
-            raise ValueError(f"--cp {self.cp} with --pp {self.pp}: the pipeline bench measures DeepSpeed's 1F1B and "
-                             f"DualPipeV, which have no context parallelism; bench CP with one stage (training and "
-                             f"dhelix parity run CP inside pipeline stages)")
+            raise ValueError(
+                f"--cp {self.cp} with --pp {self.pp}: the pipeline bench measures DeepSpeed's 1F1B and "
+                f"DualPipeV, which have no context parallelism; bench CP with one stage (training and "
+                f"dhelix parity run CP inside pipeline stages)"
+            )
         if self.pp == 1 and "autoep" in self.modes and self.modes != DEFAULT_MODES and self.ep < 2:
             raise ValueError(_autoep_needs_ep(self.ep))  # named explicitly (the default list: a skipped row)
         cp_peers = [m for m in self.modes if m in ("autotp", "autoep")]
         if self.cp > 1 and cp_peers:
-            raise ValueError(f"--cp {self.cp}: modes {cp_peers} have no context parallelism to compare; measure "
-                             f"deepspeed (plain data parallel), sequential and si")
+            raise ValueError(
+                f"--cp {self.cp}: modes {cp_peers} have no context parallelism to compare; measure "
+                f"deepspeed (plain data parallel), sequential and si"
+            )
 
     @property
     def world(self) -> int:
@@ -265,7 +283,7 @@ class BenchOptions:
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
             "gradient_accumulation_steps": micro_batches,
             "gradient_clipping": 1.0,
-            "steps_per_print": 10 ** 9,
+            "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
             "zero_optimization": {"stage": self.zero_stage},
         }
@@ -287,8 +305,7 @@ class BenchOptions:
         if self.ep > 1:
             section["expert_parallel"] = {**section.get("expert_parallel", {}), "size": self.ep}
         if self.cp > 1:
-            section["context_parallel"] = {**section.get("context_parallel", {}), "size": self.cp,
-                                           "comm": self.cp_comm}
+            section["context_parallel"] = {**section.get("context_parallel", {}), "size": self.cp, "comm": self.cp_comm}
         section["benchmark"] = {**section.get("benchmark", {}), "link_gbps": link_gbps}
         if self.moe_kernels != "torch":
             section["moe"] = {**section.get("moe", {}), "kernels": self.moe_kernels}
@@ -301,24 +318,28 @@ class BenchOptions:
     def autoep_ds_config(self, preset: str) -> dict:
         """DeepSpeed AutoEP: data parallel over the world like ``deepspeed`` (same micro-batches per rank),
         experts over ``ep`` ranks; ``preset`` is AutoEP's name for the model type (``autoep_preset``)."""
-        return {**self.deepspeed_ds_config(),
-                "expert_parallel": {"enabled": True, "autoep_size": self.ep, "preset_model": preset}}
+        return {
+            **self.deepspeed_ds_config(),
+            "expert_parallel": {"enabled": True, "autoep_size": self.ep, "preset_model": preset},
+        }
 
     def autotp_ds_config(self) -> dict:
         """DeepSpeed AutoTP over the whole world: every rank sees all micro-batches."""
-        return {**self.base_ds_config(self.micro_batches),
-                "tensor_parallel": {"autotp_size": self.tp}}
+        return {**self.base_ds_config(self.micro_batches), "tensor_parallel": {"autotp_size": self.tp}}
 
 
 def autoep_preset(model_config) -> str | None:
     """DeepSpeed AutoEP's preset for the HF ``model_type`` of ``model_config`` (None: it has none)."""
     from deepspeed.module_inject.auto_ep_presets.registry import preset_name_for_hf_model_type
+
     return preset_name_for_hf_model_type(model_config.model_type)
 
 
 def _autoep_needs_ep(ep: int) -> str:
-    return (f"autoep shards the experts over --ep ranks, got --ep {ep}: pass --ep 2 (or more) with an MoE "
-            f"model, e.g. --model tiny-qwen3-moe --tp 1 --ep 2, or drop autoep")
+    return (
+        f"autoep shards the experts over --ep ranks, got --ep {ep}: pass --ep 2 (or more) with an MoE "
+        f"model, e.g. --model tiny-qwen3-moe --tp 1 --ep 2, or drop autoep"
+    )
 
 
 def autoep_unfit(opts: BenchOptions, model_config) -> str | None:
@@ -331,13 +352,19 @@ def autoep_unfit(opts: BenchOptions, model_config) -> str | None:
     if autoep_preset(model_config) is not None:
         return None
     from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
     covered = ", ".join(t for preset in PRESET_MODELS.values() for t in preset.hf_model_types)
-    experts = any(getattr(model_config, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
-    if not experts:
-        return (f"autoep needs an MoE model: model_type {model_type!r} has no experts; use an MoE model "
-                f"DeepSpeed AutoEP has a preset for ({covered}), e.g. --model tiny-qwen3-moe, or drop autoep")
-    return (f"DeepSpeed AutoEP has no preset for model_type {model_type!r} (its presets cover {covered}); "
-            f"drop autoep for this model")
+    from hf_models.adapters import is_moe
+
+    if not is_moe(model_config):
+        return (
+            f"autoep needs an MoE model: model_type {model_type!r} has no experts; use an MoE model "
+            f"DeepSpeed AutoEP has a preset for ({covered}), e.g. --model tiny-qwen3-moe, or drop autoep"
+        )
+    return (
+        f"DeepSpeed AutoEP has no preset for model_type {model_type!r} (its presets cover {covered}); "
+        f"drop autoep for this model"
+    )
 
 
 def check_modes_fit(opts: BenchOptions, model_config) -> None:
@@ -351,8 +378,12 @@ def check_modes_fit(opts: BenchOptions, model_config) -> None:
     tutel = [m for m in opts.modes if m in TUTEL_MODES]
     if tutel:
         from .tutel_peer import tutel_unfit
-        reason = opts.pp > 1 and f"--pp {opts.pp}: the tutel modes have no pipeline; drop --pp" or \
-            tutel_unfit("tutel", opts.ep, opts.world, model_config, "cuda")
+
+        reason = (
+            opts.pp > 1
+            and f"--pp {opts.pp}: the tutel modes have no pipeline; drop --pp"
+            or tutel_unfit("tutel", opts.ep, opts.world, model_config, "cuda")
+        )
         if reason:
             raise ValueError(f"--modes {' '.join(tutel)}: {reason}")
 
@@ -360,8 +391,16 @@ def check_modes_fit(opts: BenchOptions, model_config) -> None:
 def quick(opts: BenchOptions, **overrides) -> BenchOptions:
     """The ``--quick`` variant: two layers, 4 micro-batches of shorter sequences, one link rate,
     few steps."""
-    values = {**asdict(opts), "num_layers": 2, "seq_len": 128, "micro_batches": 4, "warmup": 1, "repeats": 3,
-              "link_gbps": (REFERENCE_GBPS,), "timeout": 170.0}
+    values = {
+        **asdict(opts),
+        "num_layers": 2,
+        "seq_len": 128,
+        "micro_batches": 4,
+        "warmup": 1,
+        "repeats": 3,
+        "link_gbps": (REFERENCE_GBPS,),
+        "timeout": 170.0,
+    }
     values.update({k: v for k, v in overrides.items() if v is not None})
     values["modes"] = tuple(values["modes"])
     values["link_gbps"] = tuple(values["link_gbps"])

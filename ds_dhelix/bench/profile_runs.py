@@ -5,6 +5,7 @@ DP plan and alternatives for real against their predictions.
     table, seconds = profile_world({"model": "tiny-llama", "tp": 2, ...})
     report = validate_world({"model": "tiny-llama", "tp": 2, "table": table.to_dict(), ...})
 """
+
 from __future__ import annotations
 
 import random
@@ -14,13 +15,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..engine.build import shard_model
-from ..config.section import DhelixConfig
 from ..config.dims import ParallelDims
-from ..runtime.groups import ProcessGroups
+from ..config.section import DhelixConfig
+from ..engine.build import shard_model
 from ..graph.ops import backward_order
 from ..planning.plan import default_plan, sequential_plan
 from ..planning.planner import OverlapTable, plan_dp, predict_ms, predicted_spread_ms, random_plan
+from ..runtime.groups import ProcessGroups
 from ..runtime.profiler import LayerProbe, profile_layer, robust_spread, run_meta, world_max
 from ..runtime.spawn import run_ranks
 
@@ -29,10 +30,16 @@ def build_sharded(model_name: str, tp: int, seed: int = 1234, ep: int = 1, cp: i
     """On a running world of tp x cp x ep ranks: the preset/checkpoint model, sharded for this rank
     (TP slices, CP sequence shards; experts over the EP group for MoE models), and its graph."""
     from hf_models.registry import build_model
+
     model, _ = build_model(model_name, seed=seed)
-    dh = DhelixConfig.from_dict({"enabled": True, "tensor_parallel": {"size": tp},
-                                 "expert_parallel": {"size": ep},
-                                 "context_parallel": {"size": cp, "comm": cp_comm}})
+    dh = DhelixConfig.from_dict(
+        {
+            "enabled": True,
+            "tensor_parallel": {"size": tp},
+            "expert_parallel": {"size": ep},
+            "context_parallel": {"size": cp, "comm": cp_comm},
+        }
+    )
     dims = ParallelDims(dist.get_world_size(), tp=tp, ep=ep, cp=cp, cp_comm=cp_comm)
     groups = ProcessGroups.create(dims)
     return model, shard_model(model, dh, dims, groups), groups
@@ -45,12 +52,23 @@ def example_batch(vocab: int, micro: int, seq_len: int, seed: int = 0) -> dict:
 
 
 def _profile_rank(rank, world, o: dict):
-    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1),
-                                    cp_comm=o.get("cp_comm", "ulysses"))
-    batch = example_batch(model.config.vocab_size, o["micro_batch_size"], o["seq_len"], seed=rank // (o["tp"] * o.get("cp", 1)))
-    meta = run_meta(model.config, o["tp"], world, tuple(batch["input_ids"].shape),
-                    next(model.parameters()).dtype, o.get("link_gbps"), ep=o.get("ep", 1), cp=o.get("cp", 1),
-                    cp_comm=o.get("cp_comm", "ulysses"))
+    model, graph, _ = build_sharded(
+        o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1), cp_comm=o.get("cp_comm", "ulysses")
+    )
+    batch = example_batch(
+        model.config.vocab_size, o["micro_batch_size"], o["seq_len"], seed=rank // (o["tp"] * o.get("cp", 1))
+    )
+    meta = run_meta(
+        model.config,
+        o["tp"],
+        world,
+        tuple(batch["input_ids"].shape),
+        next(model.parameters()).dtype,
+        o.get("link_gbps"),
+        ep=o.get("ep", 1),
+        cp=o.get("cp", 1),
+        cp_comm=o.get("cp_comm", "ulysses"),
+    )
     t0 = time.perf_counter()
     table = profile_layer(graph, batch, meta, list(model.parameters()), o["warmup"], o["repeats"])
     seconds = time.perf_counter() - t0
@@ -65,14 +83,18 @@ def profile_world(o: dict, timeout: float = 900.0):
 
 def _validate_rank(rank, world, o: dict):
     table = OverlapTable.from_dict(o["table"])
-    model, graph, _ = build_sharded(o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1),
-                                    cp_comm=o.get("cp_comm", "ulysses"))
+    model, graph, _ = build_sharded(
+        o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1), cp_comm=o.get("cp_comm", "ulysses")
+    )
     specs = graph.layer_specs()
     table.check_matches({}, specs, backward_order(specs))
     batch = example_batch(model.config.vocab_size, *table.meta["batch_shape"], seed=rank // (o["tp"] * o.get("cp", 1)))
     rng = random.Random(o["seed"])
-    plans = {"dp": plan_dp(table), "default": default_plan(table.fwd_ops, table.bwd_ops),
-             "sequential": sequential_plan(table.fwd_ops, table.bwd_ops)}
+    plans = {
+        "dp": plan_dp(table),
+        "default": default_plan(table.fwd_ops, table.bwd_ops),
+        "sequential": sequential_plan(table.fwd_ops, table.bwd_ops),
+    }
     for k in range(o["alternatives"]):
         plans[f"random{k}"] = random_plan(table, rng)
     probe = LayerProbe(graph, batch)
@@ -85,17 +107,29 @@ def _validate_rank(rank, world, o: dict):
         for n in order:
             samples[n].append(probe.time_plan(plans[n]) * 1e3)
     k = len(names)
-    reduced = world_max([statistics.median(samples[n]) for n in names] + [robust_spread(samples[n]) for n in names]
-                        + [min(samples[n]) for n in names] + [max(samples[n]) for n in names])
+    reduced = world_max(
+        [statistics.median(samples[n]) for n in names]
+        + [robust_spread(samples[n]) for n in names]
+        + [min(samples[n]) for n in names]
+        + [max(samples[n]) for n in names]
+    )
     if rank != 0:
         return None
-    return [{"plan": n, "source": plans[n].source, "rounds": len(plans[n].rounds),
-             "same_as_dp": plans[n].rounds == plans["dp"].rounds,
-             "predicted_ms": predict_ms(table, plans[n]),
-             "predicted_spread_ms": predicted_spread_ms(table, plans[n]), "measured_ms": reduced[i],
-             "measured_spread_ms": reduced[k + i], "measured_min_ms": reduced[2 * k + i],
-             "measured_max_ms": reduced[3 * k + i]}
-            for i, n in enumerate(names)]
+    return [
+        {
+            "plan": n,
+            "source": plans[n].source,
+            "rounds": len(plans[n].rounds),
+            "same_as_dp": plans[n].rounds == plans["dp"].rounds,
+            "predicted_ms": predict_ms(table, plans[n]),
+            "predicted_spread_ms": predicted_spread_ms(table, plans[n]),
+            "measured_ms": reduced[i],
+            "measured_spread_ms": reduced[k + i],
+            "measured_min_ms": reduced[2 * k + i],
+            "measured_max_ms": reduced[3 * k + i],
+        }
+        for i, n in enumerate(names)
+    ]
 
 
 def plan_orders(names: list[str], repeats: int, seed: int) -> list[list[str]]:
@@ -152,13 +186,15 @@ def summarize_validation(rows: list[dict]) -> dict:
         # measured twice, in one run, which is how far apart this machine puts identical plans
         # (the resolution of dp_vs_best_pct)
         "same_plan_gap_pct": 100.0 * abs(dp["measured_ms"] / default["measured_ms"] - 1.0)
-        if default["same_as_dp"] else None,
+        if default["same_as_dp"]
+        else None,
         "num_plans": len(rows),
     }
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman rank correlation (average ranks for ties)."""
+
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
@@ -171,6 +207,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
                 r[order[k]] = (i + j) / 2.0
             i = j + 1
         return r
+
     rx, ry = ranks(xs), ranks(ys)
     mx, my = statistics.mean(rx), statistics.mean(ry)
     num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))

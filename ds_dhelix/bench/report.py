@@ -1,5 +1,6 @@
 """Benchmark outputs: ``bench.json`` (everything), ``bench.csv`` (the rows), ``bench.md`` (the
 table) and ``bench.png`` (tokens/s against link rate, one line per mode)."""
+
 from __future__ import annotations
 
 import csv
@@ -12,13 +13,38 @@ from ds_dhelix.planning.plan import write_atomic
 
 from .options import MIN_REPEATS
 
-CSV_COLUMNS = ("mode", "link_gbps", "link", "shaped", "status", "steps", "step_time_s", "tokens_per_s",
-               "speedup_vs_sequential", "ideal_speedup", "achieved_over_ideal", "step_bound_speedup",
-               "cpu_bound_speedup", "cpu_bound_over_ideal",
-               "compute_s", "comm_s", "exposed_comm_s", "hidden_of_hideable", "hidden_of_comm",
-               "peak_activation_bytes", "mfu", "cpu_s", "other_threads_cpu_s", "step_time_min_s",
-               "step_time_max_s", "build_s",
-               "plan_source", "plan_is_default", "plan_fingerprint", "reason")
+CSV_COLUMNS = (
+    "mode",
+    "link_gbps",
+    "link",
+    "shaped",
+    "status",
+    "steps",
+    "step_time_s",
+    "tokens_per_s",
+    "speedup_vs_sequential",
+    "ideal_speedup",
+    "achieved_over_ideal",
+    "step_bound_speedup",
+    "cpu_bound_speedup",
+    "cpu_bound_over_ideal",
+    "compute_s",
+    "comm_s",
+    "exposed_comm_s",
+    "hidden_of_hideable",
+    "hidden_of_comm",
+    "peak_activation_bytes",
+    "mfu",
+    "cpu_s",
+    "other_threads_cpu_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "build_s",
+    "plan_source",
+    "plan_is_default",
+    "plan_fingerprint",
+    "reason",
+)
 
 
 def _times(value) -> str:
@@ -33,14 +59,17 @@ def _fmt(value, spec: str) -> str:
 
 def markdown_table(report: dict) -> str:
     """The rows as a markdown table, one block per link rate, plus the comm/comp ratio line."""
-    lines = ["| link | mode | step ms [min–max] | tokens/s | vs seq | ideal | achieved/ideal | CPU bound | comp ms | "
-             "comm ms | exposed ms | hidden | comm-thread CPU ms | peak act MiB |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = [
+        "| link | mode | step ms [min–max] | tokens/s | vs seq | ideal | achieved/ideal | CPU bound | comp ms | "
+        "comm ms | exposed ms | hidden | comm-thread CPU ms | peak act MiB |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
     for r in report["results"]:
         link = r["link"] + ("" if r["shaped"] or r["link_gbps"] is None else " (UNSHAPED)")
         if r["status"] != "ok":
-            lines.append(f"| {link} | {r['mode']} | {r['status']}: {r.get('reason') or ''} "
-                         f"|  |  |  |  |  |  |  |  |  |  |  |")
+            lines.append(
+                f"| {link} | {r['mode']} | {r['status']}: {r.get('reason') or ''} |  |  |  |  |  |  |  |  |  |  |  |"
+            )
             continue
         ms = lambda v: _fmt(v * 1e3 if v is not None else None, ".0f")  # noqa: E731
         step = f"{ms(r['step_time_s'])} [{ms(r.get('step_time_min_s'))}–{ms(r.get('step_time_max_s'))}]"
@@ -53,14 +82,20 @@ def markdown_table(report: dict) -> str:
             f"{ms(r['compute_s'])} | {ms(r['comm_s'])} | "
             f"{ms(r['exposed_comm_s'])} | {_fmt(r['hidden_of_hideable'], '.0%')} | "
             f"{ms(r.get('other_threads_cpu_s'))} | "
-            f"{_fmt(None if r['peak_activation_bytes'] is None else r['peak_activation_bytes'] / 2**20, '.1f')} |")
+            f"{_fmt(None if r['peak_activation_bytes'] is None else r['peak_activation_bytes'] / 2**20, '.1f')} |"
+        )
     ratio = report.get("comm_comp_ratio") or {}
     if ratio.get("value") is not None:
         lines.append("")
-        lines.append(f"comm/comp of the sequential run at {ratio['link']}: {ratio['value']:.2f} "
-                     f"(per link: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio["by_link"].items()) + ")")
-    ceilings = [f"{r['mode']} at {r['link']} {r['cpu_bound_over_ideal']:.2f}" for r in report["results"]
-                if r.get("cpu_bound_over_ideal") is not None]
+        lines.append(
+            f"comm/comp of the sequential run at {ratio['link']}: {ratio['value']:.2f} "
+            f"(per link: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio["by_link"].items()) + ")"
+        )
+    ceilings = [
+        f"{r['mode']} at {r['link']} {r['cpu_bound_over_ideal']:.2f}"
+        for r in report["results"]
+        if r.get("cpu_bound_over_ideal") is not None
+    ]
     if ceilings:
         lines.append("")
         lines.append("highest achieved/ideal these CPU cores allow (CPU bound / ideal): " + ", ".join(ceilings))
@@ -81,6 +116,7 @@ def plot_throughput(rows: list[dict], path: str, title: str) -> str | None:
     matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -91,8 +127,7 @@ def plot_throughput(rows: list[dict], path: str, title: str) -> str | None:
         xs[None] = len(rates)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for mode in dict.fromkeys(r["mode"] for r in rows):
-        pts = sorted((xs[r["link_gbps"]], r["tokens_per_s"]) for r in rows
-                     if r["mode"] == mode and r["status"] == "ok")
+        pts = sorted((xs[r["link_gbps"]], r["tokens_per_s"]) for r in rows if r["mode"] == mode and r["status"] == "ok")
         if pts:
             ax.plot(*zip(*pts), marker="o", label=mode)
     ax.set_xticks(list(xs.values()), [f"{g:g}" if g is not None else "unshaped" for g in xs])
@@ -112,8 +147,7 @@ def write_outputs(report: dict, out_dir: str, stem: str = "bench") -> dict:
     """Write the four files; return their paths by kind."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {}
-    for kind, text in (("json", dumps(report)), ("csv", rows_csv(report["results"])),
-                       ("md", markdown_table(report))):
+    for kind, text in (("json", dumps(report)), ("csv", rows_csv(report["results"])), ("md", markdown_table(report))):
         paths[kind] = os.path.join(out_dir, f"{stem}.{kind}")
         write_atomic(paths[kind], text)
     png = plot_throughput(report["results"], os.path.join(out_dir, f"{stem}.png"), report.get("title", ""))

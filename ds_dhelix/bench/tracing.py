@@ -10,6 +10,7 @@ on a CPU gloo world, optionally behind an emulated link, merged into one Chrome/
 ``lane_names`` and ``split_steps`` read a trace back for further analysis
 (``benchmarks/trace_analysis.py``: where the compute lane waited, each pair re-timed).
 """
+
 from __future__ import annotations
 
 import os
@@ -54,10 +55,21 @@ class TraceOptions:
         self.bench_options()  # shape checks
 
     def bench_options(self) -> BenchOptions:
-        return BenchOptions(model=self.model, tp=self.tp, ep=self.ep, cp=self.cp, cp_comm=self.cp_comm, modes=(self.schedule,), link_gbps=(self.link_gbps,),
-                            micro_batches=self.micro_batches, micro_batch_size=self.micro_batch_size,
-                            seq_len=self.seq_len, num_layers=self.num_layers, timeout=self.timeout,
-                            link_burst_kb=self.link_burst_kb)
+        return BenchOptions(
+            model=self.model,
+            tp=self.tp,
+            ep=self.ep,
+            cp=self.cp,
+            cp_comm=self.cp_comm,
+            modes=(self.schedule,),
+            link_gbps=(self.link_gbps,),
+            micro_batches=self.micro_batches,
+            micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len,
+            num_layers=self.num_layers,
+            timeout=self.timeout,
+            link_burst_kb=self.link_burst_kb,
+        )
 
 
 def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
@@ -66,6 +78,7 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
 
     from .modes import build_model
     from .world import make_batches
+
     bench = opts.bench_options()
     trace = {"enabled": True, "path": os.path.abspath(opts.out), "steps": opts.steps}
     extra = {"trace": trace}
@@ -78,19 +91,27 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
     engine = build_engine(build_model(bench), config, example_batch=batches[0])
     steps = []
     share = len(batches) // engine.groups.dp_size  # this data-parallel group's micro-batches
-    mine = batches[engine.groups.dp_rank * share:(engine.groups.dp_rank + 1) * share]
+    mine = batches[engine.groups.dp_rank * share : (engine.groups.dp_rank + 1) * share]
     for _ in range(opts.steps):
         engine.train_batch(iter(mine))
         s = engine.last_stats
         comm, exposed = s.comm_and_exposed  # CUDA: from CUDA events
-        steps.append({"step_s": s.step_s, "compute_s": s.compute_s, "comm_s": comm,
-                      "exposed_s": exposed, "num_comms": s.num_comms})
+        steps.append(
+            {
+                "step_s": s.step_s,
+                "compute_s": s.compute_s,
+                "comm_s": comm,
+                "exposed_s": exposed,
+                "num_comms": s.num_comms,
+            }
+        )
     engine.destroy()
     return {"rank": rank, "steps": steps}
 
 
 def _link_main(opts: TraceOptions) -> list[dict]:
     from ds_dhelix.runtime.spawn import run_ranks
+
     return run_ranks(_rank_main, opts.bench_options().world, args=(opts,), timeout=opts.timeout)
 
 
@@ -98,9 +119,11 @@ def record_trace(opts: TraceOptions) -> dict:
     """Run the traced steps; return ``{"path", "shaped", "per_rank_steps"}``. The trace file is
     written by the engine (rank 0 merges every rank's spans)."""
     from ds_dhelix.runtime.linkemu import link_emulation_available, run_in_link
+
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
-    per_rank = run_in_link(_link_main, opts.link_gbps, args=(opts,), timeout=opts.timeout + 30,
-                           burst_kb=opts.link_burst_kb)
+    per_rank = run_in_link(
+        _link_main, opts.link_gbps, args=(opts,), timeout=opts.timeout + 30, burst_kb=opts.link_burst_kb
+    )
     shaped = opts.link_gbps is not None and link_emulation_available()[0]
     return {"path": os.path.abspath(opts.out), "shaped": shaped, "per_rank_steps": per_rank}
 
@@ -129,8 +152,11 @@ def summarize_trace(trace: dict) -> dict:
 
 def lane_names(trace: dict) -> dict:
     """``{(pid, tid): lane name}`` of a loaded trace."""
-    return {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace.get("traceEvents", [])
-            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
 
 
 def split_steps(compute: list[dict]) -> list[list[dict]]:
@@ -139,8 +165,12 @@ def split_steps(compute: list[dict]) -> list[list[dict]]:
     steps: list[list[dict]] = []
     for e in compute:
         a = e.get("args", {})
-        if not steps or (a.get("microbatch") == 0 and a.get("block") == 0 and a.get("strand") == "F"
-                         and any(x["args"].get("strand") == "B" for x in steps[-1])):
+        if not steps or (
+            a.get("microbatch") == 0
+            and a.get("block") == 0
+            and a.get("strand") == "F"
+            and any(x["args"].get("strand") == "B" for x in steps[-1])
+        ):
             steps.append([])
         steps[-1].append(e)
     return steps

@@ -16,6 +16,7 @@ module is HF's own (called for its logits), so HF's load-balancing loss sees the
 the objective is the model's. Tutel's capacity is dropless (``capacity_factor`` 0: every expert's
 buffer as long as the busiest one, all-reduced over the EP group), as the other modes run.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,14 +46,20 @@ def tutel_unfit(mode: str, ep: int, world: int, model_config, device: str) -> st
         return f"{missing}; install tutel (see the MoE guide) to measure the {mode} row"
     model_type = model_config.model_type
     if model_type not in FAMILIES:
-        return (f"tutel's gate is a softmax top-k over the router's logits; the {model_type} router is not "
-                f"(supported: {', '.join(FAMILIES)}), so a {mode} row would train another model")
+        return (
+            f"tutel's gate is a softmax top-k over the router's logits; the {model_type} router is not "
+            f"(supported: {', '.join(FAMILIES)}), so a {mode} row would train another model"
+        )
     if ep < 2 or world != ep:
-        return (f"the {mode} mode shards the experts over the whole world (--tp 1 --ep N, data parallel N); got "
-                f"ep {ep} on {world} ranks: use --tp 1 --ep 2")
+        return (
+            f"the {mode} mode shards the experts over the whole world (--tp 1 --ep N, data parallel N); got "
+            f"ep {ep} on {world} ranks: use --tp 1 --ep 2"
+        )
     if TUTEL_MODES[mode] > 1 and device != "cuda":
-        return (f"tutel overlaps the all-to-all with the expert FFN (a2a_ffn_overlap_degree "
-                f"{TUTEL_MODES[mode]}) only on CUDA; on {device} it falls back to no overlap, the tutel row")
+        return (
+            f"tutel overlaps the all-to-all with the expert FFN (a2a_ffn_overlap_degree "
+            f"{TUTEL_MODES[mode]}) only on CUDA; on {device} it falls back to no overlap, the tutel row"
+        )
     return None
 
 
@@ -91,6 +98,7 @@ class TutelBlock(nn.Module):
 
     def __init__(self, block: nn.Module, config, group, rank: int, ep: int, degree: int):
         from tutel import moe as tutel_moe
+
         super().__init__()
         renormalise = FAMILIES[config.model_type]
         renormalise = bool(config.norm_topk_prob) if renormalise is None else renormalise
@@ -99,8 +107,11 @@ class TutelBlock(nn.Module):
         self.moe = tutel_moe.moe_layer(
             gate_type={"type": "custom", "module": lambda **_: gate, "capacity_factor": 0.0},
             experts={"type": "custom", "module": lambda **_: experts, "num_experts_per_device": local},
-            model_dim=config.hidden_size, group=group, a2a_ffn_overlap_degree=degree,
-            normalize_gate=renormalise)  # (its own balance loss, l_aux, is left out: HF's is trained)
+            model_dim=config.hidden_size,
+            group=group,
+            a2a_ffn_overlap_degree=degree,
+            normalize_gate=renormalise,
+        )  # (its own balance loss, l_aux, is left out: HF's is trained)
         self.shared_expert = getattr(block, "shared_expert", None)
         self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
 
@@ -129,8 +140,10 @@ def tutel_engine(model: nn.Module, ep: int, config: dict):
     from deepspeed.utils import groups
 
     from ..engine.moe_engine import DeepSpeedExpertEngine
+
     deepspeed.init_distributed(dist_init_required=not dist.is_initialized())
     if f"ep_size_{ep}" not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(ep)
-    return DeepSpeedExpertEngine(args=None, model=model, model_parameters=model.parameters(), config=config,
-                                 config_class=DeepSpeedConfig(config))
+    return DeepSpeedExpertEngine(
+        args=None, model=model, model_parameters=model.parameters(), config=config, config_class=DeepSpeedConfig(config)
+    )

@@ -8,6 +8,7 @@ modes step by step in rotating order and collect per-step records on rank 0.
 ``measure_link(opts, gbps)`` runs the whole world in a child process behind an emulated link
 (``ds_dhelix.runtime.linkemu``): real TCP through gloo at ``gbps`` Gbit/s, or unshaped for None.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,19 +17,15 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from ..verify import random_batches
 from .modes import SkipMode, build_runner
 from .options import BenchOptions
 
 
 def make_batches(opts: BenchOptions, vocab: int) -> list[dict]:
-    """The step's micro-batches (all data-parallel groups'): deterministic random tokens, reused
-    every step and mode; each mode takes its rank's share."""
-    g = torch.Generator().manual_seed(opts.seed + 1)
-    out = []
-    for _ in range(opts.step_micro_batches):
-        ids = torch.randint(3, vocab, (opts.micro_batch_size, opts.seq_len), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+    """The step's micro-batches (all data-parallel groups'): deterministic random tokens
+    (``verify.random_batches``), reused every step and mode; each mode takes its rank's share."""
+    return random_batches(vocab, opts.step_micro_batches, opts.micro_batch_size, opts.seq_len, seed=opts.seed + 1)
 
 
 def _all_ranks(flag: bool) -> bool:
@@ -84,7 +81,7 @@ def build_runners(opts: BenchOptions, batches: list[dict], gbps: float | None) -
     runners, outcome = {}, {}
     for mode in opts.modes:
         t0 = time.perf_counter()
-        runner, failure = _guarded(lambda: build_runner(opts, mode, batches[0], gbps))
+        runner, failure = _guarded(lambda m=mode: build_runner(opts, m, batches[0], gbps))
         build_s = time.perf_counter() - t0
         outcome[mode] = {"status": "ok", "reason": None, "build_s": build_s}
         if failure is not None:
@@ -98,10 +95,11 @@ def build_runners(opts: BenchOptions, batches: list[dict], gbps: float | None) -
 def rank_main(rank: int, world: int, opts: BenchOptions, gbps: float | None):
     """Per rank: build, warm up, measure. Rank 0 returns ``{"modes": {mode: {...}}}``."""
     from hf_models.registry import load_config
+
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     runners, outcome = build_runners(opts, batches, gbps)
     for mode, runner in list(runners.items()):  # warm-up (and auto's trials); a mode failing here is dropped
-        first, failure = _guarded(lambda: _warm_up(runner, batches, opts.warmup))
+        first, failure = _guarded(lambda r=runner: _warm_up(r, batches, opts.warmup))
         outcome[mode]["first_step_loss"] = first
         if failure is not None:
             outcome[mode].update(status=failure[0], reason=f"warm-up step failed: {failure[1]}")
@@ -129,6 +127,7 @@ def rank_main(rank: int, world: int, opts: BenchOptions, gbps: float | None):
 
 def _cpu_cores() -> int:
     import os
+
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -137,6 +136,7 @@ def _cpu_cores() -> int:
 
 def _device_name() -> str:
     from deepspeed.accelerator import get_accelerator
+
     name = get_accelerator().device_name()
     if name == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
@@ -149,8 +149,11 @@ def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
     steps = []
     for recs in zip(*per_rank):
         peaks = [r["peak_activation_bytes"] for r in recs if r.get("peak_activation_bytes") is not None]
-        step = {"step_s": max(r["step_s"] for r in recs), "peak_activation_bytes": max(peaks, default=None),
-                "loss": recs[0].get("loss")}
+        step = {
+            "step_s": max(r["step_s"] for r in recs),
+            "peak_activation_bytes": max(peaks, default=None),
+            "loss": recs[0].get("loss"),
+        }
         for key in ("compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s"):
             values = [r.get(key) for r in recs]
             if key in recs[0]:
@@ -162,6 +165,7 @@ def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
 def _link_main(opts: BenchOptions, gbps: float | None) -> dict:
     """Inside the link's namespace: start the world, return rank 0's result."""
     from ds_dhelix.runtime.spawn import run_ranks
+
     return run_ranks(rank_main, opts.world, args=(opts, gbps), timeout=opts.timeout)[0]
 
 
@@ -169,11 +173,13 @@ def measure_link(opts: BenchOptions, gbps: float | None) -> dict:
     """All modes at one link rate: ``{"modes": ..., "shaped": bool, "wall_s": ...}``; a world that
     fails or hangs gives ``{"error": "..."}`` instead of raising."""
     from ds_dhelix.runtime.linkemu import link_emulation_available, run_in_link
+
     shaped = gbps is not None and link_emulation_available()[0]
     t0, load0 = time.perf_counter(), _loadavg()
     try:
-        result = run_in_link(_link_main, gbps, args=(opts, gbps), timeout=opts.timeout + 30,
-                             burst_kb=opts.link_burst_kb)
+        result = run_in_link(
+            _link_main, gbps, args=(opts, gbps), timeout=opts.timeout + 30, burst_kb=opts.link_burst_kb
+        )
     except Exception as err:  # noqa: BLE001 -- reported in the rows of this link
         result = {"error": f"{type(err).__name__}: {error_line(str(err))}"[:800], "modes": {}}
     result.update(shaped=shaped, wall_s=time.perf_counter() - t0, loadavg_1min=[load0, _loadavg()])
@@ -185,6 +191,7 @@ def error_line(text: str) -> str:
     (``ValueError: ...``), else the last line that is not a warning (a rank's stderr often ends in
     the interpreter's shutdown warnings)."""
     import re
+
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt|Timeout)\b", ln)]
     if errors:
@@ -196,6 +203,7 @@ def error_line(text: str) -> str:
 def _loadavg() -> float | None:
     """The machine's 1-minute load average (other jobs on the cores skew every timing)."""
     import os
+
     try:
         return os.getloadavg()[0]
     except OSError:

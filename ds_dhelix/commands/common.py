@@ -3,6 +3,7 @@ once: ``--model``, ``--tp``, ``--pp``, ``--ep``, ``--cp``, ``--cp-comm``, ``--dp
 ``--micro-batch-size``, ``--micro-batches``, ``--num-layers``, ``--link-gbps`` and
 ``--link-burst-kb`` mean the same, parse the same and read the same in every command that has
 them (``add_layout_flags``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ds_dhelix.bench.options import BenchOptions
-
 
 MATCHED = "matched"
 """The link rate ``dhelix bench`` chooses itself: the sequential run's comm/comp near 1."""
@@ -70,32 +70,58 @@ class LayoutFlag:
         return "--" + self.dest.replace("_", "-")
 
 
-LINK_SWEEP_HELP = ("; several rates run one after another, and 'matched' is the rate at which the sequential "
-                   "run's comm/comp is 0.9-1.1 (calibrated by short sequential runs, reported)")
+LINK_SWEEP_HELP = (
+    "; several rates run one after another, and 'matched' is the rate at which the sequential "
+    "run's comm/comp is 0.9-1.1 (calibrated by short sequential runs, reported)"
+)
 """What ``--link-gbps`` adds where it sweeps rates (``add_layout_flags(..., sweep=True)``: dhelix bench)."""
 
 LAYOUT_FLAGS = (
-    LayoutFlag("model", "preset name or local HF checkpoint dir; dhelix predict, which needs only the shapes, "
-                        "also reads a config.json file", BenchOptions.model, type=None),
+    LayoutFlag(
+        "model",
+        "preset name or local HF checkpoint dir; dhelix predict, which needs only the shapes, "
+        "also reads a config.json file",
+        BenchOptions.model,
+        type=None,
+    ),
     LayoutFlag("tp", "tensor-parallel size", BenchOptions.tp),
     LayoutFlag("pp", "pipeline stages (pipeline-parallel size)", BenchOptions.pp),
-    LayoutFlag("ep", "expert-parallel size (MoE models): experts sharded over ep of the data-parallel ranks",
-               BenchOptions.ep),
+    LayoutFlag(
+        "ep", "expert-parallel size (MoE models): experts sharded over ep of the data-parallel ranks", BenchOptions.ep
+    ),
     LayoutFlag("dp", "data-parallel size; world = tp x cp x pp x dp ranks", Default(None, "--ep")),
     LayoutFlag("cp", "context-parallel size: each sequence's tokens split over cp ranks", BenchOptions.cp),
-    LayoutFlag("cp_comm", "context parallelism's exchange: ulysses (all-to-alls, heads split over the CP ranks) "
-                          "or ring (ring attention: key/value blocks passed point to point, one COMM op per ring "
-                          "step, zig-zag split)", BenchOptions.cp_comm, type=None, choices=("ulysses", "ring")),
+    LayoutFlag(
+        "cp_comm",
+        "context parallelism's exchange: ulysses (all-to-alls, heads split over the CP ranks) "
+        "or ring (ring attention: key/value blocks passed point to point, one COMM op per ring "
+        "step, zig-zag split)",
+        BenchOptions.cp_comm,
+        type=None,
+        choices=("ulysses", "ring"),
+    ),
     LayoutFlag("seq_len", "tokens per sequence", BenchOptions.seq_len),
     LayoutFlag("micro_batch_size", "sequences per micro-batch", BenchOptions.micro_batch_size),
-    LayoutFlag("micro_batches", "micro-batches per optimizer step on each data-parallel rank (gradient "
-                                "accumulation)", BenchOptions.micro_batches),
+    LayoutFlag(
+        "micro_batches",
+        "micro-batches per optimizer step on each data-parallel rank (gradient accumulation)",
+        BenchOptions.micro_batches,
+    ),
     LayoutFlag("num_layers", "shrink the preset to this many decoder layers", Default(None, "the model's")),
-    LayoutFlag("link_gbps", "emulated link rate in Gbit/s (a token-bucket-shaped loopback), or 'unshaped' for "
-                            "plain loopback", Default(None, "unshaped"), type=link_rate, metavar="GBPS"),
-    LayoutFlag("link_burst_kb", "token-bucket burst of the emulated link in KB (the default is just above the "
-                                "loopback MTU; a larger one lets an idle link bank credit)",
-               BenchOptions.link_burst_kb, metavar="KB"),
+    LayoutFlag(
+        "link_gbps",
+        "emulated link rate in Gbit/s (a token-bucket-shaped loopback), or 'unshaped' for plain loopback",
+        Default(None, "unshaped"),
+        type=link_rate,
+        metavar="GBPS",
+    ),
+    LayoutFlag(
+        "link_burst_kb",
+        "token-bucket burst of the emulated link in KB (the default is just above the "
+        "loopback MTU; a larger one lets an idle link bank credit)",
+        BenchOptions.link_burst_kb,
+        metavar="KB",
+    ),
 )
 """Every layout flag, in the order a command lists them."""
 
@@ -108,10 +134,16 @@ def layout_flag(dest: str) -> LayoutFlag:
     raise KeyError(f"{dest!r} is not a layout flag: {', '.join(s.dest for s in LAYOUT_FLAGS)}")
 
 
-def add_layout_flags(parser: argparse.ArgumentParser, which: Sequence[str],
-                     defaults: Mapping[str, object] | None = None, *, sweep: bool = False,
-                     given_only: bool = False, required: Sequence[str] = (),
-                     aliases: Mapping[str, Sequence[str]] | None = None) -> None:
+def add_layout_flags(
+    parser: argparse.ArgumentParser,
+    which: Sequence[str],
+    defaults: Mapping[str, object] | None = None,
+    *,
+    sweep: bool = False,
+    given_only: bool = False,
+    required: Sequence[str] = (),
+    aliases: Mapping[str, Sequence[str]] | None = None,
+) -> None:
     """Add the layout flags ``which`` (``LayoutFlag.dest`` names, in that order) to ``parser``, each with
     its one type, metavar and meaning.
 
@@ -148,9 +180,19 @@ def check_model(opts) -> None:
     from ds_dhelix.config.dims import ParallelDims
     from hf_models.adapters import check_model
     from hf_models.registry import load_config
+
     config = load_config(opts.model)
-    check_model(ParallelDims(opts.world, tp=opts.tp, pp=opts.pp, ep=opts.ep, cp=getattr(opts, "cp", 1),
-                             cp_comm=getattr(opts, "cp_comm", "ulysses")), config)
+    check_model(
+        ParallelDims(
+            opts.world,
+            tp=opts.tp,
+            pp=opts.pp,
+            ep=opts.ep,
+            cp=getattr(opts, "cp", 1),
+            cp_comm=getattr(opts, "cp_comm", "ulysses"),
+        ),
+        config,
+    )
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit and opts.seq_len > limit:
         raise ValueError(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions")

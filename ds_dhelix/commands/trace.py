@@ -8,6 +8,7 @@ one communication lane per strand (``comm:tp:F``, ``comm:tp:B``); spans are name
 strand and micro-batch in their args. ``python -m benchmarks.trace_analysis trace.json`` (research)
 says where the compute lane waited and re-times each pair on an idealised machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,17 +20,32 @@ from .common import add_layout_flags, check_model, stdout_to_stderr
 
 
 def register(sub) -> None:
-    p = sub.add_parser("trace", help="Chrome/Perfetto trace of a few SI steps (compute + comm lanes per rank)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "trace",
+        help="Chrome/Perfetto trace of a few SI steps (compute + comm lanes per rank)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_layout_flags(p, ("model", "tp", "cp", "cp_comm", "ep"))
-    p.add_argument("--schedule", default="si", choices=["si", "si-ends", "si-plan", "sequential"],
-                   help="si: reactive pairs (default); si-ends: reactive, first two forwards and last two "
-                        "backwards paired too (pair_ends); si-plan: the default SI plan with barriers; "
-                        "sequential: no overlap")
-    p.add_argument("--planned", action="store_true",
-                   help="SI run by the planner's plan (planner.profile=auto: profile, then DP search)")
-    p.add_argument("--planner-cache", default=None, metavar="DIR",
-                   help="overlap-table cache for --planned (default: the planner's, ~/.cache/ds_dhelix)")
+    p.add_argument(
+        "--schedule",
+        default="si",
+        choices=["si", "si-ends", "si-plan", "sequential"],
+        help="si: reactive pairs (default); si-ends: reactive, first two forwards and last two "
+        "backwards paired too (pair_ends); si-plan: the default SI plan with barriers; "
+        "sequential: no overlap",
+    )
+    p.add_argument(
+        "--planned",
+        action="store_true",
+        help="SI run by the planner's plan (planner.profile=auto: profile, then DP search)",
+    )
+    p.add_argument(
+        "--planner-cache",
+        default=None,
+        metavar="DIR",
+        help="overlap-table cache for --planned (default: the planner's, ~/.cache/ds_dhelix)",
+    )
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to trace")
     add_layout_flags(p, ("micro_batches", "micro_batch_size", "seq_len", "num_layers", "link_gbps", "link_burst_kb"))
     p.add_argument("--out", default="trace.json", help="trace file to write")
@@ -41,12 +57,26 @@ def register(sub) -> None:
 def run(args) -> int:
     from ds_dhelix.bench.tracing import record_trace, summarize_trace
     from ds_dhelix.runtime.trace import validate_trace
-    opts = TraceOptions(out=args.out, model=args.model, tp=args.tp, ep=args.ep, cp=args.cp, cp_comm=args.cp_comm,
-                        schedule=args.schedule,
-                        planned=args.planned, planner_cache=args.planner_cache, steps=args.steps,
-                        micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                        seq_len=args.seq_len, num_layers=args.num_layers, link_gbps=args.link_gbps,
-                        link_burst_kb=args.link_burst_kb, timeout=args.timeout)
+
+    opts = TraceOptions(
+        out=args.out,
+        model=args.model,
+        tp=args.tp,
+        ep=args.ep,
+        cp=args.cp,
+        cp_comm=args.cp_comm,
+        schedule=args.schedule,
+        planned=args.planned,
+        planner_cache=args.planner_cache,
+        steps=args.steps,
+        micro_batches=args.micro_batches,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        num_layers=args.num_layers,
+        link_gbps=args.link_gbps,
+        link_burst_kb=args.link_burst_kb,
+        timeout=args.timeout,
+    )
     check_model(opts.bench_options())
     with stdout_to_stderr(args.json):
         run_info = record_trace(opts)
@@ -66,8 +96,11 @@ def run(args) -> int:
 
 
 def _print_summary(opts: TraceOptions, run_info: dict, summary: dict) -> None:
-    link = "unshaped loopback" if opts.link_gbps is None else f"{opts.link_gbps:g} Gbit/s" + (
-        "" if run_info["shaped"] else " (emulation unavailable: ran UNSHAPED)")
+    link = (
+        "unshaped loopback"
+        if opts.link_gbps is None
+        else f"{opts.link_gbps:g} Gbit/s" + ("" if run_info["shaped"] else " (emulation unavailable: ran UNSHAPED)")
+    )
     what = f"{opts.schedule}{' (planned)' if opts.planned else ''}"
     print(f"trace of {opts.steps} {what} steps, {opts.model} TP={opts.tp}, {link}: {run_info['path']}")
     print(f"  {summary['wall_ms']:.0f} ms from first to last span")
@@ -77,5 +110,7 @@ def _print_summary(opts: TraceOptions, run_info: dict, summary: dict) -> None:
             print(f"  rank {rank}  {lane:<12} {entry['spans']:6d} spans  {entry['busy_ms']:9.1f} ms busy  ({ops})")
     for r in run_info["per_rank_steps"]:
         s = r["steps"][-1]
-        print(f"  rank {r['rank']} last step: {s['step_s'] * 1e3:.0f} ms, compute {s['compute_s'] * 1e3:.0f} ms, "
-              f"comm {s['comm_s'] * 1e3:.0f} ms ({s['exposed_s'] * 1e3:.0f} ms exposed), {s['num_comms']} collectives")
+        print(
+            f"  rank {r['rank']} last step: {s['step_s'] * 1e3:.0f} ms, compute {s['compute_s'] * 1e3:.0f} ms, "
+            f"comm {s['comm_s'] * 1e3:.0f} ms ({s['exposed_s'] * 1e3:.0f} ms exposed), {s['num_comms']} collectives"
+        )

@@ -4,12 +4,51 @@ Plain data: imports only ``ds_dhelix.graph`` (the recompute modes); never torch.
 
 ``from ds_dhelix.config import DhelixConfig`` keeps working: the section's names are re-exported.
 """
-from .section import (AUTO_CANDIDATES, CP_COMMS, MOE_KERNELS, ONE_STAGE_SCHEDULES, PIPELINE_SCHEDULES, RECOMPUTE_MODES, SCHEDULES,
-                      SECTION, SI_EXECUTIONS, BatchSizes, BenchmarkConfig, ContextParallelConfig, DhelixConfig,
-                      ExpertParallelConfig, MoeConfig, PipelineConfig, PlannerConfig, TensorParallelConfig, TraceConfig,
-                      derive_batch, load_ds_config)
 
-__all__ = ["AUTO_CANDIDATES", "CP_COMMS", "MOE_KERNELS", "ONE_STAGE_SCHEDULES", "PIPELINE_SCHEDULES", "RECOMPUTE_MODES", "SCHEDULES",
-           "SECTION", "SI_EXECUTIONS", "BatchSizes", "BenchmarkConfig", "ContextParallelConfig", "DhelixConfig",
-           "ExpertParallelConfig", "MoeConfig", "PipelineConfig", "PlannerConfig", "TensorParallelConfig", "TraceConfig",
-           "derive_batch", "load_ds_config"]
+from .section import (
+    AUTO_CANDIDATES,
+    CP_COMMS,
+    MOE_KERNELS,
+    ONE_STAGE_SCHEDULES,
+    PIPELINE_SCHEDULES,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    SECTION,
+    SI_EXECUTIONS,
+    BatchSizes,
+    BenchmarkConfig,
+    ContextParallelConfig,
+    DhelixConfig,
+    ExpertParallelConfig,
+    MoeConfig,
+    PipelineConfig,
+    PlannerConfig,
+    TensorParallelConfig,
+    TraceConfig,
+    derive_batch,
+    load_ds_config,
+)
+
+__all__ = [
+    "AUTO_CANDIDATES",
+    "CP_COMMS",
+    "MOE_KERNELS",
+    "ONE_STAGE_SCHEDULES",
+    "PIPELINE_SCHEDULES",
+    "RECOMPUTE_MODES",
+    "SCHEDULES",
+    "SECTION",
+    "SI_EXECUTIONS",
+    "BatchSizes",
+    "BenchmarkConfig",
+    "ContextParallelConfig",
+    "DhelixConfig",
+    "ExpertParallelConfig",
+    "MoeConfig",
+    "PipelineConfig",
+    "PlannerConfig",
+    "TensorParallelConfig",
+    "TraceConfig",
+    "derive_batch",
+    "load_ds_config",
+]

@@ -11,6 +11,7 @@ groups; the weights are replicated over DP x CP (DeepSpeed reduces gradients ove
 
 Plain data: no torch.distributed. ``ProcessGroups.create(dims)`` (``groups.py``) builds the groups.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,23 +52,33 @@ class ParallelDims:
         model = self.tp * self.pp * self.cp
         if self.world % model:
             cp = f" x context_parallel.size {self.cp}" if self.cp > 1 else ""
-            raise ValueError(f"world size {self.world} is not divisible by tensor_parallel.size {self.tp} x "
-                             f"pipeline.stages {self.pp}{cp} = {model}; tp x pp{' x cp' if cp else ''} must be "
-                             f"one of {divisors(self.world)}")
+            raise ValueError(
+                f"world size {self.world} is not divisible by tensor_parallel.size {self.tp} x "
+                f"pipeline.stages {self.pp}{cp} = {model}; tp x pp{' x cp' if cp else ''} must be "
+                f"one of {divisors(self.world)}"
+            )
         if self.cp_comm not in ("ulysses", "ring"):
             raise ValueError(f"context_parallel.comm {self.cp_comm!r}: choose ulysses or ring")
         if self.dp % self.ep:
-            raise ValueError(f"expert_parallel.size {self.ep} does not divide the data-parallel size {self.dp} "
-                             f"(world {self.world} / tp {self.tp} / pp {self.pp}; experts are sharded inside "
-                             f"the data-parallel group); valid ep sizes: {divisors(self.dp)}")
+            raise ValueError(
+                f"expert_parallel.size {self.ep} does not divide the data-parallel size {self.dp} "
+                f"(world {self.world} / tp {self.tp} / pp {self.pp}; experts are sharded inside "
+                f"the data-parallel group); valid ep sizes: {divisors(self.dp)}"
+            )
 
     @classmethod
-    def from_config(cls, dh, world: int) -> "ParallelDims":
+    def from_config(cls, dh, world: int) -> ParallelDims:
         """The degrees a ``DhelixConfig`` asks for on ``world`` ranks (a disabled section: pure DP)."""
         if not dh.enabled:
             return cls(world)
-        return cls(world, tp=dh.tensor_parallel.size, pp=dh.pipeline.stages, ep=dh.expert_parallel.size,
-                   cp=dh.context_parallel.size, cp_comm=dh.context_parallel.comm)
+        return cls(
+            world,
+            tp=dh.tensor_parallel.size,
+            pp=dh.pipeline.stages,
+            ep=dh.expert_parallel.size,
+            cp=dh.context_parallel.size,
+            cp_comm=dh.context_parallel.comm,
+        )
 
     @property
     def dp(self) -> int:
@@ -93,12 +104,15 @@ class ParallelDims:
         if self.cp == 1:
             how = f"tensor_parallel.size {self.tp}"
         elif self.cp_comm == "ring":
-            how = (f"2 x tensor_parallel.size {self.tp} x context_parallel.size {self.cp} = {m} (ring attention's "
-                   f"zig-zag split: {2 * self.cp} chunks, each cut by TP)")
+            how = (
+                f"2 x tensor_parallel.size {self.tp} x context_parallel.size {self.cp} = {m} (ring attention's "
+                f"zig-zag split: {2 * self.cp} chunks, each cut by TP)"
+            )
         else:
             how = f"tensor_parallel.size {self.tp} x context_parallel.size {self.cp} = {m}"
-        raise ValueError(f"{what} {seq_len} is not divisible by {how}; use a multiple of {m} "
-                         f"(e.g. {max(m, round(seq_len / m) * m)})")
+        raise ValueError(
+            f"{what} {seq_len} is not divisible by {how}; use a multiple of {m} (e.g. {max(m, round(seq_len / m) * m)})"
+        )
 
     @property
     def edp(self) -> int:
@@ -133,8 +147,10 @@ def check_cp_heads(model_config, tp: int, cp: int) -> None:
 
     if not fits(cp):
         valid = [c for c in divisors(heads // tp) if fits(c)]
-        raise ValueError(f"context_parallel.size {cp} with tensor_parallel.size {tp}: num_attention_heads={heads}, "
-                         f"num_key_value_heads={kv} do not split into {cp} whole query-head groups per TP rank "
-                         f"(each with kv heads {max(kv // tp, 1)} / {cp} or one shared head); valid context_parallel.size "
-                         f"with tensor_parallel.size {tp}: {valid}; or context_parallel.comm 'ring' (no head "
-                         f"condition beyond TP's)")
+        raise ValueError(
+            f"context_parallel.size {cp} with tensor_parallel.size {tp}: num_attention_heads={heads}, "
+            f"num_key_value_heads={kv} do not split into {cp} whole query-head groups per TP rank "
+            f"(each with kv heads {max(kv // tp, 1)} / {cp} or one shared head); valid context_parallel.size "
+            f"with tensor_parallel.size {tp}: {valid}; or context_parallel.comm 'ring' (no head "
+            f"condition beyond TP's)"
+        )

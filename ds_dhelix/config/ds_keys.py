@@ -7,6 +7,7 @@ DeepSpeed looks up while it parses (``get``, ``[]``, ``in``, ``keys()``), and th
 DeepSpeed's removed-key table (it raises its own message for those). ``EXTRA_KEYS`` are the few it
 reads outside that parse.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -14,11 +15,14 @@ import functools
 import logging
 import warnings
 
-EXTRA_KEYS = frozenset({
-    "sequence_parallel_size", "data_parallel_size",  # read by deepspeed.initialize / DeepSpeedConfig
-                                                     # only in a distributed world (Ulysses mesh)
-    "dhelix",                                        # this project's section
-})
+EXTRA_KEYS = frozenset(
+    {
+        "sequence_parallel_size",
+        "data_parallel_size",  # read by deepspeed.initialize / DeepSpeedConfig
+        # only in a distributed world (Ulysses mesh)
+        "dhelix",  # this project's section
+    }
+)
 
 
 class _Keys:
@@ -67,11 +71,12 @@ class _RecordingDict(dict):
         return _Keys(self, self.seen)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def deepspeed_keys() -> frozenset[str]:
     """Every top-level key the installed DeepSpeed reads (see the module docstring)."""
     from deepspeed.runtime import config as ds_config_module
     from deepspeed.utils import logger
+
     probe = _RecordingDict({"train_batch_size": 1})
     probe.seen = set()
     level = logger.level
@@ -85,8 +90,10 @@ def deepspeed_keys() -> frozenset[str]:
     removed = set(getattr(ds_config_module, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))
     known = frozenset(k for k in probe.seen | removed if isinstance(k, str)) | EXTRA_KEYS
     if not {"train_batch_size", "optimizer", "zero_optimization"} <= known:
-        raise RuntimeError(f"could not read DeepSpeed's config keys (found {sorted(known)}); "
-                           f"set dhelix.allow_unknown_deepspeed_keys to true to skip the check")
+        raise RuntimeError(
+            f"could not read DeepSpeed's config keys (found {sorted(known)}); "
+            f"set dhelix.allow_unknown_deepspeed_keys to true to skip the check"
+        )
     return known
 
 
@@ -99,14 +106,17 @@ def check_deepspeed_keys(ds_config: dict, allow_unknown: bool = False) -> list[s
     if not unknown:
         return []
     import deepspeed
+
     key = unknown[0]
     close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     others = f" (and {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
-    text = (f"unknown DeepSpeed config key '{key}'{others}{hint} DeepSpeed {deepspeed.__version__} would "
-            f"ignore it silently")
+    text = (
+        f"unknown DeepSpeed config key '{key}'{others}{hint} DeepSpeed {deepspeed.__version__} would ignore it silently"
+    )
     if allow_unknown:
         warnings.warn(f"{text}; kept because dhelix.allow_unknown_deepspeed_keys is true", stacklevel=2)
         return unknown
-    raise ValueError(f"{text}; fix the key, or set \"dhelix\": {{\"allow_unknown_deepspeed_keys\": true}} "
-                     f"for a key of a newer DeepSpeed")
+    raise ValueError(
+        f'{text}; fix the key, or set "dhelix": {{"allow_unknown_deepspeed_keys": true}} for a key of a newer DeepSpeed'
+    )

@@ -4,6 +4,7 @@ default, allowed values, the field's docstring), for the generated configuration
     rows()      [KeyDoc(key="tensor_parallel.size", type="int", default="1", choices=(), doc="..."), ...]
     markdown()  the reference table (the docs build puts it into ``docs/reference/config.md``)
 """
+
 from __future__ import annotations
 
 import ast
@@ -32,8 +33,13 @@ def field_docs(cls) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
-                isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -47,8 +53,15 @@ def rows(cls=DhelixConfig, prefix: str = "") -> list[KeyDoc]:
             out += rows(tp, f"{prefix}{f.name}.")
             continue
         default = getattr(defaults, f.name)
-        out.append(KeyDoc(prefix + f.name, type_name(tp), json.dumps(list(default) if isinstance(default, tuple) else default),
-                          tuple(cls.CHOICES.get(f.name, ())), docs.get(f.name, "")))
+        out.append(
+            KeyDoc(
+                prefix + f.name,
+                type_name(tp),
+                json.dumps(list(default) if isinstance(default, tuple) else default),
+                tuple(cls.CHOICES.get(f.name, ())),
+                docs.get(f.name, ""),
+            )
+        )
     return out
 
 

@@ -33,9 +33,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .dims import ParallelDims
 from ..graph.recompute import MODES
 from ..schedule.registry import ONE_STAGE, PIPELINE, auto_candidates, names
+from .dims import ParallelDims
 
 SCHEDULES = names(configured=True)
 """Valid values of ``dhelix.schedule`` (the schedule registry's, ``ds_dhelix.schedule.registry``)."""
@@ -179,9 +179,7 @@ class _Section:
             given = getattr(self, f.name)
             value = _normalize(given, tp)
             if not _matches(value, tp):
-                raise ValueError(
-                    f"{self._path}.{f.name} must be {type_name(tp)}, got {type(given).__name__} {given!r}"
-                )
+                raise ValueError(f"{self._path}.{f.name} must be {type_name(tp)}, got {type(given).__name__} {given!r}")
             object.__setattr__(self, f.name, value)
 
     def _fail(self, name: str, why: str) -> ValueError:
@@ -218,8 +216,11 @@ class TensorParallelConfig(_Section):
         self._check_types()
         self._at_least("size", 1)
         if not self.sequence_parallel:
-            raise self._fail("sequence_parallel", "ds_dhelix's tensor parallelism always shards activations "
-                                                  "along the sequence between TP regions; remove the key or set true")
+            raise self._fail(
+                "sequence_parallel",
+                "ds_dhelix's tensor parallelism always shards activations "
+                "along the sequence between TP regions; remove the key or set true",
+            )
 
 
 @dataclass(frozen=True)
@@ -317,8 +318,10 @@ class PipelineConfig(_Section):
                     f"(layers are never dropped); give one positive layer count per chunk or null for an even split"
                 )
             if self.stages == 1:
-                raise ValueError(f"{self._path}.split = {list(self.split)} with stages = 1: a split cuts the layers "
-                                 f"of a pipeline into its chunks; remove it, or set stages >= 2")
+                raise ValueError(
+                    f"{self._path}.split = {list(self.split)} with stages = 1: a split cuts the layers "
+                    f"of a pipeline into its chunks; remove it, or set stages >= 2"
+                )
 
     def num_chunks(self) -> int:
         """Layer chunks of the pipeline: 2 x stages (every pipeline schedule runs on the fold)."""
@@ -406,8 +409,11 @@ class DhelixConfig(_Section):
 
     _path: ClassVar[str] = SECTION
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "schedule": SCHEDULES, "si_execution": SI_EXECUTIONS, "recompute": RECOMPUTE_MODES,
-        "auto_candidates": AUTO_CANDIDATES + tuple(c for c in PIPELINE_AUTO_CANDIDATES if c not in AUTO_CANDIDATES)}
+        "schedule": SCHEDULES,
+        "si_execution": SI_EXECUTIONS,
+        "recompute": RECOMPUTE_MODES,
+        "auto_candidates": AUTO_CANDIDATES + tuple(c for c in PIPELINE_AUTO_CANDIDATES if c not in AUTO_CANDIDATES),
+    }
 
     enabled: bool = False
     """Turn DHelix on; off = plain DeepSpeed behaviour."""
@@ -491,40 +497,33 @@ class DhelixConfig(_Section):
             close = difflib.get_close_matches(self.schedule, SCHEDULES, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise self._fail("schedule", f"choose one of {', '.join(SCHEDULES)}{hint}")
-        if self.si_execution in DEPRECATED_SI_EXECUTIONS:
-            new = DEPRECATED_SI_EXECUTIONS[self.si_execution]
-            warnings.warn(f"dhelix.si_execution = {self.si_execution!r} is deprecated and will be refused in the "
-                          f"next release; use {new!r} (same behaviour)", FutureWarning, stacklevel=2)
-            object.__setattr__(self, "si_execution", new)
-        if self.si_execution not in SI_EXECUTIONS:
-            names = SI_EXECUTIONS + tuple(DEPRECATED_SI_EXECUTIONS)
-            close = difflib.get_close_matches(self.si_execution, names, n=1, cutoff=0.5)
-            new = DEPRECATED_SI_EXECUTIONS.get(close[0], close[0]) if close else None
-            hint = f"; did you mean '{new}'?" + (f" (formerly '{close[0]}')" if new != close[0] else "") \
-                if close else ""
-            raise self._fail("si_execution", f"choose one of {', '.join(SI_EXECUTIONS)}{hint}")
+        self._check_si_execution()
         if self.planner.profile != "off" and self.si_execution != "plan":
             raise ValueError(
                 f"dhelix.planner.profile = {self.planner.profile!r} needs dhelix.si_execution = 'plan' "
                 f"(got {self.si_execution!r}): the planner's plan is only run in plan mode; set "
-                f"\"si_execution\": \"plan\" or \"planner\": {{\"profile\": \"off\"}}")
+                f'"si_execution": "plan" or "planner": {{"profile": "off"}}'
+            )
         self._check_auto()
         if self.schedule == "intra" and self.si_execution != "reactive":
             raise ValueError(
                 f"dhelix.si_execution = {self.si_execution!r} with schedule 'intra': si_execution says how an SI "
                 f"pair runs, and intra pairs the two halves of one micro-batch, always reactively; remove "
-                f"\"si_execution\" or use \"schedule\": \"si\"")
+                f'"si_execution" or use "schedule": "si"'
+            )
         if self.schedule == "auto" and self.si_execution != "reactive" and "intra" in self.auto_schedules:
             raise ValueError(
                 f"dhelix.auto_candidates includes 'intra' with si_execution {self.si_execution!r}: auto would time "
-                f"intra on the plan executor (no deferred weight gradients), not as \"schedule\": \"intra\" runs it; "
-                f"drop 'intra' from auto_candidates or use si_execution 'reactive'")
+                f'intra on the plan executor (no deferred weight gradients), not as "schedule": "intra" runs it; '
+                f"drop 'intra' from auto_candidates or use si_execution 'reactive'"
+            )
         if self.pair_ends and (self.schedule not in ("si", "auto") or self.si_execution != "reactive"):
             raise ValueError(
                 f"dhelix.pair_ends = true needs schedule 'si' (or 'auto') with si_execution 'reactive' (got schedule "
                 f"{self.schedule!r}, si_execution {self.si_execution!r}): it pairs the first two forwards "
-                f"and the last two backwards of a non-pipelined SI step; set \"pair_ends\": false or use "
-                f"\"schedule\": \"si\", \"si_execution\": \"reactive\"")
+                f'and the last two backwards of a non-pipelined SI step; set "pair_ends": false or use '
+                f'"schedule": "si", "si_execution": "reactive"'
+            )
         self._positive("watchdog_s")
         self._at_least("log_interval", 1)
         self._at_least("auto_trials", 1)
@@ -541,6 +540,26 @@ class DhelixConfig(_Section):
                 f"stages fold the layers into {chunks} chunks (2 x stages); give one layer count per chunk"
             )
 
+    def _check_si_execution(self) -> None:
+        """``si_execution``: a valid value (a deprecated one warned about and replaced)."""
+        if self.si_execution in DEPRECATED_SI_EXECUTIONS:
+            new = DEPRECATED_SI_EXECUTIONS[self.si_execution]
+            warnings.warn(
+                f"dhelix.si_execution = {self.si_execution!r} is deprecated and will be refused in the "
+                f"next release; use {new!r} (same behaviour)",
+                FutureWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "si_execution", new)
+        if self.si_execution not in SI_EXECUTIONS:
+            names = SI_EXECUTIONS + tuple(DEPRECATED_SI_EXECUTIONS)
+            close = difflib.get_close_matches(self.si_execution, names, n=1, cutoff=0.5)
+            new = DEPRECATED_SI_EXECUTIONS.get(close[0], close[0]) if close else None
+            hint = (
+                f"; did you mean '{new}'?" + (f" (formerly '{close[0]}')" if new != close[0] else "") if close else ""
+            )
+            raise self._fail("si_execution", f"choose one of {', '.join(SI_EXECUTIONS)}{hint}")
+
     @property
     def auto_schedules(self) -> tuple[str, ...]:
         """The schedules "auto" times: ``auto_candidates``, or the layout's default (one stage:
@@ -552,16 +571,23 @@ class DhelixConfig(_Section):
     def _check_auto(self) -> None:
         if self.auto_candidates is None:
             return
-        allowed, where = ((PIPELINE_AUTO_CANDIDATES, f"with pipeline.stages = {self.pipeline.stages}")
-                          if self.pipeline.stages > 1 else (AUTO_CANDIDATES, "on one stage"))
+        allowed, where = (
+            (PIPELINE_AUTO_CANDIDATES, f"with pipeline.stages = {self.pipeline.stages}")
+            if self.pipeline.stages > 1
+            else (AUTO_CANDIDATES, "on one stage")
+        )
         bad = [c for c in self.auto_candidates if c not in allowed]
         if bad or len(set(self.auto_candidates)) != len(self.auto_candidates) or len(self.auto_candidates) < 2:
             other = AUTO_CANDIDATES if self.pipeline.stages > 1 else PIPELINE_AUTO_CANDIDATES
             kind = "one-stage" if self.pipeline.stages > 1 else "pipeline"
-            hint = (f" ({', '.join(map(repr, bad))}: {kind} schedule{'s' if len(bad) > 1 else ''})"
-                    if bad and all(b in other for b in bad) else "")
-            raise self._fail("auto_candidates", f"give two or more different schedules of {list(allowed)} "
-                                                f"{where}{hint}")
+            hint = (
+                f" ({', '.join(map(repr, bad))}: {kind} schedule{'s' if len(bad) > 1 else ''})"
+                if bad and all(b in other for b in bad)
+                else ""
+            )
+            raise self._fail(
+                "auto_candidates", f"give two or more different schedules of {list(allowed)} {where}{hint}"
+            )
 
     def to_dict(self) -> dict:
         out = super().to_dict()
@@ -575,12 +601,14 @@ class DhelixConfig(_Section):
         config = super().from_dict(d)
         given = [k for k in AUTO_KEYS if k in (d or {})]
         if given and config.schedule != "auto":
-            raise ValueError(f"dhelix.{given[0]} is set but schedule is {config.schedule!r}: the auto_* keys apply to "
-                             f"\"schedule\": \"auto\" only; remove them or set the schedule to 'auto'")
+            raise ValueError(
+                f"dhelix.{given[0]} is set but schedule is {config.schedule!r}: the auto_* keys apply to "
+                f'"schedule": "auto" only; remove them or set the schedule to \'auto\''
+            )
         return config
 
     @classmethod
-    def from_ds_config(cls, ds_config: dict) -> "DhelixConfig":
+    def from_ds_config(cls, ds_config: dict) -> DhelixConfig:
         """Parse ``ds_config["dhelix"]``; a config without the section gives the disabled defaults."""
         if not isinstance(ds_config, dict):
             raise ValueError(f"ds_config must be a dict (parsed JSON object), got {type(ds_config).__name__}")
@@ -637,8 +665,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def derive_batch(
-    ds_config: dict, world_size: int | ParallelDims, tp: int | None = None, pp: int | None = None,
-    ep: int | None = None
+    ds_config: dict, world_size: int | ParallelDims, tp: int | None = None, pp: int | None = None, ep: int | None = None
 ) -> BatchSizes:
     """Fill in the missing batch values like DeepSpeed does and check that they add up.
 
@@ -649,14 +676,18 @@ def derive_batch(
         dims = world_size
     else:
         cfg = DhelixConfig.from_ds_config(ds_config)
-        dims = ParallelDims(world_size, tp=cfg.tensor_parallel.size if tp is None else tp,
-                            pp=cfg.pipeline.stages if pp is None else pp,
-                            ep=cfg.expert_parallel.size if ep is None else ep,
-                            cp=cfg.context_parallel.size if cfg.enabled else 1)
+        dims = ParallelDims(
+            world_size,
+            tp=cfg.tensor_parallel.size if tp is None else tp,
+            pp=cfg.pipeline.stages if pp is None else pp,
+            ep=cfg.expert_parallel.size if ep is None else ep,
+            cp=cfg.context_parallel.size if cfg.enabled else 1,
+        )
     ep_note = f"; ep {dims.ep} does not change it" if dims.ep > 1 else ""
     cp_note = f" / cp {dims.cp}" if dims.cp > 1 else ""
-    tb, mb, ga = _batch_triple(ds_config, dims.dp,
-                               f"(world {dims.world} / tp {dims.tp} / pp {dims.pp}{cp_note}{ep_note})")
+    tb, mb, ga = _batch_triple(
+        ds_config, dims.dp, f"(world {dims.world} / tp {dims.tp} / pp {dims.pp}{cp_note}{ep_note})"
+    )
     return BatchSizes(dims, mb, ga, tb)
 
 
@@ -674,16 +705,14 @@ def _batch_triple(ds_config: dict, dp: int, how: str) -> tuple[int, int, int]:
         ga = tb // (mb * dp) if tb % (mb * dp) == 0 else None
         if ga is None or ga < 1:
             raise ValueError(
-                f"{_TB} {tb} is not a multiple of micro {mb} x {dp_text}; "
-                f"set {_TB} to a multiple of {mb * dp}"
+                f"{_TB} {tb} is not a multiple of micro {mb} x {dp_text}; set {_TB} to a multiple of {mb * dp}"
             )
     elif tb is not None and mb is None:
         ga = 1 if ga is None else ga
         mb = tb // (ga * dp) if tb % (ga * dp) == 0 else None
         if mb is None or mb < 1:
             raise ValueError(
-                f"{_TB} {tb} is not a multiple of accumulation {ga} x {dp_text}; "
-                f"set {_TB} to a multiple of {ga * dp}"
+                f"{_TB} {tb} is not a multiple of accumulation {ga} x {dp_text}; set {_TB} to a multiple of {ga * dp}"
             )
     elif tb is None:
         ga = 1 if ga is None else ga

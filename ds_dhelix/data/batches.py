@@ -4,14 +4,14 @@ data-parallel replicas, resumable at any micro-batch; the one-shape check every 
     batch_iterator(ids, micro, seq_len, seed, rank, replicas, start, packing)
         -> {"input_ids", "labels"} [micro, seq_len] (+ "position_ids" | "attention_mask")
 """
+
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from .inputs import document_positions
-
 
 PACKINGS = ("concat", "docs", "none")
 """How documents become blocks of ``seq_len`` tokens (``train.py --packing``):
@@ -32,8 +32,14 @@ class TokenDataset(torch.utils.data.Dataset):
     and "none"); ``pad_id``: the padding of "none". The tail shorter than a block is left out
     (``concat`` / ``docs``)."""
 
-    def __init__(self, token_ids: Sequence[int] | torch.Tensor, seq_len: int, packing: str = "concat",
-                 eos_id: int | None = None, pad_id: int = 0):
+    def __init__(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        seq_len: int,
+        packing: str = "concat",
+        eos_id: int | None = None,
+        pad_id: int = 0,
+    ):
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
         _check_positive("seq_len", seq_len)
         if packing not in PACKINGS:
@@ -76,19 +82,29 @@ class BlockDataset(torch.utils.data.Dataset):
     rows = TokenDataset.rows
 
 
-def block_batches(dataset, micro_batch_size: int, seed: int, rank: int = 0, num_replicas: int = 1,
-                  start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+def block_batches(
+    dataset, micro_batch_size: int, seed: int, rank: int = 0, num_replicas: int = 1, start: int = 0
+) -> Iterator[dict[str, torch.Tensor]]:
     """``batch_iterator`` over blocks already packed (a ``TokenDataset`` or ``BlockDataset``)."""
     _check_start(start)
     num_batches = len(dataset) // num_replicas // micro_batch_size
     if num_batches == 0:
-        raise ValueError(f"{len(dataset)} blocks cannot fill one micro-batch of {micro_batch_size} on each of "
-                         f"{num_replicas} replicas; use more data, a shorter seq_len or a smaller micro-batch")
+        raise ValueError(
+            f"{len(dataset)} blocks cannot fill one micro-batch of {micro_batch_size} on each of "
+            f"{num_replicas} replicas; use more data, a shorter seq_len or a smaller micro-batch"
+        )
     return _batches(dataset, micro_batch_size, seed, rank, num_replicas, num_batches, start)
 
 
-def stream_batches(epoch_blocks, micro_batch_size: int, seed: int, rank: int = 0, num_replicas: int = 1,
-                   start: int = 0, buffer: int = 1024) -> Iterator[dict[str, torch.Tensor]]:
+def stream_batches(
+    epoch_blocks,
+    micro_batch_size: int,
+    seed: int,
+    rank: int = 0,
+    num_replicas: int = 1,
+    start: int = 0,
+    buffer: int = 1024,
+) -> Iterator[dict[str, torch.Tensor]]:
     """Endless micro-batches from a stream of blocks read as it goes: ``epoch_blocks(epoch)``
     gives one epoch's blocks in file order; they are shuffled in a window of ``buffer`` blocks
     (seeded by ``seed + epoch``) and dealt in rounds of ``micro_batch_size x num_replicas``,
@@ -107,8 +123,9 @@ def stream_batches(epoch_blocks, micro_batch_size: int, seed: int, rank: int = 0
             if done > start:
                 yield {k: torch.stack([b[k] for b in round_[rank::num_replicas]]) for k in round_[0]}
         if made == 0:
-            raise ValueError(f"the data stream cannot fill one micro-batch of {micro_batch_size} on each of "
-                             f"{num_replicas} replicas")
+            raise ValueError(
+                f"the data stream cannot fill one micro-batch of {micro_batch_size} on each of {num_replicas} replicas"
+            )
         epoch += 1
 
 
@@ -141,16 +158,16 @@ def _padded_documents(ids: torch.Tensor, seq_len: int, eos_id: int, pad_id: int)
     ends = (ids == eos_id).nonzero().flatten().tolist()
     rows, lo = [], 0
     for end in ends + ([ids.numel() - 1] if not ends or ends[-1] != ids.numel() - 1 else []):
-        doc = ids[lo:end + 1]
+        doc = ids[lo : end + 1]
         lo = end + 1
-        rows += [doc[i:i + seq_len] for i in range(0, doc.numel(), seq_len)]
+        rows += [doc[i : i + seq_len] for i in range(0, doc.numel(), seq_len)]
     if not rows:
         raise ValueError("no documents to pad")
     input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), seq_len), dtype=torch.long)
     for r, row in enumerate(rows):
-        input_ids[r, :row.numel()] = row
-        mask[r, :row.numel()] = 1
+        input_ids[r, : row.numel()] = row
+        mask[r, : row.numel()] = 1
     return {"input_ids": input_ids, "labels": input_ids.masked_fill(mask == 0, -100), "attention_mask": mask}
 
 

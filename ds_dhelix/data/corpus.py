@@ -1,7 +1,7 @@
 """Training text without downloads: the embedded corpus and its tokenizer.
 
-    build_embedded_corpus()  pydoc topics + stdlib docstrings (~1 MB of English, deterministic)
-        -> get_tokenizer()   byte-level BPE, trained once and cached on disk by (vocab, corpus hash)
+build_embedded_corpus()  pydoc topics + stdlib docstrings (~1 MB of English, deterministic)
+    -> get_tokenizer()   byte-level BPE, trained once and cached on disk by (vocab, corpus hash)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import inspect
 import os
 import shutil
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
@@ -27,15 +27,84 @@ _TOKENIZER_FORMAT = 1  # bump when the training recipe changes, to invalidate ca
 
 # Fixed list, fixed order. Pure-Python modules are read as source, never imported.
 CORPUS_MODULES = (
-    "_collections_abc", "abc", "argparse", "ast", "base64", "bisect", "builtins", "calendar", "cmd", "codecs",
-    "collections", "concurrent.futures._base", "configparser", "contextlib", "copy", "csv", "dataclasses",
-    "datetime", "difflib", "email.message", "enum", "fractions", "functools", "gettext", "glob", "gzip",
-    "hashlib", "heapq", "hmac", "html.parser", "http.client", "inspect", "io", "ipaddress", "itertools",
-    "json", "locale", "logging", "mailbox", "math", "numbers", "operator", "optparse", "os", "pathlib",
-    "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "selectors", "shlex", "shutil", "socket",
-    "sqlite3", "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "time",
-    "timeit", "tokenize", "traceback", "types", "typing", "unittest.case", "urllib.parse", "urllib.request",
-    "uuid", "warnings", "weakref", "xml.etree.ElementTree", "zipfile",
+    "_collections_abc",
+    "abc",
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "builtins",
+    "calendar",
+    "cmd",
+    "codecs",
+    "collections",
+    "concurrent.futures._base",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "difflib",
+    "email.message",
+    "enum",
+    "fractions",
+    "functools",
+    "gettext",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html.parser",
+    "http.client",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "locale",
+    "logging",
+    "mailbox",
+    "math",
+    "numbers",
+    "operator",
+    "optparse",
+    "os",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "selectors",
+    "shlex",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "time",
+    "timeit",
+    "tokenize",
+    "traceback",
+    "types",
+    "typing",
+    "unittest.case",
+    "urllib.parse",
+    "urllib.request",
+    "uuid",
+    "warnings",
+    "weakref",
+    "xml.etree.ElementTree",
+    "zipfile",
 )
 
 
@@ -145,9 +214,7 @@ def train_tokenizer(text: str, vocab_size: int = DEFAULT_VOCAB_SIZE):
     chunks = text.split("\n\n")  # paragraphs: lets the trainer count words in parallel
     tok.train_from_iterator(chunks, trainer=trainer, length=len(chunks))
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, BOS_ID, EOS_ID]
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
 
 
 def get_tokenizer(cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR, vocab_size: int = DEFAULT_VOCAB_SIZE):

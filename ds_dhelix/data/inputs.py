@@ -1,5 +1,6 @@
 """What a micro-batch carries to the model besides its token ids: HF's causal-LM targets, the
 positions and the causal (block-diagonal for packed documents) attention mask."""
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,9 @@ def document_positions(blocks: torch.Tensor, eos_id: int) -> dict[str, torch.Ten
     return {"labels": labels, "position_ids": index - last_start}
 
 
-def attention_mask(seq_len: int, position_ids: torch.Tensor | None = None, additive_dtype=None, device=None,
-                   window: int | None = None):
+def attention_mask(
+    seq_len: int, position_ids: torch.Tensor | None = None, additive_dtype=None, device=None, window: int | None = None
+):
     """The causal mask [b or 1, 1, s, s], block-diagonal over packed documents when
     ``position_ids`` are given (a document starts where its position is 0), cut to a sliding
     ``window`` when given (query i sees keys i - window + 1 .. i, as HF's sliding-window layers):
@@ -50,7 +52,8 @@ def attention_mask(seq_len: int, position_ids: torch.Tensor | None = None, addit
     if additive_dtype is None:
         return allowed
     return torch.zeros(allowed.shape, dtype=additive_dtype, device=device).masked_fill(
-        ~allowed, torch.finfo(additive_dtype).min)
+        ~allowed, torch.finfo(additive_dtype).min
+    )
 
 
 def hf_model_inputs(batch: dict, eager_dtype: torch.dtype | None = None, windows=None) -> dict:

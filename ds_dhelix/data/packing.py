@@ -17,10 +17,11 @@ Labels are the input ids where the record's loss mask is 1, else -100; under ``d
 at a record's first token (the previous record does not predict it), as HF's packed-sequence
 collators do.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -61,6 +62,7 @@ class Packer:
 
     def __init__(self, seq_len: int, packing: str, whole_records: bool, drop_long: bool = False, pad_id: int = 0):
         from .batches import PACKINGS
+
         if packing not in PACKINGS:
             raise ValueError(f"packing {packing!r}: use one of {', '.join(PACKINGS)}")
         self.seq_len, self.packing, self.pad_id, self.drop_long = seq_len, packing, pad_id, drop_long
@@ -82,7 +84,7 @@ class Packer:
                 if cut and self.drop_long:
                     self.stats.dropped += 1
                     continue
-                ids, labels = ids[:self.seq_len], labels[:self.seq_len]
+                ids, labels = ids[: self.seq_len], labels[: self.seq_len]
                 if not (labels[1:] != -100).any():
                     self.stats.no_loss += 1
                     continue
@@ -93,7 +95,7 @@ class Packer:
                     pending, size = [], 0
             elif self.packing == "none":
                 for lo in range(0, ids.size, self.seq_len):
-                    yield self._emit([(ids[lo:lo + self.seq_len], labels[lo:lo + self.seq_len])])
+                    yield self._emit([(ids[lo : lo + self.seq_len], labels[lo : lo + self.seq_len])])
                 continue
             pending.append((ids, labels))
             size += ids.size
@@ -124,7 +126,7 @@ class Packer:
             out["position_ids"] = torch.from_numpy(positions)
         elif self.packing == "none":
             mask = np.ones(s, dtype=np.int64)
-            mask[s - pad:] = 0
+            mask[s - pad :] = 0
             out["attention_mask"] = torch.from_numpy(mask)
         out["labels"] = torch.from_numpy(labels)
         self.stats.blocks += 1
@@ -142,12 +144,12 @@ def _take(pending, n):
             block.append((ids, labels))
             got += ids.size
             if got == n:
-                left = pending[k + 1:]
+                left = pending[k + 1 :]
                 break
         else:
             cut = n - got
             block.append((ids[:cut], labels[:cut]))
-            left = [(ids[cut:], labels[cut:])] + pending[k + 1:]
+            left = [(ids[cut:], labels[cut:])] + pending[k + 1 :]
             break
     return block, left, sum(p[0].size for p in left)
 

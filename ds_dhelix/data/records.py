@@ -14,6 +14,7 @@ Formats:
 - ``prompt-completion``: ``prompt`` and ``completion`` strings, each tokenised alone and joined,
   EOS appended; the loss on the completion and its EOS.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,8 @@ CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
     "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 """``--chat-template chatml``: ChatML turns, the assistant's marked for the loss mask (for a
 tokenizer without a template of its own, such as the presets')."""
 
@@ -41,12 +43,16 @@ def data_kind(path: str) -> str:
     if os.path.isdir(path):
         if any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
             return "saved"
-        raise ValueError(f"data directory {path!r} is not a dataset written by datasets.save_to_disk "
-                         f"(no dataset_info.json / dataset_dict.json); give a file ({', '.join(DATA_SUFFIXES)})")
+        raise ValueError(
+            f"data directory {path!r} is not a dataset written by datasets.save_to_disk "
+            f"(no dataset_info.json / dataset_dict.json); give a file ({', '.join(DATA_SUFFIXES)})"
+        )
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in DATA_SUFFIXES:
-        raise ValueError(f"unsupported data file {path!r}: use one of {', '.join(DATA_SUFFIXES)} "
-                         f"or a datasets.save_to_disk directory")
+        raise ValueError(
+            f"unsupported data file {path!r}: use one of {', '.join(DATA_SUFFIXES)} "
+            f"or a datasets.save_to_disk directory"
+        )
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} not found")
     return {".txt": "txt", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}[suffix]
@@ -66,6 +72,7 @@ def open_records(path: str, streaming: bool = False):
     import datasets
 
     from .text import load_text, split_documents
+
     kind, path = data_kind(path), os.path.expanduser(os.fspath(path))
     if int(os.environ.get("RANK", 0)) != 0:
         datasets.disable_progress_bars()
@@ -79,8 +86,9 @@ def open_records(path: str, streaming: bool = False):
             return ds.to_iterable_dataset() if streaming else ds
         if kind == "txt":
             if streaming:
-                return datasets.load_dataset("text", data_files=path, split="train", streaming=True,
-                                             sample_by="paragraph")
+                return datasets.load_dataset(
+                    "text", data_files=path, split="train", streaming=True, sample_by="paragraph"
+                )
             return datasets.Dataset.from_dict({"text": split_documents(load_text(path))})
         return datasets.load_dataset(kind, data_files=path, split="train", streaming=streaming)
     except ValueError:
@@ -89,12 +97,15 @@ def open_records(path: str, streaming: bool = False):
         if kind == "json" and path.lower().endswith(".jsonl"):
             _check_json_lines(path)  # names the line
         cause = err.__cause__ or err
-        raise ValueError(f"cannot read {path!r} as {kind}: {type(cause).__name__}: "
-                         f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
+        raise ValueError(
+            f"cannot read {path!r} as {kind}: {type(cause).__name__}: "
+            f"{str(cause).splitlines()[0] if str(cause) else ''}"
+        ) from None
 
 
 def _check_json_lines(path: str) -> None:
     import json
+
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
@@ -121,8 +132,10 @@ def detect_format(record: dict, where: str = "the data") -> str:
         return "prompt-completion"
     if "text" in record:
         return "text"
-    raise ValueError(f"{where}: cannot tell the format from the fields {sorted(record)}: give 'text', 'messages' "
-                     f"(chat) or 'prompt' and 'completion' (or force one with --data-format)")
+    raise ValueError(
+        f"{where}: cannot tell the format from the fields {sorted(record)}: give 'text', 'messages' "
+        f"(chat) or 'prompt' and 'completion' (or force one with --data-format)"
+    )
 
 
 def resolve_chat_template(tokenizer, template: str | None) -> str:
@@ -142,8 +155,10 @@ def resolve_chat_template(tokenizer, template: str | None) -> str:
     if isinstance(own, dict):  # named templates: the default one
         own = own.get("default")
     if not own:
-        raise ValueError("chat data needs a chat template and this tokenizer has none: give --chat-template FILE "
-                         "(a Jinja template) or --chat-template chatml")
+        raise ValueError(
+            "chat data needs a chat template and this tokenizer has none: give --chat-template FILE "
+            "(a Jinja template) or --chat-template chatml"
+        )
     return own
 
 
@@ -213,8 +228,9 @@ class RecordEncoder:
         return ids, masks
 
     def _render(self, messages, **kw):
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=True,
-                                                  return_dict=True, **kw)
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, tokenize=True, return_dict=True, **kw
+        )
 
     def _marked_chat(self, messages):
         out = self._render(messages, return_assistant_tokens_mask=True)
@@ -227,20 +243,24 @@ class RecordEncoder:
             if m["role"] != "assistant":
                 continue
             before = list(self._render(messages[:k], add_generation_prompt=True)["input_ids"]) if k else []
-            upto = list(self._render(messages[:k + 1])["input_ids"])
-            if full[:len(before)] != before or full[:len(upto)] != upto or len(upto) < len(before):
-                raise ValueError("the chat template renders earlier turns differently once later turns follow, so "
-                                 "the assistant tokens cannot be told exactly; give --chat-template with "
-                                 "{% generation %} markers around the assistant content")
-            mask[len(before):len(upto)] = [1] * (len(upto) - len(before))
+            upto = list(self._render(messages[: k + 1])["input_ids"])
+            if full[: len(before)] != before or full[: len(upto)] != upto or len(upto) < len(before):
+                raise ValueError(
+                    "the chat template renders earlier turns differently once later turns follow, so "
+                    "the assistant tokens cannot be told exactly; give --chat-template with "
+                    "{% generation %} markers around the assistant content"
+                )
+            mask[len(before) : len(upto)] = [1] * (len(upto) - len(before))
         return full, mask
 
 
 def _field(record: dict, name: str, kind: type):
     value = record.get(name)
     if not isinstance(value, kind):
-        raise ValueError(f"record field {name!r} must be a {kind.__name__}, got {type(value).__name__} "
-                         f"(record fields: {sorted(record)})")
+        raise ValueError(
+            f"record field {name!r} must be a {kind.__name__}, got {type(value).__name__} "
+            f"(record fields: {sorted(record)})"
+        )
     return value
 
 
@@ -251,7 +271,8 @@ def _messages(record: dict) -> list[dict]:
     out = []
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(f"message {k} must be {{'role': one of {', '.join(CHAT_ROLES)}, 'content': a string}}, "
-                             f"got {m!r:.80}")
+            raise ValueError(
+                f"message {k} must be {{'role': one of {', '.join(CHAT_ROLES)}, 'content': a string}}, got {m!r:.80}"
+            )
         out.append({"role": m["role"], "content": m["content"]})
     return out

@@ -10,19 +10,20 @@ A file larger than ``stream_above`` bytes is streamed: read and tokenised as the
 its blocks shuffled in a window, so memory stays flat; smaller ones are tokenised once (cached by
 ``datasets`` beside its copy of the file) and their blocks shuffled whole each epoch.
 """
+
 from __future__ import annotations
 
 import hashlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from .batches import BlockDataset, block_batches, stream_batches
 from .packing import Packer, PackStats, stack_blocks
 from .records import FORMATS, LOSS_ON, RecordEncoder, data_size, detect_format, first_record, open_records
 
-DEFAULT_STREAM_ABOVE = 256 * 2 ** 20
+DEFAULT_STREAM_ABOVE = 256 * 2**20
 ENCODE_BATCH = 256  # records per tokeniser call
 
 
@@ -93,6 +94,7 @@ class TrainingData:
         if self.train is not None:
             return self.train.rows(self._first(micro))
         import torch
+
         blocks = []
         for b in self.stream(0, record=False):
             blocks.append(b)
@@ -102,14 +104,21 @@ class TrainingData:
 
     def _first(self, micro):
         import torch
+
         if len(self.train) < micro:
             raise ValueError(f"{len(self.train)} blocks, fewer than one micro-batch of {micro}")
         return torch.arange(micro)
 
     def summary(self) -> dict:
         """The run summary's ``data`` fields: what was read and what the loss is computed on."""
-        out = {"format": self.format, "loss_on": self.loss_on, "packing": self.options.packing,
-               "streaming": self.streaming, **self.stats.as_dict(), "load_s": self.load_s}
+        out = {
+            "format": self.format,
+            "loss_on": self.loss_on,
+            "packing": self.options.packing,
+            "streaming": self.streaming,
+            **self.stats.as_dict(),
+            "load_s": self.load_s,
+        }
         if self.streaming:
             out["note"] = "streamed: counts of the part read so far"
         if self.eval is not None:
@@ -119,39 +128,54 @@ class TrainingData:
     def identity(self) -> dict:
         """What a resume must find the same: the records, their encoding and their packing."""
         o = self.options
-        return {"format": self.format, "loss_on": self.loss_on, "packing": o.packing, "drop_long": o.drop_long,
-                "streaming": self.streaming, "eval_fraction": o.eval_fraction,
-                "chat_template": _short_hash(o.chat_template) if o.chat_template else None,
-                "tokens": None if self.streaming else self.stats.tokens,
-                "records": None if self.streaming else self.stats.records}
+        return {
+            "format": self.format,
+            "loss_on": self.loss_on,
+            "packing": o.packing,
+            "drop_long": o.drop_long,
+            "streaming": self.streaming,
+            "eval_fraction": o.eval_fraction,
+            "chat_template": _short_hash(o.chat_template) if o.chat_template else None,
+            "tokens": None if self.streaming else self.stats.tokens,
+            "records": None if self.streaming else self.stats.records,
+        }
 
 
 def load_data(options: DataOptions, tokenizer) -> TrainingData:
     """Read, tell the format, encode and pack the run's data (see the module docstring)."""
     options.check()
     t0 = time.perf_counter()
-    streaming = (options.path is not None and options.stream_above is not None
-                 and data_size(options.path) > options.stream_above)
+    streaming = (
+        options.path is not None and options.stream_above is not None and data_size(options.path) > options.stream_above
+    )
     if streaming and options.eval_fraction:
-        raise ValueError(f"--eval-fraction cannot hold records out of a streamed file ({options.path!r} is larger "
-                         f"than --stream-above): give --eval-data FILE, or raise --stream-above")
+        raise ValueError(
+            f"--eval-fraction cannot hold records out of a streamed file ({options.path!r} is larger "
+            f"than --stream-above): give --eval-data FILE, or raise --stream-above"
+        )
     records = _corpus_records() if options.path is None else open_records(options.path, streaming=streaming)
-    fmt = options.fmt or detect_format(first_record(records), f"{options.path}: record 1" if options.path else "the corpus")
+    fmt = options.fmt or detect_format(
+        first_record(records), f"{options.path}: record 1" if options.path else "the corpus"
+    )
     loss_on = options.loss_on or ("all" if fmt == "text" else "answers")
     if fmt == "text" and loss_on == "answers":
-        raise ValueError("--loss-on answers needs answers: text records have none (use chat or prompt-completion "
-                         "data, or --loss-on all)")
+        raise ValueError(
+            "--loss-on answers needs answers: text records have none (use chat or prompt-completion "
+            "data, or --loss-on all)"
+        )
     _check_applies(options, fmt, streaming)
     encoder = RecordEncoder(tokenizer, fmt, loss_on, options.chat_template)
     data = TrainingData(fmt, loss_on, options)
     held = None
     if streaming:
+
         def epoch_blocks(epoch: int, record: bool = True) -> Iterator[dict]:
             packer = _packer(options, fmt)
             if record:  # the pass training reads (not a look at the first blocks)
                 del data.stream_stats[epoch:]
                 data.stream_stats.append(packer.stats)
             return packer.blocks(_encode_stream(records, encoder))
+
         data.stream = epoch_blocks
     else:
         with _one_at_a_time(options.path):  # the ranks of a node: the first tokenises, the others read its cache
@@ -163,8 +187,9 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
         eval_records = open_records(options.eval_path)
         eval_fmt = options.fmt or detect_format(first_record(eval_records), options.eval_path)
         if eval_fmt != fmt:
-            raise ValueError(f"--eval-data {options.eval_path!r} holds {eval_fmt} records, --data {fmt}: give both "
-                             f"in one format")
+            raise ValueError(
+                f"--eval-data {options.eval_path!r} holds {eval_fmt} records, --data {fmt}: give both in one format"
+            )
         held = eval_records
     if held is not None:
         with _one_at_a_time(options.eval_path or options.path):
@@ -178,13 +203,17 @@ def _check_applies(options: DataOptions, fmt: str, streaming: bool) -> None:
     if options.chat_template is not None and fmt != "chat":
         raise ValueError(f"--chat-template renders chat records; these are {fmt} records")
     if options.drop_long and (fmt == "text" or options.packing == "concat"):
-        raise ValueError(f"--drop-long leaves out chat / prompt-completion records longer than --seq-len under "
-                         f"--packing docs or none; {fmt} records under --packing {options.packing} flow across "
-                         f"blocks and are never cut")
+        raise ValueError(
+            f"--drop-long leaves out chat / prompt-completion records longer than --seq-len under "
+            f"--packing docs or none; {fmt} records under --packing {options.packing} flow across "
+            f"blocks and are never cut"
+        )
     if options.workers > 1 and streaming:
-        raise ValueError(f"--data-workers {options.workers}: a streamed file ({options.path!r}, larger than "
-                         f"--stream-above) is tokenised as it is read, in the training process; drop the flag or "
-                         f"raise --stream-above to tokenise it whole first")
+        raise ValueError(
+            f"--data-workers {options.workers}: a streamed file ({options.path!r}, larger than "
+            f"--stream-above) is tokenised as it is read, in the training process; drop the flag or "
+            f"raise --stream-above to tokenise it whole first"
+        )
 
 
 def _one_at_a_time(path: str | None):
@@ -194,6 +223,7 @@ def _one_at_a_time(path: str | None):
     import tempfile
 
     from filelock import FileLock
+
     if path is None:
         return contextlib.nullcontext()
     key = hashlib.sha256(os.path.abspath(os.path.expanduser(path)).encode()).hexdigest()[:16]
@@ -201,8 +231,13 @@ def _one_at_a_time(path: str | None):
 
 
 def _packer(options: DataOptions, fmt: str) -> Packer:
-    return Packer(options.seq_len, options.packing, whole_records=fmt != "text", drop_long=options.drop_long,
-                  pad_id=options.pad_id)
+    return Packer(
+        options.seq_len,
+        options.packing,
+        whole_records=fmt != "text",
+        drop_long=options.drop_long,
+        pad_id=options.pad_id,
+    )
 
 
 def _packed(records, encoder: RecordEncoder, options: DataOptions, fmt: str, what: str = "train") -> BlockDataset:
@@ -212,9 +247,15 @@ def _packed(records, encoder: RecordEncoder, options: DataOptions, fmt: str, wha
         if isinstance(records, list):
             encoded = _encode_stream(records, encoder)
         else:
-            mapped = records.map(encoder, batched=True, batch_size=ENCODE_BATCH, with_indices=True,
-                                 remove_columns=records.column_names,
-                                 num_proc=options.workers if options.workers > 1 else None, desc=f"tokenise ({what})")
+            mapped = records.map(
+                encoder,
+                batched=True,
+                batch_size=ENCODE_BATCH,
+                with_indices=True,
+                remove_columns=records.column_names,
+                num_proc=options.workers if options.workers > 1 else None,
+                desc=f"tokenise ({what})",
+            )
             encoded = _rows(mapped)
         fields = stack_blocks(packer.blocks(encoded))
     except ValueError as err:
@@ -250,6 +291,7 @@ def _encode_chunk(chunk: list[dict], encoder: RecordEncoder, first: int) -> Iter
 def _corpus_records() -> list[dict]:
     from .corpus import build_embedded_corpus
     from .text import split_documents
+
     return [{"text": d} for d in split_documents(build_embedded_corpus())]
 
 
@@ -265,11 +307,11 @@ def parse_size(text: str) -> int | None:
     """``--stream-above`` sizes: 256MB, 2GB, 1000000 (bytes); ``never`` -> None."""
     if text.strip().lower() == "never":
         return None
-    units = {"kb": 2 ** 10, "mb": 2 ** 20, "gb": 2 ** 30, "tb": 2 ** 40, "b": 1}
+    units = {"kb": 2**10, "mb": 2**20, "gb": 2**30, "tb": 2**40, "b": 1}
     t = text.strip().lower()
     for unit, scale in units.items():
-        if t.endswith(unit) and t[:-len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(t[:-len(unit)]) * scale)
+        if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * scale)
     if t.isdigit():
         return int(t)
     raise ValueError(f"--stream-above {text!r}: give a size such as 256MB or 2GB, or never")

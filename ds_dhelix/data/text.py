@@ -1,13 +1,14 @@
 """Text to token ids: a user's .txt / .jsonl file, its documents, their ids.
 
-    load_text(path)  ->  split_documents(text)  ->  encode_documents(tokenizer, docs)   (EOS after each)
-                                                    encode_text(tokenizer, text)        (no specials)
+load_text(path)  ->  split_documents(text)  ->  encode_documents(tokenizer, docs)   (EOS after each)
+                                                encode_text(tokenizer, text)        (no specials)
 """
+
 from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

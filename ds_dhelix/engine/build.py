@@ -11,6 +11,7 @@ bench, trace) and the pipeline all come through here::
     ds_config ─► DhelixConfig ─► ParallelDims ─► checks (model shape, batch, schedule, pipeline)
     model ─► ProcessGroups ─► adapter.build_graph (TP/EP shards) ─► SI plan ─► engine class
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,20 +21,27 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
-from ..runtime.comm import ReplicatedGrads, release_deepspeed_shm
-from ..config.section import (ONE_STAGE_SCHEDULES, PIPELINE_SCHEDULES, BatchSizes, DhelixConfig, derive_batch,
-                              load_ds_config)
-from ..config.dims import ParallelDims
-from ..config.ds_keys import check_deepspeed_keys
-from ..runtime.groups import ProcessGroups
-from ..moe.kernels import check_kernels
-from ..graph.ops import backward_order
-from ..schedule.folding import LayerFold, fold_layers
-from .precision import check_fp16
-from ..schedule.registry import PIPELINE, lookup
-from ..planning.plan import SIPlan, default_plan
 from hf_models.adapters import check_model, unwrap_peft
 from hf_models.lora import factors as lora_factors
+
+from ..config.dims import ParallelDims
+from ..config.ds_keys import check_deepspeed_keys
+from ..config.section import (
+    ONE_STAGE_SCHEDULES,
+    PIPELINE_SCHEDULES,
+    BatchSizes,
+    DhelixConfig,
+    derive_batch,
+    load_ds_config,
+)
+from ..graph.ops import backward_order
+from ..moe.kernels import check_kernels
+from ..planning.plan import SIPlan, default_plan
+from ..runtime.comm import ReplicatedGrads, release_deepspeed_shm
+from ..runtime.groups import ProcessGroups
+from ..schedule.folding import LayerFold, fold_layers
+from ..schedule.registry import PIPELINE, lookup
+from .precision import check_fp16
 
 
 @dataclass(frozen=True)
@@ -63,34 +71,46 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
     adapter = check_model(dims, model_config)
     ep = dh.expert_parallel
     if not hasattr(adapter, "check_ep") and (ep.capacity_factor is not None or ep.aux_loss_coef is not None):
-        raise ValueError(f"dhelix.expert_parallel is set but model_type {model_config.model_type!r} has no "
-                         f"experts; remove the section or use an MoE model (e.g. tiny-phimoe)")
+        raise ValueError(
+            f"dhelix.expert_parallel is set but model_type {model_config.model_type!r} has no "
+            f"experts; remove the section or use an MoE model (e.g. tiny-phimoe)"
+        )
     if hasattr(adapter, "check_aux"):
         adapter.check_aux(ep.aux_loss_coef)
     _check_moe_kernels(ds_config, dh, adapter, model_config)
     _check_not_yet(ds_config)
     fold = None
     if dims.pp == 1 and dh.schedule not in ONE_STAGE_SCHEDULES:
-        raise ValueError(f"dhelix.schedule = {dh.schedule!r} folds the model over pipeline ranks: set "
-                         f"dhelix.pipeline.stages >= 2, or use one of {list(ONE_STAGE_SCHEDULES)} with one stage")
+        raise ValueError(
+            f"dhelix.schedule = {dh.schedule!r} folds the model over pipeline ranks: set "
+            f"dhelix.pipeline.stages >= 2, or use one of {list(ONE_STAGE_SCHEDULES)} with one stage"
+        )
     if dims.pp > 1:
         fold = _check_pipeline(dh, ds_config, dims, batch, model_config.num_hidden_layers)
     if dh.schedule == "intra" and batch.micro_batch_size < 2:
-        raise ValueError(f"dhelix.schedule = 'intra' splits each micro-batch in two along the batch, but "
-                         f"train_micro_batch_size_per_gpu is {batch.micro_batch_size}; use a micro-batch of 2 or "
-                         f"more samples (e.g. 2 with half the gradient_accumulation_steps), or schedule 'si'")
+        raise ValueError(
+            f"dhelix.schedule = 'intra' splits each micro-batch in two along the batch, but "
+            f"train_micro_batch_size_per_gpu is {batch.micro_batch_size}; use a micro-batch of 2 or "
+            f"more samples (e.g. 2 with half the gradient_accumulation_steps), or schedule 'si'"
+        )
     if dh.schedule == "auto" and batch.micro_batch_size < 2 and len(set(dh.auto_schedules) - {"intra"}) < 2:
-        raise ValueError(f"dhelix.auto_candidates = {list(dh.auto_schedules)} with train_micro_batch_size_per_gpu "
-                         f"1: 'intra' needs 2 or more samples per micro-batch, which leaves one candidate; add "
-                         f"'sequential' or 'si', or use a micro-batch of 2")
+        raise ValueError(
+            f"dhelix.auto_candidates = {list(dh.auto_schedules)} with train_micro_batch_size_per_gpu "
+            f"1: 'intra' needs 2 or more samples per micro-batch, which leaves one candidate; add "
+            f"'sequential' or 'si', or use a micro-batch of 2"
+        )
     return Setup(dh, dims, batch, fold)
 
 
 def _check_moe_kernels(ds_config: dict, dh: DhelixConfig, adapter, model_config) -> None:
     """``dhelix.moe.kernels`` this run cannot use (tutel missing, a model without experts, a dtype)."""
-    check_kernels(dh.moe.kernels, moe=hasattr(adapter, "check_ep"),
-                  fp16=bool((ds_config.get("fp16") or {}).get("enabled")), device=get_accelerator().device_name(),
-                  hidden_size=getattr(model_config, "hidden_size", None))
+    check_kernels(
+        dh.moe.kernels,
+        moe=hasattr(adapter, "check_ep"),
+        fp16=bool((ds_config.get("fp16") or {}).get("enabled")),
+        device=get_accelerator().device_name(),
+        hidden_size=getattr(model_config, "hidden_size", None),
+    )
 
 
 def _check_not_yet(ds_config: dict) -> None:
@@ -98,26 +118,35 @@ def _check_not_yet(ds_config: dict) -> None:
     section = ds_config.get("activation_checkpointing") or {}
     on = sorted(k for k, v in section.items() if v)  # an all-off section (config templates ship one) asks for nothing
     if on:
-        raise ValueError(f'"activation_checkpointing" sets {", ".join(on)} with dhelix: DeepSpeed\'s checkpointing '
-                         f'wraps modules the op graph does not call; recompute inside the op graph instead: '
-                         f'"dhelix": {{"recompute": "full"}} (each layer keeps its input) or "selective" (attention '
-                         f'core and MLP activation), and drop the section')
+        raise ValueError(
+            f'"activation_checkpointing" sets {", ".join(on)} with dhelix: DeepSpeed\'s checkpointing '
+            f"wraps modules the op graph does not call; recompute inside the op graph instead: "
+            f'"dhelix": {{"recompute": "full"}} (each layer keeps its input) or "selective" (attention '
+            f"core and MLP activation), and drop the section"
+        )
 
 
 def check_model_settings(model) -> None:
     """Settings on the model object itself that the op graph would otherwise ignore."""
-    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
-        "is_gradient_checkpointing"
+    name = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     if getattr(model, name, False):
-        raise ValueError("the model has HF gradient checkpointing enabled (gradient_checkpointing_enable()), which "
-                         "the ds_dhelix op graph does not call; call model.gradient_checkpointing_disable() and set "
-                         "\"dhelix\": {\"recompute\": \"full\"} (or \"selective\") instead")
+        raise ValueError(
+            "the model has HF gradient checkpointing enabled (gradient_checkpointing_enable()), which "
+            "the ds_dhelix op graph does not call; call model.gradient_checkpointing_disable() and set "
+            '"dhelix": {"recompute": "full"} (or "selective") instead'
+        )
 
 
 ZERO_STAGES_WITH_DHELIX = (0, 1, 2)
 SECTIONS = ("fp16", "bf16", "zero_optimization", "activation_checkpointing", "scheduler", "optimizer")
-UNSUPPORTED_KEYS = {"sequence_parallel_size": "DeepSpeed-Ulysses sequence parallelism",
-                    "data_parallel_size": "a DeepSpeed mesh (with sequence_parallel_size)"}
+UNSUPPORTED_KEYS = {
+    "sequence_parallel_size": "DeepSpeed-Ulysses sequence parallelism",
+    "data_parallel_size": "a DeepSpeed mesh (with sequence_parallel_size)",
+}
 
 
 def zero_stage(ds_config: dict) -> int:
@@ -133,48 +162,64 @@ def _check_sections(ds_config: dict, dh) -> None:
     """DeepSpeed sections are JSON objects; keys train.py and ds_dhelix cannot honour are refused."""
     for key in SECTIONS:
         if key in ds_config and not isinstance(ds_config[key], dict):
-            raise ValueError(f"\"{key}\" must be a JSON object (e.g. {{\"enabled\": true}}), got {ds_config[key]!r}")
+            raise ValueError(f'"{key}" must be a JSON object (e.g. {{"enabled": true}}), got {ds_config[key]!r}')
     for key, what in UNSUPPORTED_KEYS.items():
         if key in ds_config:
-            raise ValueError(f"\"{key}\" ({what}) is not supported with ds_dhelix / train.py; remove it")
+            raise ValueError(f'"{key}" ({what}) is not supported with ds_dhelix / train.py; remove it')
     given = set(ds_config.get("dhelix") or {}) - {"enabled", "allow_unknown_deepspeed_keys"}
     if not dh.enabled and given:
-        raise ValueError(f"dhelix.enabled is false but the section sets {sorted(given)}, which a plain DeepSpeed "
-                         f"run would ignore; set \"enabled\": true or remove them")
+        raise ValueError(
+            f"dhelix.enabled is false but the section sets {sorted(given)}, which a plain DeepSpeed "
+            f'run would ignore; set "enabled": true or remove them'
+        )
 
 
 def _check_zero(ds_config: dict, dh, client_optimizer: bool) -> None:
     stage = zero_stage(ds_config)
     if dh.enabled and stage not in ZERO_STAGES_WITH_DHELIX:
-        raise ValueError(f"zero_optimization.stage = {stage!r} with dhelix: supported stages are "
-                         f"{list(ZERO_STAGES_WITH_DHELIX)}. ZeRO-3 gathers each parameter in module hooks "
-                         f"that the op graph never calls, so the ops would see empty partitions; use stage "
-                         f"2 (gradients and optimizer state partitioned) or 1")
+        raise ValueError(
+            f"zero_optimization.stage = {stage!r} with dhelix: supported stages are "
+            f"{list(ZERO_STAGES_WITH_DHELIX)}. ZeRO-3 gathers each parameter in module hooks "
+            f"that the op graph never calls, so the ops would see empty partitions; use stage "
+            f"2 (gradients and optimizer state partitioned) or 1"
+        )
     if stage >= 1 and "optimizer" not in ds_config and not client_optimizer:
-        raise ValueError(f"zero_optimization.stage = {stage} partitions the optimizer state but the ds_config "
-                         f"has no \"optimizer\" section; add one (e.g. {{\"type\": \"AdamW\", \"params\": "
-                         f"{{\"lr\": 1e-4}}}}) or pass optimizer= to ds_dhelix.initialize")
+        raise ValueError(
+            f"zero_optimization.stage = {stage} partitions the optimizer state but the ds_config "
+            f'has no "optimizer" section; add one (e.g. {{"type": "AdamW", "params": '
+            f'{{"lr": 1e-4}}}}) or pass optimizer= to ds_dhelix.initialize'
+        )
 
 
 def _check_pipeline(dh, ds_config: dict, dims: ParallelDims, batch: BatchSizes, num_layers: int) -> LayerFold:
     p = dims.pp
     if dh.schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"dhelix.schedule = {dh.schedule!r} with pipeline.stages = {p}: a pipeline runs "
-                         f"one of {list(PIPELINE_SCHEDULES)} ('si' is the one-stage schedule)")
+        raise ValueError(
+            f"dhelix.schedule = {dh.schedule!r} with pipeline.stages = {p}: a pipeline runs "
+            f"one of {list(PIPELINE_SCHEDULES)} ('si' is the one-stage schedule)"
+        )
     stage = zero_stage(ds_config)
     if stage >= 2:
-        raise ValueError(f"zero_optimization.stage = {stage} with pipeline.stages = {p}: ZeRO-2/3 partition "
-                         f"gradients, which DeepSpeed's pipeline engines cannot combine with; use stage 0 or 1")
+        raise ValueError(
+            f"zero_optimization.stage = {stage} with pipeline.stages = {p}: ZeRO-2/3 partition "
+            f"gradients, which DeepSpeed's pipeline engines cannot combine with; use stage 0 or 1"
+        )
     if dims.ep > 1:
-        raise ValueError(f"expert_parallel.size = {dims.ep} with pipeline.stages = {p} is not supported yet; "
-                         f"use expert_parallel.size 1 (experts replicated inside each stage)")
+        raise ValueError(
+            f"expert_parallel.size = {dims.ep} with pipeline.stages = {p} is not supported yet; "
+            f"use expert_parallel.size 1 (experts replicated inside each stage)"
+        )
     if dh.pair_ends:
-        raise ValueError(f"dhelix.pair_ends = true with pipeline.stages = {p}: it pairs the first two forwards and "
-                         f"the last two backwards of a one-stage SI step, and a pipeline's schedule places every "
-                         f"pair itself; remove \"pair_ends\"")
+        raise ValueError(
+            f"dhelix.pair_ends = true with pipeline.stages = {p}: it pairs the first two forwards and "
+            f"the last two backwards of a one-stage SI step, and a pipeline's schedule places every "
+            f'pair itself; remove "pair_ends"'
+        )
     if dh.planner.profile != "off":
-        raise ValueError(f"dhelix.planner.profile = {dh.planner.profile!r} with a pipeline is not supported yet: "
-                         f"the pipeline uses the default SI plan; set planner.profile to 'off' (or pass plan=...)")
+        raise ValueError(
+            f"dhelix.planner.profile = {dh.planner.profile!r} with a pipeline is not supported yet: "
+            f"the pipeline uses the default SI plan; set planner.profile to 'off' (or pass plan=...)"
+        )
     fold = fold_layers(num_layers, p, list(dh.pipeline.split) if dh.pipeline.split else None)
     for name in dh.auto_schedules if dh.schedule == "auto" else (dh.schedule,):
         try:
@@ -182,8 +227,10 @@ def _check_pipeline(dh, ds_config: dict, dims: ParallelDims, batch: BatchSizes, 
         except ValueError as err:
             if dh.schedule != "auto":
                 raise
-            raise ValueError(f"schedule 'auto' times {list(dh.auto_schedules)}: the {err}, or drop {name!r} from "
-                             f"dhelix.auto_candidates") from None
+            raise ValueError(
+                f"schedule 'auto' times {list(dh.auto_schedules)}: the {err}, or drop {name!r} from "
+                f"dhelix.auto_candidates"
+            ) from None
     return fold
 
 
@@ -194,15 +241,20 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
     moe = {}
     if hasattr(adapter, "check_ep"):
         ep = dh.expert_parallel
-        moe = {"ep_groups": groups.expert_groups(), "capacity_factor": ep.capacity_factor,
-               "aux_loss_coef": ep.aux_loss_coef, "kernels": dh.moe.kernels}
+        moe = {
+            "ep_groups": groups.expert_groups(),
+            "capacity_factor": ep.capacity_factor,
+            "aux_loss_coef": ep.aux_loss_coef,
+            "kernels": dh.moe.kernels,
+        }
     if dims.cp > 1:
         moe["cp"] = groups.context_shards()
     graph = adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, seed=dh.seed, **moe)
     whole = [p for p in lora_factors(model) if p.requires_grad]  # LoRA factors (those cut with their base skip)
     if dims.tp > 1 and whole:
-        graph.replicated = ReplicatedGrads(list(graph.replicated.params if graph.replicated else []) + whole,
-                                           groups.tp_grad_group)
+        graph.replicated = ReplicatedGrads(
+            list(graph.replicated.params if graph.replicated else []) + whole, groups.tp_grad_group
+        )
     return graph
 
 
@@ -216,10 +268,13 @@ def parameter_names(model, model_parameters):
 
     def name_of(p):
         if id(p) not in names:
-            raise ValueError(f"model_parameters holds a tensor of shape {tuple(p.shape)} that is not a parameter of "
-                             f"the model given to initialize; pass that model's parameters (e.g. [p for p in "
-                             f"model.parameters() if p.requires_grad]) or leave model_parameters out")
+            raise ValueError(
+                f"model_parameters holds a tensor of shape {tuple(p.shape)} that is not a parameter of "
+                f"the model given to initialize; pass that model's parameters (e.g. [p for p in "
+                f"model.parameters() if p.requires_grad]) or leave model_parameters out"
+            )
         return names[id(p)]
+
     items = list(model_parameters)
     if items and isinstance(items[0], dict):
         return [dict(group, params=[name_of(p) for p in group["params"]]) for group in items]
@@ -251,18 +306,24 @@ def load_shards(model, weights: str | None, rank: int = 0, seed: int | None = No
     """Read every parameter of ``model`` still on the meta device (this rank's shards, cut by
     ``shard_model``) from the checkpoint directory ``weights``, and draw a LoRA model's factors from
     ``seed`` (``hf_models.lora.init_meta_factors``); None when nothing is on meta."""
-    from hf_models.loading import CheckpointFiles, init_meta_factors, materialize
+    from hf_models.loading import CheckpointFiles, materialize
+    from hf_models.lora import init_meta_factors
 
     from ..runtime.memory import peak_rss_mib
+
     on_meta = [name for name, p in model.named_parameters() if p.is_meta]
     if not on_meta:
         if weights is not None:
-            raise ValueError(f"weights={weights!r} but the model's parameters are loaded already; build the model "
-                             f"with ds_dhelix.empty_model(DIR) to read only this rank's shards, or drop weights=")
+            raise ValueError(
+                f"weights={weights!r} but the model's parameters are loaded already; build the model "
+                f"with ds_dhelix.empty_model(DIR) to read only this rank's shards, or drop weights="
+            )
         return None
     if weights is None:
-        raise ValueError(f"the model's parameters are on the meta device ({on_meta[0]}, ...): pass weights=<checkpoint "
-                         f"directory> so each rank reads its own shards")
+        raise ValueError(
+            f"the model's parameters are on the meta device ({on_meta[0]}, ...): pass weights=<checkpoint "
+            f"directory> so each rank reads its own shards"
+        )
     files = CheckpointFiles(weights)
     bar = _progress(len(on_meta), "reading shards") if rank == 0 else None
     read = materialize(model, files, progress=(lambda i, n, name: bar.update(1)) if bar is not None else None)
@@ -274,11 +335,22 @@ def load_shards(model, weights: str | None, rank: int = 0, seed: int | None = No
 
 def _progress(total: int, what: str):
     from tqdm.auto import tqdm
+
     return tqdm(total=total, desc=f"ds_dhelix: {what}", unit="tensor", leave=False)
 
 
-def build_engine(model, config, *, args=None, model_parameters=None, optimizer=None, lr_scheduler=None,
-                 plan: SIPlan | None = None, example_batch: dict | None = None, weights: str | None = None):
+def build_engine(
+    model,
+    config,
+    *,
+    args=None,
+    model_parameters=None,
+    optimizer=None,
+    lr_scheduler=None,
+    plan: SIPlan | None = None,
+    example_batch: dict | None = None,
+    weights: str | None = None,
+):
     """The engine for ``model`` (an HF causal LM, sharded in place) under ``config`` (a ds_config
     dict or path with an enabled "dhelix" section). ``plan`` runs SI pairs by that plan, as
     ``si_execution="plan"`` would; ``example_batch`` (one micro-batch) gives the shapes to profile
@@ -286,6 +358,7 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
     ``empty_model`` (parameters on the meta device): each rank reads only its shards from it."""
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
+
     if not isinstance(config, dict):
         config = load_ds_config(config)
     if not DhelixConfig.from_ds_config(config).enabled:
@@ -310,13 +383,22 @@ def build_engine(model, config, *, args=None, model_parameters=None, optimizer=N
     dh = setup.dh
     if plan is None and dh.schedule in ("si", "auto") and dh.si_execution == "plan":
         plan = _configured_plan(dh, graph, model, groups, config, example_batch)
-    if "expert_groups" in graph.meta:  # knows expert parameters, logs aux loss and expert load
+    if graph.is_moe:  # knows expert parameters, logs aux loss and expert load
         from .moe_engine import DhelixMoeEngine as engine_class
     else:
         from .dhelix_engine import DhelixEngine as engine_class
-    return engine_class(dhelix=dh, groups=groups, graph=graph, plan=plan, model=model, load_report=report,
-                        model_parameters=model_parameters, mpu=groups,
-                        config_class=DeepSpeedConfig(ds_config, groups), **extra)
+    return engine_class(
+        dhelix=dh,
+        groups=groups,
+        graph=graph,
+        plan=plan,
+        model=model,
+        load_report=report,
+        model_parameters=model_parameters,
+        mpu=groups,
+        config_class=DeepSpeedConfig(ds_config, groups),
+        **extra,
+    )
 
 
 def deepspeed_view(config: dict, setup: Setup) -> dict:
@@ -326,19 +408,40 @@ def deepspeed_view(config: dict, setup: Setup) -> dict:
     ds_config.pop("dhelix", None)
     if setup.dims.cp > 1:
         b = setup.batch
-        ds_config.update({"train_batch_size": b.train_batch_size * setup.dims.cp,
-                          "train_micro_batch_size_per_gpu": b.micro_batch_size,
-                          "gradient_accumulation_steps": b.gradient_accumulation_steps})
+        ds_config.update(
+            {
+                "train_batch_size": b.train_batch_size * setup.dims.cp,
+                "train_micro_batch_size_per_gpu": b.micro_batch_size,
+                "gradient_accumulation_steps": b.gradient_accumulation_steps,
+            }
+        )
     return ds_config
 
 
-def initialize(args=None, model=None, config=None, model_parameters=None, optimizer=None,
-               lr_scheduler=None, plan: SIPlan | None = None, example_batch: dict | None = None,
-               weights: str | None = None):
+def initialize(
+    args=None,
+    model=None,
+    config=None,
+    model_parameters=None,
+    optimizer=None,
+    lr_scheduler=None,
+    plan: SIPlan | None = None,
+    example_batch: dict | None = None,
+    weights: str | None = None,
+):
     """Like ``deepspeed.initialize`` for an HF causal LM: returns ``(engine, optimizer, None,
     lr_scheduler)`` (see :func:`build_engine`)."""
-    engine = build_engine(model, config, args=args, model_parameters=model_parameters, optimizer=optimizer,
-                          lr_scheduler=lr_scheduler, plan=plan, example_batch=example_batch, weights=weights)
+    engine = build_engine(
+        model,
+        config,
+        args=args,
+        model_parameters=model_parameters,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        plan=plan,
+        example_batch=example_batch,
+        weights=weights,
+    )
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
@@ -347,41 +450,61 @@ def _warn_ignored_by_pipeline(ds_config: dict, setup: Setup) -> None:
     harmless there but do nothing; say so once."""
     given = [k for k in ("si_execution", "defer_weight_grads") if k in (ds_config.get("dhelix") or {})]
     if setup.dims.pp > 1 and given and dist.get_rank() == 0:
-        logger.warning(f"ds_dhelix: dhelix.{' and dhelix.'.join(given)} have no effect with a pipeline: every "
-                       f"forward/backward pair runs by the SI plan's rounds (the default plan)")
+        logger.warning(
+            f"ds_dhelix: dhelix.{' and dhelix.'.join(given)} have no effect with a pipeline: every "
+            f"forward/backward pair runs by the SI plan's rounds (the default plan)"
+        )
 
 
-def _pipeline_engine(model, setup: Setup, groups: ProcessGroups, graph, plan, model_parameters, extra: dict,
-                     weights: str | None):
+def _pipeline_engine(
+    model, setup: Setup, groups: ProcessGroups, graph, plan, model_parameters, extra: dict, weights: str | None
+):
     """Fold and prune ``model`` for this rank's stage; the folded pipeline engine."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from .pipe_engine import FoldedPipelineEngine
     from .pipe_module import FoldedPipelineModule
+
     if groups.rank == 0:
-        logger.info(f"ds_dhelix: folded pipeline, schedule {setup.dh.schedule!r}, {setup.dims.describe()}; "
-                    f"layer -> (rank, phase):\n{setup.fold.table()}")
+        logger.info(
+            f"ds_dhelix: folded pipeline, schedule {setup.dh.schedule!r}, {setup.dims.describe()}; "
+            f"layer -> (rank, phase):\n{setup.fold.table()}"
+        )
     if plan is None:
         specs = graph.layer_specs()
         plan = default_plan(specs, backward_order(specs))
     loaded = []  # this stage's shards are read once the other stages' layers are pruned
-    module = FoldedPipelineModule(model, graph, setup.fold, groups.topology,
-                                  on_pruned=lambda pruned: loaded.append(load_shards(pruned, weights, groups.rank, setup.dh.seed)))
+    module = FoldedPipelineModule(
+        model,
+        graph,
+        setup.fold,
+        groups.topology,
+        on_pruned=lambda pruned: loaded.append(load_shards(pruned, weights, groups.rank, setup.dh.seed)),
+    )
     mpu = module.mpu()
     kept = {id(p) for p in module.parameters()}  # the caller's list may name pruned parameters
     if model_parameters and isinstance(model_parameters[0], dict):
         params = [dict(g, params=[p for p in g["params"] if id(p) in kept]) for g in model_parameters]
     else:
         params = [p for p in model_parameters if id(p) in kept]
-    return FoldedPipelineEngine(dhelix=setup.dh, groups=groups, plan=plan, model=module, model_parameters=params,
-                                load_report=loaded[0], mpu=mpu, config_class=DeepSpeedConfig(extra["config"], mpu),
-                                **extra)
+    return FoldedPipelineEngine(
+        dhelix=setup.dh,
+        groups=groups,
+        plan=plan,
+        model=module,
+        model_parameters=params,
+        load_report=loaded[0],
+        mpu=mpu,
+        config_class=DeepSpeedConfig(extra["config"], mpu),
+        **extra,
+    )
 
 
 def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, example_batch) -> SIPlan:
     """The searched plan when ``planner.profile`` asks for one, else the default plan."""
     from ..planning.planner import predict_ms
     from ..runtime.profiler import resolve_plan, run_meta
+
     specs = graph.layer_specs()
     fallback = default_plan(specs, backward_order(specs))
     if dh.planner.profile == "off":
@@ -389,10 +512,21 @@ def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, e
     micro = ds_config.get("train_micro_batch_size_per_gpu")
     shape = tuple(example_batch["input_ids"].shape) if example_batch is not None else (micro, None)
     dtype = next(model.parameters()).dtype
-    meta = run_meta(model.config, groups.tp_size, groups.world_size, shape, dtype, dh.benchmark.link_gbps,
-                    ep=groups.ep_size, cp=groups.cp_size, cp_comm=groups.dims.cp_comm)
+    meta = run_meta(
+        model.config,
+        groups.tp_size,
+        groups.world_size,
+        shape,
+        dtype,
+        dh.benchmark.link_gbps,
+        ep=groups.ep_size,
+        cp=groups.cp_size,
+        cp_comm=groups.dims.cp_comm,
+    )
     log = (lambda msg: logger.info(msg)) if groups.rank == 0 else (lambda msg: None)
     plan, table = resolve_plan(dh.planner, graph, meta, example_batch, list(model.parameters()), log)
-    log(f"ds_dhelix: SI plan '{plan.source}' (predicted {predict_ms(table, plan):.2f} ms per layer pair; "
-        f"default plan {predict_ms(table, fallback):.2f} ms)\n{plan.render_text()}")
+    log(
+        f"ds_dhelix: SI plan '{plan.source}' (predicted {predict_ms(table, plan):.2f} ms per layer pair; "
+        f"default plan {predict_ms(table, fallback):.2f} ms)\n{plan.render_text()}"
+    )
     return plan

@@ -7,6 +7,7 @@ crash never leaves a half-written checkpoint where a good one was, and no tempor
 survives a failure. ``check_output_dir`` refuses a target that is not ours before any model is
 built.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,11 @@ def full_state_dict(model, tp_group=None, tp_size: int = 1) -> dict[str, torch.T
     """Every parameter as its full HF tensor (collective over the TP group when sharded; expert
     shards are gathered over their EP group by global expert id)."""
     from ..moe.experts import gather_expert_param, is_expert_param
-    return {name: gather_expert_param(p) if is_expert_param(p) else gather_param(p, tp_group, tp_size)
-            for name, p in model.named_parameters()}
+
+    return {
+        name: gather_expert_param(p) if is_expert_param(p) else gather_param(p, tp_group, tp_size)
+        for name, p in model.named_parameters()
+    }
 
 
 def full_grads(model, groups) -> dict[str, torch.Tensor]:
@@ -34,6 +38,7 @@ def full_grads(model, groups) -> dict[str, torch.Tensor]:
     groups of ``groups`` (a ``ProcessGroups``). With context parallelism each rank's gradient (the
     loss seeded 1/m, as here) is its sequence shard's share: they are summed over the CP group."""
     from ..moe.experts import gather_expert_param, is_expert_param
+
     dp, out = groups.dp_size, {}
     for name, p in model.named_parameters():
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
@@ -44,8 +49,11 @@ def full_grads(model, groups) -> dict[str, torch.Tensor]:
         if dist.get_world_size(reduce_over) > 1:
             dist.all_reduce(g, group=reduce_over)
         g /= dp
-        out[name] = gather_expert_param(p, g) if sharded_experts else \
-            gather_param(p, groups.tp_grad_group, groups.tp_size, data=g)
+        out[name] = (
+            gather_expert_param(p, g)
+            if sharded_experts
+            else gather_param(p, groups.tp_grad_group, groups.tp_size, data=g)
+        )
     return out
 
 
@@ -68,11 +76,14 @@ def check_output_dir(path: str, flag: str, overwrite: bool = False, ours=lambda 
     if not os.path.exists(path) or overwrite:
         return
     if not os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a regular file; remove it, choose another path, or pass "
-                         f"--overwrite-output-dir")
+        raise ValueError(
+            f"{flag} {path!r} is a regular file; remove it, choose another path, or pass --overwrite-output-dir"
+        )
     if os.listdir(path) and not ours(path):
-        raise ValueError(f"{flag} {path!r} is a non-empty directory that ds_dhelix did not write; choose another "
-                         f"path or pass --overwrite-output-dir")
+        raise ValueError(
+            f"{flag} {path!r} is a non-empty directory that ds_dhelix did not write; choose another "
+            f"path or pass --overwrite-output-dir"
+        )
 
 
 def is_export(path: str) -> bool:
@@ -84,6 +95,7 @@ def _exchange(a: str, b: str) -> bool:
     system cannot."""
     try:
         import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         at_fdcwd, rename_exchange = -100, 2
         return libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
@@ -124,18 +136,37 @@ def parse_size(text, flag: str = "max_shard_size") -> int:
     if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return text
     import re
+
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), flags=re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"{flag} {text!r}: use a size such as 500MB or 5GB")
     unit = (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-             "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}[unit]
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
     return int(float(m.group(1)) * scale)
 
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class ShardWriter:
@@ -160,8 +191,11 @@ class ShardWriter:
             self.data = open(os.path.join(self.directory, f"part-{len(self.files)}.data"), "wb")
         t = tensor.detach().contiguous().cpu()
         self.data.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        self.entries[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                             "data_offsets": [self.size, self.size + size]}
+        self.entries[key] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [self.size, self.size + size],
+        }
         self.size += size
         self.total += size
 
@@ -169,12 +203,15 @@ class ShardWriter:
         """The open file's header, then its bytes (copied from the side file in blocks)."""
         import json
         import struct
+
         data_path = self.data.name
         self.data.close()
         header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the tensor bytes start 8-aligned
-        with open(os.path.join(self.directory, f"part-{len(self.files)}.safetensors"), "wb") as out, \
-                open(data_path, "rb") as data:
+        with (
+            open(os.path.join(self.directory, f"part-{len(self.files)}.safetensors"), "wb") as out,
+            open(data_path, "rb") as data,
+        ):
             out.write(struct.pack("<Q", len(header)) + header)
             shutil.copyfileobj(data, out, 16 << 20)
         os.remove(data_path)
@@ -185,6 +222,7 @@ class ShardWriter:
         import json
 
         from hf_models.loading import INDEX_FILE, SINGLE_FILE
+
         if self.data is None and not self.files:
             raise RuntimeError("HF export: no tensors to write")
         if self.data is not None:
@@ -219,6 +257,7 @@ def _temp_dir(out_dir: str) -> str:
 def _write_side_files(model, tmp: str, tokenizer, meta: dict, dtype) -> None:
     import copy
     import json
+
     config = copy.deepcopy(model.config)
     config.dtype = dtype  # the dtype the tensors were written in (a bf16 run exports bf16)
     config.save_pretrained(tmp)
@@ -238,6 +277,7 @@ def hf_tensors(model, tp_group=None, tp_size: int = 1, only=None):
     from hf_models.loading import persistent_buffers
 
     from ..moe.experts import gather_expert_param, is_expert_param
+
     for name, p in model.named_parameters():
         if only is None or only(name):
             yield name, gather_expert_param(p) if is_expert_param(p) else gather_param(p, tp_group, tp_size)
@@ -250,6 +290,7 @@ def model_tensors(model, stream):
     """What an HF export writes of ``stream``: a LoRA model's factors merged into their base weights
     (``hf_models.lora.merged_stream``), any other model's tensors as they are."""
     from hf_models.lora import merged_stream
+
     info = getattr(model, "dhelix_lora", None)
     return stream if info is None else merged_stream(stream, info)
 
@@ -257,8 +298,9 @@ def model_tensors(model, stream):
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
-def export_adapter(model, out_dir: str, stream, base: str | None = None, tokenizer=None,
-                   meta: dict | None = None) -> str | None:
+def export_adapter(
+    model, out_dir: str, stream, base: str | None = None, tokenizer=None, meta: dict | None = None
+) -> str | None:
     """Write a LoRA model's adapter as PEFT saves one (``adapter_config.json``, ``adapter_model.safetensors``
     with PEFT's keys) to ``out_dir`` from global rank 0 (collective: ``stream`` yields the factors'
     full tensors, see ``hf_tensors(only=...)``); ``PeftModel.from_pretrained(base_model, out_dir)``
@@ -269,8 +311,10 @@ def export_adapter(model, out_dir: str, stream, base: str | None = None, tokeniz
 
     from safetensors.torch import save_file
 
-    from .. import __version__
     from hf_models.lora import peft_key
+
+    from .. import __version__
+
     info = getattr(model, "dhelix_lora", None)
     if info is None:
         raise ValueError("export_adapter: the model has no LoRA adapter (initialize was given no PEFT model)")
@@ -322,6 +366,7 @@ class ExportWriter:
 
     def add(self, name: str, full: torch.Tensor) -> None:
         from hf_models.loading import checkpoint_source, file_tensors
+
         if self.error is not None:
             return
         self.dtype = self.dtype or full.dtype
@@ -348,11 +393,14 @@ class ExportWriter:
 
     def _check_complete(self) -> None:
         from hf_models.loading import empty_model, persistent_buffers
+
         empty = empty_model(None, config=self.model.config)
         whole = {n for n, _ in empty.named_parameters()} | {n for n, _ in persistent_buffers(empty)}
         missing, unexpected = sorted(whole - set(self.names)), sorted(set(self.names) - whole)
         if missing or unexpected:
-            raise RuntimeError(f"HF export does not cover the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise RuntimeError(
+                f"HF export does not cover the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
 
 
 def agree_on_failure(error: BaseException | None) -> None:
@@ -363,22 +411,38 @@ def agree_on_failure(error: BaseException | None) -> None:
     if error is not None:
         raise error
     if int(failed):
-        raise RuntimeError("the HF export failed on another rank (its error is printed there); the previous "
-                           "export, if any, is untouched")
+        raise RuntimeError(
+            "the HF export failed on another rank (its error is printed there); the previous "
+            "export, if any, is untouched"
+        )
 
 
-def export_hf(model, out_dir: str, tokenizer=None, tp_group=None, tp_size: int = 1,
-              meta: dict | None = None, max_shard_size="5GB", tensors=None) -> str | None:
+def export_hf(
+    model,
+    out_dir: str,
+    tokenizer=None,
+    tp_group=None,
+    tp_size: int = 1,
+    meta: dict | None = None,
+    max_shard_size="5GB",
+    tensors=None,
+) -> str | None:
     """Write an HF checkpoint of ``model`` to ``out_dir``, streamed: each full tensor is gathered,
     written by global rank 0 into safetensors files of at most ``max_shard_size`` and dropped
     (collective; ``tensors``: the ``(name, full tensor)`` stream, default :func:`hf_tensors`).
     Returns the path on rank 0, else None. ``meta`` goes into ``dhelix_export.json``."""
     from .. import __version__
+
     rank = dist.get_rank() if dist.is_initialized() else 0
-    writer = ExportWriter(model, out_dir, tokenizer, {"ds_dhelix": __version__, **(meta or {})},
-                          max_shard_size) if rank == 0 else None
+    writer = (
+        ExportWriter(model, out_dir, tokenizer, {"ds_dhelix": __version__, **(meta or {})}, max_shard_size)
+        if rank == 0
+        else None
+    )
     with torch.no_grad():
-        for name, full in model_tensors(model, tensors if tensors is not None else hf_tensors(model, tp_group, tp_size)):
+        for name, full in model_tensors(
+            model, tensors if tensors is not None else hf_tensors(model, tp_group, tp_size)
+        ):
             if writer is not None:
                 writer.add(name, full)
     error, path = None, None

@@ -10,6 +10,7 @@ list ends in ``ReduceGrads`` and ``OptimizerStep``, which DeepSpeed's own code p
 reduction (ZeRO 1/2: ``coalesce_grad_reduction``; ZeRO 0: the buffered all-reduce), gradient
 clipping over the model-parallel group, the optimizer and the LR schedule.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,10 +20,10 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
 from ..config.section import DhelixConfig
+from ..planning.plan import SIPlan
 from ..runtime.groups import ProcessGroups
 from ..runtime.interpreter import Interpreter, prepare, wholes
 from ..runtime.tasks import MicroBatch
-from ..planning.plan import SIPlan
 from ..schedule import instructions as S
 from ..schedule.registry import ONE_STAGE, ScheduleSpec, lookup
 from .precision import loss_seed
@@ -40,42 +41,65 @@ def few_microbatches_hint(num_microbatches: int, pair_ends: bool) -> str | None:
     communication behind (``pair_ends`` pairs them too)."""
     m = num_microbatches
     if m == 1:
-        return ("ds_dhelix: one micro-batch per step: SI has nothing to pair (set "
-                "gradient_accumulation_steps >= 2 to overlap communication)")
+        return (
+            "ds_dhelix: one micro-batch per step: SI has nothing to pair (set "
+            "gradient_accumulation_steps >= 2 to overlap communication)"
+        )
     if m <= FEW_MICROBATCHES and not pair_ends:
-        return (f"ds_dhelix: {m} micro-batches per step: SI runs the first forward and the last "
-                f"backward without a partner, 1/{m} of the step's compute with its communication "
-                f"exposed; more gradient_accumulation_steps (e.g. 16) or \"dhelix\": "
-                f"{{\"pair_ends\": true}} hide more")
+        return (
+            f"ds_dhelix: {m} micro-batches per step: SI runs the first forward and the last "
+            f"backward without a partner, 1/{m} of the step's compute with its communication "
+            f'exposed; more gradient_accumulation_steps (e.g. 16) or "dhelix": '
+            f'{{"pair_ends": true}} hide more'
+        )
     return None
 
 
 class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
     """DeepSpeed engine + SI executor. Build it with :func:`ds_dhelix.initialize`."""
 
-    def __init__(self, *, dhelix: DhelixConfig, groups: ProcessGroups, graph, plan: SIPlan | None,
-                 load_report=None, **kwargs):
+    def __init__(
+        self, *, dhelix: DhelixConfig, groups: ProcessGroups, graph, plan: SIPlan | None, load_report=None, **kwargs
+    ):
         super().__init__(**kwargs)
         self.load_report = load_report
-        self.setup_strands(dhelix, groups, graph, plan if dhelix.schedule in ("si", "auto") else None,
-                           defer_weight_grads=None if dhelix.defer_weight_grads else False,  # None: where useful
-                           recompute=dhelix.recompute)
+        self.setup_strands(
+            dhelix,
+            groups,
+            graph,
+            plan if dhelix.schedule in ("si", "auto") else None,
+            defer_weight_grads=None if dhelix.defer_weight_grads else False,  # None: where useful
+            recompute=dhelix.recompute,
+        )
         self.interpreter = Interpreter(self.executor)
         self._warned_few = False
 
     def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """Write an HF checkpoint (shards gathered) from global rank 0; collective on all ranks."""
         from .checkpoint import export_hf
-        return export_hf(self.module, out_dir, tokenizer, self.groups.tp_grad_group, self.groups.tp_size,
-                         max_shard_size=max_shard_size)
+
+        return export_hf(
+            self.module,
+            out_dir,
+            tokenizer,
+            self.groups.tp_grad_group,
+            self.groups.tp_size,
+            max_shard_size=max_shard_size,
+        )
 
     def export_adapter(self, out_dir: str, base: str | None = None, tokenizer=None) -> str | None:
         """Write the LoRA adapter as a PEFT directory from global rank 0 (collective on all ranks)."""
         from hf_models.lora import is_factor_name
 
         from .checkpoint import export_adapter, hf_tensors
-        return export_adapter(self.module, out_dir, hf_tensors(self.module, self.groups.tp_grad_group,
-                                                               self.groups.tp_size, only=is_factor_name), base, tokenizer)
+
+        return export_adapter(
+            self.module,
+            out_dir,
+            hf_tensors(self.module, self.groups.tp_grad_group, self.groups.tp_size, only=is_factor_name),
+            base,
+            tokenizer,
+        )
 
     # ------------------------------------------------------------------ training
     def _reduction_context(self):
@@ -109,10 +133,17 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         mbs = prepare(self.graph, batches, spec, first_serial=self.global_steps * len(batches))
         with contextlib.ExitStack() as reduction:
             reduction.enter_context(self._reduction_context())  # ZeRO 1/2 reduce as it closes
-            handlers = {S.ReduceGrads: lambda ins: self._reduce_grads(reduction, mbs),
-                        S.OptimizerStep: lambda ins: self._optimizer_step(len(batches))}
-            self.interpreter.run(spec.schedule(1, len(batches))[0], mbs, loss_seed(self, len(batches)),
-                                 defer=spec.defers_weight_grads, handlers=handlers)
+            handlers = {
+                S.ReduceGrads: lambda ins: self._reduce_grads(reduction, mbs),
+                S.OptimizerStep: lambda ins: self._optimizer_step(len(batches)),
+            }
+            self.interpreter.run(
+                spec.schedule(1, len(batches))[0],
+                mbs,
+                loss_seed(self, len(batches)),
+                defer=spec.defers_weight_grads,
+                handlers=handlers,
+            )
         return wholes(spec, mbs)
 
     def _reduce_grads(self, reduction: contextlib.ExitStack, mbs) -> None:
@@ -139,8 +170,7 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         try:
             mbs = [MicroBatch(k, self.graph.make_side(b)) for k, b in enumerate(batches)]
             with self.executor.inference():
-                self.interpreter.run(S.forward_only(lookup("sequential", ONE_STAGE).schedule(1, len(mbs))[0]),
-                                     mbs, 1.0)
+                self.interpreter.run(S.forward_only(lookup("sequential", ONE_STAGE).schedule(1, len(mbs))[0]), mbs, 1.0)
         finally:
             self.watchdog.pause()
             self.module.train()

@@ -11,15 +11,17 @@ data-parallel replicas in one all-reduce. Also here, for any engine (ds_dhelix o
 DeepSpeed): its data-parallel coordinates (``data_parallel``), its watchdog around a collective
 action (``watched``) and the HF inputs of a batch under plain DeepSpeed (``plain_inputs``).
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 
 def is_dhelix(engine) -> bool:
     """A ds_dhelix engine (one of ``DhelixStepMixin``'s), not plain DeepSpeed's."""
     from .stepping import DhelixStepMixin
+
     return isinstance(engine, DhelixStepMixin)
 
 
@@ -27,6 +29,7 @@ def data_parallel(engine) -> tuple[int, int, object]:
     """``(rank, size, group)`` of this rank's data-parallel replica: the engine's layout under
     ds_dhelix, the whole world (the default group, ``None``) under plain DeepSpeed."""
     import torch.distributed as dist
+
     if is_dhelix(engine):
         g = engine.groups
         return g.dp_rank, g.dp_size, g.dp_group
@@ -38,8 +41,9 @@ def watched(engine, what: str):
     return engine.watched(what) if hasattr(engine, "watched") else contextlib.nullcontext()
 
 
-def evaluate_loss(engine, batches: Iterable[dict], weights: Iterable[int] | None = None,
-                  chunk: int | None = None) -> tuple[float, int]:
+def evaluate_loss(
+    engine, batches: Iterable[dict], weights: Iterable[int] | None = None, chunk: int | None = None
+) -> tuple[float, int]:
     """``(loss, targets)`` over ``batches`` (this replica's micro-batches) on every data-parallel
     replica: the target-weighted mean (module docstring) and the target count. ``weights``: each
     micro-batch's count (default: its labels' ``valid_targets``; 0 leaves a micro-batch out, e.g.
@@ -50,6 +54,7 @@ def evaluate_loss(engine, batches: Iterable[dict], weights: Iterable[int] | None
     import torch.distributed as dist
 
     from ds_dhelix.data import valid_targets
+
     chunk = chunk or engine.gradient_accumulation_steps()
     if weights is None:
         weighed = ((b, valid_targets(b.get("labels", b["input_ids"]))) for b in batches)
@@ -82,6 +87,7 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 def microbatch_losses(engine, batches: list[dict]):
     """Each micro-batch's loss on this replica (a float tensor ``[len(batches)]``), forward only."""
     import torch
+
     if is_dhelix(engine):
         return engine.eval_batch(iter(batches), num_microbatches=len(batches), per_microbatch=True).cpu()
     return torch.stack([_plain_forward_loss(engine, b) for b in batches])
@@ -89,6 +95,7 @@ def microbatch_losses(engine, batches: list[dict]):
 
 def _plain_forward_loss(engine, batch):
     import torch
+
     engine.eval()
     with torch.no_grad():
         out = engine(**plain_inputs(engine, batch))
@@ -102,6 +109,7 @@ def plain_inputs(engine, batch: dict) -> dict:
     HF's ``num_items_in_batch``."""
     from ds_dhelix.data import hf_model_inputs
     from hf_models.common import hf_mask_windows
+
     module = engine.module
     eager = next(module.parameters()).dtype if module.config._attn_implementation == "eager" else None
     batch = dict(batch)

@@ -10,6 +10,7 @@ section before DeepSpeed sees it) raise ``DhelixConfigIgnored`` before it touche
 ``install`` never imports deepspeed itself: if deepspeed is already imported the check is added
 now, else when ``deepspeed.runtime.engine`` is first imported.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,11 +40,13 @@ def enabled_dhelix_section(config) -> bool:
 
 
 def refusal() -> str:
-    return ('the ds_config has "dhelix": {"enabled": true}, but a plain DeepSpeed engine is being built '
-            '(deepspeed.initialize, a plain transformers.Trainer or accelerate): DeepSpeed ignores the '
-            'dhelix section, so tensor/expert parallelism and strand interleaving would not be active. '
-            'Use ds_dhelix.DhelixTrainer in place of transformers.Trainer, or ds_dhelix.initialize in place '
-            'of deepspeed.initialize; or set "dhelix": {"enabled": false} to train plain DeepSpeed on purpose')
+    return (
+        'the ds_config has "dhelix": {"enabled": true}, but a plain DeepSpeed engine is being built '
+        "(deepspeed.initialize, a plain transformers.Trainer or accelerate): DeepSpeed ignores the "
+        "dhelix section, so tensor/expert parallelism and strand interleaving would not be active. "
+        "Use ds_dhelix.DhelixTrainer in place of transformers.Trainer, or ds_dhelix.initialize in place "
+        'of deepspeed.initialize; or set "dhelix": {"enabled": false} to train plain DeepSpeed on purpose'
+    )
 
 
 def _guard_engine_class(module) -> None:

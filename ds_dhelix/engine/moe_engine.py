@@ -16,6 +16,7 @@ and logs ``MoE/aux_loss``, ``MoE/dropped_tokens``, ``MoE/all_to_all_ms``, ``MoE/
 ``MoE/all_to_all_hidden_fraction``, ``MoE/layer<i>/max_load_fraction`` (scalars) and
 ``MoE/layer<i>/tokens_per_expert`` (histogram) to TensorBoard.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,6 +39,7 @@ class ExpertShardsMixin:
         if any(is_moe_param(p) and p.requires_grad for p in model.parameters()):  # trained experts, sharded
             self.has_moe_layers = True
             from hf_models.adapters import num_experts
+
             self.num_experts.append(num_experts(model.config))
         super()._configure_distributed_model(model)
 
@@ -77,8 +79,7 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
         return total
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
-                        exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint + one file of expert shards per EP rank (DeepSpeed's model-state
         file holds only DP rank 0's experts, which every rank would load)."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
@@ -86,8 +87,11 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
         if self.has_moe_layers:
             lay = self.groups
             if lay.tp_rank == 0 and lay.cp_rank == 0 and lay.dp_rank < lay.ep_size:  # one writer per EP rank
-                shards = {n: {"expert_ids": list(p.expert_ids), "tensor": p.detach().cpu().clone()}
-                          for n, p in self.module.named_parameters() if is_moe_param(p)}
+                shards = {
+                    n: {"expert_ids": list(p.expert_ids), "tensor": p.detach().cpu().clone()}
+                    for n, p in self.module.named_parameters()
+                    if is_moe_param(p)
+                }
                 path = self._expert_shard_path(save_dir, tag, lay.ep_rank)
                 torch.save({"ep_size": lay.ep_size, "ep_rank": lay.ep_rank, "shards": shards}, path + ".tmp")
                 os.replace(path + ".tmp", path)
@@ -114,22 +118,28 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
         lay = self.groups
         path = self._expert_shard_path(load_dir, tag, lay.ep_rank)
         if not os.path.isfile(path):
-            raise ValueError(f"checkpoint {os.path.join(load_dir, tag)} has no expert shard file for EP rank "
-                             f"{lay.ep_rank} of {lay.ep_size} ({os.path.basename(path)}): it was saved with another "
-                             f"expert_parallel.size or without ds_dhelix; export an HF checkpoint and load "
-                             f"that instead")
+            raise ValueError(
+                f"checkpoint {os.path.join(load_dir, tag)} has no expert shard file for EP rank "
+                f"{lay.ep_rank} of {lay.ep_size} ({os.path.basename(path)}): it was saved with another "
+                f"expert_parallel.size or without ds_dhelix; export an HF checkpoint and load "
+                f"that instead"
+            )
         saved = torch.load(path, map_location="cpu", weights_only=True)
         if saved["ep_size"] != lay.ep_size:
-            raise ValueError(f"checkpoint was saved with expert_parallel.size {saved['ep_size']}, this run uses "
-                             f"{lay.ep_size}; resume with the same EP size or load its HF export")
+            raise ValueError(
+                f"checkpoint was saved with expert_parallel.size {saved['ep_size']}, this run uses "
+                f"{lay.ep_size}; resume with the same EP size or load its HF export"
+            )
         with torch.no_grad():
             for name, p in self.module.named_parameters():
                 if not is_moe_param(p):
                     continue
                 shard = saved["shards"][name]
                 if shard["expert_ids"] != list(p.expert_ids):
-                    raise ValueError(f"{name}: checkpoint shard holds experts {shard['expert_ids']}, this rank "
-                                     f"holds experts {list(p.expert_ids)}")
+                    raise ValueError(
+                        f"{name}: checkpoint shard holds experts {shard['expert_ids']}, this rank "
+                        f"holds experts {list(p.expert_ids)}"
+                    )
                 p.copy_(shard["tensor"])
         if self.zero_optimization_stage() in (1, 2) and not self.zero_load_from_fp32_weights():
             self.optimizer._restore_from_bit16_weights()
@@ -157,7 +167,7 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
         packed = torch.cat([load.flatten().to(dev, torch.float64), tail])
         n = m.num_layers * m.num_experts
         if self.groups.cp_size > 1:  # each CP rank routed its own tokens; the aux loss is the sequence's already
-            dist.all_reduce(packed[:n + 1], group=self.groups.cp_group)
+            dist.all_reduce(packed[: n + 1], group=self.groups.cp_group)
         if self.groups.dp_size > 1:
             dist.all_reduce(packed, group=self.groups.dp_group)
         host = packed.tolist()
@@ -175,9 +185,11 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
         events = [("MoE/dropped_tokens", float(self.moe_dropped_tokens), step)]
         if self.moe_a2a_ms > 0:
             hidden = max(0.0, 1 - self.moe_a2a_exposed_ms / self.moe_a2a_ms)
-            events += [("MoE/all_to_all_ms", self.moe_a2a_ms, step),
-                       ("MoE/all_to_all_exposed_ms", self.moe_a2a_exposed_ms, step),
-                       ("MoE/all_to_all_hidden_fraction", hidden, step)]
+            events += [
+                ("MoE/all_to_all_ms", self.moe_a2a_ms, step),
+                ("MoE/all_to_all_exposed_ms", self.moe_a2a_exposed_ms, step),
+                ("MoE/all_to_all_hidden_fraction", hidden, step),
+            ]
         if self.moe_aux_loss is not None:
             events.append(("MoE/aux_loss", self.moe_aux_loss, step))
         load = self.moe_expert_load

@@ -30,6 +30,7 @@ pieces for MoE, so the aux loss computed on stage 0 sends its gradient back into
 routers. Every rank reads the same micro-batches (side inputs are built locally); the loss exists
 on stage 0 only, is seeded with 1/m, and is broadcast over the pipeline for reporting.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,14 +41,15 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from hf_models.adapters import num_experts
+
 from ..runtime.interpreter import Interpreter
 from ..runtime.tasks import MicroBatch
-from .precision import loss_seed
-from .stepping import DhelixStepMixin
-from hf_models.adapters import num_experts
 from ..schedule import instructions as S
 from ..schedule.folding import LayerFold, chunk_index
 from ..schedule.registry import PIPELINE, lookup
+from .precision import loss_seed
+from .stepping import DhelixStepMixin
 
 ACT, GRAD = 0, 1
 _KIND = {S.ACTIVATION: ACT, S.GRAD: GRAD}
@@ -58,9 +60,9 @@ MAX_CARRIED = 256  # tensors per boundary message (tag space)
 def live_keys(graph, after_block: int) -> tuple[str, ...]:
     """Env tensors written by blocks ``<= after_block`` and read by later blocks before they
     rewrite them: what a stage boundary after ``after_block`` must carry."""
-    written = {k for blk in graph.blocks[:after_block + 1] for op in blk for k in op.outputs}
+    written = {k for blk in graph.blocks[: after_block + 1] for op in blk for k in op.outputs}
     live, defined = [], set()
-    for blk in graph.blocks[after_block + 1:]:
+    for blk in graph.blocks[after_block + 1 :]:
         for op in blk:
             live += [k for k in op.inputs if k in written and k not in defined and k not in live]
             defined.update(op.outputs)
@@ -75,8 +77,10 @@ def boundary_keys(graph, fold: LayerFold) -> list[tuple[str, ...]]:
         keys = live_keys(graph, fold.chunk_layers(b)[-1] + 1)
         bad = [k for k in keys if k != "h" and not re.fullmatch(r"aux\.\d+", k)]
         if bad or len(keys) > MAX_CARRIED:
-            raise ValueError(f"a stage boundary of the {graph.family} graph carries {list(keys)}; the pipeline "
-                             f"can send 'h' and MoE 'aux.<i>' pieces only (at most {MAX_CARRIED})")
+            raise ValueError(
+                f"a stage boundary of the {graph.family} graph carries {list(keys)}; the pipeline "
+                f"can send 'h' and MoE 'aux.<i>' pieces only (at most {MAX_CARRIED})"
+            )
         out.append(keys)
     return out
 
@@ -115,8 +119,15 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
     def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """The whole model as an HF checkpoint written by global rank 0 (collective)."""
         from .pipe_module import export_hf_pipeline
-        return export_hf_pipeline(self.module, out_dir, tokenizer, self.groups.tp_grad_group, self.groups.tp_size,
-                                  max_shard_size=max_shard_size)
+
+        return export_hf_pipeline(
+            self.module,
+            out_dir,
+            tokenizer,
+            self.groups.tp_grad_group,
+            self.groups.tp_size,
+            max_shard_size=max_shard_size,
+        )
 
     def export_adapter(self, out_dir: str, base: str | None = None, tokenizer=None) -> str | None:
         """The LoRA adapter of the whole model as a PEFT directory, from global rank 0 (collective)."""
@@ -124,8 +135,14 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
 
         from .checkpoint import export_adapter
         from .pipe_module import pipeline_tensors
-        return export_adapter(self.module.hf_model, out_dir, pipeline_tensors(
-            self.module, self.groups.tp_grad_group, self.groups.tp_size, only=is_factor_name), base, tokenizer)
+
+        return export_adapter(
+            self.module.hf_model,
+            out_dir,
+            pipeline_tensors(self.module, self.groups.tp_grad_group, self.groups.tp_size, only=is_factor_name),
+            base,
+            tokenizer,
+        )
 
     # ------------------------------------------------------------------ steps
     def _rank_schedule(self, name: str, m: int) -> list:
@@ -138,9 +155,11 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         loss (over micro-batches and data-parallel replicas) on every rank."""
         batches = self.pull_batches(data_iter or self.data_iterator)
         self.module.train()
-        return self.guarded_step(batches, lambda: self._run(batches, self._rank_schedule(self.step_schedule(),
-                                                                                         len(batches))),
-                                 self._pipeline_loss)
+        return self.guarded_step(
+            batches,
+            lambda: self._run(batches, self._rank_schedule(self.step_schedule(), len(batches))),
+            self._pipeline_loss,
+        )
 
     @torch.no_grad()
     def eval_batch(self, data_iter, num_microbatches: int | None = None, per_microbatch: bool = False) -> torch.Tensor:
@@ -209,8 +228,9 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         for j, (key, t) in enumerate(zip(self.carried[boundary], tensors)):
             shape, dtype = self._spec(key, side)
             if tuple(t.shape) != shape or t.dtype != dtype:
-                raise RuntimeError(f"pipeline send of {key!r}: got {tuple(t.shape)} {t.dtype}, the receiver "
-                                   f"expects {shape} {dtype}")
+                raise RuntimeError(
+                    f"pipeline send of {key!r}: got {tuple(t.shape)} {t.dtype}, the receiver expects {shape} {dtype}"
+                )
             t = t.detach().contiguous()
             work = dist.isend(t, dst=dst, group=self.groups.p2p_group, tag=self._tag(ins.mb, boundary, kind, j))
             self._state.sends.append((work, t))
@@ -267,7 +287,13 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
 
     def _handlers(self) -> dict:
         """This engine's part of a step: p2p, DeepSpeed's reduction and optimizer step."""
-        return {S.SendActivation: self._exec_send_activation, S.RecvActivation: self._exec_recv_activation,
-                S.SendGrad: self._exec_send_grad, S.RecvGrad: self._exec_recv_grad,
-                S.WaitRecv: self._exec_wait_recv, S.WaitSends: self._exec_wait_sends,
-                S.ReduceGrads: self._exec_reduce, S.OptimizerStep: self._exec_step}
+        return {
+            S.SendActivation: self._exec_send_activation,
+            S.RecvActivation: self._exec_recv_activation,
+            S.SendGrad: self._exec_send_grad,
+            S.RecvGrad: self._exec_recv_grad,
+            S.WaitRecv: self._exec_wait_recv,
+            S.WaitSends: self._exec_wait_sends,
+            S.ReduceGrads: self._exec_reduce,
+            S.OptimizerStep: self._exec_step,
+        }

@@ -17,6 +17,7 @@ parameters and every kept parameter keeps its HF name::
 :func:`gather_hf_state_dict` / :func:`export_hf_pipeline` gather the stages back into one HF
 state_dict / ``save_pretrained`` directory on global rank 0.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     for _, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) == n:
             return mod
-    raise ValueError(f"{type(model).__name__} has no ModuleList of its {n} decoder layers; "
-                     f"the pipeline needs an HF causal LM with a layer list")
+    raise ValueError(
+        f"{type(model).__name__} has no ModuleList of its {n} decoder layers; "
+        f"the pipeline needs an HF causal LM with a layer list"
+    )
 
 
 def stage_owns(fold: LayerFold, stage: int):
@@ -57,8 +60,9 @@ def prune_to_stage(model: nn.Module, fold: LayerFold, stage: int) -> int:
                 continue
             del module._parameters[name]
             device = "cpu" if p.is_meta else p.device  # (a model built empty: its shards are read later)
-            module.register_buffer(name, torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype, device=device),
-                                   persistent=False)
+            module.register_buffer(
+                name, torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype, device=device), persistent=False
+            )
     return sum(p.numel() for p in model.parameters())
 
 
@@ -117,14 +121,18 @@ class FoldedPipelineModule(PipelineModule):
     # DeepSpeed checkpoints (save_checkpoint / load_checkpoint): one file per stage and TP rank
     def _ckpt_path(self, ckpt_dir: str) -> str:
         import os
+
         tp_rank = self._grid.get_slice_parallel_rank()
         return os.path.join(ckpt_dir, f"folded_stage_{self.stage_id:02d}-tp_{tp_rank:02d}-model_states.pt")
 
     def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
         if self._grid.data_parallel_id != 0:
             return
-        state = {k: v for k, v in self.hf_model.state_dict().items()
-                 if not exclude_frozen_params or self.hf_model.get_parameter(k).requires_grad}
+        state = {
+            k: v
+            for k, v in self.hf_model.state_dict().items()
+            if not exclude_frozen_params or self.hf_model.get_parameter(k).requires_grad
+        }
         checkpoint_engine.makedirs(save_dir, exist_ok=True)
         checkpoint_engine.save({k: v.clone() for k, v in state.items()}, self._ckpt_path(save_dir))
 
@@ -133,13 +141,20 @@ class FoldedPipelineModule(PipelineModule):
         self.hf_model.load_state_dict(state, strict=strict)
 
 
-def export_hf_pipeline(module: FoldedPipelineModule, out_dir: str, tokenizer=None, tp_group=None,
-                       tp_size: int = 1, max_shard_size="5GB") -> str | None:
+def export_hf_pipeline(
+    module: FoldedPipelineModule, out_dir: str, tokenizer=None, tp_group=None, tp_size: int = 1, max_shard_size="5GB"
+) -> str | None:
     """Write the whole pipelined model as an HF checkpoint, streamed from global rank 0 with
     :func:`ds_dhelix.engine.checkpoint.export_hf`'s writer; returns the path on rank 0."""
     from .checkpoint import export_hf
-    return export_hf(module.hf_model, out_dir, tokenizer, max_shard_size=max_shard_size,
-                     tensors=pipeline_tensors(module, tp_group, tp_size))
+
+    return export_hf(
+        module.hf_model,
+        out_dir,
+        tokenizer,
+        max_shard_size=max_shard_size,
+        tensors=pipeline_tensors(module, tp_group, tp_size),
+    )
 
 
 def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int = 1, only=None):
@@ -148,6 +163,7 @@ def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int =
     global rank 0's pipeline sends each to it, stage by stage. ``only(name)``: the parameters it
     accepts (a LoRA adapter's factors), default all."""
     from .checkpoint import hf_tensors
+
     grid = module._grid
     pipe = grid.get_pipe_parallel_group()
     mine = [name for name, _ in module.hf_model.named_parameters() if only is None or only(name)]
@@ -169,7 +185,7 @@ def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int =
             for name in names:
                 head = torch.empty(9, dtype=torch.int64)
                 dist.recv(head, src=src)
-                buf = torch.empty(head[1:1 + int(head[0])].tolist(), dtype=dtype)
+                buf = torch.empty(head[1 : 1 + int(head[0])].tolist(), dtype=dtype)
                 dist.recv(buf, src=src)
                 yield name, buf
 

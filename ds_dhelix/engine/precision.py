@@ -8,14 +8,16 @@ any gradient, agreed over the data- and model-parallel groups), skips that step 
 and lowers the scale, or unscales, clips by the unscaled norm, steps and raises the scale after
 ``loss_scale_window`` good steps. bf16 needs no scale.
 """
+
 from __future__ import annotations
 
-FP16_UNSUPPORTED = "fp16 is not supported on this device ({device}); use bf16 (\"bf16\": {{\"enabled\": true}})"
+FP16_UNSUPPORTED = 'fp16 is not supported on this device ({device}); use bf16 ("bf16": {{"enabled": true}})'
 
 
 def fp16_supported() -> tuple[bool, str]:
     """(whether DeepSpeed's accelerator runs fp16 here, the device's name)."""
     from deepspeed.accelerator import get_accelerator
+
     acc = get_accelerator()
     return bool(acc.is_fp16_supported()), acc.device_name()
 
@@ -33,6 +35,7 @@ def force_fp16_capability() -> str:
     fp16 on CPU, slowly); for parity checks and tests of the fp16 path on CPU. Returns the note a
     report should carry."""
     from deepspeed.accelerator import get_accelerator
+
     acc = get_accelerator()
     if not acc.is_fp16_supported():
         acc.is_fp16_supported = lambda: True

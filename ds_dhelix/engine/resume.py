@@ -14,6 +14,7 @@ and LR schedule, the data position, the micro-batch and parallel layout, the mod
 plan. ``check_resume`` refuses a resume that would change any of them (naming both values) unless
 the caller allows it. The checkpoint directory must be visible to every rank (one filesystem).
 """
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,12 @@ def is_checkpoint_dir(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     names = os.listdir(path)
-    return ("latest" in names or bool(complete_tags(path)) or any(n.startswith(TMP_PREFIX + "global_step") for n in names)
-            or bool({"zero_to_fp32.py", "zero_to_torch.py"} & set(names)))
+    return (
+        "latest" in names
+        or bool(complete_tags(path))
+        or any(n.startswith(TMP_PREFIX + "global_step") for n in names)
+        or bool({"zero_to_fp32.py", "zero_to_torch.py"} & set(names))
+    )
 
 
 def remove_leftovers(root: str) -> list[str]:
@@ -99,8 +104,10 @@ def locate(path: str) -> tuple[str, str]:
             return path, tag
     tags = complete_tags(path)
     if not tags:
-        raise ValueError(f"--resume {path!r}: no complete ds_dhelix checkpoint there (a checkpoint holds "
-                         f"{RUN_STATE_FILE}); pass a directory written by --ds-checkpoint / --save-interval")
+        raise ValueError(
+            f"--resume {path!r}: no complete ds_dhelix checkpoint there (a checkpoint holds "
+            f"{RUN_STATE_FILE}); pass a directory written by --ds-checkpoint / --save-interval"
+        )
     return path, tags[-1]
 
 
@@ -120,14 +127,22 @@ def check_resume(saved: dict, current: dict, allow_change: bool = False) -> list
     """The differences between a checkpoint's run state and this run's, one line each;
     ``ValueError`` listing them unless ``allow_change``."""
     if saved.get("step", 0) > current["total_steps"]:
-        raise ValueError(f"the checkpoint is at step {saved.get('step')}, past --steps {current['total_steps']} "
-                         f"(the run's total); pass --steps {saved.get('step')} or more (a larger --steps changes the "
-                         f"LR schedule: add --allow-resume-change)")
-    diffs = [f"{what} ({key}): checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
-             for key, what in MUST_MATCH.items() if _differs(key, saved.get(key), current.get(key))]
+        raise ValueError(
+            f"the checkpoint is at step {saved.get('step')}, past --steps {current['total_steps']} "
+            f"(the run's total); pass --steps {saved.get('step')} or more (a larger --steps changes the "
+            f"LR schedule: add --allow-resume-change)"
+        )
+    diffs = [
+        f"{what} ({key}): checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
+        for key, what in MUST_MATCH.items()
+        if _differs(key, saved.get(key), current.get(key))
+    ]
     if diffs and not allow_change:
-        raise ValueError("the resume would change the run: " + "; ".join(diffs)
-                         + ". Resume with the same settings, or pass --allow-resume-change to accept this")
+        raise ValueError(
+            "the resume would change the run: "
+            + "; ".join(diffs)
+            + ". Resume with the same settings, or pass --allow-resume-change to accept this"
+        )
     return diffs
 
 
@@ -144,6 +159,7 @@ def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     try:
         import numpy as np
+
         state["numpy"] = np.random.get_state()
     except ImportError:
         pass
@@ -157,6 +173,7 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "numpy" in state:
         import numpy as np
+
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -182,7 +199,7 @@ def save(engine, root: str, run_state: dict, keep: int) -> str:
     if rank == 0:
         _publish(root, tmp, tag, run_state)
         older = [t for t in complete_tags(root) if t != tag]  # the one just published always stays
-        for old in older[:max(0, len(older) - (keep - 1))]:
+        for old in older[: max(0, len(older) - (keep - 1))]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     dist.barrier()
     return os.path.join(root, tag)

@@ -12,6 +12,7 @@ this in before their DeepSpeed base class.
                     logged), trace written
     failure_position  where the rank was, for a failed collective (the watchdog's last op)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,8 @@ from ..planning.autoschedule import AutoSchedule, nothing_to_hide
 from ..planning.autoschedule import describe as describe_decision
 from ..runtime.comm import collective_failures, cuda_connections_warning
 from ..runtime.executor import Executor
-from ..runtime.stats import StepStats
 from ..runtime.memory import ActivationMeter
+from ..runtime.stats import StepStats
 from ..runtime.trace import TraceRecorder, merge_traces
 from ..runtime.watchdog import Watchdog
 
@@ -41,22 +42,32 @@ def check_attention_mask(batch: dict, k: int, moe: bool = False) -> None:
     mask = batch.get("attention_mask")
     if mask is None or bool((mask != 0).all()):
         return
-    fix = ("pad on the right with labels = -100 on the padding (DataCollatorForLanguageModeling does), or pack "
-           "documents with position_ids (train.py --packing docs)")
+    fix = (
+        "pad on the right with labels = -100 on the padding (DataCollatorForLanguageModeling does), or pack "
+        "documents with position_ids (train.py --packing docs)"
+    )
     if mask.dim() != 2:
-        raise ValueError(f"micro-batch {k} has an attention_mask of shape {tuple(mask.shape)}: ds_dhelix reads a "
-                         f"[batch, sequence] padding mask only; {fix}")
+        raise ValueError(
+            f"micro-batch {k} has an attention_mask of shape {tuple(mask.shape)}: ds_dhelix reads a "
+            f"[batch, sequence] padding mask only; {fix}"
+        )
     keep = mask != 0
     if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
-        raise ValueError(f"micro-batch {k} has an attention_mask with left padding or holes, which the op graph's "
-                         f"causal attention cannot honour; {fix}")
+        raise ValueError(
+            f"micro-batch {k} has an attention_mask with left padding or holes, which the op graph's "
+            f"causal attention cannot honour; {fix}"
+        )
     labels = batch.get("labels", batch["input_ids"])
     if bool((labels[~keep] != -100).any()):
-        raise ValueError(f"micro-batch {k}: labels on padded positions (attention_mask 0) must be -100, or the "
-                         f"loss would count the padding; {fix}")
+        raise ValueError(
+            f"micro-batch {k}: labels on padded positions (attention_mask 0) must be -100, or the "
+            f"loss would count the padding; {fix}"
+        )
     if moe:
-        raise ValueError(f"micro-batch {k} has padding: the MoE router's load-balancing loss would count the padded "
-                         f"tokens (HF leaves them out); pack the data without padding (--packing concat or docs)")
+        raise ValueError(
+            f"micro-batch {k} has padding: the MoE router's load-balancing loss would count the padded "
+            f"tokens (HF leaves them out); pack the data without padding (--packing concat or docs)"
+        )
 
 
 class DhelixStepMixin:
@@ -75,8 +86,9 @@ class DhelixStepMixin:
         self.watchdog = Watchdog(dhelix.watchdog_s, self.global_rank).start()
         self.watchdog.pause()  # armed only inside a step
         self.recorder = TraceRecorder(self.global_rank) if dhelix.trace.enabled else None
-        self.executor = Executor(graph, plan, meter=self.meter, recorder=self.recorder,
-                                 watchdog=self.watchdog, **executor_options)
+        self.executor = Executor(
+            graph, plan, meter=self.meter, recorder=self.recorder, watchdog=self.watchdog, **executor_options
+        )
         self.last_stats, self.last_loss = StepStats(), None
         warning = cuda_connections_warning(torch.device(self.device))
         if warning and self.global_rank == 0:
@@ -92,11 +104,14 @@ class DhelixStepMixin:
         remain). On one stage whose op graph has no collective (``nothing_to_hide``) it takes
         sequential without a trial, logged with the reason. Every rank decides on the slowest
         rank's figures (an all-reduce of them), so all ranks take the same schedule."""
-        candidates = [c for c in self.dhelix.auto_schedules
-                      if c != "intra" or self.train_micro_batch_size_per_gpu() >= 2]
+        candidates = [
+            c for c in self.dhelix.auto_schedules if c != "intra" or self.train_micro_batch_size_per_gpu() >= 2
+        ]
         if len(candidates) < len(self.dhelix.auto_schedules) and self.global_rank == 0:
-            logger.warning("ds_dhelix: schedule auto leaves out 'intra': it splits a micro-batch in two along the "
-                           "batch, and train_micro_batch_size_per_gpu is 1")
+            logger.warning(
+                "ds_dhelix: schedule auto leaves out 'intra': it splits a micro-batch in two along the "
+                "batch, and train_micro_batch_size_per_gpu is 1"
+            )
 
         def reduce_max(values: list) -> list:
             t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -105,8 +120,9 @@ class DhelixStepMixin:
 
         # one stage only: a pipeline's candidates also differ in their bubbles and stage-to-stage sends
         untimed = nothing_to_hide(self.graph) if self.dhelix.pipeline.stages == 1 else None
-        auto = AutoSchedule(candidates, self.dhelix.auto_trials, self.dhelix.auto_recheck_steps, reduce_max,
-                            untimed_reason=untimed)
+        auto = AutoSchedule(
+            candidates, self.dhelix.auto_trials, self.dhelix.auto_recheck_steps, reduce_max, untimed_reason=untimed
+        )
         if auto.decisions and self.global_rank == 0:  # chosen without a trial: said now, before step 1
             logger.info(describe_decision(auto.decisions[-1]))
         return auto
@@ -142,12 +158,17 @@ class DhelixStepMixin:
         """Parameters that train nothing (a LoRA model's base, any ``requires_grad=False``)."""
         return [n for n, p in self.module.named_parameters() if not p.requires_grad]
 
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint without the frozen parameters: the model a run is built from
         holds them (a LoRA checkpoint is the adapters and their optimizer state), and DP rank 0's
         frozen expert shards would otherwise be loaded by every rank."""
-        return super().save_checkpoint(save_dir, tag, client_state, save_latest,
-                                       exclude_frozen_parameters or bool(self.frozen_names()))
+        return super().save_checkpoint(
+            save_dir,
+            tag,
+            {} if client_state is None else client_state,
+            save_latest,
+            exclude_frozen_parameters or bool(self.frozen_names()),
+        )
 
     def load_module_state_dict(self, checkpoint, strict=True, **kwargs):
         """Frozen parameters are not in the checkpoint (``save_checkpoint``): every trained one must be."""
@@ -156,8 +177,10 @@ class DhelixStepMixin:
         if frozen and saved is not None:
             missing = [n for n, _ in self.module.named_parameters() if n not in frozen and n not in saved]
             if missing:
-                raise ValueError(f"checkpoint lacks {len(missing)} trained parameters ({', '.join(missing[:3])}, ...): "
-                                 f"it was saved from another model or another set of trained parameters")
+                raise ValueError(
+                    f"checkpoint lacks {len(missing)} trained parameters ({', '.join(missing[:3])}, ...): "
+                    f"it was saved from another model or another set of trained parameters"
+                )
         return super().load_module_state_dict(checkpoint, strict=strict and not frozen, **kwargs)
 
     @contextlib.contextmanager
@@ -180,15 +203,19 @@ class DhelixStepMixin:
         """The step's ``gradient_accumulation_steps`` micro-batches (or ``count``), on this engine's
         device; every one must have the same shape."""
         count = self.gradient_accumulation_steps() if count is None else count
-        batches = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iter).items()}
-                   for _ in range(count)]
+        batches = [
+            {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iter).items()}
+            for _ in range(count)
+        ]
         shape = tuple(batches[0]["input_ids"].shape)
         for k, b in enumerate(batches):
             got = tuple(b["input_ids"].shape)
             if got != shape:
-                raise ValueError(f"micro-batch {k} has shape {got}, expected {shape}: every micro-batch "
-                                 f"of a step must have the same [batch, sequence] shape")
-            check_attention_mask(b, k, moe="expert_groups" in self.graph.meta)
+                raise ValueError(
+                    f"micro-batch {k} has shape {got}, expected {shape}: every micro-batch "
+                    f"of a step must have the same [batch, sequence] shape"
+                )
+            check_attention_mask(b, k, moe=self.graph.is_moe)
         return batches
 
     def begin_step(self) -> StepStats:
@@ -268,14 +295,16 @@ class DhelixStepMixin:
             return
         step = self.global_steps
         norm = self.get_global_grad_norm()
-        events = [("Train/loss", float(self.last_loss), step),
-                  ("Train/lr", self.get_lr()[0], step),
-                  ("Train/tokens_per_s", s.tokens_per_s, step),
-                  ("Train/step_time_s", s.step_s, step),
-                  ("Train/comm_ms", s.comm_and_exposed[0] * 1e3, step),
-                  ("Train/exposed_comm_ms", s.comm_and_exposed[1] * 1e3, step),
-                  ("Train/hidden_comm_fraction", s.hidden_fraction, step),
-                  ("Train/peak_activation_bytes", float(s.peak_activation_bytes), step)]
+        events = [
+            ("Train/loss", float(self.last_loss), step),
+            ("Train/lr", self.get_lr()[0], step),
+            ("Train/tokens_per_s", s.tokens_per_s, step),
+            ("Train/step_time_s", s.step_s, step),
+            ("Train/comm_ms", s.comm_and_exposed[0] * 1e3, step),
+            ("Train/exposed_comm_ms", s.comm_and_exposed[1] * 1e3, step),
+            ("Train/hidden_comm_fraction", s.hidden_fraction, step),
+            ("Train/peak_activation_bytes", float(s.peak_activation_bytes), step),
+        ]
         if norm is not None:
             events.append(("Train/grad_norm", float(norm), step))
         auto = getattr(self, "auto", None)

@@ -17,6 +17,7 @@ the main thread waits inside a collective (where Python runs no signal handler).
 again, more than ``REPEAT_S`` after the first, ends the rank at once; another signal right after
 the first (Ctrl-C reaches the launcher too, which then sends SIGTERM to the ranks) is the same stop.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,12 @@ def is_launcher(argv: list[str]) -> bool:
     """A launcher's command line: the ``deepspeed`` / ``torchrun`` / ``accelerate`` script, or
     ``python -m`` of DeepSpeed's or torch's launch module (the first three words decide)."""
     head = [os.path.basename(a) for a in argv[:3]]
-    modules = {"deepspeed.launcher.launch", "deepspeed.launcher.runner", "torch.distributed.run",
-               "torch.distributed.launch"}
+    modules = {
+        "deepspeed.launcher.launch",
+        "deepspeed.launcher.runner",
+        "torch.distributed.run",
+        "torch.distributed.launch",
+    }
     return bool({"deepspeed", "torchrun", "accelerate"} & set(head)) or bool(modules & set(argv[:3]))
 
 
@@ -91,7 +96,7 @@ class StopRequest:
         self._wakeup = None
 
     @classmethod
-    def install(cls, poll_s: float = 1.0) -> "StopRequest":
+    def install(cls, poll_s: float = 1.0) -> StopRequest:
         """Handle SIGTERM / SIGINT and watch the launcher (call from the main thread)."""
         stop = cls(poll_s)
         read, write = os.pipe()
@@ -135,6 +140,7 @@ class StopRequest:
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return _REASONS.get(self.code, f"signal {self.code}") if self.code else None
         from deepspeed.accelerator import get_accelerator
+
         code = torch.tensor([self.code], dtype=torch.int64, device=get_accelerator().current_device_name())
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
         code = int(code.item())

@@ -24,6 +24,7 @@ The Trainer's own checkpoints (``save_strategy``) hold the engine's DeepSpeed ch
 rank's shards and optimizer state) plus the Trainer state; ``resume_from_checkpoint`` continues
 exactly. Settings the op graph cannot honour are refused when the trainer is built.
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,12 +45,12 @@ SCHEDULE_STEP_KEYS = ("scheduler.params.total_num_steps", "scheduler.params.warm
 
 REFUSED_ARGS = {
     "gradient_checkpointing": 'the op graph never calls the HF modules\' checkpointing; set "dhelix": '
-                              '{"recompute": "full"} (or "selective") in the ds_config instead',
+    '{"recompute": "full"} (or "selective") in the ds_config instead',
     "torch_compile": "the op graph runs the model's weights through its own ops, not the compiled module",
     "neftune_noise_alpha": "NEFTune hooks the HF embedding module, which the op graph does not call",
     "label_smoothing_factor": "the op graph computes the causal-LM loss itself (no label smoothing)",
     "load_best_model_at_end": "the best checkpoint would be loaded into the unsharded HF model; "
-                              "reload it with DhelixTrainer(resume_from_checkpoint=...) instead",
+    "reload it with DhelixTrainer(resume_from_checkpoint=...) instead",
 }
 """TrainingArguments the op graph cannot honour (refused when set), with the reason and the fix."""
 
@@ -87,19 +88,26 @@ class DhelixTrainer(Trainer):
         super().__init__(*args, **kwargs)
         source = getattr(self.args, "deepspeed", None)
         if not self.is_deepspeed_enabled or source is None:
-            raise ValueError("DhelixTrainer needs TrainingArguments(deepspeed=<ds_config with \"dhelix\": "
-                             "{\"enabled\": true}>); without DeepSpeed use transformers.Trainer")
+            raise ValueError(
+                'DhelixTrainer needs TrainingArguments(deepspeed=<ds_config with "dhelix": '
+                '{"enabled": true}>); without DeepSpeed use transformers.Trainer'
+            )
         self._user_config = _original_config(source)
         if not enabled_dhelix_section(self._user_config):
-            raise ValueError("DhelixTrainer: the ds_config's dhelix section is missing or disabled; add "
-                             "\"dhelix\": {\"enabled\": true, ...} or use transformers.Trainer for plain DeepSpeed")
+            raise ValueError(
+                "DhelixTrainer: the ds_config's dhelix section is missing or disabled; add "
+                '"dhelix": {"enabled": true, ...} or use transformers.Trainer for plain DeepSpeed'
+            )
         self._refuse_unsupported_args()
         from .build import check_setup
+
         config = self._hf_config().config
         setup = check_setup(self._config_for_check(config), self.model.config, self.args.world_size)
         if setup.dims.pp > 1:
-            raise ValueError(f"DhelixTrainer runs one pipeline stage (dhelix.pipeline.stages = {setup.dims.pp}); "
-                             f"train a pipeline with train.py")
+            raise ValueError(
+                f"DhelixTrainer runs one pipeline stage (dhelix.pipeline.stages = {setup.dims.pp}); "
+                f"train a pipeline with train.py"
+            )
         self._dims = setup.dims
         self._engine = None
         self._engine_steps = None  # the optimizer steps its LR schedule was built for
@@ -112,8 +120,10 @@ class DhelixTrainer(Trainer):
     def _refuse_unsupported_args(self) -> None:
         set_args = [name for name in REFUSED_ARGS if getattr(self.args, name, None) not in (None, False, 0, 0.0)]
         if set_args:
-            raise ValueError("DhelixTrainer cannot honour " + "; ".join(
-                f"TrainingArguments.{name} ({REFUSED_ARGS[name]})" for name in set_args))
+            raise ValueError(
+                "DhelixTrainer cannot honour "
+                + "; ".join(f"TrainingArguments.{name} ({REFUSED_ARGS[name]})" for name in set_args)
+            )
 
     def _hf_config(self):
         return self.accelerator.state.deepspeed_plugin.hf_ds_config
@@ -143,8 +153,10 @@ class DhelixTrainer(Trainer):
         for key, value in written.items():
             node, leaf = hf.find_config_node(key)
             if node[leaf] != value:
-                logger.warning(f"ds_config {key} = {value} is kept (this run trains {max_steps} steps, which "
-                               f"would give {node[leaf]}); write \"auto\" to follow TrainingArguments")
+                logger.warning(
+                    f"ds_config {key} = {value} is kept (this run trains {max_steps} steps, which "
+                    f'would give {node[leaf]}); write "auto" to follow TrainingArguments'
+                )
             node[leaf] = value
         config = self._config_for_check(hf.config)
         # dropout masks and router noise follow TrainingArguments.seed, as train.py's --seed
@@ -167,9 +179,11 @@ class DhelixTrainer(Trainer):
             return loader
         sampler = getattr(loader, "batch_sampler", None)
         if not hasattr(sampler, "num_processes"):
-            raise ValueError(f"DhelixTrainer with tensor_parallel.size {dims.tp}: the dataset must be map-style "
-                             f"(a torch Dataset with __len__), so its batches can be split over the "
-                             f"{dims.dp} data-parallel ranks")
+            raise ValueError(
+                f"DhelixTrainer with tensor_parallel.size {dims.tp}: the dataset must be map-style "
+                f"(a torch Dataset with __len__), so its batches can be split over the "
+                f"{dims.dp} data-parallel ranks"
+            )
         sampler.num_processes = dims.dp
         sampler.process_index = dims.coords(self.args.process_index).dp_rank
         return loader
@@ -187,11 +201,14 @@ class DhelixTrainer(Trainer):
     def _build_engine(self, max_steps: int):
         if self._engine is not None:
             if max_steps != self._engine_steps:
-                raise ValueError(f"the engine's LR schedule was built for {self._engine_steps} steps, this "
-                                 f"train() runs {max_steps}: build a new DhelixTrainer for another run length")
+                raise ValueError(
+                    f"the engine's LR schedule was built for {self._engine_steps} steps, this "
+                    f"train() runs {max_steps}: build a new DhelixTrainer for another run length"
+                )
             return self._engine
         self._engine_steps = max_steps
         from .build import initialize
+
         config = self._finalize_config(max_steps)
         optimizer = lr_scheduler = None
         if "optimizer" not in config:  # the Trainer's optimizer, over the parameters after sharding
@@ -200,12 +217,13 @@ class DhelixTrainer(Trainer):
             optimizer = lambda params: self.create_optimizer(sharded_model)  # noqa: E731
             config["zero_allow_untested_optimizer"] = True
         if "scheduler" not in config:  # the Trainer's LR schedule (lr_scheduler_type, warmup)
+
             def lr_scheduler(opt):
                 trainer = copy.copy(self)
                 trainer.lr_scheduler = None
                 return Trainer.create_scheduler(trainer, num_training_steps=max_steps, optimizer=opt)
-        self._engine, *_ = initialize(model=self.model, config=config, optimizer=optimizer,
-                                      lr_scheduler=lr_scheduler)
+
+        self._engine, *_ = initialize(model=self.model, config=config, optimizer=optimizer, lr_scheduler=lr_scheduler)
         return self._engine
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
@@ -214,11 +232,14 @@ class DhelixTrainer(Trainer):
         self.optimizer = _SteppedByEngine(engine.optimizer)
         self.lr_scheduler = _SteppedByEngine(engine.lr_scheduler)
         if resume_from_checkpoint is not None:
-            path, _ = engine.load_checkpoint(resume_from_checkpoint, load_optimizer_states=True,
-                                             load_lr_scheduler_states=True)
+            path, _ = engine.load_checkpoint(
+                resume_from_checkpoint, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
             if path is None:
-                raise ValueError(f"resume_from_checkpoint {resume_from_checkpoint!r}: no DeepSpeed checkpoint of "
-                                 f"this run there (a DhelixTrainer checkpoint holds a global_step* folder)")
+                raise ValueError(
+                    f"resume_from_checkpoint {resume_from_checkpoint!r}: no DeepSpeed checkpoint of "
+                    f"this run there (a DhelixTrainer checkpoint holds a global_step* folder)"
+                )
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
@@ -239,10 +260,12 @@ class DhelixTrainer(Trainer):
         engine = self._engine
         gas = engine.gradient_accumulation_steps()
         if len(batches) != gas:
-            raise ValueError(f"this optimizer step has {len(batches)} micro-batches, the engine takes "
-                             f"gradient_accumulation_steps = {gas}: the epoch's last step is short; use a "
-                             f"dataset whose batch count is a multiple of {gas} per data-parallel rank, "
-                             f"dataloader_drop_last=True with max_steps, or max_steps within the first epoch")
+            raise ValueError(
+                f"this optimizer step has {len(batches)} micro-batches, the engine takes "
+                f"gradient_accumulation_steps = {gas}: the epoch's last step is short; use a "
+                f"dataset whose batch count is a multiple of {gas} per data-parallel rank, "
+                f"dataloader_drop_last=True with max_steps, or max_steps within the first epoch"
+            )
         if num_items is not None:
             # the Trainer's count is this rank's, or with average_tokens_across_devices summed over
             # every process: each TP (and CP) rank of a sequence counted the same samples, so it is
@@ -271,12 +294,14 @@ class DhelixTrainer(Trainer):
     def log(self, logs: dict, start_time=None) -> None:
         stats = getattr(self._engine, "last_stats", None)
         if stats is not None and "loss" in logs:
-            logs = {**logs,
-                    "dhelix/comm_ms": stats.comm_and_exposed[0] * 1e3,  # CUDA: from CUDA events
-                    "dhelix/exposed_comm_ms": stats.comm_and_exposed[1] * 1e3,
-                    "dhelix/hidden_comm_fraction": stats.hidden_fraction,
-                    "dhelix/peak_activation_bytes": float(stats.peak_activation_bytes),
-                    "dhelix/tokens_per_s": stats.tokens_per_s}
+            logs = {
+                **logs,
+                "dhelix/comm_ms": stats.comm_and_exposed[0] * 1e3,  # CUDA: from CUDA events
+                "dhelix/exposed_comm_ms": stats.comm_and_exposed[1] * 1e3,
+                "dhelix/hidden_comm_fraction": stats.hidden_fraction,
+                "dhelix/peak_activation_bytes": float(stats.peak_activation_bytes),
+                "dhelix/tokens_per_s": stats.tokens_per_s,
+            }
             auto = getattr(self._engine, "auto", None)
             if auto is not None:  # "schedule": "auto": the logged step's schedule, its index in auto.candidates
                 logs["dhelix/auto_schedule"] = float(auto.candidates.index(self._engine.current_schedule))
@@ -289,14 +314,17 @@ class DhelixTrainer(Trainer):
         ``Eval/loss`` (``ds_dhelix.engine.evaluation``). ``compute_metrics`` needs logits, which the
         sharded graph does not gather, so it is refused."""
         if self.compute_metrics is not None:
-            raise ValueError("DhelixTrainer.evaluate reports eval_loss only: compute_metrics needs the full "
-                             "logits, which the tensor-parallel graph never gathers; drop compute_metrics")
+            raise ValueError(
+                "DhelixTrainer.evaluate reports eval_loss only: compute_metrics needs the full "
+                "logits, which the tensor-parallel graph never gathers; drop compute_metrics"
+            )
         engine = self._build_engine(self._engine_steps or self._planned_steps())
         # one batch per eval_batch call: the last batch of the set may be shorter than the others
         loss, targets = evaluate_loss(engine, self.get_eval_dataloader(eval_dataset), chunk=1)
         if not targets:
-            raise ValueError("DhelixTrainer.evaluate: the evaluation set gave no batch with a target (a label "
-                             "other than -100)")
+            raise ValueError(
+                "DhelixTrainer.evaluate: the evaluation set gave no batch with a target (a label other than -100)"
+            )
         metrics = {f"{metric_key_prefix}_loss": loss}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
@@ -317,6 +345,7 @@ class DhelixTrainer(Trainer):
             self._engine.export_hf(output_dir, self.processing_class)
         if self.args.should_save:
             from transformers.trainer import TRAINING_ARGS_NAME
+
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

@@ -5,6 +5,7 @@ nothing else of ds_dhelix, never torch.distributed.
 
 ``from ds_dhelix.graph import ModelGraph, comm, comp`` keeps working (re-exported).
 """
+
 from .model_graph import ModelGraph, Op, comm, comp
 
 __all__ = ["ModelGraph", "Op", "comm", "comp"]

@@ -10,6 +10,7 @@ SI, sequential and a resumed run therefore draw the same masks; the global RNG i
     with draws.rng(x.device, side, layer=3, op="attn.core"):
         out = sdpa(q, k, v, dropout_p=0.1)                # a kernel's own draws, seeded alike
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-_MOD = 2 ** 63 - 1
+_MOD = 2**63 - 1
 
 
 def draw_seed(base: int, serial: int, layer: int, rank: int, op: str = "") -> int:
@@ -31,8 +32,7 @@ def draw_seed(base: int, serial: int, layer: int, rank: int, op: str = "") -> in
 def seeded_rng(device: torch.device, seed: int):
     """Run the body on a private RNG stream seeded with ``seed``; the global stream is untouched."""
     if device.type == "cuda":
-        with torch.random.fork_rng(devices=[device.index if device.index is not None else 0],
-                                   device_type="cuda"):
+        with torch.random.fork_rng(devices=[device.index if device.index is not None else 0], device_type="cuda"):
             torch.cuda.manual_seed(seed)
             yield
     else:
@@ -46,7 +46,8 @@ class Draws:
 
     def __init__(self, seed: int | None = None, rank: int | None = None):
         import torch.distributed as dist
-        self.base = torch.initial_seed() % (2 ** 31) if seed is None else seed
+
+        self.base = torch.initial_seed() % (2**31) if seed is None else seed
         self.rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
 
     def rng(self, device, side: dict, layer: int, op: str):

@@ -10,10 +10,11 @@ in the loss. Ops read and write named tensors of one micro-batch's environment (
 ``side`` holds the micro-batch's non-differentiable inputs (token ids, targets, rotary cos/sin).
 Names are stable strings shared with plans, tables and traces.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .ops import OpKind, OpSpec
 
@@ -71,6 +72,11 @@ class ModelGraph:
     family: str = ""
     meta: dict = field(default_factory=dict)
     replicated: object | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the graph has expert layers (its builder recorded their expert groups)."""
+        return "expert_groups" in self.meta
 
     @property
     def num_layers(self) -> int:

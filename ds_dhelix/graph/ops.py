@@ -6,6 +6,7 @@ its name in both directions (``"attn.ag"`` forward is an all-gather, backward a 
 
 This module is plain data: no torch.distributed, no deepspeed.
 """
+
 from __future__ import annotations
 
 import enum

@@ -14,6 +14,7 @@ The embedding and head blocks are never recomputed. Recomputed values are bitwis
 (the same ops on the same inputs; random draws are seeded by micro-batch, layer and op), so
 losses and gradients do not change. Kept inputs are counted by the activation meter.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

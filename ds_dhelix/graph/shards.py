@@ -4,6 +4,7 @@ A TP or EP shard cut from a parameter records ``hf_selection`` (dim -> ``slice``
 tensor): sharded loading reads exactly that part from the checkpoint files, and the export
 gathers the shards back into the full tensor.
 """
+
 from __future__ import annotations
 
 import torch

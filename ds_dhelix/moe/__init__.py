@@ -13,10 +13,18 @@ sizes the dispatch all-to-all takes as lists, read at its launch from a copy ``m
 to pinned host memory on a side stream (``dispatch``); none in capacity mode; everything else stays
 on the device (``router``, ``experts``, ``metrics``).
 """
+
 from ..runtime.groups import ExpertGroups
 from .dispatch import ExpertAllToAll
 from .experts import check_ep, gather_expert_param, is_expert_param, valid_ep_sizes
 from .router import Route
 
-__all__ = ["ExpertAllToAll", "ExpertGroups", "Route", "check_ep", "gather_expert_param", "is_expert_param",
-           "valid_ep_sizes"]
+__all__ = [
+    "ExpertAllToAll",
+    "ExpertGroups",
+    "Route",
+    "check_ep",
+    "gather_expert_param",
+    "is_expert_param",
+    "valid_ep_sizes",
+]

@@ -26,6 +26,7 @@ stream, so the other strand's queued kernels stay queued. Capacity mode reads no
     NCCL:             [counts a2a]
     side:                          [D2H copy]·event
 """
+
 from __future__ import annotations
 
 import time
@@ -61,6 +62,7 @@ class CountExchange:
     ``copies``: the ``HostCopies`` the counts go to the host by (one per graph; None: its own)."""
 
     lane = "comm:ep"  # trace lane
+
     def __init__(self, layer: int, groups: ExpertGroups, metrics=None, copies: HostCopies | None = None):
         self.layer, self.groups, self.metrics = layer, groups, metrics
         self.copies = HostCopies() if copies is None else copies
@@ -110,8 +112,9 @@ def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> Pending:
     x = x.contiguous()
     rows = x.shape[0] if out_splits is None else sum(out_splits)
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                  group=group, async_op=True)
+    work = dist.all_to_all_single(
+        out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group, async_op=True
+    )
     return TimedPending(work, out)
 
 
@@ -119,6 +122,7 @@ class ExpertAllToAll:
     """COMM op body for layer ``layer``: ``to_experts=True`` is ``moe.dispatch``, False ``moe.combine``."""
 
     lane = "comm:ep"  # trace lane
+
     def __init__(self, layer: int, groups: ExpertGroups, to_experts: bool, metrics=None):
         self.layer, self.groups, self.to_experts, self.metrics = layer, groups, to_experts, metrics
 
@@ -141,14 +145,17 @@ class ExpertAllToAll:
         route = side["moe"][self.layer]
         if not route.padded and route.recv_splits is None:
             if route.host_counts is None:
-                raise RuntimeError(f"moe.dispatch of layer {self.layer}: no split sizes; a dropless graph "
-                                   f"needs its moe.counts op before the dispatch")
+                raise RuntimeError(
+                    f"moe.dispatch of layer {self.layer}: no split sizes; a dropless graph "
+                    f"needs its moe.counts op before the dispatch"
+                )
             split_sizes(route)  # as late as possible: the launch that needs them
         return self._record(self._send(x, route, self.to_experts, self.groups.group.channel(channel)))
 
     def backward(self, grad, side, channel: int = 1) -> Pending:
-        return self._record(self._send(grad, side["moe"][self.layer], not self.to_experts,
-                                       self.groups.group.channel(channel)))
+        return self._record(
+            self._send(grad, side["moe"][self.layer], not self.to_experts, self.groups.group.channel(channel))
+        )
 
     def _record(self, pending: TimedPending) -> TimedPending:
         if self.metrics is not None:

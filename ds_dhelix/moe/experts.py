@@ -13,6 +13,7 @@ the rows per expert on the host, and takes them from the dispatch's one read of 
 (``moe.dispatch.split_sizes``; with one EP rank the router's ``HostCopy``, read here). Capacity
 mode's sizes are fixed (``ep * C`` rows per expert).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,10 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..graph.shards import select
 from ..runtime.comm import HostCopy
 from ..runtime.groups import ExpertGroups
 from .router import Route
-from ..graph.shards import select
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # (biases: gpt-oss)
 
@@ -41,10 +42,10 @@ class ExpertLayout:
               ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=l)``
     """
 
-    transposed: bool = False   # weights [E, in, out] (x @ W), else [E, out, in]
-    bias: bool = False         # gate_up_proj_bias [E, 2I] and down_proj_bias [E, h]
+    transposed: bool = False  # weights [E, in, out] (x @ W), else [E, out, in]
+    bias: bool = False  # gate_up_proj_bias [E, 2I] and down_proj_bias [E, h]
     interleaved: bool = False  # gate = columns 0::2, up = 1::2 (else the two halves)
-    clamped: bool = False      # the clamped SwiGLU (the experts' ``alpha`` and ``limit``)
+    clamped: bool = False  # the clamped SwiGLU (the experts' ``alpha`` and ``limit``)
 
 
 DEFAULT_LAYOUT = ExpertLayout()
@@ -52,23 +53,28 @@ GPT_OSS_LAYOUT = ExpertLayout(transposed=True, bias=True, interleaved=True, clam
 
 
 def valid_ep_sizes(num_experts: int, dp_size: int | None = None) -> list[int]:
-    return [d for d in range(1, num_experts + 1)
-            if num_experts % d == 0 and (dp_size is None or dp_size % d == 0)]
+    return [d for d in range(1, num_experts + 1) if num_experts % d == 0 and (dp_size is None or dp_size % d == 0)]
 
 
 def check_ep(num_experts: int, top_k: int, ep: int, dp_size: int | None = None, key: str = "num_local_experts") -> None:
     """``ValueError`` for an expert-parallel size or top-k that cannot work, naming the valid ones
     (``key``: the config key of the expert count, for the message)."""
     if top_k > num_experts:
-        raise ValueError(f"num_experts_per_tok {top_k} is larger than {key} {num_experts}: "
-                         f"a token cannot be routed to more experts than exist; use top-k <= {num_experts}")
+        raise ValueError(
+            f"num_experts_per_tok {top_k} is larger than {key} {num_experts}: "
+            f"a token cannot be routed to more experts than exist; use top-k <= {num_experts}"
+        )
     if ep < 1 or num_experts % ep:
-        raise ValueError(f"expert_parallel.size {ep} does not divide {key} {num_experts}; "
-                         f"valid EP sizes: {valid_ep_sizes(num_experts, dp_size)}")
+        raise ValueError(
+            f"expert_parallel.size {ep} does not divide {key} {num_experts}; "
+            f"valid EP sizes: {valid_ep_sizes(num_experts, dp_size)}"
+        )
     if dp_size is not None and dp_size % ep:
-        raise ValueError(f"expert_parallel.size {ep} does not divide the data-parallel size {dp_size} "
-                         f"(experts are sharded inside the DP group); valid EP sizes: "
-                         f"{valid_ep_sizes(num_experts, dp_size)}")
+        raise ValueError(
+            f"expert_parallel.size {ep} does not divide the data-parallel size {dp_size} "
+            f"(experts are sharded inside the DP group); valid EP sizes: "
+            f"{valid_ep_sizes(num_experts, dp_size)}"
+        )
 
 
 def shard_experts(experts: nn.Module, groups: ExpertGroups) -> None:
@@ -82,7 +88,7 @@ def shard_experts(experts: nn.Module, groups: ExpertGroups) -> None:
             continue
         if groups.size > 1:
             part = select(p, 0, slice(lo, lo + local))
-            p = nn.Parameter(p.data[lo:lo + local].clone(), requires_grad=p.requires_grad)
+            p = nn.Parameter(p.data[lo : lo + local].clone(), requires_grad=p.requires_grad)
             p.hf_selection = part  # which experts of the full HF tensor (sharded loading)
             setattr(experts, name, p)
         if groups.size > 1:  # DeepSpeed: an expert parameter, reduced over the expert-DP group
@@ -114,8 +120,10 @@ def gather_expert_param(p: torch.Tensor, data: torch.Tensor | None = None) -> to
     for r, got in enumerate(all_ids):
         want = list(range(r * local, (r + 1) * local))
         if got.tolist() != want:
-            raise RuntimeError(f"EP rank {r} holds experts {got.tolist()}, expected {want}: "
-                               f"the expert shards do not match this EP layout")
+            raise RuntimeError(
+                f"EP rank {r} holds experts {got.tolist()}, expected {want}: "
+                f"the expert shards do not match this EP layout"
+            )
     return torch.cat(parts, dim=0)
 
 
@@ -152,7 +160,7 @@ def expert_linear(x, sizes, weight, grouped: bool, bias=None, transposed: bool =
         raise TypeError("expert_linear: the loop over experts takes the rows per expert as a host list")
     outs, start = [], 0
     for e, n in enumerate(sizes):
-        rows = x[start:start + n]
+        rows = x[start : start + n]
         if transposed:
             outs.append(rows @ weight[e] if bias is None else rows @ weight[e] + bias[e])
         else:
@@ -201,8 +209,11 @@ def expert_sizes(route: Route, ep: int, local: int, grouped: bool, device=None):
     the split sizes, or with one EP rank the router's ``HostCopy`` read now)."""
     if grouped:
         if route.expert_counts is None:
-            route.expert_counts = torch.full((local,), ep * route.capacity, dtype=torch.long, device=device) \
-                if route.padded else route.recv_counts.sum(dim=0)
+            route.expert_counts = (
+                torch.full((local,), ep * route.capacity, dtype=torch.long, device=device)
+                if route.padded
+                else route.recv_counts.sum(dim=0)
+            )
         return route.expert_counts
     if route.padded:
         return [ep * route.capacity] * local
@@ -241,22 +252,45 @@ def source_rows(ye: torch.Tensor, route: Route, ep: int, local: int) -> torch.Te
     return ye.index_select(0, inverse)
 
 
-def run_expert_up(xr: torch.Tensor, route: Route, experts: nn.Module, ep: int,
-                  grouped: bool | None = None, layout: ExpertLayout = DEFAULT_LAYOUT) -> torch.Tensor:
+def run_expert_up(
+    xr: torch.Tensor,
+    route: Route,
+    experts: nn.Module,
+    ep: int,
+    grouped: bool | None = None,
+    layout: ExpertLayout = DEFAULT_LAYOUT,
+) -> torch.Tensor:
     """``moe.experts.up``: received rows (source-major) -> regrouped by local expert -> gate/up
     pre-activations. The expert computation is three ops (``.up``, ``.act``, ``.down``) so that the
     two projections are linear ops whose weight gradients the SI executor may defer: the input
     gradient first, the backward's expert all-to-all launched sooner."""
     local, grouped = experts.gate_up_proj.shape[0], use_grouped_mm(xr, grouped)
-    return expert_linear(expert_rows(xr, route, ep, local), expert_sizes(route, ep, local, grouped, xr.device),
-                         experts.gate_up_proj, grouped, experts.gate_up_proj_bias if layout.bias else None,
-                         layout.transposed)
+    return expert_linear(
+        expert_rows(xr, route, ep, local),
+        expert_sizes(route, ep, local, grouped, xr.device),
+        experts.gate_up_proj,
+        grouped,
+        experts.gate_up_proj_bias if layout.bias else None,
+        layout.transposed,
+    )
 
 
-def run_expert_down(a: torch.Tensor, route: Route, experts: nn.Module, ep: int,
-                    grouped: bool | None = None, layout: ExpertLayout = DEFAULT_LAYOUT) -> torch.Tensor:
+def run_expert_down(
+    a: torch.Tensor,
+    route: Route,
+    experts: nn.Module,
+    ep: int,
+    grouped: bool | None = None,
+    layout: ExpertLayout = DEFAULT_LAYOUT,
+) -> torch.Tensor:
     """``moe.experts.down``: activations -> down projection -> rows back in the received order."""
     local, grouped = experts.down_proj.shape[0], use_grouped_mm(a, grouped)
-    ye = expert_linear(a, expert_sizes(route, ep, local, grouped, a.device), experts.down_proj, grouped,
-                       experts.down_proj_bias if layout.bias else None, layout.transposed)
+    ye = expert_linear(
+        a,
+        expert_sizes(route, ep, local, grouped, a.device),
+        experts.down_proj,
+        grouped,
+        experts.down_proj_bias if layout.bias else None,
+        layout.transposed,
+    )
     return source_rows(ye, route, ep, local)

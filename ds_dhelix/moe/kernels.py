@@ -18,6 +18,7 @@ Forward values are the same in both (encode copies rows; decode weighs in float3
 copies slot by slot); backward sums differ in rounding only (tutel reduces each weight's gradient
 in its own order), see ``docs/guides/moe.md``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,9 +31,11 @@ KERNELS = ("torch", "tutel")
 TUTEL_COMMIT = "82af7aad9fc3ec981395ba97e7242a480984a55e"
 """The tutel commit the ``tutel`` extra installs (tutel is not on the package index)."""
 
-TUTEL_INSTALL = (f"install tutel: pip install ../shared/wheels/tutel-*.whl where that folder exists (make venv does), "
-                 f"else pip install 'ds_dhelix[tutel]' (tutel's repository at commit {TUTEL_COMMIT[:7]}, built "
-                 f"with the installed torch)")
+TUTEL_INSTALL = (
+    f"install tutel: pip install ../shared/wheels/tutel-*.whl where that folder exists (make venv does), "
+    f"else pip install 'ds_dhelix[tutel]' (tutel's repository at commit {TUTEL_COMMIT[:7]}, built "
+    f"with the installed torch)"
+)
 
 
 def tutel_missing() -> str | None:
@@ -53,17 +56,23 @@ def check_kernels(name: str, *, moe: bool, fp16: bool, device: str, hidden_size:
     if name not in KERNELS:
         raise ValueError(f"dhelix.moe.kernels {name!r}: choose one of {', '.join(KERNELS)}")
     if not moe:
-        raise ValueError(f"dhelix.moe.kernels {name!r} with a model without experts: the kernels move MoE token "
-                         f"copies; remove the key or use an MoE model (e.g. tiny-mixtral)")
+        raise ValueError(
+            f"dhelix.moe.kernels {name!r} with a model without experts: the kernels move MoE token "
+            f"copies; remove the key or use an MoE model (e.g. tiny-mixtral)"
+        )
     missing = tutel_missing()
     if missing:
         raise ValueError(f"dhelix.moe.kernels 'tutel': {missing}; {TUTEL_INSTALL}; or use kernels 'torch'")
     if fp16 and device == "cpu":
-        raise ValueError("dhelix.moe.kernels 'tutel' with fp16 on CPU: tutel's CPU kernels take float32 only (bf16 "
-                         "is computed in float32 by tutel itself); use bf16, or kernels 'torch'")
+        raise ValueError(
+            "dhelix.moe.kernels 'tutel' with fp16 on CPU: tutel's CPU kernels take float32 only (bf16 "
+            "is computed in float32 by tutel itself); use bf16, or kernels 'torch'"
+        )
     if fp16 and hidden_size is not None and hidden_size % 2:
-        raise ValueError(f"dhelix.moe.kernels 'tutel' with fp16 and hidden_size {hidden_size}: tutel's fp16 kernels "
-                         f"move two halves per element and need an even hidden size; use bf16, or kernels 'torch'")
+        raise ValueError(
+            f"dhelix.moe.kernels 'tutel' with fp16 and hidden_size {hidden_size}: tutel's fp16 kernels "
+            f"move two halves per element and need an even hidden size; use bf16, or kernels 'torch'"
+        )
 
 
 class TorchKernels:
@@ -89,6 +98,7 @@ class TutelKernels:
 
     def __init__(self):
         from tutel.impls.fast_dispatch import fast_decode, fast_encode
+
         self._encode, self._decode = fast_encode, fast_decode
 
     @staticmethod
@@ -98,8 +108,11 @@ class TutelKernels:
         rows = route.copy_row.view(route.num_tokens, route.top_k)
         zeros = torch.zeros(route.num_tokens, dtype=torch.int32, device=rows.device)
         locations = [rows[:, s].to(torch.int32).contiguous() for s in range(route.top_k)]
-        gates = [weights[:, s].contiguous() for s in range(route.top_k)] if weights is not None else \
-            [torch.ones(route.num_tokens, device=rows.device)] * route.top_k
+        gates = (
+            [weights[:, s].contiguous() for s in range(route.top_k)]
+            if weights is not None
+            else [torch.ones(route.num_tokens, device=rows.device)] * route.top_k
+        )
         return 1, [zeros] * route.top_k, locations, gates, route.rows, None
 
     def encode(self, x: torch.Tensor, route: Route) -> torch.Tensor:

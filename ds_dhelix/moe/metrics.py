@@ -4,6 +4,7 @@ The router and loss ops write them while a step runs (tensors stay on the device
 ``DhelixMoeEngine`` resets them before a step, reduces them over the data-parallel group after it
 and logs them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,15 +18,14 @@ class MoeMetrics:
     def reset(self) -> None:
         self.load: torch.Tensor | None = None  # [layers, experts] token copies routed (before capacity)
         self.dropped: torch.Tensor | None = None  # [layers] copies dropped by capacity
-        self.aux: list[torch.Tensor] = []      # load-balancing loss (unscaled) per micro-batch
-        self.a2a_busy_s = 0.0                  # dispatch/combine all-to-alls: launch to completion
-        self.a2a_exposed_s = 0.0               # ... time the executor was blocked on them
+        self.aux: list[torch.Tensor] = []  # load-balancing loss (unscaled) per micro-batch
+        self.a2a_busy_s = 0.0  # dispatch/combine all-to-alls: launch to completion
+        self.a2a_exposed_s = 0.0  # ... time the executor was blocked on them
 
     def record_route(self, layer: int, counts: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
         """``counts [E]`` copies routed to each expert; ``dropped``: copies capacity dropped (None: dropless)."""
         if self.load is None:
-            self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64,
-                                    device=counts.device)
+            self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=counts.device)
             self.dropped = torch.zeros(self.num_layers, dtype=torch.long, device=counts.device)
         self.load[layer] += counts.to(torch.float64)
         if dropped is not None:

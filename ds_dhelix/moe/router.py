@@ -19,6 +19,7 @@ dropped copies stay tensors on the device (no ``bincount``, no boolean mask inde
 Python lists reach the host through a ``runtime.comm.HostCopy`` started after the count exchange
 (``moe.dispatch``) or, with one EP rank and a loop over experts, right here (``local_counts``).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,22 +36,22 @@ if TYPE_CHECKING:
 class Route:
     """One layer's routing of one micro-batch on this rank."""
 
-    num_tokens: int              # N tokens routed on this rank
-    top_k: int                   # copies per token
-    counts: torch.Tensor         # [E] copies sent to each global expert (before capacity)
-    copy_row: torch.Tensor       # [N*k] row of the send buffer holding each copy (dropped: ``rows``)
-    rows: int                    # rows of the send buffer: N*k (dropless) or E*C (capacity)
-    token_of: torch.Tensor       # token of each buffer row (capacity: of each slot; an empty slot's is any token)
+    num_tokens: int  # N tokens routed on this rank
+    top_k: int  # copies per token
+    counts: torch.Tensor  # [E] copies sent to each global expert (before capacity)
+    copy_row: torch.Tensor  # [N*k] row of the send buffer holding each copy (dropped: ``rows``)
+    rows: int  # rows of the send buffer: N*k (dropless) or E*C (capacity)
+    token_of: torch.Tensor  # token of each buffer row (capacity: of each slot; an empty slot's is any token)
     filled: torch.Tensor | None = None  # capacity mode: [E*C] which slots hold a copy (the others are zero)
     capacity: int | None = None  # slots per expert (capacity mode) or None (dropless)
     dropped: torch.Tensor | int = 0  # copies dropped by capacity (a device tensor in capacity mode)
     # dropless: filled when ``moe.counts`` completes (ep > 1) or by ``local_counts`` (ep == 1)
     recv_counts: torch.Tensor | None = None  # [ep, E/ep] copies this rank's experts get from each source
-    host_counts: HostCopy | None = None       # those counts on their way to the host (``split_sizes``)
+    host_counts: HostCopy | None = None  # those counts on their way to the host (``split_sizes``)
     # host lists, read from ``host_counts`` where first needed (the dispatch launch; ep == 1: the experts)
     send_splits: list[int] | None = None
     recv_splits: list[int] | None = None
-    expert_sizes: list[int] | None = None     # received rows per local expert
+    expert_sizes: list[int] | None = None  # received rows per local expert
     expert_index: torch.Tensor | None = None  # received rows -> expert-major order (device)
     expert_counts: torch.Tensor | None = None  # received rows per local expert (device: the grouped GEMM)
 
@@ -64,8 +65,9 @@ def capacity_for(num_tokens: int, top_k: int, num_experts: int, capacity_factor:
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
-def route_tokens(x: torch.Tensor, selected: torch.Tensor, num_experts: int,
-                 capacity_factor: float | None = None, kernels=None) -> tuple[torch.Tensor, Route]:
+def route_tokens(
+    x: torch.Tensor, selected: torch.Tensor, num_experts: int, capacity_factor: float | None = None, kernels=None
+) -> tuple[torch.Tensor, Route]:
     """Token rows ``x [N, h]`` and expert ids ``selected [N, k]`` -> (send buffer, ``Route``).
 
     The send buffer holds the copies grouped by expert in ascending id order (stable: earlier tokens
@@ -91,12 +93,13 @@ def plan_route(selected: torch.Tensor, num_experts: int, capacity_factor: float 
     if capacity_factor is None:
         copy_row = torch.empty_like(order)
         copy_row[order] = torch.arange(order.numel(), device=order.device)
-        return Route(n_tok, k, counts, copy_row, rows=order.numel(), token_of=torch.div(order, k, rounding_mode="floor"))
+        return Route(
+            n_tok, k, counts, copy_row, rows=order.numel(), token_of=torch.div(order, k, rounding_mode="floor")
+        )
     return capacity_route(n_tok, k, sel, order, counts, capacity_for(n_tok, k, num_experts, capacity_factor))
 
 
-def capacity_route(n_tok: int, k: int, sel: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
-                   cap: int) -> Route:
+def capacity_route(n_tok: int, k: int, sel: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, cap: int) -> Route:
     """Capacity mode's ``Route`` (``cap`` slots per expert), with fixed shapes only: a copy past its
     expert's ``cap`` reads the zero pad row ``E*C``; slot ``e*C + p`` holds the ``p``-th copy of
     expert ``e`` in sorted order when ``p < counts[e]`` (``filled``), else a zero row."""
@@ -110,8 +113,17 @@ def capacity_route(n_tok: int, k: int, sel: torch.Tensor, order: torch.Tensor, c
     slot = torch.arange(rows, device=order.device)
     expert, p = torch.div(slot, cap, rounding_mode="floor"), slot % cap
     src = (starts[expert] + p).clamp(max=max(n - 1, 0))  # sorted position of the copy in each slot
-    return Route(n_tok, k, counts, copy_row, rows=rows, token_of=torch.div(order[src], k, rounding_mode="floor"),
-                 filled=p < counts[expert], capacity=cap, dropped=(counts - cap).clamp(min=0).sum())
+    return Route(
+        n_tok,
+        k,
+        counts,
+        copy_row,
+        rows=rows,
+        token_of=torch.div(order[src], k, rounding_mode="floor"),
+        filled=p < counts[expert],
+        capacity=cap,
+        dropped=(counts - cap).clamp(min=0).sum(),
+    )
 
 
 def combine_copies(ys: torch.Tensor, weights: torch.Tensor, route: Route) -> torch.Tensor:
@@ -170,9 +182,15 @@ def load_balancing_loss(pieces, num_tokens: int, num_experts: int, reduce=None, 
 
 
 # ---------------------------------------------------------------------------- router functions
-def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None, n_group: int = 1,
-                         topk_group: int = 1, norm_topk_prob: bool = True,
-                         scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_sigmoid_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM-4.5 routing of router ``logits [N, E]`` (fp32): ``(weights [N, k], experts [N, k])``.
 
     Scores are ``sigmoid(logits)``. The choice reads ``scores + bias`` (``e_score_correction_bias``,

@@ -21,12 +21,12 @@ A decision is ``{"step", "chosen", "previous", "trials", "figures", "reason"}``:
 candidates' median / min / max step seconds (empty for a choice made without a trial), ``reason``
 why ``chosen`` was taken, in words.
 """
+
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from typing import Callable, Sequence
-
+from collections.abc import Callable, Sequence
 
 UNTIMED_CHOICE = "sequential"
 """What auto takes without a trial where there is nothing to hide (``nothing_to_hide``)."""
@@ -39,9 +39,11 @@ def nothing_to_hide(graph) -> str | None:
     all-to-alls, CP exchanges); DP's gradient reduction is DeepSpeed's, after the pairs."""
     if any(op.is_comm for block in graph.blocks for op in block):
         return None
-    return ("nothing to hide: the op graph has no collective (no TP, EP or CP communication) for an SI pair or "
-            "an intra half to overlap, so si and intra could only add overhead; DP's gradient reduction runs "
-            "outside the pairs")
+    return (
+        "nothing to hide: the op graph has no collective (no TP, EP or CP communication) for an SI pair or "
+        "an intra half to overlap, so si and intra could only add overhead; DP's gradient reduction runs "
+        "outside the pairs"
+    )
 
 
 class AutoSchedule:
@@ -51,8 +53,14 @@ class AutoSchedule:
     candidates): with ``sequential`` among them it is chosen before step 1, without a trial or a
     re-check; without it the candidates are timed as usual."""
 
-    def __init__(self, candidates: Sequence[str], trials: int, recheck_steps: int,
-                 reduce_max: Callable[[list], list] | None = None, untimed_reason: str | None = None):
+    def __init__(
+        self,
+        candidates: Sequence[str],
+        trials: int,
+        recheck_steps: int,
+        reduce_max: Callable[[list], list] | None = None,
+        untimed_reason: str | None = None,
+    ):
         if len(candidates) < 2:
             raise ValueError(f"schedule 'auto' needs two or more candidates, got {list(candidates)}")
         self.candidates, self.trials, self.recheck_steps = tuple(candidates), trials, recheck_steps
@@ -64,12 +72,23 @@ class AutoSchedule:
         self._since = 0  # steps on the chosen schedule since the last decision
         if untimed_reason is not None and UNTIMED_CHOICE in self.candidates:
             self.chosen, self.recheck_steps = UNTIMED_CHOICE, 0
-            self.decisions.append({"step": 0, "chosen": UNTIMED_CHOICE, "previous": None, "trials": 0,
-                                   "figures": {}, "reason": untimed_reason})
+            self.decisions.append(
+                {
+                    "step": 0,
+                    "chosen": UNTIMED_CHOICE,
+                    "previous": None,
+                    "trials": 0,
+                    "figures": {},
+                    "reason": untimed_reason,
+                }
+            )
         else:
             self._start_phase(warm_up=True)
-        self._timed_note = "" if untimed_reason is None or self.chosen is not None else (
-            f"; {untimed_reason}, but {UNTIMED_CHOICE!r} is not among the candidates")
+        self._timed_note = (
+            ""
+            if untimed_reason is None or self.chosen is not None
+            else (f"; {untimed_reason}, but {UNTIMED_CHOICE!r} is not among the candidates")
+        )
 
     @property
     def trial_steps_left(self) -> int:
@@ -107,14 +126,20 @@ class AutoSchedule:
             t = self._times[c]
             stats += [statistics.median(t), min(t), max(t)]
         stats = [float(v) for v in self.reduce_max(stats)]  # the slowest rank's, so all ranks agree
-        figures = {c: {"median_s": stats[3 * i], "min_s": stats[3 * i + 1], "max_s": stats[3 * i + 2]}
-                   for i, c in enumerate(self.candidates)}
+        figures = {
+            c: {"median_s": stats[3 * i], "min_s": stats[3 * i + 1], "max_s": stats[3 * i + 2]}
+            for i, c in enumerate(self.candidates)
+        }
         best = min(self.candidates, key=lambda c: (figures[c]["median_s"], self.candidates.index(c)))
-        decision = {"step": step, "chosen": best, "previous": self.chosen, "trials": self.trials,
-                    "figures": figures,
-                    "reason": f"the fastest median step time ({self.trials} timed step{'s' * (self.trials != 1)} "
-                              f"each, slowest rank)"
-                    + self._timed_note}
+        decision = {
+            "step": step,
+            "chosen": best,
+            "previous": self.chosen,
+            "trials": self.trials,
+            "figures": figures,
+            "reason": f"the fastest median step time ({self.trials} timed step{'s' * (self.trials != 1)} "
+            f"each, slowest rank)" + self._timed_note,
+        }
         self.chosen, self._since = best, 0
         self.decisions.append(decision)
         return decision
@@ -123,13 +148,16 @@ class AutoSchedule:
 def describe(decision: dict) -> str:
     """The log line of a decision."""
     if not decision["trials"]:  # chosen without a trial (``nothing_to_hide``)
-        return (f"ds_dhelix: schedule auto chose {decision['chosen']!r} without a trial: "
-                f"{decision['reason']}")
+        return f"ds_dhelix: schedule auto chose {decision['chosen']!r} without a trial: {decision['reason']}"
     figures = decision["figures"]
     best = figures[decision["chosen"]]["median_s"]
-    parts = [f"{c} {f['median_s'] * 1e3:.1f} ms [{f['min_s'] * 1e3:.1f}-{f['max_s'] * 1e3:.1f}]"
-             + ("" if c == decision["chosen"] else f" ({f['median_s'] / best:.2f}x)")
-             for c, f in sorted(figures.items(), key=lambda kv: kv[1]["median_s"])]
+    parts = [
+        f"{c} {f['median_s'] * 1e3:.1f} ms [{f['min_s'] * 1e3:.1f}-{f['max_s'] * 1e3:.1f}]"
+        + ("" if c == decision["chosen"] else f" ({f['median_s'] / best:.2f}x)")
+        for c, f in sorted(figures.items(), key=lambda kv: kv[1]["median_s"])
+    ]
     again = "" if decision["previous"] is None else f" (re-check; was {decision['previous']!r})"
-    return (f"ds_dhelix: schedule auto chose {decision['chosen']!r} after step {decision['step']}{again}: "
-            f"median step time of {decision['trials']} steps each, slowest rank [min-max]: " + ", ".join(parts))
+    return (
+        f"ds_dhelix: schedule auto chose {decision['chosen']!r} after step {decision['step']}{again}: "
+        f"median step time of {decision['trials']} steps each, slowest rank [min-max]: " + ", ".join(parts)
+    )

@@ -3,11 +3,12 @@ index ranges, format/version headers, atomic writes.
 
 Plain data: no torch.
 """
+
 from __future__ import annotations
 
 import os
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..graph.ops import OpKind, OpSpec
 
@@ -20,7 +21,7 @@ def ops_from_json(items) -> tuple[OpSpec, ...]:
     try:
         return tuple(OpSpec(str(it["name"]), OpKind(it["kind"])) for it in items)
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"bad op list entry ({err}); expected {{'name': str, 'kind': 'comp'|'comm'}}")
+        raise ValueError(f"bad op list entry ({err}); expected {{'name': str, 'kind': 'comp'|'comm'}}") from err
 
 
 def parse_range(value) -> tuple[int, int]:
@@ -36,8 +37,7 @@ def check_format(data: dict, fmt: str, versions: Sequence[int], what: str) -> in
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"not a {what} file: format is {got!r}, expected {fmt!r}")
     if data.get("version") not in versions:
-        raise ValueError(f"{what} version {data.get('version')!r} is not supported (expected one of "
-                         f"{list(versions)})")
+        raise ValueError(f"{what} version {data.get('version')!r} is not supported (expected one of {list(versions)})")
     return data["version"]
 
 

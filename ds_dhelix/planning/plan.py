@@ -17,15 +17,16 @@ and ``default_plan`` build the two fixed plans used without a profiled table.
 
 Plain data: no torch.distributed, no deepspeed.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
 from ..graph.ops import OpKind, OpSpec, comm_runs
+from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
 
 PLAN_FORMAT = "dhelix.si_plan"
 PLAN_VERSION = 2
@@ -42,7 +43,7 @@ class Round:
 
 def segment_has_comm(ops: Sequence[OpSpec], seg: tuple[int, int]) -> bool:
     """True when any op of ``ops[seg[0]:seg[1]]`` is a COMM op."""
-    return any(op.is_comm for op in ops[seg[0]:seg[1]])
+    return any(op.is_comm for op in ops[seg[0] : seg[1]])
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,15 @@ class SIPlan:
                 raise ValueError(f"plan round {k} is empty")
             f, b = r.fwd[1], r.bwd[1]
         if f != len(self.fwd_ops) or b != len(self.bwd_ops):
-            raise ValueError(
-                f"plan covers {f}/{len(self.fwd_ops)} forward and {b}/{len(self.bwd_ops)} backward ops")
+            raise ValueError(f"plan covers {f}/{len(self.fwd_ops)} forward and {b}/{len(self.bwd_ops)} backward ops")
 
     def comm_conflicts(self) -> list[int]:
         """Indices of the rounds that communicate on both strands at once (planners avoid these)."""
-        return [k for k, r in enumerate(self.rounds)
-                if segment_has_comm(self.fwd_ops, r.fwd) and segment_has_comm(self.bwd_ops, r.bwd)]
+        return [
+            k
+            for k, r in enumerate(self.rounds)
+            if segment_has_comm(self.fwd_ops, r.fwd) and segment_has_comm(self.bwd_ops, r.bwd)
+        ]
 
     # ---- JSON -----------------------------------------------------------------------------
 
@@ -86,17 +89,22 @@ class SIPlan:
             "version": PLAN_VERSION,
             "fwd_ops": ops_to_json(self.fwd_ops),
             "bwd_ops": ops_to_json(self.bwd_ops),
-            "rounds": [{"fwd": list(r.fwd), "bwd": list(r.bwd),
-                        "fwd_ops": [op.name for op in self.fwd_ops[r.fwd[0]:r.fwd[1]]],
-                        "bwd_ops": [op.name for op in self.bwd_ops[r.bwd[0]:r.bwd[1]]]}
-                       for r in self.rounds],
+            "rounds": [
+                {
+                    "fwd": list(r.fwd),
+                    "bwd": list(r.bwd),
+                    "fwd_ops": [op.name for op in self.fwd_ops[r.fwd[0] : r.fwd[1]]],
+                    "bwd_ops": [op.name for op in self.bwd_ops[r.bwd[0] : r.bwd[1]]],
+                }
+                for r in self.rounds
+            ],
             "predicted_ms": self.predicted_ms,
             "source": self.source,
             "meta": self.meta,
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SIPlan":
+    def from_dict(cls, data: dict) -> SIPlan:
         """Inverse of ``to_dict``; ValueError on a wrong format or round op names that disagree."""
         version = check_format(data, PLAN_FORMAT, (1, PLAN_VERSION), "plan")
         fwd_ops, bwd_ops = ops_from_json(data["fwd_ops"]), ops_from_json(data["bwd_ops"])
@@ -104,21 +112,27 @@ class SIPlan:
         for k, item in enumerate(data["rounds" if version >= 2 else "steps"]):
             r = Round(fwd=parse_range(item["fwd"]), bwd=parse_range(item["bwd"]))
             for key, ops, seg in (("fwd_ops", fwd_ops, r.fwd), ("bwd_ops", bwd_ops, r.bwd)):
-                names = [op.name for op in ops[seg[0]:seg[1]]]
+                names = [op.name for op in ops[seg[0] : seg[1]]]
                 if key in item and list(item[key]) != names:
-                    raise ValueError(f"plan round {k}: {key} {item[key]} disagree with range {list(seg)}"
-                                     f" which holds {names}")
+                    raise ValueError(
+                        f"plan round {k}: {key} {item[key]} disagree with range {list(seg)} which holds {names}"
+                    )
             rounds.append(r)
         predicted = data.get("predicted_ms")
-        return cls(fwd_ops, bwd_ops, tuple(rounds),
-                   predicted_ms=None if predicted is None else float(predicted),
-                   source=data.get("source", "default"), meta=dict(data.get("meta") or {}))
+        return cls(
+            fwd_ops,
+            bwd_ops,
+            tuple(rounds),
+            predicted_ms=None if predicted is None else float(predicted),
+            source=data.get("source", "default"),
+            meta=dict(data.get("meta") or {}),
+        )
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "SIPlan":
+    def from_json(cls, text: str) -> SIPlan:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str) -> None:
@@ -126,7 +140,7 @@ class SIPlan:
         write_atomic(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str) -> "SIPlan":
+    def load(cls, path: str) -> SIPlan:
         with open(path, encoding="utf-8") as fh:
             return cls.from_json(fh.read())
 
@@ -136,8 +150,11 @@ class SIPlan:
         ``predicted_ms``, ``source`` and ``meta`` are annotations and do not change it, so two ranks
         that must issue the same collectives in the same order compare exactly what matters.
         """
-        content = {"fwd_ops": ops_to_json(self.fwd_ops), "bwd_ops": ops_to_json(self.bwd_ops),
-                   "rounds": [[*r.fwd, *r.bwd] for r in self.rounds]}
+        content = {
+            "fwd_ops": ops_to_json(self.fwd_ops),
+            "bwd_ops": ops_to_json(self.bwd_ops),
+            "rounds": [[*r.fwd, *r.bwd] for r in self.rounds],
+        }
         blob = json.dumps(content, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -156,14 +173,16 @@ class SIPlan:
             lanes = {OpKind.COMP: [], OpKind.COMM: []}
             for tag, ops, seg in (("F", self.fwd_ops, r.fwd), ("B", self.bwd_ops, r.bwd)):
                 for kind in lanes:
-                    names = [op.name for op in ops[seg[0]:seg[1]] if op.kind is kind]
+                    names = [op.name for op in ops[seg[0] : seg[1]] if op.kind is kind]
                     if names:
                         lanes[kind].append(f"{tag} " + " ".join(names))
             rows.append((" | ".join(lanes[OpKind.COMP]) or ".", " | ".join(lanes[OpKind.COMM]) or "."))
         width = max([len("compute lane")] + [len(r[0]) for r in rows])
         ms_head = "        ms" if round_ms is not None else ""
-        head = (f"SIPlan source={self.source} rounds={len(self.rounds)} "
-                f"predicted_ms={_fmt_ms(self.predicted_ms)} fingerprint={self.fingerprint()[:12]}")
+        head = (
+            f"SIPlan source={self.source} rounds={len(self.rounds)} "
+            f"predicted_ms={_fmt_ms(self.predicted_ms)} fingerprint={self.fingerprint()[:12]}"
+        )
         lines = [head, f"round{ms_head}  {'compute lane':<{width}}  communication lane"]
         for k, (comp, comm) in enumerate(rows):
             ms = f"  {round_ms[k]:8.3f}" if round_ms is not None else ""

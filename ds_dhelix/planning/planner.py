@@ -27,17 +27,18 @@ re-measures noisy entries and the chosen plan's own entries until the plan stops
 
 Plain data: no torch, no torch.distributed, no deepspeed.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
 from ..graph.ops import OpSpec, comm_runs, op_specs
+from .jsonfile import check_format, ops_from_json, ops_to_json, parse_range, write_atomic
 from .plan import Round, SIPlan, default_plan, segment_has_comm
 
 Segment = tuple[int, int]  # half-open range of op indices
@@ -55,24 +56,26 @@ MEDIAN_SE = 1.2533
 
 def candidate_segments(ops: Sequence[OpSpec]) -> list[Segment]:
     """Every contiguous stretch of ops inside one run of ``comm_runs(ops)``, in order."""
-    return [(start, stop)
-            for g0, g1 in comm_runs(tuple(ops))
-            for start in range(g0, g1)
-            for stop in range(start + 1, g1 + 1)]
+    return [
+        (start, stop)
+        for g0, g1 in comm_runs(tuple(ops))
+        for start in range(g0, g1)
+        for stop in range(start + 1, g1 + 1)
+    ]
 
 
 def split_at_runs(ops: Sequence[OpSpec], seg: Segment) -> list[Segment]:
     """Cut ``seg`` at run boundaries; each piece is a candidate segment."""
-    return [(max(seg[0], g0), min(seg[1], g1))
-            for g0, g1 in comm_runs(tuple(ops)) if g0 < seg[1] and seg[0] < g1]
+    return [(max(seg[0], g0), min(seg[1], g1)) for g0, g1 in comm_runs(tuple(ops)) if g0 < seg[1] and seg[0] < g1]
 
 
 def op_names(ops: Sequence[OpSpec], seg: Segment) -> list[str]:
     """The names of ``ops[seg[0]:seg[1]]``."""
-    return [op.name for op in ops[seg[0]:seg[1]]]
+    return [op.name for op in ops[seg[0] : seg[1]]]
 
 
 # ---- overlap table -----------------------------------------------------------------------
+
 
 @dataclass
 class OverlapTable:
@@ -111,8 +114,10 @@ class OverlapTable:
     def __post_init__(self):
         self.fwd_ops, self.bwd_ops = tuple(self.fwd_ops), tuple(self.bwd_ops)
         fwd_cands, bwd_cands = set(candidate_segments(self.fwd_ops)), set(candidate_segments(self.bwd_ops))
-        for what, entries, cands in (("forward", self.fwd_alone_ms, fwd_cands),
-                                     ("backward", self.bwd_alone_ms, bwd_cands)):
+        for what, entries, cands in (
+            ("forward", self.fwd_alone_ms, fwd_cands),
+            ("backward", self.bwd_alone_ms, bwd_cands),
+        ):
             for seg, ms in entries.items():
                 _check_segment(seg, cands, what)
                 _check_ms(ms, f"{what} segment {seg}")
@@ -120,8 +125,10 @@ class OverlapTable:
             _check_segment(fseg, fwd_cands, "forward")
             _check_segment(bseg, bwd_cands, "backward")
             if segment_has_comm(self.fwd_ops, fseg) and segment_has_comm(self.bwd_ops, bseg):
-                raise ValueError(f"pair {fseg} x {bseg} communicates on both strands; such pairs are "
-                                 "never co-executed and must not be in the table")
+                raise ValueError(
+                    f"pair {fseg} x {bseg} communicates on both strands; such pairs are "
+                    "never co-executed and must not be in the table"
+                )
             _check_ms(ms, f"pair {fseg} x {bseg}")
 
     def entry_ms(self, key: tuple[Segment, Segment]) -> float | None:
@@ -133,8 +140,9 @@ class OverlapTable:
             return self.bwd_alone_ms.get(bseg)
         return self.pair_ms.get(key)
 
-    def set_entry(self, key: tuple[Segment, Segment], ms: float, spread: float | None = None,
-                  samples: int | None = None) -> None:
+    def set_entry(
+        self, key: tuple[Segment, Segment], ms: float, spread: float | None = None, samples: int | None = None
+    ) -> None:
         fseg, bseg = key
         if bseg == EMPTY:
             self.fwd_alone_ms[fseg] = ms
@@ -152,19 +160,21 @@ class OverlapTable:
         spread, n = self.spread_ms.get(key), self.samples.get(key)
         return MEDIAN_SE * spread / math.sqrt(n) if spread and n else 0.0
 
-    def check_matches(self, expected_meta: dict, fwd_ops: Sequence[OpSpec] | None = None,
-                      bwd_ops: Sequence[OpSpec] | None = None) -> None:
+    def check_matches(
+        self, expected_meta: dict, fwd_ops: Sequence[OpSpec] | None = None, bwd_ops: Sequence[OpSpec] | None = None
+    ) -> None:
         """Raise ValueError naming every key of ``expected_meta`` whose value differs in this table
         (and the op lists, when given). Keys only the table has (e.g. a date) are not compared."""
-        diffs = [f"{key}: table has {self.meta.get(key, '<missing>')!r}, this run has {value!r}"
-                 for key, value in expected_meta.items() if self.meta.get(key, _MISSING) != value]
+        diffs = [
+            f"{key}: table has {self.meta.get(key, '<missing>')!r}, this run has {value!r}"
+            for key, value in expected_meta.items()
+            if self.meta.get(key, _MISSING) != value
+        ]
         for what, mine, theirs in (("fwd_ops", self.fwd_ops, fwd_ops), ("bwd_ops", self.bwd_ops, bwd_ops)):
             if theirs is not None and tuple(theirs) != mine:
-                diffs.append(f"{what}: table has {[o.name for o in mine]}, "
-                             f"this run has {[o.name for o in theirs]}")
+                diffs.append(f"{what}: table has {[o.name for o in mine]}, this run has {[o.name for o in theirs]}")
         if diffs:
-            raise ValueError("overlap table does not match this run: " + "; ".join(diffs)
-                             + f". {REPROFILE_HINT}")
+            raise ValueError("overlap table does not match this run: " + "; ".join(diffs) + f". {REPROFILE_HINT}")
 
     # ---- JSON ----
 
@@ -178,44 +188,74 @@ class OverlapTable:
 
     def to_dict(self) -> dict:
         """JSON-ready dict; segments appear as ranges and as op names (for people reading it)."""
+
         def alone(ops, entries, key):
-            return [{"seg": list(seg), "ops": op_names(ops, seg), "ms": ms, **self._noise(key(seg))}
-                    for seg, ms in sorted(entries.items())]
+            return [
+                {"seg": list(seg), "ops": op_names(ops, seg), "ms": ms, **self._noise(key(seg))}
+                for seg, ms in sorted(entries.items())
+            ]
+
         pairs = []
         for (fseg, bseg), ms in sorted(self.pair_ms.items()):
-            entry = {"fwd": list(fseg), "bwd": list(bseg), "fwd_ops": op_names(self.fwd_ops, fseg),
-                     "bwd_ops": op_names(self.bwd_ops, bseg), "ms": ms, **self._noise((fseg, bseg))}
+            entry = {
+                "fwd": list(fseg),
+                "bwd": list(bseg),
+                "fwd_ops": op_names(self.fwd_ops, fseg),
+                "bwd_ops": op_names(self.bwd_ops, bseg),
+                "ms": ms,
+                **self._noise((fseg, bseg)),
+            }
             a, b = self.fwd_alone_ms.get(fseg), self.bwd_alone_ms.get(bseg)
             if a is not None and b is not None:  # the paper's columns, for reading only
                 entry["sequential_ms"] = a + b
                 entry["ratio"] = ms / (a + b) if a + b > 0 else None
             pairs.append(entry)
-        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "meta": self.meta, "info": self.info,
-                "fwd_ops": ops_to_json(self.fwd_ops), "bwd_ops": ops_to_json(self.bwd_ops),
-                "fwd_alone": alone(self.fwd_ops, self.fwd_alone_ms, lambda seg: (seg, EMPTY)),
-                "bwd_alone": alone(self.bwd_ops, self.bwd_alone_ms, lambda seg: (EMPTY, seg)), "pairs": pairs,
-                "block_ops": self.block_ops, "comm_cpu_ms": self.comm_cpu_ms}
+        return {
+            "format": TABLE_FORMAT,
+            "version": TABLE_VERSION,
+            "meta": self.meta,
+            "info": self.info,
+            "fwd_ops": ops_to_json(self.fwd_ops),
+            "bwd_ops": ops_to_json(self.bwd_ops),
+            "fwd_alone": alone(self.fwd_ops, self.fwd_alone_ms, lambda seg: (seg, EMPTY)),
+            "bwd_alone": alone(self.bwd_ops, self.bwd_alone_ms, lambda seg: (EMPTY, seg)),
+            "pairs": pairs,
+            "block_ops": self.block_ops,
+            "comm_cpu_ms": self.comm_cpu_ms,
+        }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "OverlapTable":
+    def from_dict(cls, data: dict) -> OverlapTable:
         """Inverse of ``to_dict``; ValueError when op names disagree with the ranges."""
         check_format(data, TABLE_FORMAT, tuple(range(1, TABLE_VERSION + 1)), "overlap table")
         fwd_ops, bwd_ops = ops_from_json(data["fwd_ops"]), ops_from_json(data["bwd_ops"])
 
         def seg_of(entry, key, names_key, ops):
             seg = parse_range(entry[key])
-            names = [op.name for op in ops[seg[0]:seg[1]]]
+            names = [op.name for op in ops[seg[0] : seg[1]]]
             if names_key in entry and list(entry[names_key]) != names:
-                raise ValueError(f"table entry {key}={list(seg)} names {entry[names_key]} but the op "
-                                 f"list holds {names} there")
+                raise ValueError(
+                    f"table entry {key}={list(seg)} names {entry[names_key]} but the op list holds {names} there"
+                )
             return seg
+
         fwd = {seg_of(e, "seg", "ops", fwd_ops): float(e["ms"]) for e in data["fwd_alone"]}
         bwd = {seg_of(e, "seg", "ops", bwd_ops): float(e["ms"]) for e in data["bwd_alone"]}
-        pairs = {(seg_of(e, "fwd", "fwd_ops", fwd_ops), seg_of(e, "bwd", "bwd_ops", bwd_ops)): float(e["ms"])
-                 for e in data["pairs"]}
-        table = cls(dict(data.get("meta") or {}), fwd_ops, bwd_ops, fwd, bwd, pairs, info=dict(data.get("info") or {}),
-                    block_ops=_block_ops(data.get("block_ops") or {}),
-                    comm_cpu_ms=_comm_cpu(data.get("comm_cpu_ms") or {}, len(fwd_ops)))
+        pairs = {
+            (seg_of(e, "fwd", "fwd_ops", fwd_ops), seg_of(e, "bwd", "bwd_ops", bwd_ops)): float(e["ms"])
+            for e in data["pairs"]
+        }
+        table = cls(
+            dict(data.get("meta") or {}),
+            fwd_ops,
+            bwd_ops,
+            fwd,
+            bwd,
+            pairs,
+            info=dict(data.get("info") or {}),
+            block_ops=_block_ops(data.get("block_ops") or {}),
+            comm_cpu_ms=_comm_cpu(data.get("comm_cpu_ms") or {}, len(fwd_ops)),
+        )
         keyed = [((parse_range(e["seg"]), EMPTY), e) for e in data["fwd_alone"]]
         keyed += [((EMPTY, parse_range(e["seg"])), e) for e in data["bwd_alone"]]
         keyed += [((parse_range(e["fwd"]), parse_range(e["bwd"])), e) for e in data["pairs"]]
@@ -231,7 +271,7 @@ class OverlapTable:
         write_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
-    def load(cls, path: str) -> "OverlapTable":
+    def load(cls, path: str) -> OverlapTable:
         with open(path, encoding="utf-8") as fh:
             return cls.from_dict(json.load(fh))
 
@@ -257,8 +297,10 @@ def _block_ops(data: dict) -> dict:
     for name, entry in data.items():
         ops, fwd, bwd = entry.get("ops"), entry.get("fwd_ms"), entry.get("bwd_ms")
         if name not in ("pre", "post") or not ops or not (len(ops) == len(fwd or ()) == len(bwd or ())):
-            raise ValueError(f"table block_ops[{name!r}]: need 'pre'/'post' with ops, fwd_ms and bwd_ms of equal "
-                             f"length, got {entry!r}")
+            raise ValueError(
+                f"table block_ops[{name!r}]: need 'pre'/'post' with ops, fwd_ms and bwd_ms of equal "
+                f"length, got {entry!r}"
+            )
         for ms in list(fwd) + list(bwd):
             _check_ms(ms, f"block_ops[{name!r}]")
         out[name] = {"ops": list(ops), "fwd_ms": [float(x) for x in fwd], "bwd_ms": [float(x) for x in bwd]}
@@ -267,8 +309,10 @@ def _block_ops(data: dict) -> dict:
 
 def _check_segment(seg, cands: set, what: str) -> None:
     if seg not in cands:
-        raise ValueError(f"{what} segment {seg} is not a candidate segment (a contiguous stretch inside "
-                         "one comm run); see planner.candidate_segments")
+        raise ValueError(
+            f"{what} segment {seg} is not a candidate segment (a contiguous stretch inside "
+            "one comm run); see planner.candidate_segments"
+        )
 
 
 def _check_ms(ms, what: str) -> None:
@@ -277,6 +321,7 @@ def _check_ms(ms, what: str) -> None:
 
 
 # ---- cost model --------------------------------------------------------------------------
+
 
 def round_ms(table: OverlapTable, fwd: Segment, bwd: Segment) -> float:
     """Cost of one round under the table: the pair time, or the alone time of the non-empty side.
@@ -288,13 +333,20 @@ def round_ms(table: OverlapTable, fwd: Segment, bwd: Segment) -> float:
     if not f_empty and not b_empty:
         ms = table.pair_ms.get((fwd, bwd))
         if ms is None:
-            why = ("communicates on both strands" if segment_has_comm(table.fwd_ops, fwd)
-                   and segment_has_comm(table.bwd_ops, bwd) else "is not in the overlap table")
-            raise ValueError(f"pair forward {op_names(table.fwd_ops, fwd)} x backward "
-                             f"{op_names(table.bwd_ops, bwd)} {why}")
+            why = (
+                "communicates on both strands"
+                if segment_has_comm(table.fwd_ops, fwd) and segment_has_comm(table.bwd_ops, bwd)
+                else "is not in the overlap table"
+            )
+            raise ValueError(
+                f"pair forward {op_names(table.fwd_ops, fwd)} x backward {op_names(table.bwd_ops, bwd)} {why}"
+            )
         return ms
-    ops, entries, seg, what = ((table.fwd_ops, table.fwd_alone_ms, fwd, "forward") if b_empty
-                               else (table.bwd_ops, table.bwd_alone_ms, bwd, "backward"))
+    ops, entries, seg, what = (
+        (table.fwd_ops, table.fwd_alone_ms, fwd, "forward")
+        if b_empty
+        else (table.bwd_ops, table.bwd_alone_ms, bwd, "backward")
+    )
     total = 0.0
     for piece in split_at_runs(ops, seg):
         ms = entries.get(piece)
@@ -307,8 +359,10 @@ def round_ms(table: OverlapTable, fwd: Segment, bwd: Segment) -> float:
 def round_costs(table: OverlapTable, plan: SIPlan) -> list[float]:
     """The cost of each round of ``plan``; ValueError when the plan's op lists differ from the table's."""
     if plan.fwd_ops != table.fwd_ops or plan.bwd_ops != table.bwd_ops:
-        raise ValueError("plan and overlap table are for different op lists: plan "
-                         f"{[o.name for o in plan.fwd_ops]}, table {[o.name for o in table.fwd_ops]}")
+        raise ValueError(
+            "plan and overlap table are for different op lists: plan "
+            f"{[o.name for o in plan.fwd_ops]}, table {[o.name for o in table.fwd_ops]}"
+        )
     return [round_ms(table, r.fwd, r.bwd) for r in plan.rounds]
 
 
@@ -343,12 +397,18 @@ def predicted_spread_ms(table: OverlapTable, plan: SIPlan) -> float:
 def noise_aware(table: OverlapTable, risk: float = NOISE_RISK) -> OverlapTable:
     """The table with each entry priced at ``median + risk x standard error`` (entries without a
     known spread unchanged): what the DP minimises, so entries measured low by chance lose their edge."""
+
     def bump(entries, key):
         return {seg: ms + risk * table.standard_error(key(seg)) for seg, ms in entries.items()}
-    return OverlapTable(table.meta, table.fwd_ops, table.bwd_ops,
-                        bump(table.fwd_alone_ms, lambda seg: (seg, EMPTY)),
-                        bump(table.bwd_alone_ms, lambda seg: (EMPTY, seg)),
-                        bump(table.pair_ms, lambda key: key))
+
+    return OverlapTable(
+        table.meta,
+        table.fwd_ops,
+        table.bwd_ops,
+        bump(table.fwd_alone_ms, lambda seg: (seg, EMPTY)),
+        bump(table.bwd_alone_ms, lambda seg: (EMPTY, seg)),
+        bump(table.pair_ms, lambda key: key),
+    )
 
 
 # ---- search ------------------------------------------------------------------------------
@@ -379,16 +439,23 @@ def _moves(table: OverlapTable) -> dict[tuple[int, int], list[Move]]:
     return moves
 
 
-def _plan_from_states(table: OverlapTable, states: list[tuple[int, int]], predicted: float,
-                      source: str) -> SIPlan:
+def _plan_from_states(table: OverlapTable, states: list[tuple[int, int]], predicted: float, source: str) -> SIPlan:
     rounds = tuple(Round(fwd=(i, i2), bwd=(j, j2)) for (i, j), (i2, j2) in zip(states, states[1:]))
-    return SIPlan(table.fwd_ops, table.bwd_ops, rounds, predicted_ms=predicted, source=source,
-                  meta={"table_meta": dict(table.meta)})
+    return SIPlan(
+        table.fwd_ops,
+        table.bwd_ops,
+        rounds,
+        predicted_ms=predicted,
+        source=source,
+        meta={"table_meta": dict(table.meta)},
+    )
 
 
 def _no_plan(table: OverlapTable) -> ValueError:
-    return ValueError("the overlap table admits no complete plan: some op has no alone time and no "
-                      f"pair covering it. {REPROFILE_HINT}")
+    return ValueError(
+        "the overlap table admits no complete plan: some op has no alone time and no "
+        f"pair covering it. {REPROFILE_HINT}"
+    )
 
 
 def plan_dp(table: OverlapTable, risk: float = NOISE_RISK) -> SIPlan:
@@ -418,9 +485,12 @@ def plan_dp(table: OverlapTable, risk: float = NOISE_RISK) -> SIPlan:
 
 def _annotated(table: OverlapTable, plan: SIPlan, source: str, risk: float) -> SIPlan:
     """``plan`` priced by ``table``'s medians, with its error bar."""
-    return dataclasses.replace(plan, predicted_ms=predict_ms(table, plan), source=source,
-                               meta={"table_meta": dict(table.meta), "risk": risk,
-                                     "predicted_spread_ms": predicted_spread_ms(table, plan)})
+    return dataclasses.replace(
+        plan,
+        predicted_ms=predict_ms(table, plan),
+        source=source,
+        meta={"table_meta": dict(table.meta), "risk": risk, "predicted_spread_ms": predicted_spread_ms(table, plan)},
+    )
 
 
 def _plan_dp(table: OverlapTable) -> SIPlan:
@@ -476,8 +546,10 @@ def plan_exhaustive(table: OverlapTable, max_plans: int = EXHAUSTIVE_MAX_PLANS) 
     """
     nf, nb = len(table.fwd_ops), len(table.bwd_ops)
     if max(nf, nb) > EXHAUSTIVE_MAX_OPS:
-        raise ValueError(f"exhaustive search refuses op lists of {nf} forward / {nb} backward ops "
-                         f"(limit {EXHAUSTIVE_MAX_OPS} each); use plan_dp")
+        raise ValueError(
+            f"exhaustive search refuses op lists of {nf} forward / {nb} backward ops "
+            f"(limit {EXHAUSTIVE_MAX_OPS} each); use plan_dp"
+        )
     num = count_plans(table)
     if num > max_plans:
         raise ValueError(f"exhaustive search refuses {num} plans (limit {max_plans}); use plan_dp")
@@ -487,7 +559,7 @@ def plan_exhaustive(table: OverlapTable, max_plans: int = EXHAUSTIVE_MAX_PLANS) 
     def steps_from(i: int, j: int):
         fwd = [seg for seg in fwd_cands if seg[0] == i]
         bwd = [seg for seg in bwd_cands if seg[0] == j]
-        yield from (((f, (j, j)) for f in fwd if f in table.fwd_alone_ms))
+        yield from ((f, (j, j)) for f in fwd if f in table.fwd_alone_ms)
         yield from (((i, i), b) for b in bwd if b in table.bwd_alone_ms)
         yield from ((f, b) for f in fwd for b in bwd if (f, b) in table.pair_ms)
 
@@ -532,42 +604,114 @@ def random_plan(table: OverlapTable, rng: random.Random) -> SIPlan:
 # The op list of one Llama decoder layer under TP + sequence parallelism, as the Llama adapter
 # (hf_models/llama.py) emits it: every TP collective is an explicit op. attn.norm is the input
 # RMSNorm; mlp.norm also adds the attention residual.
-LLAMA_LAYER_OPS = op_specs([
-    ("attn.norm", "comp"), ("attn.ag", "comm"), ("attn.qkv", "comp"), ("attn.core", "comp"),
-    ("attn.out", "comp"), ("attn.rs", "comm"), ("mlp.norm", "comp"), ("mlp.ag", "comm"),
-    ("mlp.up", "comp"), ("mlp.down", "comp"), ("mlp.rs", "comm"), ("mlp.add", "comp")])
+LLAMA_LAYER_OPS = op_specs(
+    [
+        ("attn.norm", "comp"),
+        ("attn.ag", "comm"),
+        ("attn.qkv", "comp"),
+        ("attn.core", "comp"),
+        ("attn.out", "comp"),
+        ("attn.rs", "comm"),
+        ("mlp.norm", "comp"),
+        ("mlp.ag", "comm"),
+        ("mlp.up", "comp"),
+        ("mlp.down", "comp"),
+        ("mlp.rs", "comm"),
+        ("mlp.add", "comp"),
+    ]
+)
 
 # A hypothetical finer split of the same layer (no adapter emits it): separate projections, rope
 # per tensor, residual split. It shows how the planner scales with longer op lists.
-FINE_LAYER_OPS = op_specs([
-    ("attn.norm", "comp"), ("attn.ag", "comm"), ("attn.q", "comp"), ("attn.k", "comp"),
-    ("attn.v", "comp"), ("attn.rope_q", "comp"), ("attn.rope_k", "comp"), ("attn.core", "comp"),
-    ("attn.out", "comp"), ("attn.rs", "comm"), ("attn.add", "comp"), ("mlp.norm", "comp"),
-    ("mlp.ag", "comm"), ("mlp.gate", "comp"), ("mlp.up", "comp"), ("mlp.act", "comp"),
-    ("mlp.mul", "comp"), ("mlp.down", "comp"), ("mlp.rs", "comm"), ("mlp.add", "comp")])
+FINE_LAYER_OPS = op_specs(
+    [
+        ("attn.norm", "comp"),
+        ("attn.ag", "comm"),
+        ("attn.q", "comp"),
+        ("attn.k", "comp"),
+        ("attn.v", "comp"),
+        ("attn.rope_q", "comp"),
+        ("attn.rope_k", "comp"),
+        ("attn.core", "comp"),
+        ("attn.out", "comp"),
+        ("attn.rs", "comm"),
+        ("attn.add", "comp"),
+        ("mlp.norm", "comp"),
+        ("mlp.ag", "comm"),
+        ("mlp.gate", "comp"),
+        ("mlp.up", "comp"),
+        ("mlp.act", "comp"),
+        ("mlp.mul", "comp"),
+        ("mlp.down", "comp"),
+        ("mlp.rs", "comm"),
+        ("mlp.add", "comp"),
+    ]
+)
 
-TINY_LAYER_OPS = op_specs([("mlp.norm", "comp"), ("mlp.ag", "comm"), ("mlp.up", "comp"),
-                           ("mlp.down", "comp"), ("mlp.rs", "comm"), ("mlp.add", "comp")])
+TINY_LAYER_OPS = op_specs(
+    [
+        ("mlp.norm", "comp"),
+        ("mlp.ag", "comm"),
+        ("mlp.up", "comp"),
+        ("mlp.down", "comp"),
+        ("mlp.rs", "comm"),
+        ("mlp.add", "comp"),
+    ]
+)
 
 # Illustrative forward times (ms) for Llama-70B (h=8192, ffn=28672, 64 heads / 8 kv heads),
 # seq 4096, micro-batch 1, bf16, TP=8 + SP on an NVLink node. Rough estimates, not measurements.
 LLAMA70B_FWD_MS = {
-    "attn.norm": 0.03, "attn.ag": 0.45, "attn.qkv": 0.16, "attn.core": 0.26, "attn.out": 0.12,
-    "attn.rs": 0.45, "mlp.norm": 0.04, "mlp.ag": 0.45, "mlp.up": 0.85, "mlp.down": 0.48,
-    "mlp.rs": 0.45, "mlp.add": 0.02,
+    "attn.norm": 0.03,
+    "attn.ag": 0.45,
+    "attn.qkv": 0.16,
+    "attn.core": 0.26,
+    "attn.out": 0.12,
+    "attn.rs": 0.45,
+    "mlp.norm": 0.04,
+    "mlp.ag": 0.45,
+    "mlp.up": 0.85,
+    "mlp.down": 0.48,
+    "mlp.rs": 0.45,
+    "mlp.add": 0.02,
     # the finer split's own ops
-    "attn.q": 0.11, "attn.k": 0.025, "attn.v": 0.025, "attn.rope_q": 0.03, "attn.rope_k": 0.01,
-    "attn.add": 0.02, "mlp.gate": 0.43, "mlp.act": 0.05, "mlp.mul": 0.03}
+    "attn.q": 0.11,
+    "attn.k": 0.025,
+    "attn.v": 0.025,
+    "attn.rope_q": 0.03,
+    "attn.rope_k": 0.01,
+    "attn.add": 0.02,
+    "mlp.gate": 0.43,
+    "mlp.act": 0.05,
+    "mlp.mul": 0.03,
+}
 FINE_UP_MS = 0.43  # mlp.up of the finer split (the gate projection is its own op there)
 
-LLAMA70B_META = {"device": "synthetic", "model": "llama-70b", "hidden_size": 8192,
-                 "intermediate_size": 28672, "num_heads": 64, "num_kv_heads": 8, "seq_len": 4096,
-                 "micro_batch": 1, "dtype": "bf16", "tp": 8, "sp": True, "pp": 1, "ep": 1,
-                 "link": "synthetic"}
+LLAMA70B_META = {
+    "device": "synthetic",
+    "model": "llama-70b",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_heads": 64,
+    "num_kv_heads": 8,
+    "seq_len": 4096,
+    "micro_batch": 1,
+    "dtype": "bf16",
+    "tp": 8,
+    "sp": True,
+    "pp": 1,
+    "ep": 1,
+    "link": "synthetic",
+}
 
 
-def synthetic_table(fwd_ops: Sequence[OpSpec], bwd_ops: Sequence[OpSpec], rng: random.Random,
-                    op_ms: dict[str, float] | None = None, meta: dict | None = None) -> OverlapTable:
+def synthetic_table(
+    fwd_ops: Sequence[OpSpec],
+    bwd_ops: Sequence[OpSpec],
+    rng: random.Random,
+    op_ms: dict[str, float] | None = None,
+    meta: dict | None = None,
+) -> OverlapTable:
     """A complete random table over all candidate segments and all allowed pairs.
 
     Per-op forward times come from ``op_ms`` (backward compute costs twice its forward, a COMM op
@@ -583,7 +727,7 @@ def synthetic_table(fwd_ops: Sequence[OpSpec], bwd_ops: Sequence[OpSpec], rng: r
 
     def alone(ops, backward):
         times = [op_time(op, backward) for op in ops]
-        return {seg: sum(times[seg[0]:seg[1]]) * rng.uniform(0.9, 1.0) for seg in candidate_segments(ops)}
+        return {seg: sum(times[seg[0] : seg[1]]) * rng.uniform(0.9, 1.0) for seg in candidate_segments(ops)}
 
     fwd_alone, bwd_alone = alone(fwd_ops, False), alone(bwd_ops, True)
     pairs = {}
@@ -591,8 +735,7 @@ def synthetic_table(fwd_ops: Sequence[OpSpec], bwd_ops: Sequence[OpSpec], rng: r
         for bseg, b in bwd_alone.items():
             if not (segment_has_comm(fwd_ops, fseg) and segment_has_comm(bwd_ops, bseg)):
                 pairs[(fseg, bseg)] = rng.uniform(max(a, b), a + b)
-    return OverlapTable(dict(meta or {"device": "synthetic"}), fwd_ops, bwd_ops,
-                        fwd_alone, bwd_alone, pairs)
+    return OverlapTable(dict(meta or {"device": "synthetic"}), fwd_ops, bwd_ops, fwd_alone, bwd_alone, pairs)
 
 
 def llama70b_table(rng: random.Random, fine: bool = False) -> OverlapTable:

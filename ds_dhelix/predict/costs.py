@@ -9,6 +9,7 @@ expert-data-parallel ranks; ZeRO-1/2's reduce-scatter and all-gather move as muc
 optimizer's memory-bound update, all after the step's last backward, as the engine runs them.
 Plain data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -79,8 +80,13 @@ def block_context(shape: ModelShape, layout: RunLayout, outline: ModelOutline, b
     names = {op.name for op in outline.blocks[b]}
     layer = 0 < b < len(outline.blocks) - 1
     tp1 = layout.dims.tp == 1
-    return BlockContext(shape, layout, window=outline.windows[b - 1] if layer else None,
-                        tp_attention=tp1 or "attn.ag" in names, tp_mlp=tp1 or "mlp.ag" in names)
+    return BlockContext(
+        shape,
+        layout,
+        window=outline.windows[b - 1] if layer else None,
+        tp_attention=tp1 or "attn.ag" in names,
+        tp_mlp=tp1 or "mlp.ag" in names,
+    )
 
 
 def roofline_times(outline: ModelOutline, shape: ModelShape, layout: RunLayout, hw: Hardware) -> StepTimes:
@@ -91,8 +97,11 @@ def roofline_times(outline: ModelOutline, shape: ModelShape, layout: RunLayout, 
         ctx = block_context(shape, layout, outline, b)
         blocks.append(tuple(_op_time(hw, op, op_work(op.name, ctx), places, layout.dtype) for op in ops))
     tail = step_tail(hw, shape, outline, layout, places)
-    p2p = collective_ms(hw, places["pp"], "p2p", BlockContext(shape, layout).n_loc * shape.hidden * layout.bytes) \
-        if layout.dims.pp > 1 else 0.0
+    p2p = (
+        collective_ms(hw, places["pp"], "p2p", BlockContext(shape, layout).n_loc * shape.hidden * layout.bytes)
+        if layout.dims.pp > 1
+        else 0.0
+    )
     return StepTimes(tuple(blocks), tail, p2p, hw.assumptions.comm_slowdown, reacts=False)
 
 
@@ -100,8 +109,14 @@ def _op_time(hw: Hardware, op, work: OpWork, places: dict, dtype: str) -> OpTime
     if work.comm is not None:
         c, p = work.comm, places[work.comm.group]
         link = f"{c.group}:{'net' if p.crosses_nodes else hw.intra_link.kind}"
-        return OpTime(op.name, True, collective_ms(hw, p, c.fwd, c.nbytes), collective_ms(hw, p, c.bwd, c.nbytes),
-                      group=c.group, link=link)
+        return OpTime(
+            op.name,
+            True,
+            collective_ms(hw, p, c.fwd, c.nbytes),
+            collective_ms(hw, p, c.bwd, c.nbytes),
+            group=c.group,
+            link=link,
+        )
     fwd, bwd, wgrad = (_sum(hw, ks, dtype) for ks in (work.fwd, work.bwd, work.wgrad))
     if not op.linear:  # not deferrable: the weight gradient is part of the backward
         bwd, wgrad = bwd + wgrad, 0.0
@@ -125,7 +140,9 @@ def _layer_params(shape: ModelShape, ops, tp: int) -> tuple[float, float, float]
         q_rep = h * shape.q_lora_rank if shape.q_lora_rank else 0.0
         q_cut = (shape.q_lora_rank or h) * shape.heads * shape.qk_dim
         rep = q_rep + h * (shape.kv_lora_rank + shape.qk_rope_dim)
-        cut = q_cut + shape.kv_lora_rank * shape.heads * (shape.qk_nope_dim + shape.v_dim) + shape.heads * shape.v_dim * h
+        cut = (
+            q_cut + shape.kv_lora_rank * shape.heads * (shape.qk_nope_dim + shape.v_dim) + shape.heads * shape.v_dim * h
+        )
     else:
         rep = 0.0
         cut = h * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim
@@ -160,8 +177,7 @@ def step_tail(hw: Hardware, shape: ModelShape, outline: ModelOutline, layout: Ru
     update = (dense / shards[0] + p.experts / shards[1]) * hw.assumptions.optimizer_bytes_per_param
     return {
         "tp_grads": collective_ms(hw, places["tp"], "all_reduce", p.replicated * e) if dims.tp > 1 else 0.0,
-        "dp_grads": collective_ms(hw, replica, "all_reduce", dense * e) + (
-            collective_ms(hw, edp, "all_reduce", p.experts * e) if p.experts else 0.0),
+        "dp_grads": collective_ms(hw, replica, "all_reduce", dense * e)
+        + (collective_ms(hw, edp, "all_reduce", p.experts * e) if p.experts else 0.0),
         "optimizer": update / (hw.gpu.memory_gbs * 1e9 * hw.assumptions.memory_efficiency) * 1e3,
     }
-

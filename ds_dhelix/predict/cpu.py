@@ -17,13 +17,14 @@ emulated link, for checking the predictor against ``dhelix bench`` here.
 
 Plain data.
 """
+
 from __future__ import annotations
 
 import statistics
 
-from ..planning.planner import EMPTY, OverlapTable
-from .hardware import presets
+from ..planning.planner import OverlapTable
 from .costs import OpTime, StepTimes, block_context, rank_params
+from .hardware import presets
 from .roofline import OpWork, op_work
 from .shapes import ModelOutline, ModelShape, RunLayout
 
@@ -44,8 +45,11 @@ def check_table(table: OverlapTable, outline: ModelOutline, layout: RunLayout, l
     """ValueError naming what differs between the table and this prediction, with the fix."""
     d = layout.dims
     want = f"world={d.world},tp={d.tp},ep={d.ep}" + (f",cp={d.cp}" if d.cp > 1 else "")
-    have = {"layout": table.meta.get("layout"), "batch_shape": table.meta.get("batch_shape"),
-            "dtype": table.meta.get("dtype")}
+    have = {
+        "layout": table.meta.get("layout"),
+        "batch_shape": table.meta.get("batch_shape"),
+        "dtype": table.meta.get("dtype"),
+    }
     expect = {"layout": want, "batch_shape": [layout.micro_batch_size, layout.seq_len], "dtype": "float32"}
     diffs = [f"{k}: table {have[k]!r}, prediction {expect[k]!r}" for k in expect if have[k] != expect[k]]
     if layout.dtype != "fp32":
@@ -56,12 +60,17 @@ def check_table(table: OverlapTable, outline: ModelOutline, layout: RunLayout, l
     if not table.block_ops:
         diffs.append("the table has no embedding/head op times (profiled before they were kept): profile again")
     if table.meta.get("link_gbps") not in (None, link_gbps):
-        diffs.append(f"link: table profiled at {table.meta.get('link_gbps')} Gbit/s, predicting {link_gbps}; "
-                     f"profile unshaped (no --link-gbps) to predict any rate")
+        diffs.append(
+            f"link: table profiled at {table.meta.get('link_gbps')} Gbit/s, predicting {link_gbps}; "
+            f"profile unshaped (no --link-gbps) to predict any rate"
+        )
     if diffs:
-        raise ValueError("overlap table does not fit this prediction: " + "; ".join(diffs)
-                         + f". Profile it with dhelix profile --model ... --tp {d.tp} --ep {d.ep} --micro-batch-size "
-                         f"{layout.micro_batch_size} --seq-len {layout.seq_len}")
+        raise ValueError(
+            "overlap table does not fit this prediction: "
+            + "; ".join(diffs)
+            + f". Profile it with dhelix profile --model ... --tp {d.tp} --ep {d.ep} --micro-batch-size "
+            f"{layout.micro_batch_size} --seq-len {layout.seq_len}"
+        )
 
 
 def _wgrad_share(work: OpWork) -> float:
@@ -119,8 +128,9 @@ def comm_cpu_per_collective(table: OverlapTable) -> float:
     outlier run)."""
     values = [ms for d in ("fwd", "bwd") for ms in table.comm_cpu_ms.get(d, ()) if ms is not None]
     if not values:
-        raise ValueError("the overlap table has no CPU time of its collectives (profiled before it was kept): "
-                         "profile again")
+        raise ValueError(
+            "the overlap table has no CPU time of its collectives (profiled before it was kept): profile again"
+        )
     return statistics.median(values)
 
 
@@ -135,8 +145,9 @@ def _block_ms(table: OverlapTable, outline: ModelOutline, b: int) -> tuple[list[
     return entry["fwd_ms"], entry["bwd_ms"]
 
 
-def table_times(table: OverlapTable, outline: ModelOutline, shape: ModelShape, layout: RunLayout,
-                link_gbps: float | None) -> StepTimes:
+def table_times(
+    table: OverlapTable, outline: ModelOutline, shape: ModelShape, layout: RunLayout, link_gbps: float | None
+) -> StepTimes:
     """``StepTimes`` of a CPU gloo world behind a ``link_gbps`` link (None: unshaped), from
     ``table`` (see the module docstring)."""
     check_table(table, outline, layout, link_gbps)
@@ -161,8 +172,12 @@ def table_times(table: OverlapTable, outline: ModelOutline, shape: ModelShape, l
         blocks.append(tuple(row))
     per = comm_cpu_per_collective(table)
     q = min(per * count / shaped, 0.9) if shaped else 0.0
-    notes = {"comm_cpu_ms_per_collective": per, "slowdown": q / (1 - q), "unshaped_link_gbps": link.unshaped_bps * 8 / 1e9,
-             "cpu_stream_gbs": CPU_STREAM_GBS}
+    notes = {
+        "comm_cpu_ms_per_collective": per,
+        "slowdown": q / (1 - q),
+        "unshaped_link_gbps": link.unshaped_bps * 8 / 1e9,
+        "cpu_stream_gbs": CPU_STREAM_GBS,
+    }
     return StepTimes(tuple(blocks), cpu_tail(shape, outline, layout, link), 0.0, q / (1 - q), reacts=True, notes=notes)
 
 
@@ -173,7 +188,12 @@ def cpu_tail(shape: ModelShape, outline: ModelOutline, layout: RunLayout, link: 
     dense, e = p.sharded + p.replicated, layout.bytes
     edp = d.dp // d.ep * d.cp
     shards = (d.dp * d.cp, edp) if layout.zero_stage else (1, 1)
-    return {"tp_grads": link.other_ms("all_reduce", d.tp, p.replicated * e),
-            "dp_grads": link.other_ms("all_reduce", d.dp * d.cp, dense * e) + link.other_ms("all_reduce", edp, p.experts * e),
-            "optimizer": (dense / shards[0] + p.experts / shards[1]) * presets()["assumptions"]["optimizer_bytes_per_param"]
-            / (CPU_STREAM_GBS * 1e9) * 1e3}
+    return {
+        "tp_grads": link.other_ms("all_reduce", d.tp, p.replicated * e),
+        "dp_grads": link.other_ms("all_reduce", d.dp * d.cp, dense * e)
+        + link.other_ms("all_reduce", edp, p.experts * e),
+        "optimizer": (dense / shards[0] + p.experts / shards[1])
+        * presets()["assumptions"]["optimizer_bytes_per_param"]
+        / (CPU_STREAM_GBS * 1e9)
+        * 1e3,
+    }

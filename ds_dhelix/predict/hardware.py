@@ -8,6 +8,7 @@ their sources are in ``hardware.yaml`` (next to this file); a user file has the 
 
 Plain data (PyYAML reads the files).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -90,10 +91,14 @@ class Hardware:
 
     def __post_init__(self):
         if self.gpus_per_node < 1 or self.nics_per_node < 1:
-            raise ValueError(f"hardware {self.name}: gpus_per_node {self.gpus_per_node} and nics_per_node "
-                             f"{self.nics_per_node} must be >= 1")
+            raise ValueError(
+                f"hardware {self.name}: gpus_per_node {self.gpus_per_node} and nics_per_node "
+                f"{self.nics_per_node} must be >= 1"
+            )
         if self.intra_link.kind not in LINK_KINDS:
-            raise ValueError(f"intra link {self.intra_link.name}: kind {self.intra_link.kind!r}, choose one of {LINK_KINDS}")
+            raise ValueError(
+                f"intra link {self.intra_link.name}: kind {self.intra_link.kind!r}, choose one of {LINK_KINDS}"
+            )
 
     @property
     def node_network_bps(self) -> float:
@@ -163,21 +168,33 @@ def system_from(name: str, system: dict, tables: dict, overrides: dict) -> Hardw
     base = dict(tables.get("assumptions") or {})
     base.update(system.get("assumptions") or {})
     return Hardware(
-        name=name, gpu=_named("gpu", system["gpu"], tables["gpus"], Gpu, "gpu"),
+        name=name,
+        gpu=_named("gpu", system["gpu"], tables["gpus"], Gpu, "gpu"),
         gpus_per_node=int(system["gpus_per_node"]),
         intra_link=_named("intra link", system["intra_link"], tables["intra_links"], IntraLink, "intra link"),
         network=_named("network", system["network"], tables["networks"], Network, "network"),
         nics_per_node=int(system.get("nics_per_node", 1)),
-        assumptions=_strict(Assumptions, None, base, "assumptions"))
+        assumptions=_strict(Assumptions, None, base, "assumptions"),
+    )
 
 
-def load_hardware(spec: str, *, intra_link: str | None = None, network: str | None = None,
-                  nics_per_node: int | None = None, gpus_per_node: int | None = None) -> Hardware:
+def load_hardware(
+    spec: str,
+    *,
+    intra_link: str | None = None,
+    network: str | None = None,
+    nics_per_node: int | None = None,
+    gpus_per_node: int | None = None,
+) -> Hardware:
     """A preset system's name (``presets()["systems"]``) or a YAML file holding one system; the
     keyword arguments replace its parts (by preset name, or a number)."""
     tables = presets()
-    overrides = {"intra_link": intra_link, "network": network, "nics_per_node": nics_per_node,
-                 "gpus_per_node": gpus_per_node}
+    overrides = {
+        "intra_link": intra_link,
+        "network": network,
+        "nics_per_node": nics_per_node,
+        "gpus_per_node": gpus_per_node,
+    }
     if spec in tables["systems"]:
         return system_from(spec, tables["systems"][spec], tables, overrides)
     if spec.endswith((".yaml", ".yml")) or os.path.sep in spec:
@@ -187,5 +204,7 @@ def load_hardware(spec: str, *, intra_link: str | None = None, network: str | No
         return system_from(str(data.get("name", Path(spec).stem)), data, tables, overrides)
     close = difflib.get_close_matches(spec, list(tables["systems"]) + ["cpu"], n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ValueError(f"--hardware {spec!r}: not a preset ({', '.join(tables['systems'])}, or cpu with --table) "
-                     f"nor a .yaml file; {hint}presets and their sources: {PRESET_FILE}")
+    raise ValueError(
+        f"--hardware {spec!r}: not a preset ({', '.join(tables['systems'])}, or cpu with --table) "
+        f"nor a .yaml file; {hint}presets and their sources: {PRESET_FILE}"
+    )

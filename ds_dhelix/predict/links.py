@@ -14,6 +14,7 @@ hop. With n ranks, S bytes::
 alpha: NCCL's own latency model (base + a hop latency per ring step by the link crossed); bw: the
 nominal rate times ``link_efficiency``. Plain data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -91,7 +92,9 @@ def _rates(hw: Hardware, p: Placement) -> tuple[float, float]:
 
 def _alpha_us(hw: Hardware, p: Placement, steps: int, inter_steps: int) -> float:
     a = hw.assumptions
-    return a.nccl_base_us + (steps - inter_steps) * a.nccl_hop_us[hw.intra_link.kind] + inter_steps * a.nccl_hop_us["net"]
+    return (
+        a.nccl_base_us + (steps - inter_steps) * a.nccl_hop_us[hw.intra_link.kind] + inter_steps * a.nccl_hop_us["net"]
+    )
 
 
 def collective_ms(hw: Hardware, p: Placement, kind: str, nbytes: float) -> float:

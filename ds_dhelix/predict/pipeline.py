@@ -13,15 +13,16 @@ for every rank (``schedule.simulate.replay``) with a stage-to-stage transfer as 
 The replay takes one cost per instruction kind: the slowest chunk's (a pipeline runs at its
 slowest stage's pace; rank 0 also holds the embedding and the head). Plain data.
 """
+
 from __future__ import annotations
 
+from ..graph.ops import backward_order
+from ..planning.plan import default_plan
 from ..schedule.folding import fold_layers
 from ..schedule.instructions import Forward, ForwardBackward
 from ..schedule.registry import PIPELINE, lookup, names
 from ..schedule.simulate import replay
 from .costs import StepTimes
-from ..graph.ops import backward_order
-from ..planning.plan import default_plan
 from .step import Lap, main_block, plan_pair, specs_of
 
 PEERS = {"ds-1f1b": None, "ds-dualpipev": "dualpipev"}
@@ -82,6 +83,10 @@ def pipeline_step(st: StepTimes, mode: str, num_layers: int, p: int, m: int) -> 
     if not result.ok:
         raise ValueError(f"{mode}: the schedule replay failed: {result.errors[0]}")
     waits = {"F": F.wait_ms, "B": B.wait_ms, "c": F.wait_ms + B.wait_ms if mode == "ds-dualpipev" else c.wait_ms}
-    wait = sum(waits["c" if isinstance(ev.instruction, ForwardBackward) else
-                     "F" if isinstance(ev.instruction, Forward) else "B"] for ev in result.events[0])
+    wait = sum(
+        waits[
+            "c" if isinstance(ev.instruction, ForwardBackward) else "F" if isinstance(ev.instruction, Forward) else "B"
+        ]
+        for ev in result.events[0]
+    )
     return Lap(result.makespan, wait), result.bubble_fraction

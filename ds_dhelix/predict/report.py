@@ -9,9 +9,10 @@ SI's predicted gain, as one JSON-ready dict (``dhelix predict --json`` prints it
 
 Plain data.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..schedule.registry import ALIASES, ONE_STAGE, PIPELINE, REGISTRY, lookup
 from .costs import StepTimes
@@ -38,8 +39,10 @@ def why_not(mode: str, layout: RunLayout, half_times: bool = True) -> str | None
     if mode == "intra" and layout.micro_batch_size < 2:
         return "intra cuts each micro-batch in two along the batch: it needs --micro-batch-size >= 2"
     if mode == "intra" and not half_times:
-        return (f"intra runs half micro-batches ({layout.micro_batch_size // 2} sequences) and the overlap table "
-                f"holds op times at {layout.micro_batch_size} only: not projected with --hardware cpu")
+        return (
+            f"intra runs half micro-batches ({layout.micro_batch_size // 2} sequences) and the overlap table "
+            f"holds op times at {layout.micro_batch_size} only: not projected with --hardware cpu"
+        )
     if mode == "si-ends" and m < 2:
         return "si-ends pairs the first two forwards: it needs --micro-batches >= 2"
     if p > 1 and schedule_of(mode) is not None:
@@ -57,15 +60,22 @@ def choose_modes(asked: list[str] | None, layout: RunLayout, half_times: bool = 
         for mode in asked:
             reason = why_not(mode, layout, half_times)
             if reason:
-                raise ValueError(f"--schedule {mode}: {reason}; schedules for this layout: "
-                                 f"{', '.join(available_modes(layout))}")
+                raise ValueError(
+                    f"--schedule {mode}: {reason}; schedules for this layout: {', '.join(available_modes(layout))}"
+                )
         return list(dict.fromkeys(asked)), {}
     reasons = {mode: why_not(mode, layout, half_times) for mode in available_modes(layout)}
     return [m for m, why in reasons.items() if why is None], {m: why for m, why in reasons.items() if why}
 
 
-def mode_lap(mode: str, st: StepTimes, layout: RunLayout, shape: ModelShape,
-             times_of: Callable[[int], StepTimes], planned_plans: dict) -> tuple[Lap, float | None]:
+def mode_lap(
+    mode: str,
+    st: StepTimes,
+    layout: RunLayout,
+    shape: ModelShape,
+    times_of: Callable[[int], StepTimes],
+    planned_plans: dict,
+) -> tuple[Lap, float | None]:
     """(the micro-batches' part of a step of ``mode``, the pipeline bubble or None)."""
     m = layout.micro_batches
     if layout.dims.pp > 1:
@@ -77,8 +87,9 @@ def mode_lap(mode: str, st: StepTimes, layout: RunLayout, shape: ModelShape,
     return schedule_step(spec, m, st, half, plan), None
 
 
-def project(shape: ModelShape, layout: RunLayout, times_of: Callable[[int], StepTimes], modes: list[str],
-            plan_source=None) -> dict:
+def project(
+    shape: ModelShape, layout: RunLayout, times_of: Callable[[int], StepTimes], modes: list[str], plan_source=None
+) -> dict:
     """Predict ``modes``; ``times_of(micro_batch_size)`` gives the op times; ``plan_source``:
     ``{"default", "dp", ...}`` plans to run si-plan / si-planned by (None: planned from the op times)."""
     st = times_of(layout.micro_batch_size)
@@ -89,16 +100,23 @@ def project(shape: ModelShape, layout: RunLayout, times_of: Callable[[int], Step
     for mode in modes:
         lap, bubble = mode_lap(mode, st, layout, shape, times_of, chosen)
         step_s = (lap.ms + sum(tail.values())) / 1e3
-        out[mode] = {"step_time_s": step_s, "exposed_comm_s": (lap.wait_ms + tail_comm) / 1e3,
-                     "tokens_per_s": layout.tokens_per_step / step_s}
+        out[mode] = {
+            "step_time_s": step_s,
+            "exposed_comm_s": (lap.wait_ms + tail_comm) / 1e3,
+            "tokens_per_s": layout.tokens_per_step / step_s,
+        }
         if bubble is not None:
             out[mode]["bubble_fraction"] = bubble
     base = out.get("sequential")
     for row in out.values():
         if base:
             row["speedup_vs_sequential"] = base["step_time_s"] / row["step_time_s"]
-    return {"modes": out, "si_gain": si_gain(out), "per_step": per_step(st, layout, shape),
-            "plans": _plan_summary(chosen)}
+    return {
+        "modes": out,
+        "si_gain": si_gain(out),
+        "per_step": per_step(st, layout, shape),
+        "plans": _plan_summary(chosen),
+    }
 
 
 def per_step(st: StepTimes, layout: RunLayout, shape: ModelShape) -> dict:
@@ -109,8 +127,12 @@ def per_step(st: StepTimes, layout: RunLayout, shape: ModelShape) -> dict:
         chunks = chunk_blocks(shape.num_layers, layout.dims.pp)
         blocks = chunks[(0, 0)] + chunks[(0, 1)]
     comp, comm = st.compute_ms(blocks) * layout.micro_batches, st.comm_ms(blocks) * layout.micro_batches
-    return {"compute_s": comp / 1e3, "comm_s": comm / 1e3, "tail_s": {k: v / 1e3 for k, v in st.tail.items()},
-            "ideal_speedup": (comp + comm) / max(comp, comm) if max(comp, comm) else 1.0}
+    return {
+        "compute_s": comp / 1e3,
+        "comm_s": comm / 1e3,
+        "tail_s": {k: v / 1e3 for k, v in st.tail.items()},
+        "ideal_speedup": (comp + comm) / max(comp, comm) if max(comp, comm) else 1.0,
+    }
 
 
 def si_gain(modes: dict) -> dict | None:
@@ -127,8 +149,11 @@ def si_gain(modes: dict) -> dict | None:
 def _plan_summary(chosen: dict) -> dict:
     if not chosen:
         return {}
-    out = {"default_rounds": len(chosen["default"].rounds), "dp_rounds": len(chosen["dp"].rounds),
-           "dp_is_default": chosen["dp"].fingerprint() == chosen["default"].fingerprint()}
+    out = {
+        "default_rounds": len(chosen["default"].rounds),
+        "dp_rounds": len(chosen["dp"].rounds),
+        "dp_is_default": chosen["dp"].fingerprint() == chosen["default"].fingerprint(),
+    }
     for key in ("default_ms", "dp_ms"):
         if chosen.get(key) is not None:
             out[f"planner_{key}_per_layer_pair"] = chosen[key]

@@ -17,6 +17,7 @@ executor drains them after a pair.
 
 Plain data: no torch, no torch.distributed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ class _Pair:
         self.queue: list[tuple[float, int, str]] = []  # deferred (ms, depth, op name), oldest first
         self.order: list[str] = []
 
-    def copy(self) -> "_Pair":
+    def copy(self) -> _Pair:
         c = object.__new__(_Pair)
         c.round, c.slowdown, c.t, c.waited = self.round.copy(_copy_flight), self.slowdown, self.t, self.waited
         c.queue, c.order = list(self.queue), list(self.order)
@@ -189,8 +190,13 @@ class _Pair:
 
     def result(self) -> PairRetime:
         chains = list(self.round.items[0]) + list(self.round.items[1])
-        return PairRetime(self.t, sum(st.ms + st.deferred_ms for st in chains if not st.comm),
-                          sum(st.ms for st in chains if st.comm), self.waited, tuple(self.order))
+        return PairRetime(
+            self.t,
+            sum(st.ms + st.deferred_ms for st in chains if not st.comm),
+            sum(st.ms for st in chains if st.comm),
+            self.waited,
+            tuple(self.order),
+        )
 
 
 def _pair(backward, forward, max_deferred: int, rules: RoundRules | None, slowdown: float) -> _Pair:
@@ -199,8 +205,13 @@ def _pair(backward, forward, max_deferred: int, rules: RoundRules | None, slowdo
     return _Pair(backward, forward, rules if rules is not None else reactive_rules(max_deferred), slowdown)
 
 
-def retime_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2,
-                rules: RoundRules | None = None, slowdown: float = 0.0) -> PairRetime:
+def retime_pair(
+    backward: list[ChainOp],
+    forward: list[ChainOp],
+    max_deferred: int = 2,
+    rules: RoundRules | None = None,
+    slowdown: float = 0.0,
+) -> PairRetime:
     """Run two strands' chains (strand 0: ``backward``, wins ties) by the round policy (``rules``,
     default: reactive SI with at most ``max_deferred`` weight gradients waiting), compute
     ``slowdown`` slower while a collective flies. Pure function of its inputs."""
@@ -210,8 +221,14 @@ def retime_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: i
     return pair.result()
 
 
-def search_pair(backward: list[ChainOp], forward: list[ChainOp], max_deferred: int = 2,
-                width: int = 1000, rules: RoundRules | None = None, slowdown: float = 0.0) -> PairRetime:
+def search_pair(
+    backward: list[ChainOp],
+    forward: list[ChainOp],
+    max_deferred: int = 2,
+    width: int = 1000,
+    rules: RoundRules | None = None,
+    slowdown: float = 0.0,
+) -> PairRetime:
     """The shortest makespan a beam search over the compute unit's choices finds for the same
     chains, machine and constraints as ``retime_pair`` (any work-conserving order, not just the
     policy's pick): how much a better order could gain. Keeps the ``width`` earliest states per

@@ -16,6 +16,7 @@ Per rank, with ``t`` TP, ``c`` CP, ``b`` sequences of ``s`` tokens, ``e`` bytes 
 
 Plain data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -108,14 +109,16 @@ def _embed(ctx: BlockContext) -> OpWork:
     sh, n, e = ctx.shape, ctx.n_loc, ctx.e
     rows = 2 if sh.learned_positions else 1
     # backward: the dense [V, h] gradient written, then added to the parameter's (read twice, write)
-    return OpWork(fwd=(mem(2 * rows * n * sh.hidden * e),),
-                  bwd=(mem(n * sh.hidden * e + 4 * sh.vocab * sh.hidden * e),))
+    return OpWork(
+        fwd=(mem(2 * rows * n * sh.hidden * e),), bwd=(mem(n * sh.hidden * e + 4 * sh.vocab * sh.hidden * e),)
+    )
 
 
 def _norm(passes_fwd: int, passes_bwd: int):
     def work(ctx: BlockContext) -> OpWork:
         size = ctx.n_loc * ctx.shape.hidden * ctx.e
         return OpWork(fwd=(mem(passes_fwd * size),), bwd=(mem(passes_bwd * size),))
+
     return work
 
 
@@ -135,10 +138,15 @@ def _qkv(ctx: BlockContext) -> OpWork:
     nq, nk = ctx.heads()
     if not sh.mla:
         return linear(n, sh.hidden, (nq + 2 * nk) * sh.head_dim, e)
-    q = ([gemm(n, sh.hidden, sh.q_lora_rank, e), gemm(n, sh.q_lora_rank, nq * sh.qk_dim, e)] if sh.q_lora_rank
-         else [gemm(n, sh.hidden, nq * sh.qk_dim, e)])
-    kv = [gemm(n, sh.hidden, sh.kv_lora_rank + sh.qk_rope_dim, e),
-          gemm(n, sh.kv_lora_rank, nq * (sh.qk_nope_dim + sh.v_dim), e)]
+    q = (
+        [gemm(n, sh.hidden, sh.q_lora_rank, e), gemm(n, sh.q_lora_rank, nq * sh.qk_dim, e)]
+        if sh.q_lora_rank
+        else [gemm(n, sh.hidden, nq * sh.qk_dim, e)]
+    )
+    kv = [
+        gemm(n, sh.hidden, sh.kv_lora_rank + sh.qk_rope_dim, e),
+        gemm(n, sh.kv_lora_rank, nq * (sh.qk_nope_dim + sh.v_dim), e),
+    ]
     return OpWork(fwd=tuple(q + kv), bwd=tuple(q + kv), wgrad=tuple(q + kv))
 
 
@@ -162,6 +170,7 @@ def _out(ctx: BlockContext) -> OpWork:
 def _tp_seq(fwd: str, bwd: str):
     def work(ctx: BlockContext) -> OpWork:
         return OpWork(comm=Collective("tp", fwd, bwd, ctx.n_tp * ctx.shape.hidden * ctx.e))
+
     return work
 
 
@@ -257,15 +266,35 @@ def _moe_add(ctx: BlockContext) -> OpWork:
 
 
 OPS = {
-    "embed": _embed, "head.norm": _norm(2, 3), "head.logits": _head_logits, "head.loss": _head_loss,
-    "attn.norm": _norm(2, 3), "attn.ag": _tp_seq("all_gather", "reduce_scatter"), "attn.qkv": _qkv,
-    "attn.qk_ss": _qk_ss, "attn.qk_ar": _qk_ar, "attn.a2a_in": _a2a_in, "attn.core": _core,
-    "attn.a2a_out": _a2a_out, "attn.out": _out, "attn.rs": _tp_seq("reduce_scatter", "all_gather"),
-    "mlp.norm": _norm(4, 5), "mlp.ag": _tp_seq("all_gather", "reduce_scatter"), "mlp.up": _mlp_up,
-    "mlp.down": _mlp_down, "mlp.rs": _tp_seq("reduce_scatter", "all_gather"), "mlp.add": _norm(3, 3),
-    "moe.router": _router, "moe.counts": _counts, "moe.dispatch": _dispatch, "moe.shared": _shared,
-    "moe.experts.up": _experts_up, "moe.experts.act": _experts_act, "moe.experts.down": _experts_down,
-    "moe.combine": _dispatch, "moe.add": _moe_add,
+    "embed": _embed,
+    "head.norm": _norm(2, 3),
+    "head.logits": _head_logits,
+    "head.loss": _head_loss,
+    "attn.norm": _norm(2, 3),
+    "attn.ag": _tp_seq("all_gather", "reduce_scatter"),
+    "attn.qkv": _qkv,
+    "attn.qk_ss": _qk_ss,
+    "attn.qk_ar": _qk_ar,
+    "attn.a2a_in": _a2a_in,
+    "attn.core": _core,
+    "attn.a2a_out": _a2a_out,
+    "attn.out": _out,
+    "attn.rs": _tp_seq("reduce_scatter", "all_gather"),
+    "mlp.norm": _norm(4, 5),
+    "mlp.ag": _tp_seq("all_gather", "reduce_scatter"),
+    "mlp.up": _mlp_up,
+    "mlp.down": _mlp_down,
+    "mlp.rs": _tp_seq("reduce_scatter", "all_gather"),
+    "mlp.add": _norm(3, 3),
+    "moe.router": _router,
+    "moe.counts": _counts,
+    "moe.dispatch": _dispatch,
+    "moe.shared": _shared,
+    "moe.experts.up": _experts_up,
+    "moe.experts.act": _experts_act,
+    "moe.experts.down": _experts_down,
+    "moe.combine": _dispatch,
+    "moe.add": _moe_add,
 }
 """Op name -> its work. An op of the outline with no entry here is refused (``op_work``)."""
 
@@ -273,6 +302,8 @@ OPS = {
 def op_work(name: str, ctx: BlockContext) -> OpWork:
     """The work of op ``name`` in a block priced at ``ctx``; ValueError for an op the model lacks."""
     if name not in OPS:
-        raise ValueError(f"op {name!r} has no cost model in dhelix predict (ring attention and custom ops are "
-                         f"not modelled); modelled ops: {', '.join(OPS)}")
+        raise ValueError(
+            f"op {name!r} has no cost model in dhelix predict (ring attention and custom ops are "
+            f"not modelled); modelled ops: {', '.join(OPS)}"
+        )
     return OPS[name](ctx)

@@ -4,6 +4,7 @@ made by ``hf_models.outline`` from the engine's own graph builder), the sizes it
 
 Plain data: ``model_shape`` reads a config's attributes and imports nothing of transformers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,16 +94,25 @@ def _moe_fields(config) -> dict:
     inter = int(_first(config, "moe_intermediate_size", "intermediate_size"))
     shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
     shared += int(getattr(config, "n_shared_experts", 0) or 0) * inter
-    return {"experts": experts, "top_k": int(config.num_experts_per_tok), "expert_intermediate": inter,
-            "shared_intermediate": shared, "shared_gate": bool(getattr(config, "shared_expert_intermediate_size", 0))}
+    return {
+        "experts": experts,
+        "top_k": int(config.num_experts_per_tok),
+        "expert_intermediate": inter,
+        "shared_intermediate": shared,
+        "shared_gate": bool(getattr(config, "shared_expert_intermediate_size", 0)),
+    }
 
 
 def _mla_fields(config) -> dict:
     if not getattr(config, "kv_lora_rank", None):
         return {}
-    return {"q_lora_rank": int(getattr(config, "q_lora_rank", None) or 0), "kv_lora_rank": int(config.kv_lora_rank),
-            "qk_rope_dim": int(config.qk_rope_head_dim), "qk_nope_dim": int(config.qk_nope_head_dim),
-            "v_head_dim": int(config.v_head_dim)}
+    return {
+        "q_lora_rank": int(getattr(config, "q_lora_rank", None) or 0),
+        "kv_lora_rank": int(config.kv_lora_rank),
+        "qk_rope_dim": int(config.qk_rope_head_dim),
+        "qk_nope_dim": int(config.qk_nope_head_dim),
+        "v_head_dim": int(config.v_head_dim),
+    }
 
 
 def model_shape(config) -> ModelShape:
@@ -111,12 +121,20 @@ def model_shape(config) -> ModelShape:
     heads = int(_first(config, "num_attention_heads", "n_head"))
     inter = _first(config, "intermediate_size", "n_inner") or 4 * hidden
     return ModelShape(
-        model_type=config.model_type, num_layers=int(_first(config, "num_hidden_layers", "n_layer")),
-        hidden=hidden, heads=heads, kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
-        head_dim=int(getattr(config, "head_dim", None) or hidden // heads), intermediate=int(inter),
-        vocab=int(config.vocab_size), gated=config.model_type not in NON_GATED,
-        tied=bool(getattr(config, "tie_word_embeddings", False)), learned_positions=config.model_type == "gpt2",
-        **_moe_fields(config), **_mla_fields(config))
+        model_type=config.model_type,
+        num_layers=int(_first(config, "num_hidden_layers", "n_layer")),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
+        head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
+        intermediate=int(inter),
+        vocab=int(config.vocab_size),
+        gated=config.model_type not in NON_GATED,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        learned_positions=config.model_type == "gpt2",
+        **_moe_fields(config),
+        **_mla_fields(config),
+    )
 
 
 @dataclass(frozen=True)
@@ -152,6 +170,6 @@ class RunLayout:
         """Tokens of one optimizer step over the whole world."""
         return self.micro_batches * self.micro_batch_size * self.seq_len * self.dims.dp
 
-    def with_micro_batch(self, size: int) -> "RunLayout":
+    def with_micro_batch(self, size: int) -> RunLayout:
         """The same run with ``size`` sequences per micro-batch (intra's halves)."""
         return RunLayout(self.dims, self.seq_len, size, self.micro_batches, self.dtype, self.zero_stage)

@@ -14,6 +14,7 @@ then what a step adds once (``StepTimes.tail``). Each mode gives its step time, 
 compute unit waited on collectives (exposed communication) and tokens/s. A new one-stage schedule
 needs no code here: its instruction list is priced as it is. Plain data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from ..planning.plan import SIPlan, default_plan, segment_has_comm
 from ..planning.planner import EMPTY, OverlapTable, candidate_segments, plan_dp, predict_ms
 from ..schedule import instructions as S
 from ..schedule.registry import ONE_STAGE, ScheduleSpec, names
-from .costs import OpTime, StepTimes
+from .costs import StepTimes
 from .retime import ChainOp, PairRetime, RoundRules, reactive_rules, retime_pair
 
 MODES = names(ONE_STAGE, built=True)
@@ -36,10 +37,10 @@ class Lap:
     ms: float
     wait_ms: float
 
-    def __add__(self, other: "Lap") -> "Lap":
+    def __add__(self, other: Lap) -> Lap:
         return Lap(self.ms + other.ms, self.wait_ms + other.wait_ms)
 
-    def __mul__(self, k: float) -> "Lap":
+    def __mul__(self, k: float) -> Lap:
         return Lap(self.ms * k, self.wait_ms * k)
 
 
@@ -52,8 +53,11 @@ def _lap(r: PairRetime) -> Lap:
 
 def forward_chain(st: StepTimes, blocks: list[int], lo: int = 0, hi: int | None = None) -> list[ChainOp]:
     """A forward strand over ``blocks`` (ops ``lo:hi`` of each; depth = position in the list)."""
-    return [ChainOp(o.name, o.comm, o.fwd_ms, 0.0, j, o.group, o.link)
-            for j, b in enumerate(blocks) for o in st.blocks[b][lo:hi]]
+    return [
+        ChainOp(o.name, o.comm, o.fwd_ms, 0.0, j, o.group, o.link)
+        for j, b in enumerate(blocks)
+        for o in st.blocks[b][lo:hi]
+    ]
 
 
 def backward_chain(st: StepTimes, blocks: list[int], defer: bool, lo: int = 0, hi: int | None = None) -> list[ChainOp]:
@@ -84,8 +88,9 @@ def _strand_rules(st: StepTimes, plan_mode: bool, **kw) -> RoundRules:
     return plan_rules(st) if plan_mode else _rules(st, **kw)
 
 
-def price(ins: S.Instruction, spec: ScheduleSpec, st: StepTimes, half: tuple[StepTimes, StepTimes],
-          plan: SIPlan | None) -> Lap:
+def price(
+    ins: S.Instruction, spec: ScheduleSpec, st: StepTimes, half: tuple[StepTimes, StepTimes], plan: SIPlan | None
+) -> Lap:
     """One compute instruction of ``spec``'s list (``plan``: a plan schedule's); ``half``: the op
     times of a micro-batch's two halves (intra)."""
     every = list(range(len(st.blocks)))
@@ -103,13 +108,19 @@ def price(ins: S.Instruction, spec: ScheduleSpec, st: StepTimes, half: tuple[Ste
     if isinstance(ins, S.ForwardForward):
         return _lap(_run(a, forward_chain(a, every), forward_chain(b, every), _rules(a, gated=False)))
     if isinstance(ins, S.BackwardBackward):
-        return _lap(_run(a, backward_chain(a, back, defer), backward_chain(b, back, defer),
-                         _rules(a, gated=False, trail=True)))
+        return _lap(
+            _run(a, backward_chain(a, back, defer), backward_chain(b, back, defer), _rules(a, gated=False, trail=True))
+        )
     return ZERO  # loads, the activation budget, the step's end (``StepTimes.tail``)
 
 
-def schedule_step(spec: ScheduleSpec, m: int, st: StepTimes, half: tuple[StepTimes, StepTimes] | None = None,
-                  plan: SIPlan | None = None) -> Lap:
+def schedule_step(
+    spec: ScheduleSpec,
+    m: int,
+    st: StepTimes,
+    half: tuple[StepTimes, StepTimes] | None = None,
+    plan: SIPlan | None = None,
+) -> Lap:
     """A step of ``m`` micro-batches under one-stage schedule ``spec``: its instruction list priced
     (instructions of one kind cost the same: priced once each)."""
     lap, prices = ZERO, {}
@@ -170,14 +181,22 @@ def plan_pair(st: StepTimes, f_blocks: list[int], b_blocks: list[int], plan: SIP
         fb = f_blocks[j] if j < len(f_blocks) else None
         bb = b_blocks[j] if j < len(b_blocks) else None
         if fb is not None and bb is not None and 0 < fb < nb - 1 and 0 < bb < nb - 1:
-            p = plan if specs_of(st, fb) == specs_of(st, bb) == plan.fwd_ops else \
-                default_plan(specs_of(st, fb), backward_order(specs_of(st, bb)))
+            p = (
+                plan
+                if specs_of(st, fb) == specs_of(st, bb) == plan.fwd_ops
+                else default_plan(specs_of(st, fb), backward_order(specs_of(st, bb)))
+            )
             for r in p.rounds:
-                lap += _lap(_run(st, backward_chain(st, [bb], False, *r.bwd), forward_chain(st, [fb], *r.fwd),
-                                        rules))
+                lap += _lap(_run(st, backward_chain(st, [bb], False, *r.bwd), forward_chain(st, [fb], *r.fwd), rules))
         else:
-            lap += _lap(_run(st, backward_chain(st, [bb], False) if bb is not None else [],
-                                    forward_chain(st, [fb]) if fb is not None else [], rules))
+            lap += _lap(
+                _run(
+                    st,
+                    backward_chain(st, [bb], False) if bb is not None else [],
+                    forward_chain(st, [fb]) if fb is not None else [],
+                    rules,
+                )
+            )
     return lap
 
 
@@ -187,5 +206,10 @@ def plans(st: StepTimes) -> dict:
     table = predicted_table(st, main_block(st))
     default = default_plan(table.fwd_ops, table.bwd_ops)
     best = plan_dp(table, risk=0)
-    return {"table": table, "default": default, "dp": best,
-            "default_ms": predict_ms(table, default), "dp_ms": best.predicted_ms}
+    return {
+        "table": table,
+        "default": default,
+        "dp": best,
+        "default_ms": predict_ms(table, default),
+        "dp_ms": best.predicted_ms,
+    }

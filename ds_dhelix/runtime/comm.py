@@ -24,26 +24,34 @@ plus a local sum (gloo's own reduce-scatter is a full all-reduce: twice the byte
 sends the rank's shard to every rank (cheaper per call than gloo's all-gather). Weights replicated
 over the TP group sum their gradients once per step (``ReplicatedGrads``).
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
-
 
 # torch >= 2.13 renames the single-tensor collectives; older releases only have the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator",
-              "ncclRemoteError", "Timed out waiting", "gloo::EnforceNotMet", "connectFullMesh")
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator",
+    "ncclRemoteError",
+    "Timed out waiting",
+    "gloo::EnforceNotMet",
+    "connectFullMesh",
+)
 
 
 def is_comm_failure(err: BaseException) -> bool:
@@ -99,9 +107,11 @@ def cuda_connections_warning(device: torch.device, env=None) -> str | None:
     env = os.environ if env is None else env
     if device.type != "cuda" or env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
         return None
-    return ("ds_dhelix: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware queue: a collective's "
-            "kernel holds back the compute kernels launched after it, which limits what SI can overlap to the "
-            "launch order; unset it (or set 8 or more) for ds_dhelix runs")
+    return (
+        "ds_dhelix: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware queue: a collective's "
+        "kernel holds back the compute kernels launched after it, which limits what SI can overlap to the "
+        "launch order; unset it (or set 8 or more) for ds_dhelix runs"
+    )
 
 
 @dataclass
@@ -119,7 +129,7 @@ class DeviceEvents:
     resumed: object = None
 
     @classmethod
-    def start(cls) -> "DeviceEvents":
+    def start(cls) -> DeviceEvents:
         launched = torch.cuda.Event(enable_timing=True)
         launched.record()
         return cls(launched)
@@ -235,7 +245,7 @@ class StrandGroups:
     backward: object
 
     @classmethod
-    def of(cls, group) -> "StrandGroups":
+    def of(cls, group) -> StrandGroups:
         return group if isinstance(group, StrandGroups) else cls(group, group)
 
     @property
@@ -446,7 +456,7 @@ class ReplicatedGrads:
             for p in params:
                 slot = getattr(p, "tp_replica_slot", None)
                 size = p.grad.numel() * (slot[1] if slot else 1)
-                part = flat[offset:offset + size]
+                part = flat[offset : offset + size]
                 p.grad.copy_((part.view(slot[1], -1)[slot[0]] if slot else part).view_as(p.grad))
                 offset += size
             total += flat.numel() * flat.element_size()
@@ -478,8 +488,10 @@ def release_deepspeed_shm() -> None:
     if not dist.is_initialized():
         return
     dist.barrier()
-    name = (f"{SHM_BUFFER_PREFIX}_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    name = (
+        f"{SHM_BUFFER_PREFIX}_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
+    )
     try:
         os.unlink(os.path.join("/dev/shm", name))
     except FileNotFoundError:

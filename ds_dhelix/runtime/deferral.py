@@ -8,6 +8,7 @@ reaches its next collective sooner. A deferred pass must run before any later op
 weight (a tied weight, the same op of an earlier micro-batch), so each weight keeps its
 accumulation order: ``touches`` says when.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -43,8 +44,7 @@ def op_weights(op: Op, tensors, leaves) -> OpWeights:
                 params.append(var)
             continue
         stack.extend(f for f, _ in fn.next_functions if f is not None)
-    return OpWeights(tuple(params), op.linear and any(p.dim() >= 2 for p in params),
-                      frozenset(id(p) for p in params))
+    return OpWeights(tuple(params), op.linear and any(p.dim() >= 2 for p in params), frozenset(id(p) for p in params))
 
 
 class DeferredGrads:

@@ -23,6 +23,7 @@ Per-strand data dependencies and the per-op math are untouched: results are bitw
 ``sequential`` (a weight gradient is the same matmul whether or not it is deferred; a deferred one
 always runs before any later op adds to the same weight).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,19 +31,15 @@ import time
 
 import torch
 
-from .comm import CollectiveError, Pending, is_comm_failure
-from .interpreter import run_microbatches
-from .deferral import NO_WEIGHTS, DeferredGrads, OpWeights, op_weights
-from .stats import StepStats
-from .tasks import MicroBatch, Task
-from ..graph.model_graph import ModelGraph, Op
+from ..graph.model_graph import ModelGraph
 from ..graph.recompute import Kept, RecomputePolicy, keep
 from ..planning.plan import SIPlan
 from ..schedule import policy as P
-
-
-def _accumulate(grads: dict, key: str, g: torch.Tensor) -> None:
-    grads[key] = g if key not in grads else grads[key] + g
+from .collectives import Collectives
+from .deferral import NO_WEIGHTS, DeferredGrads, OpWeights, op_weights
+from .interpreter import run_microbatches
+from .stats import StepStats
+from .tasks import MicroBatch, Task, accumulate
 
 
 def _is_comm(t: Task) -> bool:
@@ -53,11 +50,7 @@ def _depth(t: Task) -> int:
     return t.depth
 
 
-POLL_S = 50e-6
-"""How long a rank waiting on two strands' collectives sleeps between looking at them."""
-
-
-class Executor:
+class Executor(Collectives):
     """Runs forward/backward of ``graph`` ops for micro-batches.
 
     ``plan`` None (default): SI pairs run reactively (see the module docstring), with weight
@@ -74,9 +67,18 @@ class Executor:
     # alone keeps that true for layers of one size, not for a large layer beside small ones
     ACTIVATION_SLACK = 0.02
 
-    def __init__(self, graph: ModelGraph, plan: SIPlan | None = None, *, meter=None, recorder=None,
-                 watchdog=None, defer_weight_grads: bool | None = None, reactive: bool | None = None,
-                 recompute: str = "none"):
+    def __init__(
+        self,
+        graph: ModelGraph,
+        plan: SIPlan | None = None,
+        *,
+        meter=None,
+        recorder=None,
+        watchdog=None,
+        defer_weight_grads: bool | None = None,
+        reactive: bool | None = None,
+        recompute: str = "none",
+    ):
         self.graph, self.plan, self.meter = graph, plan, meter
         self._pair_plans: dict = {}  # (forward kind, backward kind) -> default plan (mixed layer kinds)
         self.recompute = RecomputePolicy(recompute, graph)
@@ -116,19 +118,6 @@ class Executor:
         self._device_events = []
         return self.stats
 
-    def finish_device_times(self) -> None:
-        """CUDA: fill the step's ``device_comm_s`` / ``device_exposed_s`` from its collectives'
-        events (synchronizes the device; call once the step's work is launched)."""
-        if not self._device_events:
-            return
-        torch.cuda.synchronize()
-        busy = exposed = 0.0
-        for events in self._device_events:
-            b, e = events.times_s()
-            busy, exposed = busy + b, exposed + e
-        self.stats.device_comm_s, self.stats.device_exposed_s = busy, exposed
-        self._device_events = []
-
     @contextlib.contextmanager
     def inference(self):
         """Forwards inside run without autograd (evaluation); no gradients are reduced."""
@@ -154,16 +143,6 @@ class Executor:
         if self.meter is not None and self.reactive:
             self._budget = self.meter.current * (1 + self.ACTIVATION_SLACK)
 
-    def record_wait(self, seconds: float) -> None:
-        """Time the step spent blocked outside the executor's own collectives (pipeline receives)."""
-        self.stats.exposed_s += seconds
-
-    @staticmethod
-    def polls(op: Op) -> bool:
-        """Whether COMM op ``op``'s in-flight work may be polled for completion (not gloo's send /
-        receive)."""
-        return getattr(op.comm, "reports_completion", True)
-
     def within_budget(self, t: Task) -> bool:
         """Whether forward task ``t`` may save its tensors now: the live activation bytes plus what
         its op saved before stay within this step's budget (no meter or no budget: always). Only
@@ -180,12 +159,6 @@ class Executor:
         return self._op_weights.get((t.block, t.op_index), NO_WEIGHTS)
 
     # ------------------------------------------------------------------ the round policy's host
-    def completed(self, pending: Pending) -> bool:
-        return pending.work is not None and pending.work.is_completed()
-
-    def pollable(self, t: Task) -> bool:
-        return self.polls(t.op)
-
     def deferred(self) -> tuple[int, float]:
         return len(self._deferred), self._deferred.oldest_depth()
 
@@ -228,8 +201,9 @@ class Executor:
 
     def _forward_only(self, t: Task) -> bool:
         """Run ``t`` without autograd: evaluation, or a recomputing layer's / op's first forward."""
-        return not self._grad or (not t.recompute and (self.recompute.full(t.block)
-                                                       or self.recompute.selective(t.block, t.op)))
+        return not self._grad or (
+            not t.recompute and (self.recompute.full(t.block) or self.recompute.selective(t.block, t.op))
+        )
 
     def _comp_forward(self, t: Task) -> None:
         op, mb = t.op, t.mb
@@ -284,7 +258,7 @@ class Executor:
                 torch.autograd.backward(tensors, grads)
         for key, leaf in zip(op.inputs, leaves):
             if leaf.grad is not None:
-                _accumulate(mb.grads, key, leaf.grad)
+                accumulate(mb.grads, key, leaf.grad)
         del leaves, outs, tensors, grads
 
     # ------------------------------------------------------------------ deferred weight gradients
@@ -307,82 +281,20 @@ class Executor:
         while self.run_deferred():
             pass
 
-    # ------------------------------------------------------------------ collectives
-    def launch_comm(self, t: Task) -> Pending:
-        self._beat(t)
-        self._before_forward(t)
-        op, mb = t.op, t.mb
-        with self._label(op.name), self._collective(t):
-            if t.backward:
-                pending = op.comm.backward(mb.grads.pop(op.outputs[0]), mb.side, t.channel)
-            else:
-                pending = op.comm.forward(mb.env[op.inputs[0]], mb.side, t.channel)
-        self.stats.num_comms += 1
-        if pending.device_events is not None:
-            self._cuda = True
-        return pending
-
-    @contextlib.contextmanager
-    def _collective(self, t: Task):
-        """A failing collective (a dead peer) as a ``CollectiveError`` naming the op and its strand."""
-        try:
-            yield
-        except CollectiveError:
-            raise
-        except RuntimeError as err:
-            if not is_comm_failure(err):
-                raise
-            groups = getattr(t.op.comm, "groups", None)
-            group = groups.channel(t.channel) if hasattr(groups, "channel") else None
-            raise CollectiveError(f"{t.op.name} ({t.strand} strand, micro-batch {t.mb.index}, block {t.block})",
-                                  err, group) from err
-
-    def finish_comm(self, t: Task, pending: Pending) -> None:
-        with self._collective(t):
-            out = pending.wait()
-        done = time.perf_counter()
-        if pending.device_events is not None:
-            self._device_events.append(pending.device_events)
-        self.stats.exposed_s += pending.waited_s
-        self.stats.comm_s += done - pending.launched_at if pending.done_at is None \
-            else pending.done_at - pending.launched_at
-        if self.recorder is not None:
-            end = pending.done_at or done
-            group = "B" if t.channel else "F"  # lane of the strand group: one comm in flight each
-            lane = f"{getattr(t.op.comm, 'lane', 'comm:tp')}:{group}"
-            self.recorder.add_span(lane, t.op.name, pending.launched_at, end, self._args(t))
-        if t.backward:
-            _accumulate(t.mb.grads, t.op.inputs[0], out)
-        else:
-            t.mb.env[t.op.outputs[0]] = out
-
-    def _wait_first(self, rnd: P.Round, strands: tuple[int, ...]) -> int:
-        """Poll the collectives of ``strands`` until one completes; the time polled counts as exposed."""
-        t0 = time.perf_counter()
-        while True:
-            for s in strands:
-                pending = rnd.flight[s][1]
-                if pending.work is None or pending.work.is_completed():
-                    pending.waited_s += time.perf_counter() - t0
-                    return s
-            time.sleep(POLL_S)
-
-    def _note_completions(self, rnd: P.Round) -> None:
-        """Stamp the time a collective is first seen complete (its comm time ends there)."""
-        now = time.perf_counter()
-        for item in rnd.flight:
-            if item is not None and item[1].done_at is None and self.completed(item[1]):
-                item[1].done_at = now
-
     # ------------------------------------------------------------------ one round
-    def run_round(self, b_tasks: list[Task], f_tasks: list[Task], gated: bool = False,
-                  trail: bool = False) -> None:
+    def run_round(self, b_tasks: list[Task], f_tasks: list[Task], gated: bool = False, trail: bool = False) -> None:
         """Run two strands' task lists together (either may be empty) by the round policy; barrier
         at the end. ``gated``: the forward strand stays within the backward strand's block depth;
         ``trail``: two backward strands, the second trailing the first."""
         rules = P.RoundRules(gated, trail, self.reacts_to_completions, self.reactive, self.MAX_DEFERRED)
-        rnd = P.Round(b_tasks, f_tasks, rules, comm=_is_comm, depth=_depth,
-                      weights=(lambda t: self.weights_of(t).ids) if trail else None)
+        rnd = P.Round(
+            b_tasks,
+            f_tasks,
+            rules,
+            comm=_is_comm,
+            depth=_depth,
+            weights=(lambda t: self.weights_of(t).ids) if trail else None,
+        )
         while True:
             d = rnd.decide(self)
             kind = d.kind
@@ -408,8 +320,16 @@ class Executor:
                 return
 
     # ------------------------------------------------------------------ blocks
-    def tasks(self, mb: MicroBatch, block: int, backward: bool, lo: int = 0, hi: int | None = None,
-              depth: int = 0, swapped: bool = False):
+    def tasks(
+        self,
+        mb: MicroBatch,
+        block: int,
+        backward: bool,
+        lo: int = 0,
+        hi: int | None = None,
+        depth: int = 0,
+        swapped: bool = False,
+    ):
         ops = self.graph.blocks[block]
         hi = len(ops) if hi is None else hi
         if not backward:
@@ -418,8 +338,11 @@ class Executor:
         # its forward again (in the round that runs its first backward op; a plan's earlier rounds
         # may give the backward an empty range)
         n = len(ops)
-        again = [Task(mb, block, i, ops[i], False, depth, swapped, recompute=True) for i in range(n)] \
-            if lo == 0 < hi and self._grad and self.recompute.full(block) else []
+        again = (
+            [Task(mb, block, i, ops[i], False, depth, swapped, recompute=True) for i in range(n)]
+            if lo == 0 < hi and self._grad and self.recompute.full(block)
+            else []
+        )
         return again + [Task(mb, block, n - 1 - j, ops[n - 1 - j], True, depth, swapped) for j in range(lo, hi)]
 
     def all_blocks(self) -> list[int]:
@@ -427,7 +350,7 @@ class Executor:
 
     def forward(self, mb: MicroBatch, blocks=None) -> None:
         """Forward of ``blocks`` (default: all) for one micro-batch, alone."""
-        for block in (self.all_blocks() if blocks is None else blocks):
+        for block in self.all_blocks() if blocks is None else blocks:
             self.run_round([], self.tasks(mb, block, False))
         mb.loss = mb.env.get("loss")
 
@@ -436,7 +359,7 @@ class Executor:
         ``seed``: the loss gradient (1/accumulation steps) when the loss block is included."""
         if seed is not None:
             self.start_backward(mb, seed)
-        for block in (reversed(self.all_blocks()) if blocks is None else blocks):
+        for block in reversed(self.all_blocks()) if blocks is None else blocks:
             self.run_round(self.tasks(mb, block, True), [])
         self.drain_deferred()
 
@@ -444,29 +367,12 @@ class Executor:
         mb.loss = mb.env["loss"]
         mb.grads["loss"] = torch.full_like(mb.loss, seed)
 
-    def run_microbatches(self, batches: list[dict], schedule: str, seed: float,
-                         first_serial: int = 0) -> list[MicroBatch]:
+    def run_microbatches(
+        self, batches: list[dict], schedule: str, seed: float, first_serial: int = 0
+    ) -> list[MicroBatch]:
         """Forward and backward of every micro-batch under the one-stage ``schedule`` (sequential,
         si, si-ends, intra, ...; ``interpreter.run_microbatches``); the optimizer is the caller's."""
         return run_microbatches(self, batches, schedule, seed, first_serial)
-
-    def reduce_replicated_grads(self, after_microbatch: int = -1) -> None:
-        """Sum the step's gradients of TP-replicated weights over the TP group (one blocking
-        all-reduce, counted as exposed communication; traced as part of the backward strand of the
-        step's last micro-batch)."""
-        if self.graph.replicated is None or not self._grad:
-            return
-        t0 = time.perf_counter()
-        nbytes = self.graph.replicated.all_reduce()
-        t1 = time.perf_counter()
-        if nbytes:
-            self.stats.comm_s += t1 - t0
-            self.stats.exposed_s += t1 - t0
-            self.stats.num_comms += 1
-            if self.recorder is not None:
-                self.recorder.add_span("comm:tp:grads", "replicated.allreduce", t0, t1,
-                                       {"strand": "B", "microbatch": after_microbatch, "bytes": nbytes,
-                                        "op": "replicated.allreduce", "direction": "backward"})
 
     def _label(self, name: str):
         """The recorder's ``torch.profiler`` range for an op (no-op without a recorder)."""
@@ -478,8 +384,13 @@ class Executor:
 
     @staticmethod
     def _args(t: Task) -> dict:
-        args = {"strand": t.strand, "microbatch": t.mb.index, "block": t.block, "op": t.op.name,
-                "direction": "backward" if t.backward or t.recompute else "forward"}
+        args = {
+            "strand": t.strand,
+            "microbatch": t.mb.index,
+            "block": t.block,
+            "op": t.op.name,
+            "direction": "backward" if t.backward or t.recompute else "forward",
+        }
         if t.recompute:
             args["recompute"] = True
         return args

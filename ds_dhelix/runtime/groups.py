@@ -18,14 +18,15 @@ context parallelism) and computes the global grad norm over the TP group.
 With context parallelism (``cp`` > 1, TP=2, CP=2, 4 ranks): TP groups {0,1} {2,3}, CP groups
 {0,2} {1,3} (``cp``, ``cp_group``), DP x CP groups {0,2} {1,3} (``replica_group``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .comm import StrandGroups
 from ..config.dims import ParallelDims
+from .comm import StrandGroups
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,9 @@ class ExpertGroups:
 
     size: int = 1
     rank: int = 0
-    group: object = None        # dispatch / combine all-to-all (StrandGroups)
+    group: object = None  # dispatch / combine all-to-all (StrandGroups)
     count_group: object = None  # token-count exchange (moe.counts; small, forward only; StrandGroups)
-    name: str = "ep_size_1"     # DeepSpeed's expert group name (param.group_name)
+    name: str = "ep_size_1"  # DeepSpeed's expert group name (param.group_name)
 
     def __post_init__(self):
         self.group, self.count_group = StrandGroups.of(self.group), StrandGroups.of(self.count_group)
@@ -71,26 +72,27 @@ def _strand_groups(ranks: list[int]) -> StrandGroups:
 class ProcessGroups:
     dims: ParallelDims
     rank: int
-    tp: StrandGroups | None = None   # TP/SP collectives of the op graph (COMM ops)
-    tp_grad_group: object = None     # gradient all-reduce of TP-replicated weights (small, blocking)
+    tp: StrandGroups | None = None  # TP/SP collectives of the op graph (COMM ops)
+    tp_grad_group: object = None  # gradient all-reduce of TP-replicated weights (small, blocking)
     dp_group: object = None
-    ep: StrandGroups | None = None   # MoE dispatch / combine all-to-alls (COMM ops)
+    ep: StrandGroups | None = None  # MoE dispatch / combine all-to-alls (COMM ops)
     ep_counts: StrandGroups | None = None  # MoE token-count exchange (moe.counts, asynchronous)
-    edp_group: object = None         # expert-data-parallel: reduces expert gradients
-    p2p_group: object = None         # pipeline sends and receives (pp > 1)
-    topology: object = None          # DeepSpeed's pipe x data x model topology (pp > 1)
-    cp: StrandGroups | None = None   # CP exchanges of the op graph: all-to-alls or ring steps (cp > 1)
-    cp_group: object = None          # the loss sum over a sequence's CP shards (cp > 1)
-    replica_group: object = None     # DP x CP: ranks holding the same weights (cp > 1)
-    sequence_group: object = None    # TP x CP: the ranks of one sequence (MoE aux loss; cp > 1)
+    edp_group: object = None  # expert-data-parallel: reduces expert gradients
+    p2p_group: object = None  # pipeline sends and receives (pp > 1)
+    topology: object = None  # DeepSpeed's pipe x data x model topology (pp > 1)
+    cp: StrandGroups | None = None  # CP exchanges of the op graph: all-to-alls or ring steps (cp > 1)
+    cp_group: object = None  # the loss sum over a sequence's CP shards (cp > 1)
+    replica_group: object = None  # DP x CP: ranks holding the same weights (cp > 1)
+    sequence_group: object = None  # TP x CP: the ranks of one sequence (MoE aux loss; cp > 1)
 
     @classmethod
-    def create(cls, dims: ParallelDims) -> "ProcessGroups":
+    def create(cls, dims: ParallelDims) -> ProcessGroups:
         """Build the groups on an initialized default process group (collective on all ranks:
         every rank creates every group, in the same order)."""
         if dist.get_world_size() != dims.world:
-            raise ValueError(f"the parallel layout is for {dims.world} ranks but torch.distributed has "
-                             f"{dist.get_world_size()}")
+            raise ValueError(
+                f"the parallel layout is for {dims.world} ranks but torch.distributed has {dist.get_world_size()}"
+            )
         out = cls(dims, dist.get_rank())
         me = dims.coords(out.rank)
         for stage in range(dims.pp):
@@ -114,6 +116,7 @@ class ProcessGroups:
                 out._create_context_groups(stage, me)
         if dims.pp > 1:
             from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
             out.p2p_group = dist.new_group(list(range(dims.world)))
             # DeepSpeed's data axis is DP x CP (the ranks holding the same weights): its rank order
             # ((stage * dp + d) * cp + c) * tp + t is ours
@@ -146,10 +149,11 @@ class ProcessGroups:
         """EP groups inside one DP group ``peers`` (one CP rank's: each CP rank dispatches its own
         tokens to the experts of its EP group)."""
         from deepspeed.utils import groups as ds_groups
+
         ep = self.dims.ep
         name = expert_group_name(ep)
         for start in range(0, len(peers), ep):
-            ranks = peers[start:start + ep]
+            ranks = peers[start : start + ep]
             group, counts = _strand_groups(ranks), _strand_groups(ranks)
             if self.rank in ranks:
                 self.ep, self.ep_counts = group, counts
@@ -162,6 +166,7 @@ class ProcessGroups:
         each hold their sequence shard's share of its gradient, as the dense weights do over DP x
         CP). DeepSpeed reduces expert gradients over them."""
         from deepspeed.utils import groups as ds_groups
+
         dims, me = self.dims, self.dims.coords(self.rank)
         name = expert_group_name(dims.ep)
         for t in range(dims.tp):

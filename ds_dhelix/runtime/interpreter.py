@@ -17,15 +17,16 @@ in as handlers for those instructions::
 one-stage schedule by name, the optimizer left to the caller. Imports no executor module: the
 executor is passed in.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from .tasks import MicroBatch
 from ..schedule import instructions as S
 from ..schedule.registry import ONE_STAGE, ScheduleSpec, lookup
+from .tasks import MicroBatch
 
 
 def half_serial(serial: int, half: int) -> int:
@@ -46,12 +47,15 @@ def half_batches(batch: dict) -> tuple[dict, dict]:
     denominator = batch.get("loss_denominator")
     if denominator is None:
         from ..data.inputs import valid_targets
+
         denominator = max(valid_targets(batch.get("labels", ids)), 1)
     cut = (rows + 1) // 2
     halves = []
     for lo, hi in ((0, cut), (cut, rows)):
-        half = {k: v[lo:hi] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v
-                for k, v in batch.items()}
+        half = {
+            k: v[lo:hi] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v
+            for k, v in batch.items()
+        }
         half.update(loss_denominator=denominator, loss_share=(hi - lo) / rows)
         halves.append(half)
     return halves[0], halves[1]
@@ -63,8 +67,11 @@ def prepare(graph, batches: list[dict], spec: ScheduleSpec, first_serial: int = 
     (``half_batches``, ``half_serial``)."""
     if not spec.halves:
         return [MicroBatch(k, graph.make_side(b, first_serial + k)) for k, b in enumerate(batches)]
-    return [MicroBatch(2 * k + i, graph.make_side(h, half_serial(first_serial + k, i)))
-            for k, batch in enumerate(batches) for i, h in enumerate(half_batches(batch))]
+    return [
+        MicroBatch(2 * k + i, graph.make_side(h, half_serial(first_serial + k, i)))
+        for k, batch in enumerate(batches)
+        for i, h in enumerate(half_batches(batch))
+    ]
 
 
 def wholes(spec: ScheduleSpec, mbs: list[MicroBatch]) -> list[MicroBatch]:
@@ -86,13 +93,25 @@ class Interpreter:
         self._mbs: list[MicroBatch] = []
         self._seed = 0.0
         self._ended = True
-        self._own = {S.LoadMicroBatch: lambda ins: None, S.Forward: self._forward, S.Backward: self._backward,
-                     S.ForwardBackward: self._forward_backward, S.ForwardForward: self._forward_forward,
-                     S.BackwardBackward: self._backward_backward,
-                     S.FixActivationBudget: lambda ins: executor.fix_activation_budget()}
+        self._own = {
+            S.LoadMicroBatch: lambda ins: None,
+            S.Forward: self._forward,
+            S.Backward: self._backward,
+            S.ForwardBackward: self._forward_backward,
+            S.ForwardForward: self._forward_forward,
+            S.BackwardBackward: self._backward_backward,
+            S.FixActivationBudget: lambda ins: executor.fix_activation_budget(),
+        }
 
-    def run(self, instructions: list[S.Instruction], mbs: list[MicroBatch], seed: float, *, defer: bool = False,
-            handlers: Mapping[type, Callable] | None = None) -> list[MicroBatch]:
+    def run(
+        self,
+        instructions: list[S.Instruction],
+        mbs: list[MicroBatch],
+        seed: float,
+        *,
+        defer: bool = False,
+        handlers: Mapping[type, Callable] | None = None,
+    ) -> list[MicroBatch]:
         """Run ``instructions`` over ``mbs`` (indexed by the instructions' micro-batch numbers);
         ``seed``: the loss gradient; ``defer``: weight gradients deferred inside pairs; ``handlers``:
         the engine's, by instruction type. Returns ``mbs``, their values freed."""
@@ -105,8 +124,10 @@ class Interpreter:
                         self._end_microbatches()
                     handler = handlers.get(type(ins)) or self._own.get(type(ins))
                     if handler is None:
-                        raise ValueError(f"instruction {ins!r} has no handler here: this engine runs "
-                                         f"{sorted(t.__name__ for t in {**self._own, **handlers})}")
+                        raise ValueError(
+                            f"instruction {ins!r} has no handler here: this engine runs "
+                            f"{sorted(t.__name__ for t in {**self._own, **handlers})}"
+                        )
                     handler(ins)
             self._end_microbatches()
         finally:
@@ -157,14 +178,17 @@ class Interpreter:
         if ins.phase == self.loss_phase:
             self.ex.start_backward(first, self._seed)
             self.ex.start_backward(second, self._seed)
-        self.ex.run_round(self._strand(first, blocks, True), self._strand(second, blocks, True, swapped=True),
-                          trail=True)
+        self.ex.run_round(
+            self._strand(first, blocks, True), self._strand(second, blocks, True, swapped=True), trail=True
+        )
         self.ex.drain_deferred()
 
     def _need_reactive(self, ins: S.Instruction) -> None:
         if not self.ex.reactive:
-            raise ValueError(f"{ins.label()}: pairing two strands of one direction (pair_ends, intra) needs "
-                             f"reactive execution; a plan pairs a forward with a backward")
+            raise ValueError(
+                f"{ins.label()}: pairing two strands of one direction (pair_ends, intra) needs "
+                f"reactive execution; a plan pairs a forward with a backward"
+            )
 
     def _strand(self, mb: MicroBatch, blocks: list[int], backward: bool, swapped: bool = False) -> list:
         """Every task of one micro-batch over ``blocks`` in one direction (backward: last block first)."""
@@ -179,9 +203,11 @@ class Interpreter:
         anything else as one round (backward ops first); the longer list's surplus runs alone."""
         ex = self.ex
         if ex.reactive:
-            ex.run_round([t for j, bb in enumerate(b_blocks) for t in ex.tasks(b_mb, bb, True, depth=j)],
-                         [t for j, fb in enumerate(f_blocks) for t in ex.tasks(f_mb, fb, False, depth=j)],
-                         gated=True)
+            ex.run_round(
+                [t for j, bb in enumerate(b_blocks) for t in ex.tasks(b_mb, bb, True, depth=j)],
+                [t for j, fb in enumerate(f_blocks) for t in ex.tasks(f_mb, fb, False, depth=j)],
+                gated=True,
+            )
             ex.drain_deferred()
             return
         nb = len(ex.graph.blocks)
@@ -193,8 +219,10 @@ class Interpreter:
                 for r in self.pair_plan(fb, bb).rounds:
                     ex.run_round(ex.tasks(b_mb, bb, True, *r.bwd), ex.tasks(f_mb, fb, False, *r.fwd))
             else:
-                ex.run_round(ex.tasks(b_mb, bb, True) if bb is not None else [],
-                             ex.tasks(f_mb, fb, False) if fb is not None else [])
+                ex.run_round(
+                    ex.tasks(b_mb, bb, True) if bb is not None else [],
+                    ex.tasks(f_mb, fb, False) if fb is not None else [],
+                )
 
     def pair_plan(self, fb: int, bb: int):
         """The plan of forward block ``fb`` beside backward block ``bb``: the SI plan when both are
@@ -202,6 +230,7 @@ class Interpreter:
         the two op lists, made once per pair of kinds."""
         from ..graph.ops import backward_order
         from ..planning.plan import default_plan
+
         graph, plan = self.ex.graph, self.ex.plan
         fs, bs = graph.block_specs(fb), graph.block_specs(bb)
         if fs == bs == tuple(plan.fwd_ops):
@@ -212,8 +241,9 @@ class Interpreter:
         return self._pair_plans[key]
 
 
-def run_microbatches(executor, batches: list[dict], schedule: str, seed: float,
-                     first_serial: int = 0) -> list[MicroBatch]:
+def run_microbatches(
+    executor, batches: list[dict], schedule: str, seed: float, first_serial: int = 0
+) -> list[MicroBatch]:
     """Forward and backward of every micro-batch under the one-stage ``schedule`` (a registry name:
     sequential, si, si-ends, intra, ...), the TP-replicated gradients reduced; the optimizer is the
     caller's. Micro-batch k is number ``first_serial + k`` of the run (what seeds its random draws).
@@ -221,7 +251,9 @@ def run_microbatches(executor, batches: list[dict], schedule: str, seed: float,
     spec = lookup(schedule, ONE_STAGE)
     mbs = prepare(executor.graph, batches, spec, first_serial)
     instructions = spec.schedule(1, len(batches))[0]
-    handlers = {S.ReduceGrads: lambda ins: executor.reduce_replicated_grads(mbs[-1].index),
-                S.OptimizerStep: lambda ins: None}  # the caller steps its optimizer
+    handlers = {
+        S.ReduceGrads: lambda ins: executor.reduce_replicated_grads(mbs[-1].index),
+        S.OptimizerStep: lambda ins: None,
+    }  # the caller steps its optimizer
     Interpreter(executor).run(instructions, mbs, seed, defer=spec.defers_weight_grads, handlers=handlers)
     return wholes(spec, mbs)

@@ -14,6 +14,7 @@ The namespace has no route to the outside world, and its ports never collide wit
 Needs root (or unprivileged user namespaces), ``unshare``, ``ip`` and ``tc`` with the tbf qdisc.
 Where that is missing, the command runs unshaped and a warning says so.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,7 +24,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 LINK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
 
@@ -47,13 +49,15 @@ DEFAULT_BURST_KB = 96
 
 def _shaping_script(gbps: float, burst_kb: int, latency_ms: float) -> str:
     exports = " ".join(f"{k}={v}" for k, v in LINK_ENV.items())
-    return (f"ip link set lo up && "
-            f"tc qdisc add dev lo root tbf rate {gbps:g}gbit burst {burst_kb}kb "
-            f"latency {latency_ms:g}ms && "
-            f"export {exports} && exec \"$@\"")
+    return (
+        f"ip link set lo up && "
+        f"tc qdisc add dev lo root tbf rate {gbps:g}gbit burst {burst_kb}kb "
+        f"latency {latency_ms:g}ms && "
+        f'export {exports} && exec "$@"'
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def link_emulation_available() -> tuple[bool, str]:
     """Whether shaped namespaces work here: ``(True, how)`` or ``(False, why not)``.
 
@@ -70,13 +74,16 @@ def link_emulation_available() -> tuple[bool, str]:
     if proc.returncode != 0:
         who = "root" if os.geteuid() == 0 else "non-root (user namespaces)"
         detail = (proc.stderr or proc.stdout).strip().splitlines()
-        return False, (f"cannot create a shaped network namespace as {who}: "
-                       f"{detail[-1] if detail else f'exit code {proc.returncode}'}")
+        return False, (
+            f"cannot create a shaped network namespace as {who}: "
+            f"{detail[-1] if detail else f'exit code {proc.returncode}'}"
+        )
     return True, f"{' '.join(_unshare_prefix())} + tc tbf on lo"
 
 
-def wrap_command(argv: Sequence[str], gbps: float | None, burst_kb: int = DEFAULT_BURST_KB,
-                 latency_ms: float = 100) -> LinkCommand:
+def wrap_command(
+    argv: Sequence[str], gbps: float | None, burst_kb: int = DEFAULT_BURST_KB, latency_ms: float = 100
+) -> LinkCommand:
     """Wrap ``argv`` so it runs behind a loopback shaped to ``gbps`` Gbit/s.
 
     ``gbps=None`` runs unshaped in the host namespace (only the gloo env is set). When emulation is
@@ -91,19 +98,27 @@ def wrap_command(argv: Sequence[str], gbps: float | None, burst_kb: int = DEFAUL
     if not gbps > 0:
         raise ValueError(f"wrap_command: gbps={gbps!r} must be > 0 (or None for an unshaped link)")
     if burst_kb <= 0 or latency_ms <= 0:
-        raise ValueError(f"wrap_command: burst_kb={burst_kb!r} and latency_ms={latency_ms!r} "
-                         f"must be > 0 (defaults: 512 and 100)")
+        raise ValueError(
+            f"wrap_command: burst_kb={burst_kb!r} and latency_ms={latency_ms!r} must be > 0 (defaults: 512 and 100)"
+        )
     ok, reason = link_emulation_available()
     if not ok:
-        return LinkCommand(argv, f"link emulation unavailable ({reason}); "
-                                 f"running UNSHAPED instead of {gbps:g} Gbit/s")
+        return LinkCommand(argv, f"link emulation unavailable ({reason}); running UNSHAPED instead of {gbps:g} Gbit/s")
     script = _shaping_script(gbps, burst_kb, latency_ms)
     return LinkCommand([*_unshare_prefix(), "sh", "-c", script, "sh", *argv], None)
 
 
-def run_in_link(target: Sequence[str] | Callable[..., Any], gbps: float | None, *,
-                args: tuple = (), kwargs: dict | None = None, timeout: float | None = None,
-                burst_kb: int = DEFAULT_BURST_KB, latency_ms: float = 100, **run_kwargs) -> Any:
+def run_in_link(
+    target: Sequence[str] | Callable[..., Any],
+    gbps: float | None,
+    *,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float | None = None,
+    burst_kb: int = DEFAULT_BURST_KB,
+    latency_ms: float = 100,
+    **run_kwargs,
+) -> Any:
     """Run a command line or a function in a subprocess behind a ``gbps`` link.
 
     A command (list of str) returns its ``subprocess.CompletedProcess`` (``run_kwargs`` go to
@@ -127,11 +142,21 @@ def _run_function(fn, gbps, args, kwargs, timeout, burst_kb, latency_ms):
             pickle.dump((fn, args, kwargs), f)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         argv = [sys.executable, "-m", "ds_dhelix.runtime.linkemu", payload, result]
-        proc = run_in_link(argv, gbps, timeout=timeout, burst_kb=burst_kb, latency_ms=latency_ms,
-                           env=env, capture_output=True, text=True)
+        proc = run_in_link(
+            argv,
+            gbps,
+            timeout=timeout,
+            burst_kb=burst_kb,
+            latency_ms=latency_ms,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"run_in_link({getattr(fn, '__qualname__', fn)!r}, gbps={gbps}) "
-                               f"failed with exit code {proc.returncode}:\n{proc.stderr}")
+            raise RuntimeError(
+                f"run_in_link({getattr(fn, '__qualname__', fn)!r}, gbps={gbps}) "
+                f"failed with exit code {proc.returncode}:\n{proc.stderr}"
+            )
         with open(result, "rb") as f:
             return pickle.load(f)
 

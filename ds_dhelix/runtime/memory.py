@@ -3,6 +3,7 @@
 Works on any device. A storage saved by several ops counts once; parameters do not count. The
 count drops when autograd releases the saved tensor (after that op's backward).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -22,6 +22,7 @@ every rank re-measures the same entries in the same order:
        ``REFINE_ROUNDS`` times):
        a pair that won by lucky samples is measured again before the plan is kept
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,10 +35,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from .executor import Executor, MicroBatch
 from ..graph.ops import backward_order
-from ..planning.planner import EMPTY, OverlapTable, candidate_segments, plan_dp
 from ..planning.plan import segment_has_comm
+from ..planning.planner import EMPTY, OverlapTable, candidate_segments, plan_dp
+from .executor import Executor, MicroBatch
 
 
 def device_name() -> str:
@@ -52,18 +53,45 @@ OP_GRAPH_REVISION = 2
 change, so tables cached before no longer apply."""
 
 
-def run_meta(model_config, tp: int, world: int, batch_shape, dtype, link_gbps=None, ep: int = 1, cp: int = 1,
-             cp_comm: str = "ulysses") -> dict:
+def run_meta(
+    model_config,
+    tp: int,
+    world: int,
+    batch_shape,
+    dtype,
+    link_gbps=None,
+    ep: int = 1,
+    cp: int = 1,
+    cp_comm: str = "ulysses",
+) -> dict:
     """What a table is keyed by: device, model shape, dtype, parallel layout, batch shape, link,
     op-graph revision."""
     c = model_config
-    shape = {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
-                                               "num_attention_heads", "num_key_value_heads", "vocab_size",
-                                               "num_local_experts", "num_experts", "num_experts_per_tok")}
-    return {"device": device_name(), "model": json.dumps(shape, sort_keys=True),
-            "dtype": str(dtype).removeprefix("torch."), "layout": f"world={world},tp={tp},ep={ep}" + (f",cp={cp}" if cp > 1 else "")
-            + (",ring" if cp > 1 and cp_comm == "ring" else ""),
-            "batch_shape": list(batch_shape), "link_gbps": link_gbps, "op_graph": OP_GRAPH_REVISION}
+    shape = {
+        k: getattr(c, k, None)
+        for k in (
+            "model_type",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "num_local_experts",
+            "num_experts",
+            "num_experts_per_tok",
+        )
+    }
+    return {
+        "device": device_name(),
+        "model": json.dumps(shape, sort_keys=True),
+        "dtype": str(dtype).removeprefix("torch."),
+        "layout": f"world={world},tp={tp},ep={ep}"
+        + (f",cp={cp}" if cp > 1 else "")
+        + (",ring" if cp > 1 and cp_comm == "ring" else ""),
+        "batch_shape": list(batch_shape),
+        "link_gbps": link_gbps,
+        "op_graph": OP_GRAPH_REVISION,
+    }
 
 
 def meta_key(meta: dict) -> str:
@@ -201,26 +229,29 @@ class _Samples:
 
     def table(self) -> OverlapTable:
         keys = list(self.runs)
-        reduced = world_max([statistics.median(self.runs[k]) for k in keys] + [robust_spread(self.runs[k]) for k in keys])
-        medians, spreads = reduced[:len(keys)], reduced[len(keys):]  # one all-reduce for both
+        reduced = world_max(
+            [statistics.median(self.runs[k]) for k in keys] + [robust_spread(self.runs[k]) for k in keys]
+        )
+        medians, spreads = reduced[: len(keys)], reduced[len(keys) :]  # one all-reduce for both
         table = OverlapTable(self.meta, self.fwd, self.bwd)
         for key, ms, spread in zip(keys, medians, spreads):
             table.set_entry(key, ms, spread, len(self.runs[key]))
         return table
 
 
-def profile_layer(graph, batch: dict, meta: dict, params=(), warmup: int = 2, repeats: int = 5,
-                  progress: bool = True) -> OverlapTable:
+def profile_layer(
+    graph, batch: dict, meta: dict, params=(), warmup: int = 2, repeats: int = 5, progress: bool = True
+) -> OverlapTable:
     """Measure every candidate segment alone and every allowed pair, then re-measure the noisy
     entries and the plan's own (see the module docstring); returns the overlap table, with
     ``info`` saying what each pass did."""
     from tqdm import tqdm
+
     specs = graph.layer_specs()
     fwd, bwd = specs, backward_order(specs)
     fc, bc = candidate_segments(fwd), candidate_segments(bwd)
     jobs = [(s, EMPTY) for s in fc] + [(EMPTY, s) for s in bc]
-    jobs += [(a, b) for a in fc for b in bc
-             if not (segment_has_comm(fwd, a) and segment_has_comm(bwd, b))]
+    jobs += [(a, b) for a in fc for b in bc if not (segment_has_comm(fwd, a) and segment_has_comm(bwd, b))]
     samples = _Samples(LayerProbe(graph, batch), meta, fwd, bwd)
     show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
     t0 = time.perf_counter()
@@ -235,10 +266,17 @@ def profile_layer(graph, batch: dict, meta: dict, params=(), warmup: int = 2, re
     table.comm_cpu_ms = time_comm_cpu(samples.probe, fwd, bwd, warmup, repeats)
     for p in params:
         p.grad = None  # profiling must leave no gradients behind
-    table.info = {"warmup": warmup, "repeats": repeats, "entries": len(jobs), "timed_runs": samples.timed,
-                  "noisy_remeasured_runs": noisy_runs, "plan_refinements": refined,
-                  "noise_target": NOISE_TARGET, "first_pass_s": round(first_s, 2),
-                  "seconds": round(time.perf_counter() - t0, 2)}
+    table.info = {
+        "warmup": warmup,
+        "repeats": repeats,
+        "entries": len(jobs),
+        "timed_runs": samples.timed,
+        "noisy_remeasured_runs": noisy_runs,
+        "plan_refinements": refined,
+        "noise_target": NOISE_TARGET,
+        "first_pass_s": round(first_s, 2),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
     return table
 
 
@@ -289,20 +327,26 @@ def _remeasure_noisy(samples: _Samples, table: OverlapTable, repeats: int, budge
         for i, key in enumerate(keys):
             samples.measure(key, repeats)
             added += repeats
-            if i % BUDGET_CHECK_EVERY == BUDGET_CHECK_EVERY - 1 and world_max([time.perf_counter() - t0])[0] >= budget_s:
+            if (
+                i % BUDGET_CHECK_EVERY == BUDGET_CHECK_EVERY - 1
+                and world_max([time.perf_counter() - t0])[0] >= budget_s
+            ):
                 keys = []  # out of time (every rank sees the slowest rank's clock: all stop together)
                 break
         else:
             keys = _noisy(samples.table(), keys) if world_max([time.perf_counter() - t0])[0] < budget_s else []
     if show and added:
-        print(f"ds_dhelix: profile re-measured noisy entries: {added} runs in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+        print(
+            f"ds_dhelix: profile re-measured noisy entries: {added} runs in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
     return added
 
 
 def _refine_plan(samples: _Samples, table: OverlapTable, repeats: int, show: bool) -> tuple[OverlapTable, int]:
     """Pass 3: re-measure the DP plan's entries (interleaved) and re-search until the plan stays."""
     from ..planning.planner import plan_keys
+
     plan, kept = plan_dp(table), 0
     for k in range(REFINE_ROUNDS):
         keys = list(dict.fromkeys(plan_keys(table, plan)))
@@ -312,10 +356,12 @@ def _refine_plan(samples: _Samples, table: OverlapTable, repeats: int, show: boo
         table = samples.table()
         again = plan_dp(table)
         if show:
-            print(f"ds_dhelix: profile refinement {k + 1}: re-measured the plan's {len(keys)} entries; plan "
-                  f"predicted {again.predicted_ms:.3f} ms "
-                  f"(+-{again.meta.get('predicted_spread_ms', 0.0):.3f}){', kept' if again.fingerprint() == plan.fingerprint() else ', changed'}",
-                  flush=True)
+            print(
+                f"ds_dhelix: profile refinement {k + 1}: re-measured the plan's {len(keys)} entries; plan "
+                f"predicted {again.predicted_ms:.3f} ms "
+                f"(+-{again.meta.get('predicted_spread_ms', 0.0):.3f}){', kept' if again.fingerprint() == plan.fingerprint() else ', changed'}",
+                flush=True,
+            )
         kept = kept + 1 if again.fingerprint() == plan.fingerprint() else 0
         if kept and (kept == 2 or not _noisy(table, keys)):  # the same plan twice, or once with quiet entries
             return table, k + 1
@@ -352,8 +398,10 @@ def resolve_plan(planner_cfg, graph, meta: dict, example_batch: dict | None, par
             log(f"ds_dhelix: using cached overlap table {path}")
         else:
             if example_batch is None:
-                raise ValueError('planner.profile="auto" needs a micro-batch to know the shapes: pass '
-                                 "example_batch=... to ds_dhelix.initialize (train.py does)")
+                raise ValueError(
+                    'planner.profile="auto" needs a micro-batch to know the shapes: pass '
+                    "example_batch=... to ds_dhelix.initialize (train.py does)"
+                )
             log(f"ds_dhelix: profiling operator overlap ({len(candidate_segments(specs))} segments per strand)")
             table = profile_layer(graph, example_batch, meta, params, planner_cfg.warmup, planner_cfg.repeats)
             if not dist.is_initialized() or dist.get_rank() == 0:
@@ -378,6 +426,7 @@ def confirm_by_measurement(graph, batch: dict, plan, params=(), log=print, repea
     runs. Medians over rounds that alternate the two plans, max over ranks (every rank decides
     alike)."""
     from ..planning.plan import default_plan
+
     fallback = default_plan(plan.fwd_ops, plan.bwd_ops)
     if fallback.fingerprint() == plan.fingerprint():
         return plan

@@ -5,6 +5,7 @@
 ``fn(rank, world, *args)`` runs with the default process group initialized (gloo, one thread per
 rank) and returns something picklable; ``run_ranks`` returns the list of per-rank results.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,12 +25,20 @@ def free_port() -> int:
 
 def _entry(rank, fn, world, port, outdir, args):
     import sys
+
     os.dup2(2, 1)  # ranks log to stderr: the parent's stdout stays clean for --json output
     sys.stdout = sys.stderr
     import torch
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -66,16 +75,20 @@ def _failures(outdir: str, world: int) -> list[tuple[int, str]]:
 
 def run_ranks(fn, world: int, args=(), timeout: float = 180.0):
     outdir = tempfile.mkdtemp(prefix="dhelix-test-")
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), outdir, args), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _entry, args=(fn, world, free_port(), outdir, args), nprocs=world, join=False, start_method="spawn"
+    )
     import time
+
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
                 failed = _failures(outdir, world)  # one rank's error leaves its peers waiting on it
-                raise TimeoutError(f"distributed test did not finish within {timeout:.0f} s (hang?)"
-                                   + "".join(f"\nrank {r} failed first:\n{tb}" for r, tb in failed))
+                raise TimeoutError(
+                    f"distributed test did not finish within {timeout:.0f} s (hang?)"
+                    + "".join(f"\nrank {r} failed first:\n{tb}" for r, tb in failed)
+                )
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -1,4 +1,5 @@
 """``StepStats``: what one training step measured (compute, communication, exposure, memory)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """What the executor runs: ``MicroBatch`` (one micro-batch in flight) and ``Task`` (one op of it
 in one direction, as a strand's list holds it)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,3 +44,8 @@ class Task:
         """The strand-group channel its collectives use: 0 forward, 1 backward (flipped if swapped);
         a recomputed forward op belongs to the backward strand."""
         return int(self.backward or self.recompute) ^ int(self.swapped)
+
+
+def accumulate(grads: dict, key: str, g: torch.Tensor) -> None:
+    """Add gradient ``g`` of env key ``key`` to a micro-batch's ``grads``."""
+    grads[key] = g if key not in grads else grads[key] + g

@@ -9,20 +9,21 @@ microseconds. Span names are op names (``"attn.qkv"``); args carry ``strand``, `
 ``op``. Per-rank files are merged into one with ``merge_traces`` and open in ui.perfetto.dev or
 chrome://tracing. ``perf_counter`` is the machine's monotonic clock, so ranks on one host line up.
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
 import os
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 # Lanes with a fixed thread id, so every rank draws them in the same order; others follow.
 STANDARD_LANES = ("compute", "comm:tp", "comm:sp", "comm:ep", "comm:cp", "comm:pp", "comm:dp")
 
 
-def span_args(strand: str | None = None, microbatch: int | None = None,
-              op: str | None = None, **extra) -> dict:
+def span_args(strand: str | None = None, microbatch: int | None = None, op: str | None = None, **extra) -> dict:
     """The standard args of a span: ``{"strand", "microbatch", "op", ...extra}``."""
     return {"strand": strand, "microbatch": microbatch, "op": op, **extra}
 
@@ -30,6 +31,7 @@ def span_args(strand: str | None = None, microbatch: int | None = None,
 def _cuda_record_function():
     try:
         import torch
+
         if torch.cuda.is_available():
             return torch.profiler.record_function
     except Exception:  # no torch, or a broken CUDA setup: the JSON trace still works
@@ -53,6 +55,7 @@ class TraceRecorder:
             self._record_function = _cuda_record_function() if enabled else None
         elif record_function:
             import torch
+
             self._record_function = torch.profiler.record_function
         else:
             self._record_function = None
@@ -68,7 +71,7 @@ class TraceRecorder:
             if lane in STANDARD_LANES:
                 tid = STANDARD_LANES.index(lane) + 1
             else:
-                tid = len(STANDARD_LANES) + 1 + sum(l not in STANDARD_LANES for l in self._lanes)
+                tid = len(STANDARD_LANES) + 1 + sum(name not in STANDARD_LANES for name in self._lanes)
             self._lanes[lane] = tid
         return tid
 
@@ -92,8 +95,7 @@ class TraceRecorder:
             finally:
                 self.add_span(lane, name, t0, time.perf_counter(), args)
 
-    def add_span(self, lane: str, name: str, t0: float, t1: float,
-                 args: dict | None = None) -> None:
+    def add_span(self, lane: str, name: str, t0: float, t1: float, args: dict | None = None) -> None:
         """Record a span timed elsewhere (``perf_counter`` seconds), e.g. async comm launch→wait."""
         if not self.enabled:
             return
@@ -106,19 +108,23 @@ class TraceRecorder:
         """Metadata events, then the spans sorted by lane and start time."""
         pid = self.rank
         events: list[dict] = [
-            {"ph": "M", "pid": pid, "tid": 0, "name": "process_name",
-             "args": {"name": f"rank {self.rank}"}},
-            {"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index",
-             "args": {"sort_index": self.rank}}]
+            {"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": f"rank {self.rank}"}},
+            {"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": self.rank}},
+        ]
         for lane, tid in sorted(self._lanes.items(), key=lambda kv: kv[1]):
-            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
-                           "args": {"name": lane}})
-            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index",
-                           "args": {"sort_index": tid}})
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": lane}})
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
         spans = sorted(self._spans, key=lambda s: (self._lanes[s[0]], s[2], s[3]))
         for lane, name, t0, t1, args in spans:
-            event = {"ph": "X", "pid": pid, "tid": self._lanes[lane], "name": name,
-                     "cat": lane, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6}
+            event = {
+                "ph": "X",
+                "pid": pid,
+                "tid": self._lanes[lane],
+                "name": name,
+                "cat": lane,
+                "ts": t0 * 1e6,
+                "dur": (t1 - t0) * 1e6,
+            }
             if args:
                 event["args"] = args
             events.append(event)
@@ -148,13 +154,15 @@ def merge_traces(paths: Iterable[str | os.PathLike], out_path: str | os.PathLike
             trace = json.load(f)
         for pid in {e.get("pid") for e in trace.get("traceEvents", [])}:
             if pid in owner:
-                raise ValueError(f"merge_traces: pid (rank) {pid} is in both {owner[pid]} and "
-                                 f"{path}; pass one trace file per rank")
+                raise ValueError(
+                    f"merge_traces: pid (rank) {pid} is in both {owner[pid]} and {path}; pass one trace file per rank"
+                )
             owner[pid] = os.fspath(path)
         events.extend(trace.get("traceEvents", []))
     meta = [e for e in events if e.get("ph") == "M"]
-    rest = sorted((e for e in events if e.get("ph") != "M"),
-                  key=lambda e: (e.get("pid", 0), e.get("tid", 0), e.get("ts", 0)))
+    rest = sorted(
+        (e for e in events if e.get("ph") != "M"), key=lambda e: (e.get("pid", 0), e.get("tid", 0), e.get("ts", 0))
+    )
     merged = {"traceEvents": meta + rest, "displayTimeUnit": "ms"}
     _write_json(out_path, merged)
     return merged
@@ -202,10 +210,14 @@ def _lane_problems(pid, lane: str, lane_spans: list[dict], eps_us: float = 1e-3)
     problems = []
     for prev, cur in zip(lane_spans, lane_spans[1:]):
         if cur["ts"] < prev["ts"]:
-            problems.append(f"pid {pid} lane {lane!r}: span {cur['name']!r} at {cur['ts']:.3f} us "
-                            f"is listed after {prev['name']!r} at {prev['ts']:.3f} us (unsorted)")
+            problems.append(
+                f"pid {pid} lane {lane!r}: span {cur['name']!r} at {cur['ts']:.3f} us "
+                f"is listed after {prev['name']!r} at {prev['ts']:.3f} us (unsorted)"
+            )
         elif cur["ts"] + eps_us < prev["ts"] + prev["dur"]:
-            problems.append(f"pid {pid} lane {lane!r}: span {cur['name']!r} starts at "
-                            f"{cur['ts']:.3f} us before {prev['name']!r} ends at "
-                            f"{prev['ts'] + prev['dur']:.3f} us (overlap)")
+            problems.append(
+                f"pid {pid} lane {lane!r}: span {cur['name']!r} starts at "
+                f"{cur['ts']:.3f} us before {prev['name']!r} ends at "
+                f"{prev['ts'] + prev['dur']:.3f} us (overlap)"
+            )
     return problems

@@ -16,6 +16,7 @@ training loop, normally the main thread), then ends the process with
 ``time.monotonic()`` and a few attribute stores. The watcher is a Python thread: it runs
 while the training thread waits in a collective (those release the GIL), not while C code holds it.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 EXIT_CODE = 3
 STACK_FRAMES = 12
@@ -37,8 +38,7 @@ class Watchdog:
     only when the watchdog fires, and a failure inside it is reported, not raised.
     """
 
-    def __init__(self, timeout_s: float, rank: int,
-                 describe_fn: Callable[[], str] | None = None):
+    def __init__(self, timeout_s: float, rank: int, describe_fn: Callable[[], str] | None = None):
         if not timeout_s > 0:
             raise ValueError(f"Watchdog: timeout_s={timeout_s!r} must be > 0 seconds")
         self.timeout_s = float(timeout_s)
@@ -73,15 +73,14 @@ class Watchdog:
         self.beat(**where)
         self.paused = False
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         """Arm the watchdog; the timeout counts from now."""
         if self._thread is not None:
             return self
         self.last_time = _monotonic()
         self._watched = threading.current_thread()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._watch, name=f"dhelix-watchdog-{self.rank}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._watch, name=f"dhelix-watchdog-{self.rank}", daemon=True)
         self._thread.start()
         return self
 
@@ -92,7 +91,7 @@ class Watchdog:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -110,9 +109,11 @@ class Watchdog:
     def report(self, idle: float) -> str:
         """The text printed when the watchdog fires."""
         show = lambda v: "?" if v is None else v  # noqa: E731
-        lines = [f"[dhelix watchdog] rank {self.rank} stuck for {idle:.1f}s at step "
-                 f"{show(self.step)}, micro-batch {show(self.microbatch)}, "
-                 f"strand {show(self.strand)}, op {show(self.op)}"]
+        lines = [
+            f"[dhelix watchdog] rank {self.rank} stuck for {idle:.1f}s at step "
+            f"{show(self.step)}, micro-batch {show(self.microbatch)}, "
+            f"strand {show(self.strand)}, op {show(self.op)}"
+        ]
         if self.describe_fn is not None:
             try:
                 lines.append(str(self.describe_fn()))

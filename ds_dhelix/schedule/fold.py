@@ -39,17 +39,33 @@ replays all ranks to check this before anything runs.
 
 Plain data: no torch, no deepspeed.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from .folding import next_chunk_owner, prev_chunk_owner
 from .instructions import (
-    ACTIVATION, GRAD, Backward, Forward, ForwardBackward, Instruction, LoadMicroBatch, OptimizerStep,
-    RecvActivation, RecvGrad, ReduceGrads, Schedule, SendActivation, SendGrad, WaitRecv, WaitSends, compute_parts)
-from .instructions import ONE, Minimum
-
+    ACTIVATION,
+    GRAD,
+    ONE,
+    Backward,
+    Forward,
+    ForwardBackward,
+    Instruction,
+    LoadMicroBatch,
+    Minimum,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    Schedule,
+    SendActivation,
+    SendGrad,
+    WaitRecv,
+    WaitSends,
+    compute_parts,
+)
 
 # ---- minimum micro-batch counts ------------------------------------------------------------------
 
@@ -62,6 +78,7 @@ m >= 2p, one more than the order needs (replay checks m = 2p - 1)."""
 
 
 # ---- per-rank compute orders ---------------------------------------------------------------------
+
 
 def _pair(f: Forward | None, b: Backward | None) -> Instruction | None:
     if f and b:
@@ -110,11 +127,11 @@ def _dualpipev_compute(rank: int, p: int, m: int) -> list[Instruction]:
 
 def _sequential_compute(rank: int, p: int, m: int) -> list[Instruction]:
     """One micro-batch at a time through the whole fold and back: no pipelining, no SI."""
-    return [ins for k in range(m)
-            for ins in (Forward(k, 0), Forward(k, 1), Backward(k, 1), Backward(k, 0))]
+    return [ins for k in range(m) for ins in (Forward(k, 0), Forward(k, 1), Backward(k, 1), Backward(k, 0))]
 
 
 # ---- communication around the compute order ------------------------------------------------------
+
 
 def _needs(rank: int, part: Instruction, p: int) -> list[Instruction]:
     """Receives a compute part needs from another rank."""
@@ -167,8 +184,7 @@ def add_communication(computes: list[list[Instruction]], p: int) -> Schedule:
     channel it posts them in the order the sender sends (NCCL matches by order), so a receive the
     sender sends earlier than this rank needs it is posted early."""
     send_orders = [_send_order(r, computes[r], p) for r in range(p)]
-    return [_wrap_rank(r, computes[r], [send_orders[s].get(r, []) for s in range(p)], p)
-            for r in range(p)]
+    return [_wrap_rank(r, computes[r], [send_orders[s].get(r, []) for s in range(p)], p) for r in range(p)]
 
 
 def _wrap_rank(rank: int, compute: list[Instruction], incoming: list[list], p: int):
@@ -179,10 +195,10 @@ def _wrap_rank(rank: int, compute: list[Instruction], incoming: list[list], p: i
         """Post, in the sender's order, every receive from its rank up to and including ``recv``."""
         src, key = recv.peer, (_wait(recv).kind, recv.mb, recv.phase)
         order = incoming[src]
-        if key not in order[posted[src]:]:
-            return [] if key in order[:posted[src]] else [recv]  # already posted / never sent
+        if key not in order[posted[src] :]:
+            return [] if key in order[: posted[src]] else [recv]  # already posted / never sent
         end = order.index(key, posted[src]) + 1
-        out = [_recv(*k, src) for k in order[posted[src]:end]]
+        out = [_recv(*k, src) for k in order[posted[src] : end]]
         posted[src] = end
         return out
 
@@ -191,15 +207,19 @@ def _wrap_rank(rank: int, compute: list[Instruction], incoming: list[list], p: i
         if i + 1 < len(compute):
             out += [x for r in needs[i + 1] for x in post_through(r)]
         out += [_wait(r) for r in needs[i]]
-        out += [LoadMicroBatch(part.mb) for part in compute_parts(ins)
-                if isinstance(part, Forward) and part.phase == 0 and rank == 0]
+        out += [
+            LoadMicroBatch(part.mb)
+            for part in compute_parts(ins)
+            if isinstance(part, Forward) and part.phase == 0 and rank == 0
+        ]
         out.append(ins)
         out += [s for part in compute_parts(ins) for s in _sends(rank, part, p)]
     return out + [WaitSends(), ReduceGrads(), OptimizerStep()]
 
 
-def _build(name: str, compute: Callable[[int, int, int], list[Instruction]], minimum: Minimum,
-           p: int, m: int) -> Schedule:
+def _build(
+    name: str, compute: Callable[[int, int, int], list[Instruction]], minimum: Minimum, p: int, m: int
+) -> Schedule:
     minimum.check(name, p, m)
     return add_communication([compute(r, p, m) for r in range(p)], p)
 

@@ -20,6 +20,7 @@ and a rank's two chunks, which SI co-executes, differ by at most one layer.
 
 Plain data: no torch, no deepspeed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,7 @@ PHASE_RETURN = 1  # return: rank p-1 -> 0
 
 def _check_stages(num_stages: int) -> None:
     if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages={num_stages!r}: the fold needs at least 1 pipeline rank; "
-                         f"pass a positive integer")
+        raise ValueError(f"num_stages={num_stages!r}: the fold needs at least 1 pipeline rank; pass a positive integer")
 
 
 def chunk_index(rank: int, phase: int, num_stages: int) -> int:
@@ -87,8 +87,7 @@ class LayerFold:
     def layers(self, rank: int, phase: int) -> range:
         """The layer indices that ``rank`` runs in ``phase``."""
         if not 0 <= rank < self.num_stages or phase not in (0, 1):
-            raise ValueError(f"rank={rank}, phase={phase}: need 0 <= rank < {self.num_stages} "
-                             f"and phase in (0, 1)")
+            raise ValueError(f"rank={rank}, phase={phase}: need 0 <= rank < {self.num_stages} and phase in (0, 1)")
         return self.chunk_layers(chunk_index(rank, phase, self.num_stages))
 
     def rank_layers(self, rank: int) -> list[int]:
@@ -121,8 +120,7 @@ class LayerFold:
         rows.append(("norm+head+loss", "-", "0", "1 (end)"))
         header = ("layer", "chunk", "rank", "phase")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
-        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-                         for row in [header, *rows])
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows])
 
 
 def fold_layers(num_layers: int, num_stages: int, split=None) -> LayerFold:
@@ -135,21 +133,30 @@ def fold_layers(num_layers: int, num_stages: int, split=None) -> LayerFold:
     _check_stages(num_stages)
     num_chunks = 2 * num_stages
     if not isinstance(num_layers, int) or num_layers < num_chunks:
-        fix = (f"use num_stages <= {num_layers // 2} or a deeper model"
-               if isinstance(num_layers, int) and num_layers >= 2 else "use a model with layers")
-        raise ValueError(f"num_layers={num_layers!r} < {num_chunks} chunks: folding over "
-                         f"num_stages={num_stages} needs at least 2*{num_stages}={num_chunks} "
-                         f"layers (one per chunk); {fix}")
+        fix = (
+            f"use num_stages <= {num_layers // 2} or a deeper model"
+            if isinstance(num_layers, int) and num_layers >= 2
+            else "use a model with layers"
+        )
+        raise ValueError(
+            f"num_layers={num_layers!r} < {num_chunks} chunks: folding over "
+            f"num_stages={num_stages} needs at least 2*{num_stages}={num_chunks} "
+            f"layers (one per chunk); {fix}"
+        )
     if split is None:
         sizes = balanced_split(num_layers, num_stages)
     else:
         sizes = tuple(split)
         if len(sizes) != num_chunks:
-            raise ValueError(f"split={list(sizes)} has {len(sizes)} entries; num_stages="
-                             f"{num_stages} needs 2*{num_stages}={num_chunks} chunk sizes")
+            raise ValueError(
+                f"split={list(sizes)} has {len(sizes)} entries; num_stages="
+                f"{num_stages} needs 2*{num_stages}={num_chunks} chunk sizes"
+            )
         if any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"split={list(sizes)}: every chunk needs an integer >= 1 layers")
         if sum(sizes) != num_layers:
-            raise ValueError(f"split={list(sizes)} sums to {sum(sizes)} but "
-                             f"num_layers={num_layers}; the sizes must add up to the layer count")
+            raise ValueError(
+                f"split={list(sizes)} sums to {sum(sizes)} but "
+                f"num_layers={num_layers}; the sizes must add up to the layer count"
+            )
     return LayerFold(num_layers, num_stages, sizes)

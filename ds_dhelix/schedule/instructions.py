@@ -14,10 +14,11 @@ phase 0 is a rank's outbound chunk and phase 1 its return chunk (``folding``).
 
 Plain data: no torch, no deepspeed.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 ACTIVATION = "activation"
 GRAD = "grad"
@@ -40,12 +41,14 @@ def _tag(mb: int, phase: int) -> str:
 @dataclass(frozen=True)
 class LoadMicroBatch(Instruction):
     """Rank 0: load inputs and labels of micro-batch ``mb`` (input of its phase-0 forward)."""
+
     mb: int
 
 
 @dataclass(frozen=True)
 class Forward(Instruction):
     """Run this rank's ``phase`` chunk forward on micro-batch ``mb``; keep its activations."""
+
     mb: int
     phase: int = WHOLE
 
@@ -56,6 +59,7 @@ class Forward(Instruction):
 @dataclass(frozen=True)
 class Backward(Instruction):
     """Backward of this rank's ``phase`` chunk for ``mb`` (input and weight grads); frees them."""
+
     mb: int
     phase: int = WHOLE
 
@@ -66,6 +70,7 @@ class Backward(Instruction):
 @dataclass(frozen=True)
 class ForwardBackward(Instruction):
     """Co-execute (SI) ``Forward(f_mb, f_phase)`` with ``Backward(b_mb, b_phase)``; both finish."""
+
     f_mb: int
     f_phase: int
     b_mb: int
@@ -87,6 +92,7 @@ class ForwardBackward(Instruction):
 class ForwardForward(Instruction):
     """Two micro-batches' forwards of the ``phase`` chunk side by side; the second launches its
     collectives on the other channel of the strand groups."""
+
     first: int
     second: int
     phase: int = WHOLE
@@ -99,6 +105,7 @@ class ForwardForward(Instruction):
 class BackwardBackward(Instruction):
     """Two micro-batches' backwards of the ``phase`` chunk side by side, ``second`` trailing
     ``first`` op by op (gradients accumulate in micro-batch order)."""
+
     first: int
     second: int
     phase: int = WHOLE
@@ -116,6 +123,7 @@ class FixActivationBudget(Instruction):
 @dataclass(frozen=True)
 class SendActivation(Instruction):
     """Post a send of the forward output of ``(mb, phase)`` to rank ``peer`` (non-blocking)."""
+
     mb: int
     phase: int
     peer: int
@@ -124,6 +132,7 @@ class SendActivation(Instruction):
 @dataclass(frozen=True)
 class RecvActivation(Instruction):
     """Post a receive of the forward input of ``(mb, phase)`` from rank ``peer`` (non-blocking)."""
+
     mb: int
     phase: int
     peer: int
@@ -132,6 +141,7 @@ class RecvActivation(Instruction):
 @dataclass(frozen=True)
 class SendGrad(Instruction):
     """Post a send of the input gradient of ``(mb, phase)`` (made by its backward) to ``peer``."""
+
     mb: int
     phase: int
     peer: int
@@ -140,6 +150,7 @@ class SendGrad(Instruction):
 @dataclass(frozen=True)
 class RecvGrad(Instruction):
     """Post a receive of the output gradient for ``(mb, phase)`` from rank ``peer``."""
+
     mb: int
     phase: int
     peer: int
@@ -148,6 +159,7 @@ class RecvGrad(Instruction):
 @dataclass(frozen=True)
 class WaitRecv(Instruction):
     """Block until the posted receive of ``kind`` (activation/grad) for (mb, phase) has landed."""
+
     kind: str
     mb: int
     phase: int
@@ -172,6 +184,7 @@ class OptimizerStep(Instruction):
 Schedule = list[list[Instruction]]
 """One instruction list per rank."""
 
+
 @dataclass(frozen=True)
 class Minimum:
     """The smallest micro-batch count a schedule takes for p stages, with its formula's text."""
@@ -185,8 +198,10 @@ class Minimum:
             raise ValueError(f"num_stages={num_stages!r}: need a positive number of pipeline ranks")
         need = self.of(num_stages)
         if not isinstance(num_microbatches, int) or num_microbatches < need:
-            raise ValueError(f"{name} schedule with num_stages={num_stages} needs num_microbatches >= "
-                             f"{self.formula} = {need}, got {num_microbatches}; use at least {need} micro-batches")
+            raise ValueError(
+                f"{name} schedule with num_stages={num_stages} needs num_microbatches >= "
+                f"{self.formula} = {need}, got {num_microbatches}; use at least {need} micro-batches"
+            )
 
 
 ONE = Minimum("1", lambda p: 1)
@@ -216,7 +231,8 @@ def forward_only(instructions: list[Instruction]) -> list[Instruction]:
         parts = compute_parts(ins)
         if parts:
             out += [p for p in parts if isinstance(p, Forward)]
-        elif isinstance(ins, (LoadMicroBatch, SendActivation, RecvActivation, WaitSends)) or \
-                (isinstance(ins, WaitRecv) and ins.kind == ACTIVATION):
+        elif isinstance(ins, (LoadMicroBatch, SendActivation, RecvActivation, WaitSends)) or (
+            isinstance(ins, WaitRecv) and ins.kind == ACTIVATION
+        ):
             out.append(ins)
     return out

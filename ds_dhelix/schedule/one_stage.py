@@ -15,17 +15,30 @@ forward strand of every later pair keeps the live activations within that micro-
 
 Plain data: no torch, no deepspeed.
 """
+
 from __future__ import annotations
 
 from .instructions import (
-    Backward, BackwardBackward, FixActivationBudget, Forward, ForwardBackward, ForwardForward, Instruction,
-    LoadMicroBatch, OptimizerStep, ReduceGrads, Schedule)
+    Backward,
+    BackwardBackward,
+    FixActivationBudget,
+    Forward,
+    ForwardBackward,
+    ForwardForward,
+    Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
+    ReduceGrads,
+    Schedule,
+)
 
 
 def _check(name: str, num_stages: int, m: int, need: int = 1) -> None:
     if num_stages != 1:
-        raise ValueError(f"{name} is a one-stage schedule; got num_stages={num_stages} (use w, dualpipev or the "
-                         f"sequential fold with a pipeline)")
+        raise ValueError(
+            f"{name} is a one-stage schedule; got num_stages={num_stages} (use w, dualpipev or the "
+            f"sequential fold with a pipeline)"
+        )
     if not isinstance(m, int) or m < need:
         raise ValueError(f"{name} needs num_microbatches >= {need}, got {m!r}")
 

@@ -29,13 +29,23 @@ strand 0's last use of it).
 that can poll them); without it a collective is finished only when waited for, the oldest first,
 so launch order is a pure function of the op lists. Plain data: no torch.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
-FINISH, LAUNCH, DRAIN, COMPUTE, FILL, WAIT, WAIT_FIRST, DONE = \
-    "finish", "launch", "drain", "compute", "fill", "wait", "wait_first", "done"
+FINISH, LAUNCH, DRAIN, COMPUTE, FILL, WAIT, WAIT_FIRST, DONE = (
+    "finish",
+    "launch",
+    "drain",
+    "compute",
+    "fill",
+    "wait",
+    "wait_first",
+    "done",
+)
 
 
 @dataclass(frozen=True)
@@ -99,9 +109,16 @@ class Round:
     ``comm(item)`` / ``depth(item)`` read an item's kind and block depth; ``weights(item)``, needed
     with ``trail`` only, the ids of the parameters its backward adds to."""
 
-    def __init__(self, strand0: Sequence, strand1: Sequence, rules: RoundRules, *,
-                 comm: Callable[[Any], bool], depth: Callable[[Any], int],
-                 weights: Callable[[Any], frozenset] | None = None):
+    def __init__(
+        self,
+        strand0: Sequence,
+        strand1: Sequence,
+        rules: RoundRules,
+        *,
+        comm: Callable[[Any], bool],
+        depth: Callable[[Any], int],
+        weights: Callable[[Any], frozenset] | None = None,
+    ):
         self.items = (strand0, strand1)
         self.rules = rules
         self.comm = ([comm(x) for x in strand0], [comm(x) for x in strand1])
@@ -135,7 +152,7 @@ class Round:
         self.order.remove(s)
         return done
 
-    def copy(self, copy_handle: Callable[[Any], Any]) -> "Round":
+    def copy(self, copy_handle: Callable[[Any], Any]) -> Round:
         """A copy whose positions and flights change independently (the beam search's states)."""
         c = object.__new__(Round)
         c.__dict__.update(self.__dict__)
@@ -248,7 +265,11 @@ class Round:
         if launch is not None:
             return launch
         options = self.choices(host, go)
-        if len(options) > 1 and options[1].kind == COMPUTE and self.rules.nearest \
-                and self.until_comm(1) < self.until_comm(0):
+        if (
+            len(options) > 1
+            and options[1].kind == COMPUTE
+            and self.rules.nearest
+            and self.until_comm(1) < self.until_comm(0)
+        ):
             return options[1]
         return options[0]

@@ -9,11 +9,12 @@ as modes of their own. ``auto`` has no builder: the engine picks one of its cand
 
 Plain data: no torch, no deepspeed.
 """
+
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from . import fold, one_stage
 from .instructions import ONE, Minimum, Schedule
@@ -59,28 +60,83 @@ def _row(name, layout, summary, build, section=None, **kw) -> ScheduleSpec:
 
 
 REGISTRY: tuple[ScheduleSpec, ...] = (
-    _row("sequential", ONE_STAGE, "micro-batches one after another, every collective waited at once",
-         one_stage.sequential_schedule, auto_candidate=True),
-    _row("si", ONE_STAGE, "strand interleaving: the forward of k+1 beside the backward of k, reactive pairs",
-         one_stage.si_schedule, co_executes=True, defers_weight_grads=True, auto_candidate=True),
-    _row("si-ends", ONE_STAGE, "si with the first two forwards and the last two backwards paired too",
-         one_stage.si_ends_schedule, {"schedule": "si", "pair_ends": True}, co_executes=True,
-         defers_weight_grads=True),
-    _row("si-plan", ONE_STAGE, "si run by the fixed default plan, a barrier after each plan round",
-         one_stage.si_schedule, {"schedule": "si", "si_execution": "plan"}, co_executes=True),
-    _row("si-planned", ONE_STAGE, "si run by the plan the DP planner makes from a profile",
-         one_stage.si_schedule, {"schedule": "si", "si_execution": "plan", "planner": {"profile": "auto"}},
-         co_executes=True),
-    _row("intra", ONE_STAGE, "Domino's intra-batch overlap: each micro-batch's halves side by side",
-         one_stage.intra_schedule, co_executes=True, defers_weight_grads=True, halves=True, auto_candidate=True),
+    _row(
+        "sequential",
+        ONE_STAGE,
+        "micro-batches one after another, every collective waited at once",
+        one_stage.sequential_schedule,
+        auto_candidate=True,
+    ),
+    _row(
+        "si",
+        ONE_STAGE,
+        "strand interleaving: the forward of k+1 beside the backward of k, reactive pairs",
+        one_stage.si_schedule,
+        co_executes=True,
+        defers_weight_grads=True,
+        auto_candidate=True,
+    ),
+    _row(
+        "si-ends",
+        ONE_STAGE,
+        "si with the first two forwards and the last two backwards paired too",
+        one_stage.si_ends_schedule,
+        {"schedule": "si", "pair_ends": True},
+        co_executes=True,
+        defers_weight_grads=True,
+    ),
+    _row(
+        "si-plan",
+        ONE_STAGE,
+        "si run by the fixed default plan, a barrier after each plan round",
+        one_stage.si_schedule,
+        {"schedule": "si", "si_execution": "plan"},
+        co_executes=True,
+    ),
+    _row(
+        "si-planned",
+        ONE_STAGE,
+        "si run by the plan the DP planner makes from a profile",
+        one_stage.si_schedule,
+        {"schedule": "si", "si_execution": "plan", "planner": {"profile": "auto"}},
+        co_executes=True,
+    ),
+    _row(
+        "intra",
+        ONE_STAGE,
+        "Domino's intra-batch overlap: each micro-batch's halves side by side",
+        one_stage.intra_schedule,
+        co_executes=True,
+        defers_weight_grads=True,
+        halves=True,
+        auto_candidate=True,
+    ),
     _row("auto", ONE_STAGE, "times its candidates on the first steps and keeps the fastest", None),
-    _row("sequential", PIPELINE, "the fold without SI: one micro-batch at a time through it",
-         fold.sequential_fold_schedule, auto_candidate=True),
-    _row("w", PIPELINE, "DHelix W schedule: the fold with every forward/backward slot pair co-executed",
-         fold.w_schedule, minimum=fold.MIN_W, co_executes=True, auto_candidate=True),
-    _row("dualpipev", PIPELINE, "DualPipeV's order on the fold, its forward/backward pairs co-executed",
-         fold.dualpipev_si_schedule, minimum=fold.MIN_DUALPIPEV,
-         co_executes=True, auto_candidate=True),
+    _row(
+        "sequential",
+        PIPELINE,
+        "the fold without SI: one micro-batch at a time through it",
+        fold.sequential_fold_schedule,
+        auto_candidate=True,
+    ),
+    _row(
+        "w",
+        PIPELINE,
+        "DHelix W schedule: the fold with every forward/backward slot pair co-executed",
+        fold.w_schedule,
+        minimum=fold.MIN_W,
+        co_executes=True,
+        auto_candidate=True,
+    ),
+    _row(
+        "dualpipev",
+        PIPELINE,
+        "DualPipeV's order on the fold, its forward/backward pairs co-executed",
+        fold.dualpipev_si_schedule,
+        minimum=fold.MIN_DUALPIPEV,
+        co_executes=True,
+        auto_candidate=True,
+    ),
     _row("auto", PIPELINE, "times its candidates on the first steps and keeps the fastest", None),
 )
 
@@ -93,8 +149,12 @@ def names(layout: str | None = None, *, configured: bool = False, built: bool = 
     only the values of ``dhelix.schedule``; ``built``: only those with instruction lists (no auto)."""
     out: list[str] = []
     for row in REGISTRY:
-        if (layout is None or row.layout == layout) and (row.configured or not configured) \
-                and (row.build is not None or not built) and row.name not in out:
+        if (
+            (layout is None or row.layout == layout)
+            and (row.configured or not configured)
+            and (row.build is not None or not built)
+            and row.name not in out
+        ):
             out.append(row.name)
     return tuple(out)
 

@@ -57,6 +57,7 @@ but stays below its limit (p-1)/(m-1).
 
 Plain data: no torch, no deepspeed.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,9 +66,28 @@ from fractions import Fraction
 
 from .folding import chunk_index, next_chunk_owner, prev_chunk_owner
 from .instructions import (
-    ACTIVATION, GRAD, WHOLE, Backward, BackwardBackward, FixActivationBudget, Forward, ForwardBackward,
-    ForwardForward, Instruction, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, Schedule,
-    SendActivation, SendGrad, WaitRecv, WaitSends, compute_parts)
+    ACTIVATION,
+    GRAD,
+    WHOLE,
+    Backward,
+    BackwardBackward,
+    FixActivationBudget,
+    Forward,
+    ForwardBackward,
+    ForwardForward,
+    Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    Schedule,
+    SendActivation,
+    SendGrad,
+    WaitRecv,
+    WaitSends,
+    compute_parts,
+)
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,7 @@ class Topology:
 class ReplayError:
     """One problem found by :func:`replay`. ``kind``: deadlock, unmatched, order, peer, buffer,
     work."""
+
     kind: str
     message: str
     rank: int | None = None
@@ -115,6 +136,7 @@ class ReplayError:
 @dataclass(frozen=True)
 class Event:
     """A compute instruction on the timeline."""
+
     start: float
     end: float
     instruction: Instruction
@@ -123,6 +145,7 @@ class Event:
 @dataclass
 class Replay:
     """Result of :func:`replay`: per-rank compute timelines and the problems found."""
+
     num_stages: int
     num_microbatches: int
     events: list[list[Event]]
@@ -170,6 +193,7 @@ class _Fail(Exception):
 @dataclass
 class _Channel:
     """Posted sends and receives on one directed channel, matched by position."""
+
     sends: list = field(default_factory=list)  # (key, post time)
     recvs: list = field(default_factory=list)  # (key, post time)
 
@@ -209,10 +233,14 @@ class _Replayer:
     def check_match(self, src: int, dst: int, pos: int) -> None:
         ch = self.channel(src, dst)
         if pos < len(ch.sends) and pos < len(ch.recvs) and ch.sends[pos][0] != ch.recvs[pos][0]:
-            raise _Fail(ReplayError(
-                "order", f"channel {src}->{dst} op #{pos}: rank {src} sends "
-                f"{_key(ch.sends[pos][0])} but rank {dst} receives {_key(ch.recvs[pos][0])} "
-                f"(p2p ops match in posting order)"))
+            raise _Fail(
+                ReplayError(
+                    "order",
+                    f"channel {src}->{dst} op #{pos}: rank {src} sends "
+                    f"{_key(ch.sends[pos][0])} but rank {dst} receives {_key(ch.recvs[pos][0])} "
+                    f"(p2p ops match in posting order)",
+                )
+            )
 
     def arrival(self, src: int, dst: int, pos: int) -> float | None:
         """When op ``pos`` of channel src->dst completes, or None while its send is not posted."""
@@ -235,8 +263,7 @@ class _Replayer:
         elif isinstance(ins, LoadMicroBatch):
             key = (ACTIVATION, ins.mb, 0)
             if r != 0 or key in st.ready or (ins.mb, self.topo.chunk(0, self.topo.phases[0])) in self.forwarded:
-                self.fail("buffer", r, f"LoadMicroBatch({ins.mb}) on rank {r}: only rank 0 loads, "
-                          f"once per micro-batch")
+                self.fail("buffer", r, f"LoadMicroBatch({ins.mb}) on rank {r}: only rank 0 loads, once per micro-batch")
             st.ready.add(key)
         elif compute_parts(ins):
             self.compute(r, ins)
@@ -261,8 +288,7 @@ class _Replayer:
         src = (self.topo.prev_owner if kind == ACTIVATION else self.topo.next_owner)(r, ins.phase)
         if not src or src[0] == r or ins.peer != src[0]:
             want = f"rank {src[0]}" if src and src[0] != r else "no rank (made locally or loaded)"
-            self.fail("peer", r, f"{ins} receives from rank {ins.peer}; the fold sends it from "
-                      f"{want}")
+            self.fail("peer", r, f"{ins} receives from rank {ins.peer}; the fold sends it from {want}")
         if key in st.posted or key in st.ready:
             self.fail("buffer", r, f"{ins}: {_key(key)} received twice")
         ch = self.channel(ins.peer, r)
@@ -322,8 +348,11 @@ class _Replayer:
         st = self.ranks[r]
         parts = compute_parts(ins)
         if len(parts) == 2 and (parts[0].mb, parts[0].phase) == (parts[1].mb, parts[1].phase):
-            what = "a chunk's forward with its own backward" if isinstance(ins, ForwardBackward) else \
-                f"micro-batch {parts[0].mb} with itself"
+            what = (
+                "a chunk's forward with its own backward"
+                if isinstance(ins, ForwardBackward)
+                else f"micro-batch {parts[0].mb} with itself"
+            )
             self.fail("work", r, f"{ins} pairs {what}")
         for part in parts:
             (self.check_forward if isinstance(part, Forward) else self.check_backward)(r, part)
@@ -346,8 +375,11 @@ class _Replayer:
     def check_backward(self, r: int, b: Backward) -> None:
         st, chunk = self.ranks[r], (b.mb, self.topo.chunk(r, b.phase))
         if (b.mb, b.phase) not in st.saved:
-            why = ("frees its activations twice (backward twice)" if self.backwarded.get(chunk)
-                   else "runs before the chunk's forward")
+            why = (
+                "frees its activations twice (backward twice)"
+                if self.backwarded.get(chunk)
+                else "runs before the chunk's forward"
+            )
             self.fail("work", r, f"{b}: {why}")
         if (GRAD, b.mb, b.phase) not in st.ready:
             self.fail("buffer", r, f"{b}: output gradient used before it was received/computed")
@@ -378,13 +410,18 @@ class _Replayer:
 
     def check_done(self, r: int, what: str) -> None:
         st = self.ranks[r]
-        missing = [Backward(mb, ph).label() for ph in self.topo.phases for mb in range(self.m)
-                   if not self.backwarded.get((mb, self.topo.chunk(r, ph)))]
+        missing = [
+            Backward(mb, ph).label()
+            for ph in self.topo.phases
+            for mb in range(self.m)
+            if not self.backwarded.get((mb, self.topo.chunk(r, ph)))
+        ]
         if missing:
             self.fail("work", r, f"{what} before backward {', '.join(missing[:4])} ran")
         if st.unsent:
-            self.fail("unmatched", r, f"{what} with results never sent: "
-                      f"{', '.join(_key(k) for k in sorted(st.unsent))}")
+            self.fail(
+                "unmatched", r, f"{what} with results never sent: {', '.join(_key(k) for k in sorted(st.unsent))}"
+            )
         if st.reduced:
             self.fail("work", r, f"{what} runs twice")
 
@@ -420,26 +457,32 @@ class _Replayer:
     def final_checks(self) -> list[ReplayError]:
         errors = []
         for (src, dst), ch in sorted(self.channels.items()):
-            for extra, side in ((ch.sends[len(ch.recvs):], "send"),
-                                (ch.recvs[len(ch.sends):], "recv")):
+            for extra, side in ((ch.sends[len(ch.recvs) :], "send"), (ch.recvs[len(ch.sends) :], "recv")):
                 for key, _ in extra:
-                    errors.append(ReplayError("unmatched", f"channel {src}->{dst}: {side} of "
-                                              f"{_key(key)} has no matching "
-                                              f"{'recv' if side == 'send' else 'send'}"))
+                    errors.append(
+                        ReplayError(
+                            "unmatched",
+                            f"channel {src}->{dst}: {side} of "
+                            f"{_key(key)} has no matching "
+                            f"{'recv' if side == 'send' else 'send'}",
+                        )
+                    )
         for r, st in enumerate(self.ranks):
             for key in sorted(set(st.posted) - st.waited):
                 errors.append(ReplayError("buffer", f"receive of {_key(key)} never waited on", r))
             if st.unsent:
                 errors.append(ReplayError("buffer", f"results never sent: {sorted(st.unsent)}", r))
             if st.reduced != 1 or st.stepped != 1:
-                errors.append(ReplayError("work", f"ReduceGrads ran {st.reduced}x, OptimizerStep "
-                                          f"{st.stepped}x (need once each)", r))
+                errors.append(
+                    ReplayError(
+                        "work", f"ReduceGrads ran {st.reduced}x, OptimizerStep {st.stepped}x (need once each)", r
+                    )
+                )
         for chunk in range(self.topo.num_chunks):
             for mb in range(self.m):
                 for done, what in ((self.forwarded, "forward"), (self.backwarded, "backward")):
                     if not done.get((mb, chunk)):
-                        errors.append(ReplayError("work", f"{what} of micro-batch {mb}, chunk "
-                                                  f"{chunk} never ran"))
+                        errors.append(ReplayError("work", f"{what} of micro-batch {mb}, chunk {chunk} never ran"))
         return errors
 
 
@@ -448,8 +491,15 @@ def _key(key) -> str:
     return f"{kind} (mb {mb}, phase {phase})"
 
 
-def replay(schedule: Schedule, num_microbatches: int, fwd_cost: float = 1.0,
-           bwd_cost: float = 2.0, pair_cost="max", latency: float = 0.0, one_stage: bool = False) -> Replay:
+def replay(
+    schedule: Schedule,
+    num_microbatches: int,
+    fwd_cost: float = 1.0,
+    bwd_cost: float = 2.0,
+    pair_cost="max",
+    latency: float = 0.0,
+    one_stage: bool = False,
+) -> Replay:
     """Replay all ranks of ``schedule`` (a list per rank) for ``num_microbatches`` micro-batches
     (``one_stage``: a one-stage schedule's single list, whose micro-batches are the ones its list
     names: 2m halves under intra).
@@ -460,30 +510,34 @@ def replay(schedule: Schedule, num_microbatches: int, fwd_cost: float = 1.0,
     max(B, B) (``pair_cost`` "sum": twice; a number prices the forward/backward pair only).
     """
     if fwd_cost <= 0 or bwd_cost <= 0 or latency < 0:
-        raise ValueError(f"fwd_cost={fwd_cost}, bwd_cost={bwd_cost} must be > 0 and "
-                         f"latency={latency} >= 0")
+        raise ValueError(f"fwd_cost={fwd_cost}, bwd_cost={bwd_cost} must be > 0 and latency={latency} >= 0")
     same = pair_cost if pair_cost in ("max", "sum", None) else "max"
-    costs = {Forward: fwd_cost, Backward: bwd_cost,
-             ForwardBackward: resolve_pair_cost(fwd_cost, bwd_cost, pair_cost),
-             ForwardForward: resolve_pair_cost(fwd_cost, fwd_cost, same),
-             BackwardBackward: resolve_pair_cost(bwd_cost, bwd_cost, same)}
+    costs = {
+        Forward: fwd_cost,
+        Backward: bwd_cost,
+        ForwardBackward: resolve_pair_cost(fwd_cost, bwd_cost, pair_cost),
+        ForwardForward: resolve_pair_cost(fwd_cost, fwd_cost, same),
+        BackwardBackward: resolve_pair_cost(bwd_cost, bwd_cost, same),
+    }
     if one_stage and len(schedule) != 1:
         raise ValueError(f"a one-stage schedule has one rank's list, got {len(schedule)}")
     sim = _Replayer(schedule, num_microbatches, costs, latency, Topology(len(schedule), folded=not one_stage))
     errors = sim.run()
-    return Replay(len(schedule), num_microbatches, sim.events, errors,
-                  [st.peak for st in sim.ranks])
+    return Replay(len(schedule), num_microbatches, sim.events, errors, [st.peak for st in sim.ranks])
 
 
 # ---- closed forms ------------------------------------------------------------------------------
+
 
 def w_bubble_closed_form(p: int, m: int, F: float = 1.0, B: float = 2.0, pair_cost="max") -> float:
     """Bubble fraction of :func:`~ds_dhelix.schedule.fold.w_schedule` (derivation: module
     docstring): (p-1)c / (p(F+B) + (m-1)c) with c the pair cost; needs m >= p+1, c >= max(F, B)."""
     c = resolve_pair_cost(F, B, pair_cost)
     if m < p + 1 or c < max(F, B):
-        raise ValueError(f"w_bubble_closed_form(p={p}, m={m}, F={F}, B={B}, c={c}) holds for "
-                         f"m >= p+1 = {p + 1} and pair cost c >= max(F, B) = {max(F, B)}")
+        raise ValueError(
+            f"w_bubble_closed_form(p={p}, m={m}, F={F}, B={B}, c={c}) holds for "
+            f"m >= p+1 = {p + 1} and pair cost c >= max(F, B) = {max(F, B)}"
+        )
     return (p - 1) * c / (p * (F + B) + (m - 1) * c)
 
 
@@ -494,10 +548,10 @@ def sequential_bubble_closed_form(p: int, m: int, F: float = 1.0, B: float = 2.0
 
 # ---- text timeline -----------------------------------------------------------------------------
 
+
 def _unit(events: list[list[Event]]) -> float:
     """Largest time step putting every start and end on a cell boundary (times to 1/1000)."""
-    times = {Fraction(t).limit_denominator(1000) for evs in events for ev in evs
-             for t in (ev.start, ev.end)} - {0}
+    times = {Fraction(t).limit_denominator(1000) for evs in events for ev in evs for t in (ev.start, ev.end)} - {0}
     if not times:
         return 1.0
     den = math.lcm(*(t.denominator for t in times))
@@ -518,11 +572,14 @@ def render_timeline(events: list[list[Event]], unit: float | None = None) -> str
         for ev in evs:
             first = int(round(ev.start / unit))
             n = max(1, int(round((ev.end - ev.start) / unit)))
-            text = ev.instruction.label().ljust(n * width - 1, "-") + " " if n > 1 else \
-                ev.instruction.label().ljust(width)
+            text = (
+                ev.instruction.label().ljust(n * width - 1, "-") + " " if n > 1 else ev.instruction.label().ljust(width)
+            )
             for k in range(n):
-                cells[first + k] = text[k * width:(k + 1) * width]
+                cells[first + k] = text[k * width : (k + 1) * width]
         rows.append((f"rank {r:<3}" + "".join(cells)).rstrip())
-    legend = ("Fk/Bk: forward/backward of micro-batch k, phase 0 (outbound); Fk'/Bk': phase 1 "
-              "(return); FxBy: one co-executed SI pair; '.': idle")
+    legend = (
+        "Fk/Bk: forward/backward of micro-batch k, phase 0 (outbound); Fk'/Bk': phase 1 "
+        "(return); FxBy: one co-executed SI pair; '.': idle"
+    )
     return "\n".join(rows + [legend])

@@ -17,14 +17,40 @@ The evaluation's core, which ``DhelixTrainer.evaluate`` reports too, is
     log = train_loop(engine, data, LoopOptions(steps=200, eval_interval=50))
     teardown(engine)
 """
+
 from .evaluation import eval_microbatches, evaluate
-from .loop import (LOSS_AVERAGES, LoopOptions, TrainLog, loss_average, save_checkpoint, teardown, train_loop,
-                   weighed_by_targets)
+from .loop import (
+    LOSS_AVERAGES,
+    LoopOptions,
+    TrainLog,
+    loss_average,
+    save_checkpoint,
+    teardown,
+    train_loop,
+    weighed_by_targets,
+)
 from .plain import plain_step
 from .resume import adapter_state, resume_engine, resume_point, run_state
 from .summary import flush_tensorboard, memory_marks, probe_loss, summarize
 
-__all__ = ["LOSS_AVERAGES", "LoopOptions", "TrainLog", "adapter_state", "eval_microbatches", "evaluate",
-           "flush_tensorboard", "loss_average", "memory_marks", "plain_step", "probe_loss", "resume_engine",
-           "resume_point", "run_state", "save_checkpoint", "summarize", "teardown", "train_loop",
-           "weighed_by_targets"]
+__all__ = [
+    "LOSS_AVERAGES",
+    "LoopOptions",
+    "TrainLog",
+    "adapter_state",
+    "eval_microbatches",
+    "evaluate",
+    "flush_tensorboard",
+    "loss_average",
+    "memory_marks",
+    "plain_step",
+    "probe_loss",
+    "resume_engine",
+    "resume_point",
+    "run_state",
+    "save_checkpoint",
+    "summarize",
+    "teardown",
+    "train_loop",
+    "weighed_by_targets",
+]

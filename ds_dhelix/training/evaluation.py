@@ -2,6 +2,7 @@
 of the training's size, through the target-weighted loss that ``DhelixTrainer.evaluate`` reports
 too (``ds_dhelix.engine.evaluation.evaluate_loss``); the result goes to TensorBoard as ``Eval/loss``.
 """
+
 from __future__ import annotations
 
 
@@ -13,15 +14,16 @@ def eval_microbatches(blocks, micro: int, dp_rank: int, dp_size: int) -> tuple[l
     import torch
 
     from ds_dhelix.data import valid_targets
+
     per_rank = -(-len(blocks) // dp_size)
     count = -(-per_rank // micro)
     mine = list(range(dp_rank, len(blocks), dp_size))
     batches, weights = [], []
     for k in range(count):
-        real = mine[k * micro:(k + 1) * micro]
+        real = mine[k * micro : (k + 1) * micro]
         rows = blocks.rows(torch.tensor(real + [0] * (micro - len(real))))
         if real and len(real) < micro:
-            rows["labels"][len(real):] = -100
+            rows["labels"][len(real) :] = -100
         weights.append(valid_targets(rows["labels"]) if real else 0)
         batches.append(rows)
     return batches, weights
@@ -35,6 +37,7 @@ def evaluate(engine, blocks, micro: int | None = None, prog: str = "ds_dhelix") 
     import torch.distributed as dist
 
     from ds_dhelix.engine.evaluation import data_parallel, evaluate_loss
+
     micro = micro or engine.train_micro_batch_size_per_gpu()
     dp_rank, dp_size, _ = data_parallel(engine)
     batches, weights = eval_microbatches(blocks, micro, dp_rank, dp_size)

@@ -9,6 +9,7 @@ last, periodic checkpoints, agreed stops (a signal, a vanished launcher, a job s
 ``train_loop`` returns a ``TrainLog``; what comes after (final checkpoint, HF export, summary,
 leaving the process) is the caller's (train.py: ``finish``).
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,11 @@ class LoopOptions:
                 raise ValueError(f"LoopOptions.{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.loss_average not in (None, *LOSS_AVERAGES):
             raise ValueError(f"LoopOptions.loss_average {self.loss_average!r}: use one of {', '.join(LOSS_AVERAGES)}")
-        for name, on in (("save_interval", self.save_interval > 0), ("stop_after", self.stop_after > 0),
-                         ("save_on_signal", self.save_on_signal)):
+        for name, on in (
+            ("save_interval", self.save_interval > 0),
+            ("stop_after", self.stop_after > 0),
+            ("save_on_signal", self.save_on_signal),
+        ):
             if on and not self.checkpoint_dir:
                 raise ValueError(f"LoopOptions.{name} saves checkpoints: set checkpoint_dir")
 
@@ -93,9 +97,12 @@ def train_loop(engine, data, options: LoopOptions, run_state: dict | None = None
 
     from ds_dhelix.engine.evaluation import data_parallel
     from ds_dhelix.engine.stopping import StopRequest
+
     if options.eval_interval and data.eval is None:
-        raise ValueError("LoopOptions.eval_interval evaluates on the data's eval blocks: load the data with "
-                         "eval_path or eval_fraction")
+        raise ValueError(
+            "LoopOptions.eval_interval evaluates on the data's eval blocks: load the data with "
+            "eval_path or eval_fraction"
+        )
     dp_rank, dp_size, dp_group = data_parallel(engine)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     start = engine.global_steps
@@ -122,6 +129,7 @@ def _between_steps(engine, data, options: LoopOptions, run_state, log: TrainLog,
     """Evaluation, an agreed stop, leaving early and the periodic checkpoint after a step (not
     after the last: the run's end does those); True: the loop leaves now."""
     import torch.distributed as dist
+
     step, total = engine.global_steps, options.steps
     if options.eval_interval and step % options.eval_interval == 0 and step < total:
         log.eval_losses.append(evaluate(engine, data.eval, engine.train_micro_batch_size_per_gpu(), options.prog))
@@ -134,8 +142,10 @@ def _between_steps(engine, data, options: LoopOptions, run_state, log: TrainLog,
         bar.close()
         log.end, log.checkpoint = "left", save_checkpoint(engine, options, run_state)
         if dist.get_rank() == 0:
-            print(f"{options.prog}: leaving after step {step} of {total} (--stop-after {options.stop_after}); "
-                  f"checkpoint {log.checkpoint}; continue with --resume auto")
+            print(
+                f"{options.prog}: leaving after step {step} of {total} (--stop-after {options.stop_after}); "
+                f"checkpoint {log.checkpoint}; continue with --resume auto"
+            )
         return True
     if options.save_interval and step % options.save_interval == 0 and step < total:
         save_checkpoint(engine, options, run_state)
@@ -144,16 +154,19 @@ def _between_steps(engine, data, options: LoopOptions, run_state, log: TrainLog,
 
 def _stopped(engine, options: LoopOptions, run_state, log: TrainLog, stop, reason: str) -> None:
     import torch.distributed as dist
+
     saved = save_checkpoint(engine, options, run_state) if options.save_on_signal else None
     if dist.get_rank() == 0:
         what = f"; checkpoint saved to {saved}" if saved else " (no checkpoint: --save-on-signal was not given)"
-        print(f"{options.prog}: stopped by {reason} after step {engine.global_steps}{what}", file=sys.stderr,
-              flush=True)
+        print(
+            f"{options.prog}: stopped by {reason} after step {engine.global_steps}{what}", file=sys.stderr, flush=True
+        )
     log.end, log.checkpoint, log.exit_code = "stopped", saved, stop.exit_code()
 
 
 def _one_step(engine, batches, log: TrainLog, bar) -> None:
     from ds_dhelix.engine.evaluation import is_dhelix
+
     t0 = time.perf_counter()
     if is_dhelix(engine):
         loss = engine.train_batch(batches)
@@ -172,8 +185,10 @@ def save_checkpoint(engine, options: LoopOptions, run_state: dict | None = None)
     ``keep_checkpoints`` kept), recording ``run_state`` at this step. Collective."""
     from ds_dhelix.engine import resume
     from ds_dhelix.engine.evaluation import watched
-    state = dict({"step": 0, "total_steps": options.steps} if run_state is None else run_state,
-                 step=engine.global_steps)
+
+    state = dict(
+        {"step": 0, "total_steps": options.steps} if run_state is None else run_state, step=engine.global_steps
+    )
     with watched(engine, "checkpoint save"):
         return resume.save(engine, os.path.abspath(options.checkpoint_dir), state, options.keep_checkpoints)
 
@@ -186,6 +201,7 @@ def weighed_by_targets(batches, gas: int, dp_size: int, dp_group):
     import torch.distributed as dist
 
     from ds_dhelix.data import valid_targets
+
     while True:
         step = [next(batches) for _ in range(gas)]
         count = torch.tensor([float(sum(valid_targets(b["labels"]) for b in step))], dtype=torch.float64)
@@ -198,13 +214,23 @@ def weighed_by_targets(batches, gas: int, dp_size: int, dp_group):
 def log_data_fields(engine, data, step: int) -> None:
     """What the loss is computed on, in TensorBoard (``Data/...``, at the run's first step)."""
     import torch.distributed as dist
+
     if not engine.monitor.enabled or dist.get_rank() != 0:
         return
     s = data.stats
-    engine.monitor.write_events([(f"Data/{k}", float(v), step) for k, v in
-                                 (("records", s.records), ("tokens", s.tokens), ("loss_tokens", s.loss_tokens),
-                                  ("truncated", s.truncated), ("dropped", s.dropped),
-                                  ("padding_fraction", s.padding_fraction))])
+    engine.monitor.write_events(
+        [
+            (f"Data/{k}", float(v), step)
+            for k, v in (
+                ("records", s.records),
+                ("tokens", s.tokens),
+                ("loss_tokens", s.loss_tokens),
+                ("truncated", s.truncated),
+                ("dropped", s.dropped),
+                ("padding_fraction", s.padding_fraction),
+            )
+        ]
+    )
 
 
 def teardown(engine) -> None:
@@ -212,6 +238,7 @@ def teardown(engine) -> None:
     process groups destroyed before the interpreter exits (a communication thread still running
     at exit aborts the process: "terminate called without an active exception", exit -6)."""
     import torch.distributed as dist
+
     dist.barrier()
     engine.destroy()
     dist.destroy_process_group()

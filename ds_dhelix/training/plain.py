@@ -1,4 +1,5 @@
 """Plain DeepSpeed's optimizer step (the ds_config's dhelix section off), as the loop runs it."""
+
 from __future__ import annotations
 
 
@@ -9,6 +10,7 @@ def plain_step(engine, batches):
     import torch.distributed as dist
 
     from ds_dhelix.engine.evaluation import plain_inputs
+
     total = 0.0
     gas = engine.gradient_accumulation_steps()
     for _ in range(gas):

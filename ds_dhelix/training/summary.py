@@ -6,6 +6,7 @@ losses, the probe loss the HF export must reproduce and every rank's host memory
     memory = memory_marks(engine, marks)             collective
     if rank == 0: summarize(log, engine, data, options, model=..., probe=probe, memory=memory)
 """
+
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ def probe_loss(engine, data, micro: int | None = None) -> dict:
     import torch
 
     from ds_dhelix.engine.evaluation import is_dhelix
+
     first = data.first_batch(micro or engine.train_micro_batch_size_per_gpu())
     block = first["input_ids"]
     batch = {"input_ids": block, "labels": first["labels"]}
@@ -41,19 +43,40 @@ def memory_marks(engine, marks: dict | None = None) -> list[dict]:
     import torch.distributed as dist
 
     from ds_dhelix.runtime.memory import peak_rss_mib
-    mine = {"rank": dist.get_rank(), **(marks or {}), "train_peak_rss_mib": peak_rss_mib(),
-            **({"optimizer_state_bytes": engine.optimizer_state_bytes(),
+
+    mine = {
+        "rank": dist.get_rank(),
+        **(marks or {}),
+        "train_peak_rss_mib": peak_rss_mib(),
+        **(
+            {
+                "optimizer_state_bytes": engine.optimizer_state_bytes(),
                 "trainable_parameters": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
-                "parameters": sum(p.numel() for p in engine.module.parameters())}
-               if hasattr(engine, "optimizer_state_bytes") else {})}
+                "parameters": sum(p.numel() for p in engine.module.parameters()),
+            }
+            if hasattr(engine, "optimizer_state_bytes")
+            else {}
+        ),
+    }
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return out
 
 
-def summarize(log: TrainLog, engine, data, options: LoopOptions, *, model: str, attn_implementation: str | None = None,
-              export: str | None = None, export_label: str = "HF checkpoint", probe: dict | None = None,
-              memory: list[dict] | None = None, json_path: str | None = None) -> dict:
+def summarize(
+    log: TrainLog,
+    engine,
+    data,
+    options: LoopOptions,
+    *,
+    model: str,
+    attn_implementation: str | None = None,
+    export: str | None = None,
+    export_label: str = "HF checkpoint",
+    probe: dict | None = None,
+    memory: list[dict] | None = None,
+    json_path: str | None = None,
+) -> dict:
     """Print the run's summary and return it (written to ``json_path`` too): call on rank 0.
     ``export``: the HF checkpoint (or adapter: ``export_label``) written, None when there is none;
     ``probe``, ``memory``: ``probe_loss``'s and ``memory_marks``' results."""
@@ -63,12 +86,14 @@ def summarize(log: TrainLog, engine, data, options: LoopOptions, *, model: str, 
     med = statistics.median(times[1:] or times)
     tokens, average = log.tokens_per_step, loss_average(options.loss_average, data)
     summary = {"model": model, "attn_implementation": attn_implementation, "start_step": log.start_step,
-               "steps": len(losses), "total_steps": options.steps,
-               "loss_first": first, "loss_last": last, "losses": losses, "lrs": log.lrs,
-               "median_step_s": med, "tokens_per_s": tokens / med, "hf_checkpoint": export,
-               "eval_losses": log.eval_losses, "data": {**data.summary(), "loss_average": average}}
-    line = (f"done: steps {log.start_step + 1}-{log.start_step + len(losses)}, loss {first:.3f} -> {last:.3f}, "
-            f"median step {med * 1e3:.0f} ms, {tokens / med:.0f} tokens/s")
+               "steps": len(losses), "total_steps": options.steps, "loss_first": first, "loss_last": last,
+               "losses": losses, "lrs": log.lrs, "median_step_s": med, "tokens_per_s": tokens / med,
+               "hf_checkpoint": export, "eval_losses": log.eval_losses,
+               "data": {**data.summary(), "loss_average": average}}  # fmt: skip
+    line = (
+        f"done: steps {log.start_step + 1}-{log.start_step + len(losses)}, loss {first:.3f} -> {last:.3f}, "
+        f"median step {med * 1e3:.0f} ms, {tokens / med:.0f} tokens/s"
+    )
     if stats:
         figures, text = _schedule_figures(stats, engine.dhelix.schedule)
         summary.update(figures)
@@ -77,12 +102,7 @@ def summarize(log: TrainLog, engine, data, options: LoopOptions, *, model: str, 
     _print_data(data.summary(), average)
     if log.eval_losses:
         print("eval loss: " + ", ".join(f"step {e['step']} {e['loss']:.4f}" for e in log.eval_losses))
-    auto = getattr(engine, "auto", None)
-    if auto is not None:  # "schedule": "auto": what it chose, from which figures
-        from ds_dhelix.planning.autoschedule import describe
-        summary["auto_decisions"] = auto.decisions
-        print("\n".join(describe(d) for d in auto.decisions) if auto.decisions else
-              f"ds_dhelix: schedule auto still timing its candidates ({auto.trial_steps_left} trial steps left)")
+    _print_auto(engine, summary)
     if export:
         print(f"{export_label}: {export}")
     summary.update(probe or {})
@@ -94,6 +114,21 @@ def summarize(log: TrainLog, engine, data, options: LoopOptions, *, model: str, 
     return summary
 
 
+def _print_auto(engine, summary: dict) -> None:
+    """``"schedule": "auto"``: what it chose, from which figures (also in ``summary``)."""
+    auto = getattr(engine, "auto", None)
+    if auto is None:
+        return
+    from ds_dhelix.planning.autoschedule import describe
+
+    summary["auto_decisions"] = auto.decisions
+    print(
+        "\n".join(describe(d) for d in auto.decisions)
+        if auto.decisions
+        else f"ds_dhelix: schedule auto still timing its candidates ({auto.trial_steps_left} trial steps left)"
+    )
+
+
 def _schedule_figures(stats: list, schedule: str) -> tuple[dict, str]:
     """The summary's communication figures per step (the first step left out when there are
     more) and the summary line's tail."""
@@ -102,37 +137,51 @@ def _schedule_figures(stats: list, schedule: str) -> tuple[dict, str]:
     exposed = sum(s.comm_and_exposed[1] for s in kept)
     frac = max(0.0, 1 - exposed / comm) if comm > 0 else 0.0
     n = len(kept)
-    figures = dict(schedule=schedule, comm_ms_per_step=comm / n * 1e3, exposed_comm_ms_per_step=exposed / n * 1e3,
-                   hidden_fraction=frac, peak_activation_bytes=max(s.peak_activation_bytes for s in stats))
+    figures = dict(
+        schedule=schedule,
+        comm_ms_per_step=comm / n * 1e3,
+        exposed_comm_ms_per_step=exposed / n * 1e3,
+        hidden_fraction=frac,
+        peak_activation_bytes=max(s.peak_activation_bytes for s in stats),
+    )
     if comm > 0:
-        return figures, (f"; schedule {schedule}: communication {comm / n * 1e3:.0f} ms/step, "
-                         f"{frac:.0%} hidden ({exposed / n * 1e3:.0f} ms exposed)")
+        return figures, (
+            f"; schedule {schedule}: communication {comm / n * 1e3:.0f} ms/step, "
+            f"{frac:.0%} hidden ({exposed / n * 1e3:.0f} ms exposed)"
+        )
     # pipeline transfers only: no collective to hide inside a stage
     return figures, f"; schedule {schedule}: {exposed / n * 1e3:.0f} ms/step waiting on transfers"
 
 
 def _print_data(d: dict, average: str) -> None:
-    print(f"data: {d['format']} records, loss on {d['loss_on']} (averaged over {average}): "
-          f"{d['records']} records, {d['tokens']} tokens, {d['loss_tokens']} with loss; {d['truncated']} cut to "
-          f"--seq-len, {d['dropped']} dropped as longer, {d['no_loss']} without an answer left; padding "
-          f"{d['padding_fraction']:.1%} (--packing {d['packing']}{', streamed: the part read' if d['streaming'] else ''})")
+    print(
+        f"data: {d['format']} records, loss on {d['loss_on']} (averaged over {average}): "
+        f"{d['records']} records, {d['tokens']} tokens, {d['loss_tokens']} with loss; {d['truncated']} cut to "
+        f"--seq-len, {d['dropped']} dropped as longer, {d['no_loss']} without an answer left; padding "
+        f"{d['padding_fraction']:.1%} (--packing {d['packing']}{', streamed: the part read' if d['streaming'] else ''})"
+    )
 
 
 def _print_memory(memory: list[dict] | None) -> None:
     if memory and memory[0].get("load_peak_rss_mib") is not None:
         m = memory[0]
-        print(f"host memory, rank 0: load {m['load_peak_rss_mib'] - m['baseline_rss_mib']:.0f} MiB over the baseline "
-              f"for a {m['shard_mib']:.0f} MiB shard, training peak {m['train_peak_rss_mib']:.0f} MiB")
+        print(
+            f"host memory, rank 0: load {m['load_peak_rss_mib'] - m['baseline_rss_mib']:.0f} MiB over the baseline "
+            f"for a {m['shard_mib']:.0f} MiB shard, training peak {m['train_peak_rss_mib']:.0f} MiB"
+        )
     if memory and "optimizer_state_bytes" in memory[0]:
-        per_rank = ", ".join(f"{m['optimizer_state_bytes'] / 2 ** 20:.2f}" for m in memory)
+        per_rank = ", ".join(f"{m['optimizer_state_bytes'] / 2**20:.2f}" for m in memory)
         m = memory[0]
-        print(f"optimizer state per rank: {per_rank} MiB; trained parameters on rank 0: {m['trainable_parameters']:,} "
-              f"of {m['parameters']:,} ({m['trainable_parameters'] / max(m['parameters'], 1):.1%})")
+        print(
+            f"optimizer state per rank: {per_rank} MiB; trained parameters on rank 0: {m['trainable_parameters']:,} "
+            f"of {m['parameters']:,} ({m['trainable_parameters'] / max(m['parameters'], 1):.1%})"
+        )
 
 
 def flush_tensorboard(engine) -> None:
     """Flush the engine's TensorBoard writers (rank 0, at the run's end)."""
     import torch.distributed as dist
+
     if not engine.monitor.enabled or dist.get_rank() != 0:
         return
     for m in getattr(engine.monitor, "monitors", None) or []:

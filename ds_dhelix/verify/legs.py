@@ -1,0 +1,117 @@
+"""The legs of a parity run, each on every rank of a gloo world: a schedule trained through the
+engine (``train_schedule``), the sharded model's first step through the executor alone
+(``first_step``), the unsharded HF model on one process (``train_hf``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .options import ParityOptions, build, my_share
+from .tolerances import CAPACITY_NOTE
+
+
+def train_leg(opts: ParityOptions, schedule: str, batches, gather) -> dict:
+    """Build the engine for ``schedule`` and train on this rank's share of every step; ``gather``
+    (engine -> full parameters or None) runs before the engine is destroyed."""
+    from ..engine.build import build_engine
+
+    engine = build_engine(build(opts), opts.ds_config(schedule))
+    losses, peaks = [], []
+    for step in batches:
+        losses.append(float(engine.train_batch(iter(my_share(opts, step, engine.groups.dp_rank)))))
+        peaks.append(engine.last_stats.peak_activation_bytes)
+    params = gather(engine)
+    engine.destroy()
+    return {"losses": losses, "params": params, "peak_activation_bytes": max(peaks), "rank": engine.groups.rank}
+
+
+def train_schedule(opts: ParityOptions, schedule: str, batches) -> dict:
+    """On every rank of the world: train with ``schedule``; return losses, full params, peak."""
+    from ..engine.checkpoint import full_state_dict
+
+    return train_leg(
+        opts,
+        schedule,
+        batches,
+        lambda engine: full_state_dict(engine.module, engine.groups.tp_grad_group, engine.groups.tp_size),
+    )
+
+
+def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> dict:
+    """On every rank: the sharded model's first step (``schedule``, every stochastic setting off,
+    before clipping and the optimizer) through the build path's sharding and the executor alone:
+    its full gradients and its loss (mean over the micro-batches, TP and CP shares summed, DP averaged)."""
+    import torch.distributed as dist
+
+    from hf_models.adapters import unwrap_peft
+
+    from ..engine.build import check_setup, shard_model
+    from ..engine.checkpoint import full_grads
+    from ..runtime.executor import Executor
+    from ..runtime.groups import ProcessGroups
+
+    model, _ = unwrap_peft(build(opts, stochastic=False))
+    setup = check_setup(opts.ds_config("sequential"), model.config, dist.get_world_size())
+    groups = ProcessGroups.create(setup.dims)
+    graph = shard_model(model, setup.dh, setup.dims, groups)
+    mine = my_share(opts, batches[0], groups.dp_rank)
+    mbs = Executor(graph).run_microbatches(mine, schedule, 1.0 / len(mine))
+    loss = torch.stack([mb.loss.detach().float() for mb in mbs]).mean()
+    for group, size in (
+        (groups.tp_grad_group, groups.tp_size),
+        (groups.cp_group, groups.cp_size),
+        (groups.dp_group, groups.dp_size),
+    ):
+        if size > 1:
+            dist.all_reduce(loss, group=group)
+    return {"grads": full_grads(model, groups), "loss": float(loss) / groups.dp_size}
+
+
+def train_hf(opts: ParityOptions, batches) -> dict:
+    """The unsharded HF model, one process, same data and optimizer, every stochastic setting off
+    (``build(stochastic=False)``); also its first-step gradients."""
+    from hf_models.common import hf_mask_windows
+    from hf_models.lora import our_name
+
+    from ..data import hf_model_inputs
+
+    model = build(opts, stochastic=False)
+    windows = hf_mask_windows(model.config)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.01)
+    losses, grads = [], None
+    for step in batches:
+        total = 0.0
+        for b in step:
+            loss = model(**hf_model_inputs(b, windows=windows)).loss / len(step)
+            loss.backward()
+            total += float(loss.detach())
+        if grads is None:
+            grads = {our_name(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        if opts.clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], opts.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "grads": grads}
+
+
+def hf_cannot_take_the_mask(opts: ParityOptions) -> bool:
+    """Packed documents on an MoE model: HF's load-balancing loss cannot take a 4-D mask."""
+    from hf_models.adapters import is_moe
+    from hf_models.registry import load_config
+
+    return opts.packing == "docs" and is_moe(load_config(opts.model))
+
+
+def result_note(opts: ParityOptions) -> str:
+    """fp16 on a CPU without DeepSpeed's fp16 support: override the capability check (torch computes
+    fp16 on CPU) and say so in the result. Capacity mode: say why HF may differ."""
+    notes = []
+    if opts.extra.get("expert_parallel", {}).get("capacity_factor") is not None:
+        notes.append(CAPACITY_NOTE)
+    if opts.dtype == "fp16":
+        from ..engine.precision import force_fp16_capability
+
+        notes.append(force_fp16_capability())
+    return "; ".join(notes)

@@ -1,0 +1,75 @@
+"""Parity: train the same model with ``sequential`` and another schedule on a CPU gloo world, and
+the unsharded HF model on one process; compare.
+
+Sequential and SI run the same ops in a different interleaving, so losses and parameters after
+every step must agree bit for bit. The sharded model differs from HF only in summation order (TP
+partial sums, the sum-then-divide loss, DP averaging), so it is compared where that shows as
+rounding: the first step's gradients (before clipping and the optimizer) and every step's loss.
+Parameters after a few AdamW steps are not compared with HF: Adam divides by sqrt(v), so for a
+weight whose gradient is ~0 a rounding-level gradient difference moves its update by a sizeable
+part of the learning rate.
+
+Stochastic settings (dropout rates, MoE router jitter / noise; ``adapters.stochastic_settings``),
+from ``--dropout`` or the model's own config (a checkpoint trained with dropout or router jitter):
+the trained legs keep them (SI and sequential draw the same seeded masks, so they stay
+bitwise), while HF draws from its own generator, so it is compared on the first step only, with
+every one of them off on both sides (``hf_stochastic_off`` in the result names them).
+"""
+
+from __future__ import annotations
+
+from .batches import halve_batches, make_batches
+from .judge import compare, compare_kernels, judge_halves
+from .legs import first_step, hf_cannot_take_the_mask, result_note, train_hf, train_schedule
+from .options import ParityOptions, halved, intra_has_halves_reference, moe_kernels, with_moe_kernels
+from .pipeline import run_pipe_parity
+
+
+def _rank_main(rank, world, opts: ParityOptions):
+    from hf_models.registry import load_config
+
+    note = result_note(opts)
+    batches = make_batches(opts, load_config(opts.model).vocab_size)
+    seq = train_schedule(opts, "sequential", batches)
+    other = train_schedule(opts, opts.schedule, batches) if opts.schedule != "sequential" else seq
+    halves = None
+    if opts.schedule == "intra":
+        if opts.dtype == "fp32":
+            other["first_step"] = first_step(opts, batches, "intra")
+        if intra_has_halves_reference(opts):
+            halves = train_schedule(halved(opts), "sequential", halve_batches(batches))
+    torch_kernels = None
+    if opts.dtype == "fp32":
+        seq["first_step"] = first_step(opts, batches)
+        if moe_kernels(opts) != "torch":  # the same first step on torch's dispatch / combine kernels
+            torch_kernels = first_step(with_moe_kernels(opts, "torch"), batches)
+    if rank != 0:
+        return None
+    hf = train_hf(opts, batches) if opts.dtype == "fp32" and not hf_cannot_take_the_mask(opts) else None
+    out = compare(opts, seq, other, hf, note=note)
+    if torch_kernels is not None:
+        compare_kernels(out, seq["first_step"], torch_kernels, moe_kernels(opts))
+    return judge_halves(out, other, halves) if opts.schedule == "intra" else out
+
+
+def run_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
+    from ..runtime.spawn import run_ranks
+
+    if opts.pp > 1:
+        return run_pipe_parity(opts, timeout)
+    return run_ranks(_rank_main, opts.world, args=(opts,), timeout=timeout)[0]
+
+
+def _rank_many(rank, world, many: list[ParityOptions]):
+    return [_rank_main(rank, world, opts) for opts in many]
+
+
+def run_parities(many: list[ParityOptions], timeout: float = 900.0) -> list[dict]:
+    """``run_parity`` of several one-stage option sets in one world (one start-up for all; every set
+    must need the same world size), in order."""
+    from ..runtime.spawn import run_ranks
+
+    worlds = {opts.world for opts in many}
+    if len(worlds) != 1 or any(opts.pp > 1 for opts in many):
+        raise ValueError(f"run_parities needs one-stage option sets of one world size, got worlds {sorted(worlds)}")
+    return run_ranks(_rank_many, worlds.pop(), args=(list(many),), timeout=timeout)[0]
