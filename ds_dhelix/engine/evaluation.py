@@ -68,8 +68,10 @@ def evaluate_loss(
             for loss, w in zip(losses.tolist(), [w for _, w in part]):
                 if w:
                     total += torch.tensor([loss * w, w], dtype=torch.float64)
-        if dp_size > 1:
+        if dp_size > 1:  # on the engine's device: an NCCL group takes no CPU tensor
+            total = total.to(engine.device)
             dist.all_reduce(total, group=group)
+    total = total.cpu()
     return float(total[0] / total[1]), int(total[1])
 
 

@@ -108,7 +108,7 @@ def train_loop(engine, data, options: LoopOptions, run_state: dict | None = None
     start = engine.global_steps
     batches = data.batches(micro, seed=data.options.seed, rank=dp_rank, replicas=dp_size, start=start * gas)
     if loss_average(options.loss_average, data) == "tokens":
-        batches = weighed_by_targets(batches, gas, dp_size, dp_group)
+        batches = weighed_by_targets(batches, gas, dp_size, dp_group, engine.device)
     stop = StopRequest.install()
     log = TrainLog(start, micro * gas * data.options.seq_len * dp_size)
     log_data_fields(engine, data, start)
@@ -193,10 +193,11 @@ def save_checkpoint(engine, options: LoopOptions, run_state: dict | None = None)
         return resume.save(engine, os.path.abspath(options.checkpoint_dir), state, options.keep_checkpoints)
 
 
-def weighed_by_targets(batches, gas: int, dp_size: int, dp_group):
+def weighed_by_targets(batches, gas: int, dp_size: int, dp_group, device="cpu"):
     """The micro-batches, each step's ``gas`` carrying the step's ``loss_denominator``: its target
     count over every data-parallel replica / (gas x replicas), so the engine's mean over micro-
-    batches and replicas is the step's summed loss over its targets (one all-reduce per step)."""
+    batches and replicas is the step's summed loss over its targets (one all-reduce per step, on
+    ``device``: the engine's, so an NCCL data-parallel group takes it)."""
     import torch
     import torch.distributed as dist
 
@@ -204,7 +205,7 @@ def weighed_by_targets(batches, gas: int, dp_size: int, dp_group):
 
     while True:
         step = [next(batches) for _ in range(gas)]
-        count = torch.tensor([float(sum(valid_targets(b["labels"]) for b in step))], dtype=torch.float64)
+        count = torch.tensor([float(sum(valid_targets(b["labels"]) for b in step))], dtype=torch.float64, device=device)
         if dp_size > 1:
             dist.all_reduce(count, group=dp_group)
         denominator = max(float(count) / (gas * dp_size), 1e-12)
