@@ -251,6 +251,87 @@ class _Lean(torch.autograd.Function):
         return (None, *(next(got) if x.requires_grad else None for x in xs))
 
 
+def _act_backward(act):
+    """``(forward, backward(grad, x))`` of an activation module whose derivative has its own kernel
+    (SiLU, GELU exact or tanh), else None."""
+    import functools
+
+    import torch.nn.functional as F
+    from transformers import activations as A
+
+    if isinstance(act, (A.SiLUActivation, torch.nn.SiLU)):
+        return F.silu, torch.ops.aten.silu_backward
+    inner = (
+        getattr(act, "act", None) if type(act).__name__ in ("GELUActivation", "GELUTanh", "PytorchGELUTanh") else act
+    )
+    approximate = None
+    if isinstance(inner, torch.nn.GELU):
+        approximate = inner.approximate
+    elif inner is F.gelu:
+        approximate = "none"
+    elif isinstance(inner, functools.partial) and inner.func is F.gelu and not inner.args:
+        approximate = inner.keywords.get("approximate", "none")
+    if approximate not in ("none", "tanh"):
+        return None
+    return (
+        lambda x: F.gelu(x, approximate=approximate),
+        lambda grad, x: torch.ops.aten.gelu_backward(grad, x, approximate=approximate),
+    )
+
+
+class _LeanGlu(torch.autograd.Function):
+    """``act(gate) * up`` saving only its inputs; the backward recomputes ``act(gate)`` and applies
+    the activation's derivative kernel: the kernels autograd's own backward runs, so the gradients
+    are bitwise plain autograd's, without a nested autograd pass."""
+
+    @staticmethod
+    def forward(ctx, gate, up, fns):
+        ctx.save_for_backward(gate, up)
+        ctx.fns = fns
+        return fns[0](gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        forward, backward = ctx.fns
+        d_up = grad * forward(gate) if ctx.needs_input_grad[1] else None
+        d_gate = backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        return d_gate, d_up, None
+
+
+class _LeanAct(torch.autograd.Function):
+    """``act(x)`` by its kernel, its backward by the derivative's kernel (as ``_LeanGlu``)."""
+
+    @staticmethod
+    def forward(ctx, x, fns):
+        ctx.save_for_backward(x)
+        ctx.fns = fns
+        return fns[0](x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return ctx.fns[1](grad, x), None
+
+
+def lean_act(act, x: torch.Tensor) -> torch.Tensor:
+    """``act(x)`` keeping only ``x`` for backward: by the derivative's kernel where ``act`` has one
+    (``_act_backward``), else recomputed under a nested autograd pass (``lean``)."""
+    fns = _act_backward(act)
+    if fns is None or not torch.is_grad_enabled() or not x.requires_grad:
+        return lean(act, x)
+    return _LeanAct.apply(x, fns)
+
+
+def lean_glu(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` keeping only ``gate`` and ``up`` for backward (``lean``), with an explicit
+    backward where ``act`` has a derivative kernel (``_LeanGlu``; no nested autograd pass)."""
+    fns = _act_backward(act)
+    if fns is None or not torch.is_grad_enabled() or not (gate.requires_grad or up.requires_grad):
+        return lean(lambda g, u: act(g) * u, gate, up)
+    return _LeanGlu.apply(gate, up, fns)
+
+
 def lean(fn, *xs: torch.Tensor) -> torch.Tensor:
     """``fn(*xs)`` (an elementwise activation, ``act(gate) * up``) keeping only its inputs for
     backward, which runs ``fn`` again: a composite activation such as GPT-2's ``gelu_new`` would

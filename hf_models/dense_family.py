@@ -57,7 +57,7 @@ from .common import (
     head_ops,
     layer_window,
     layer_windows,
-    lean,
+    lean_glu,
     make_side_fn,
     mark_replicated,
     qkv_projections,
@@ -318,11 +318,8 @@ def mlp_fns(family: DenseFamily, mlp):
 
     act = getattr(mlp, "act_fn", None) or mlp.activation_fn
 
-    def glu(g, u):
-        return act(g) * u
-
     def down(side, g, u):
-        return (project(mlp.down_proj, lean(glu, g, u), bias=False),)
+        return (project(mlp.down_proj, lean_glu(act, g, u), bias=False),)
 
     return up, down
 

@@ -48,7 +48,7 @@ from .common import (
     dense_layer_ops,
     embed_op,
     head_ops,
-    lean,
+    lean_act,
     make_side_fn,
     mark_replicated,
     sequential_residual,
@@ -143,7 +143,7 @@ def layer_ops(index: int, block, config, tp: int, tp_group, draws, cp=None):
             block.ln_2, at.c_proj.bias, mlp.c_proj.bias, Dropout.make(draws, config.resid_pdrop, index, block)
         ),
         mlp_up=lambda side, x: (mlp.c_fc(x),),
-        mlp_down=lambda side, a: (project(mlp.c_proj, lean(mlp.act, a), bias=False),),
+        mlp_down=lambda side, a: (project(mlp.c_proj, lean_act(mlp.act, a), bias=False),),
     )
 
 

@@ -44,7 +44,7 @@ from .common import (
     dropped,
     embed_op,
     head_ops,
-    lean,
+    lean_act,
     make_side_fn,
     mark_replicated,
     plus,
@@ -126,7 +126,7 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws, cp=None):
         attn_out=lambda side, o: (project(at.dense, o, bias=False),),
         residual=residual(layer, Dropout.make(draws, config.hidden_dropout, index, layer)),
         mlp_up=lambda side, x: (mlp.dense_h_to_4h(x),),
-        mlp_down=lambda side, a: (project(mlp.dense_4h_to_h, lean(mlp.act, a), bias=False),),
+        mlp_down=lambda side, a: (project(mlp.dense_4h_to_h, lean_act(mlp.act, a), bias=False),),
     )
 
 

@@ -90,7 +90,7 @@ from .common import (
     head_ops,
     layer_window,
     layer_windows,
-    lean,
+    lean_glu,
     loss_denominator,
     make_side_fn,
     mark_replicated,
@@ -565,16 +565,13 @@ def dense_mlp_ops(layer) -> list:
     """
     mlp = layer.mlp
 
-    def glu(g, u):
-        return mlp.act_fn(g) * u
-
     return [
         comp("mlp.up", ("x2",), ("gate", "up"), lambda side, x: (mlp.gate_proj(x), mlp.up_proj(x)), linear=True),
         comp(
             "mlp.down",
             ("gate", "up"),
             ("mo",),
-            lambda side, g, u: (mlp.down_proj(lean(glu, g, u)),),
+            lambda side, g, u: (mlp.down_proj(lean_glu(mlp.act_fn, g, u)),),
             linear=True,
             selective=True,
         ),

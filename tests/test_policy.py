@@ -4,9 +4,11 @@ launches and deferred weight gradients, whether the executor runs them (real aut
 whose completion follows a virtual clock) or ``dhelix predict`` re-times them on its own clock."""
 
 import random
+from collections import deque
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
 from ds_dhelix.predict.retime import ChainOp, reactive_rules, retime_pair
@@ -14,6 +16,7 @@ from ds_dhelix.runtime.comm import Pending
 from ds_dhelix.runtime.executor import Executor
 from ds_dhelix.runtime.interpreter import Interpreter
 from ds_dhelix.runtime.tasks import MicroBatch
+from ds_dhelix.runtime.wgrad import PendingGrad
 from ds_dhelix.schedule import policy as P
 
 
@@ -64,7 +67,27 @@ class Collective:
         return Pending(Work(self.clock, self.ms), g.clone())
 
 
-def _timed(clock: Clock, label: str, ms: float):
+WGRAD_CLOCKS: dict = {}  # weight -> its weight gradient's tick on the clock, for deferred ones
+
+
+def _timed_pending_run(run):
+    def timed(self, hooks=False):
+        weight = self.weight
+        run(self, hooks)
+        if not hooks and weight in WGRAD_CLOCKS:
+            WGRAD_CLOCKS[weight]()
+
+    return timed
+
+
+def _layer_op(clock: Clock, name: str, fwd: float, bwd: float, wgrad: float, src: str, dst: str):
+    """A linear COMP op: its input gradient costs ``bwd`` ms, its weight gradient ``wgrad`` (an
+    ``F.linear`` of a parameter, which the executor can defer; timed when the gradient is added to
+    the weight, by its post-accumulate hook), its forward ``fwd``."""
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    owed: deque = deque()  # micro-batches whose weight gradient is owed, oldest first (gradients
+    # of one weight are added in micro-batch order)
+
     class Timed(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, mb):
@@ -73,22 +96,16 @@ def _timed(clock: Clock, label: str, ms: float):
 
         @staticmethod
         def backward(ctx, g):
-            clock.run(label.format(mb=ctx.mb), ms)
+            clock.run(f"B{ctx.mb}.{name}", bwd)
             return g * 1.0, None
 
-    return Timed
-
-
-def _layer_op(clock: Clock, name: str, fwd: float, bwd: float, wgrad: float, src: str, dst: str):
-    """A linear COMP op: its input gradient costs ``bwd`` ms, its weight gradient ``wgrad`` (a
-    separate autograd branch, so the executor can defer it), its forward ``fwd``."""
-    weight = torch.nn.Parameter(torch.ones(2, 2))
-    to_input, to_weight = _timed(clock, f"B{{mb}}.{name}", bwd), _timed(clock, f"wgrad:B{{mb}}.{name}", wgrad)
+    weight.register_post_accumulate_grad_hook(lambda p: clock.run(f"wgrad:B{owed.popleft()}.{name}", wgrad))
+    WGRAD_CLOCKS[weight] = lambda: clock.run(f"wgrad:B{owed.popleft()}.{name}", wgrad)  # deferred: no hook runs
 
     def fn(side, x):
         clock.run(f"F{side['mb']}.{name}", fwd)
-        w = to_weight.apply(weight, side["mb"])
-        return (to_input.apply(x, side["mb"]) + (x.detach() @ w).sum() * 0.0,)
+        owed.append(side["mb"])
+        return (Timed.apply(x, side["mb"]) + F.linear(x, weight) * 0.0,)
 
     return comp(name, (src,), (dst,), fn, linear=True), weight
 
@@ -145,12 +162,13 @@ def _executor_order(monkeypatch, layer=LAYER, num_layers: int = 2) -> list[str]:
     import time
 
     monkeypatch.setattr(time, "sleep", lambda s: clock.next_completion())  # polling: time passes
+    monkeypatch.setattr(PendingGrad, "run", _timed_pending_run(PendingGrad.run))
     ex = Executor(graph, defer_weight_grads=True)
     assert ex.reactive and ex.defer_weight_grads and ex.reacts_to_completions
     mbs = [MicroBatch(k, graph.make_side({"mb": k}), env={"h": torch.ones(2, 2)}) for k in range(2)]
-    ex.forward(mbs[0])
-    clock.log.clear()
-    with ex.deferring(True):
+    with ex.deferring(True):  # the first forward too, as in a step (its linears then defer)
+        ex.forward(mbs[0])
+        clock.log.clear()
         ex.start_backward(mbs[0], 1.0)
         Interpreter(ex).co_execute(mbs[1], ex.all_blocks(), mbs[0], ex.all_blocks()[::-1])
     return clock.log

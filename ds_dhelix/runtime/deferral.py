@@ -1,10 +1,11 @@
 """Deferred weight gradients: which parameters an op's backward adds to (``op_weights``), and the
 weight-gradient passes left for later (``DeferredGrads``), oldest first.
 
-A backward op marked ``linear`` by its adapter may compute its input gradient first
-(``backward(inputs=inputs, retain_graph=True)``) and leave its weight gradient for later
-(``backward(inputs=params)``): the same matmuls, so results do not change, and the strand
-reaches its next collective sooner. A deferred pass must run before any later op adds to the same
+A backward op marked ``linear`` by its adapter may compute its input gradient first and leave its
+linears' weight gradients for later (``wgrad.py``: one autograd engine call now, two matmuls per
+linear later; matrices that are not plain linears, such as an expert's slice of a fused weight,
+keep a second autograd pass over them): the same matmuls, so results do not change, and the
+strand reaches its next collective sooner. A deferred pass must run before any later op adds to the same
 weight (a tied weight, the same op of an earlier micro-batch), so each weight keeps its
 accumulation order: ``touches`` says when.
 """
@@ -27,12 +28,17 @@ class OpWeights:
 NO_WEIGHTS = OpWeights((), False)  # COMM ops
 
 
-def op_weights(op: Op, tensors, leaves) -> OpWeights:
+def op_weights(op: Op, tensors, leaves, known: OpWeights = NO_WEIGHTS, linears=()) -> OpWeights:
     """The parameters an op's backward adds to: the leaf variables its autograd graph reaches from
-    its outputs, other than its own inputs. Deferrable when its adapter marks it ``linear`` (a
-    later ``backward(inputs=params)`` then runs only the weight matmuls)."""
+    its outputs, other than its own inputs, with the parameters of its intercepted ``linears``
+    (``wgrad.py``: not in the graph) and those ``known`` from an earlier forward. Deferrable when
+    its adapter marks it ``linear``."""
     leaf_ids = {id(x) for x in leaves}
-    params, seen, stack = [], set(), [x.grad_fn for x in tensors if x.grad_fn is not None]
+    params = list(known.params)
+    for p in linears:
+        if id(p) not in known.ids:
+            params.append(p)
+    seen, stack = set(), [x.grad_fn for x in tensors if x.grad_fn is not None]
     while stack:
         fn = stack.pop()
         if fn in seen:
@@ -40,7 +46,7 @@ def op_weights(op: Op, tensors, leaves) -> OpWeights:
         seen.add(fn)
         var = getattr(fn, "variable", None)  # a leaf's gradient accumulator
         if var is not None:
-            if id(var) not in leaf_ids:
+            if id(var) not in leaf_ids and all(var is not p for p in params):
                 params.append(var)
             continue
         stack.extend(f for f, _ in fn.next_functions if f is not None)
@@ -48,7 +54,9 @@ def op_weights(op: Op, tensors, leaves) -> OpWeights:
 
 
 class DeferredGrads:
-    """Weight-gradient passes waiting, oldest first: ``(task, outputs, grads, OpWeights)`` each."""
+    """Weight-gradient passes waiting, oldest first: ``(task, ([PendingGrad], second pass or None),
+    OpWeights)`` each; a second pass ``(outputs, grads, params)`` covers the matrices autograd
+    reaches itself (not routed through ``wgrad``)."""
 
     def __init__(self):
         self._queue: deque = deque()
@@ -61,8 +69,8 @@ class DeferredGrads:
         """Block depth of the oldest waiting pass (infinity when none waits)."""
         return self._queue[0][0].depth if self._queue else float("inf")
 
-    def add(self, task, tensors, grads, weights: OpWeights) -> None:
-        self._queue.append((task, tensors, grads, weights))
+    def add(self, task, pending: tuple, weights: OpWeights) -> None:
+        self._queue.append((task, pending, weights))
         for p in weights.params:
             self._params[id(p)] = self._params.get(id(p), 0) + 1
 
@@ -73,7 +81,7 @@ class DeferredGrads:
     def pop(self):
         """The oldest waiting pass, no longer waiting."""
         item = self._queue.popleft()
-        for p in item[3].params:
+        for p in item[2].params:
             left = self._params.pop(id(p)) - 1
             if left:
                 self._params[id(p)] = left

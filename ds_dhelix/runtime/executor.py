@@ -40,6 +40,7 @@ from .deferral import NO_WEIGHTS, DeferredGrads, OpWeights, op_weights
 from .interpreter import run_microbatches
 from .stats import StepStats
 from .tasks import MicroBatch, Task, accumulate
+from .wgrad import WeightGradStore, intercept_linears, run_backward
 
 
 def _is_comm(t: Task) -> bool:
@@ -88,7 +89,7 @@ class Executor(Collectives):
         self.recorder, self.watchdog = recorder, watchdog
         self.stats = StepStats()
         comms = [op for block in graph.blocks for op in block if op.is_comm]
-        # deferring a weight gradient costs a second autograd pass; it pays only where it fills the
+        # deferring a weight gradient costs host work (its linears run as autograd Functions); it pays only where it fills the
         # time the strands wait on collectives, so by default (None) a graph without COMM ops
         # (TP = CP = EP = 1) runs each backward op whole; True defers anyway (the same matmuls
         # either way: results do not change)
@@ -96,7 +97,10 @@ class Executor(Collectives):
         self._grad = True  # False inside ``inference()``
         self._deferring = False  # on while a schedule that defers runs (``deferring``)
         self._deferred = DeferredGrads()
-        self._op_weights: dict = {}  # (block, op index) -> OpWeights, from the op's first forward
+        self._wgrad = WeightGradStore()  # where deferred linears leave their weight gradients
+        self._op_weights: dict = {}  # (block, op index) -> OpWeights, from the op's first forwards
+        # (block, op index, linears routed) -> parameters autograd reaches when matrices are among them
+        self._weighed: dict = {}
         # react to completed collectives at once when every COMM op keeps forward and backward
         # collectives on separate groups (timing may then reorder the two strands' launches);
         # never on CUDA, where the host's view of completion lags the device (``_cuda``)
@@ -222,12 +226,20 @@ class Executor(Collectives):
         op, mb = t.op, t.mb
         leaves = [inputs[k].detach().requires_grad_(inputs[k].is_floating_point()) for k in op.inputs]
         hooks = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
-        with torch.enable_grad(), hooks:
+        linears = intercept_linears(self._wgrad) if self._deferring and op.linear else None
+        with torch.enable_grad(), hooks, linears or contextlib.nullcontext():
             outs = op.fn(mb.side, *leaves)
         key = (t.block, t.op_index)
-        if key not in self._op_weights:  # once per op: the weights its backward will add to
-            self._op_weights[key] = op_weights(op, [o for o in outs if o.requires_grad], leaves)
-        mb.saved[key] = (leaves, outs)
+        way = (*key, linears is not None)
+        if way not in self._weighed:  # once per op and way: what its backward adds to
+            tensors = [o for o in outs if o.requires_grad]
+            in_graph = op_weights(op, tensors, leaves)
+            # matrices a deferring op reaches through autograd (not routed: an expert's slice of a
+            # fused weight, a grouped GEMM) keep a second pass for their part (``_comp_backward``)
+            self._weighed[way] = in_graph.params if any(p.dim() >= 2 for p in in_graph.params) else ()
+            known = self._op_weights.get(key, NO_WEIGHTS)
+            self._op_weights[key] = op_weights(op, tensors, leaves, known, linears.params if linears else ())
+        mb.saved[key] = (leaves, outs, self._weighed[way])
         for name, out in zip(op.outputs, outs):
             mb.env[name] = out.detach()
         return outs
@@ -240,7 +252,7 @@ class Executor(Collectives):
             self._record_forward(t, saved.values)
             mb.side["recomputing"] = False
             del saved
-        leaves, outs = mb.saved.pop((t.block, t.op_index))
+        leaves, outs, in_graph = mb.saved.pop((t.block, t.op_index))
         tensors, grads = [], []
         for key, out in zip(op.outputs, outs):
             g = mb.grads.pop(key, None)
@@ -249,13 +261,20 @@ class Executor(Collectives):
                 grads.append(g)
         if tensors:
             # (run_comp has run any deferred pass that adds to this op's weights: each keeps its order)
+            # one engine call: a deferring op's routed linears leave their weight gradients pending;
+            # matrices autograd reaches itself (``in_graph``) are left to a second pass over them
             weights = self.weights_of(t)
-            need = [leaf for leaf in leaves if leaf.requires_grad]
-            if self._deferring and weights.deferrable and need:
-                torch.autograd.backward(tensors, grads, inputs=need, retain_graph=True)
-                self._deferred.add(t, tensors, grads, weights)
+            if self._deferring and weights.deferrable:
+                need = [leaf for leaf in leaves if leaf.requires_grad] if in_graph else []
+                with self._wgrad.collecting() as pending:
+                    if need:
+                        torch.autograd.backward(tensors, grads, inputs=need, retain_graph=True)
+                    else:
+                        run_backward(tensors, grads)
+                if pending or need:
+                    self._deferred.add(t, (pending, (tensors, grads, in_graph) if need else None), weights)
             else:
-                torch.autograd.backward(tensors, grads)
+                run_backward(tensors, grads)
         for key, leaf in zip(op.inputs, leaves):
             if leaf.grad is not None:
                 accumulate(mb.grads, key, leaf.grad)
@@ -266,10 +285,14 @@ class Executor(Collectives):
         """Run the oldest deferred weight-gradient pass; False when none is waiting."""
         if not self._deferred:
             return False
-        t, tensors, grads, weights = self._deferred.pop()
+        t, (pending, second), _ = self._deferred.pop()
         with self._label(f"{t.op.name}.wgrad"):
             t0 = time.perf_counter()
-            torch.autograd.backward(tensors, grads, inputs=list(weights.params))
+            for grad in pending:
+                grad.run()
+            if second is not None:
+                tensors, grads, params = second
+                torch.autograd.backward(tensors, grads, inputs=list(params))
             t1 = time.perf_counter()
         self.stats.compute_s += t1 - t0
         self.stats.num_deferred += 1
