@@ -216,3 +216,42 @@ def test_profile_moe_layer_with_expert_parallelism():
     assert t.meta["layout"] == "world=2,tp=1,ep=2"
     plan = plan_dp(t)
     assert plan.predicted_ms > 0 and not plan.comm_conflicts()
+
+
+def _clock_rank(rank, world):
+    import time
+
+    from ds_dhelix.runtime.profiler import StreamClock
+
+    clock = StreamClock("cpu")
+    t0 = clock.start()
+    time.sleep(0.01)
+    waited = clock.stop(t0)
+    return waited, clock.reduce_max([float(rank), 10.0 - rank])
+
+
+def test_stream_clock_times_and_reduces_on_its_device():
+    """The planner's timer and its world reduction, one interface (``StreamClock``): on CPU the
+    host clock and a reduction on a CPU tensor; on CUDA, events and a CUDA tensor (the same calls;
+    ``scripts/gpu_checks.py`` runs that branch when a GPU is lent)."""
+    from ds_dhelix.runtime.spawn import run_ranks
+
+    results = run_ranks(_clock_rank, world=2, timeout=120)
+    for waited, reduced in results:
+        assert waited >= 0.01
+        assert reduced == [1.0, 10.0]  # each value's max over the two ranks
+
+
+def test_layer_probe_clock_follows_the_batch_device():
+    import torch
+
+    from ds_dhelix.runtime.profiler import LayerProbe
+    from hf_models.adapters import adapter_for
+    from hf_models.registry import build_model
+
+    model, _ = build_model("tiny-llama", seed=0, num_layers=2)
+    graph = adapter_for(model.config).build_graph(model)
+    batch = {"input_ids": torch.randint(0, 100, (1, 8)), "labels": torch.randint(0, 100, (1, 8))}
+    probe = LayerProbe(graph, batch)
+    assert probe.clock.device == batch["input_ids"].device and not probe.clock.cuda
+    assert probe.time_round((0, 1), (0, 1)) > 0

@@ -22,7 +22,7 @@ from ..graph.ops import backward_order
 from ..planning.plan import default_plan, sequential_plan
 from ..planning.planner import OverlapTable, plan_dp, predict_ms, predicted_spread_ms, random_plan
 from ..runtime.groups import ProcessGroups
-from ..runtime.profiler import LayerProbe, profile_layer, robust_spread, run_meta, world_max
+from ..runtime.profiler import LayerProbe, profile_layer, robust_spread, run_meta
 from ..runtime.spawn import run_ranks
 
 
@@ -107,7 +107,7 @@ def _validate_rank(rank, world, o: dict):
         for n in order:
             samples[n].append(probe.time_plan(plans[n]) * 1e3)
     k = len(names)
-    reduced = world_max(
+    reduced = probe.clock.reduce_max(
         [statistics.median(samples[n]) for n in names]
         + [robust_spread(samples[n]) for n in names]
         + [min(samples[n]) for n in names]

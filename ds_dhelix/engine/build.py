@@ -500,6 +500,29 @@ def _pipeline_engine(
     )
 
 
+def _on_run_device(model, example_batch: dict | None, ds_config: dict, log) -> dict | None:
+    """The model moved to the device DeepSpeed's engine will put it on (it moves it there anyway),
+    and the profiling micro-batch with it, so the planner times the run's device; a model that
+    DeepSpeed will cast to bf16 / fp16 after is timed in its own dtype (said once)."""
+    import torch
+
+    device = torch.device(get_accelerator().current_device_name())
+    model.to(device)
+    dtype = next(model.parameters()).dtype
+    cast = next(
+        (t for k, t in (("bf16", torch.bfloat16), ("fp16", torch.float16)) if (ds_config.get(k) or {}).get("enabled")),
+        None,
+    )
+    if cast is not None and dtype != cast:
+        log(
+            f"ds_dhelix: the planner times the model in {dtype} before DeepSpeed casts it to {cast}; build "
+            f"it in {cast} (torch_dtype=) for a table of the kernels the run uses"
+        )
+    if example_batch is None:
+        return None
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example_batch.items()}
+
+
 def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, example_batch) -> SIPlan:
     """The searched plan when ``planner.profile`` asks for one, else the default plan."""
     from ..planning.planner import predict_ms
@@ -524,6 +547,7 @@ def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, e
         cp_comm=groups.dims.cp_comm,
     )
     log = (lambda msg: logger.info(msg)) if groups.rank == 0 else (lambda msg: None)
+    example_batch = _on_run_device(model, example_batch, ds_config, log)
     plan, table = resolve_plan(dh.planner, graph, meta, example_batch, list(model.parameters()), log)
     log(
         f"ds_dhelix: SI plan '{plan.source}' (predicted {predict_ms(table, plan):.2f} ms per layer pair; "

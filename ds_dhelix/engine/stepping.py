@@ -307,6 +307,8 @@ class DhelixStepMixin:
         ]
         if norm is not None:
             events.append(("Train/grad_norm", float(norm), step))
+        if s.starved_share is not None:  # CUDA: compute ops that found the GPU idle at launch
+            events.append(("Train/starved_launch_fraction", s.starved_share, step))
         auto = getattr(self, "auto", None)
         if auto is not None:  # which candidate ran the step (its index in auto.candidates: intra left out
             # for one-sample micro-batches)

@@ -302,6 +302,8 @@ class DhelixTrainer(Trainer):
                 "dhelix/peak_activation_bytes": float(stats.peak_activation_bytes),
                 "dhelix/tokens_per_s": stats.tokens_per_s,
             }
+            if stats.starved_share is not None:  # CUDA: compute ops that found the GPU idle at launch
+                logs["dhelix/starved_launch_fraction"] = stats.starved_share
             auto = getattr(self._engine, "auto", None)
             if auto is not None:  # "schedule": "auto": the logged step's schedule, its index in auto.candidates
                 logs["dhelix/auto_schedule"] = float(auto.candidates.index(self._engine.current_schedule))

@@ -42,6 +42,8 @@ from .stats import StepStats
 from .tasks import MicroBatch, Task, accumulate
 from .wgrad import WeightGradStore, intercept_linears, run_backward
 
+_UNKNOWN = object()
+
 
 def _is_comm(t: Task) -> bool:
     return t.op.is_comm
@@ -108,6 +110,7 @@ class Executor(Collectives):
         # every COMM op's in-flight work says when it is complete (``within_budget``, ``pollable``)
         self._all_poll = all(self.polls(op) for op in comms)
         self._cuda = False  # set by the first collective launched on a CUDA tensor
+        self._stream = _UNKNOWN  # the compute stream (CUDA), None on CPU: from the first op's input
         self._device_events: list = []  # this step's ``comm.DeviceEvents`` (CUDA)
         self._op_bytes: dict = {}  # (block, op index) -> bytes its forward saves (the meter's, largest seen)
         self._budget: float | None = None  # live activation bytes SI pairs stay within (``within_budget``)
@@ -172,6 +175,7 @@ class Executor(Collectives):
     # ------------------------------------------------------------------ single ops
     def run_comp(self, t: Task) -> None:
         self._beat(t)
+        self._note_launch(t)
         if t.backward and self._deferred.touches(self.weights_of(t).ids):
             self.drain_deferred()  # a deferred pass adds to this op's weights: it runs first
         live = self.meter.current if self.meter is not None else 0
@@ -189,6 +193,18 @@ class Executor(Collectives):
         self.stats.compute_s += t1 - t0
         if self.recorder is not None:
             self.recorder.add_span("compute", t.op.name, t0, t1, self._args(t))
+
+    def _note_launch(self, t: Task) -> None:
+        """CUDA: count the op's launch, and whether the compute stream had run dry (``StepStats.
+        starved_share``): one non-blocking query per op."""
+        if self._stream is _UNKNOWN:
+            x = next((v for k in t.op.inputs if isinstance(v := t.mb.env.get(k), torch.Tensor)), None)
+            if x is None:
+                return
+            self._stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
+        if self._stream is not None:
+            self.stats.launches += 1
+            self.stats.idle_launches += bool(self._stream.query())
 
     def _before_forward(self, t: Task) -> None:
         """A layer that recomputes keeps its inputs as its forward starts, and gets them back as

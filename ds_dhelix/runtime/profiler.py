@@ -98,12 +98,44 @@ def meta_key(meta: dict) -> str:
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
 
 
+class StreamClock:
+    """Seconds of work on ``device``: on CUDA between two events recorded on the current stream
+    (work the stream waits for, a collective's included), read after synchronising on the second,
+    since the host only enqueues and ``perf_counter`` would time the enqueueing; on CPU, where
+    every op runs on the calling thread, ``perf_counter``. ``reduce_max`` takes the maximum over
+    the ranks on a tensor of the device (an NCCL group takes no CPU tensor)."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started) -> float:
+        if not self.cuda:
+            return time.perf_counter() - started
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return started.elapsed_time(end) / 1e3
+
+    def reduce_max(self, values: list[float]) -> list[float]:
+        return world_max(values, self.device)
+
+
 class LayerProbe:
-    """One decoder layer (block ``block``) of ``graph`` ready to be timed segment by segment."""
+    """One decoder layer (block ``block``) of ``graph`` ready to be timed segment by segment, on
+    the device of ``batch`` (``clock``: a ``StreamClock`` of it)."""
 
     def __init__(self, graph, batch: dict, block: int | None = None):
         block = graph.main_block() if block is None else block  # (a layer of the kind the plan is for)
         self.graph, self.block = graph, block
+        self.clock = StreamClock(batch["input_ids"].device)
         self.executor = Executor(graph, reactive=False)  # plan-mode semantics: what plans run by
         self.side = graph.make_side(batch)
         pre = MicroBatch(-1, self.side)
@@ -133,11 +165,11 @@ class LayerProbe:
         ex, blk = self.executor, self.block
         f, b = self._strands()
         ex.run_round(ex.tasks(b, blk, True, 0, bseg[0]), ex.tasks(f, blk, False, 0, fseg[0]))
-        t0 = time.perf_counter()
+        t0 = self.clock.start()
         ex.run_round(ex.tasks(b, blk, True, *bseg), ex.tasks(f, blk, False, *fseg))
-        t1 = time.perf_counter()
+        seconds = self.clock.stop(t0)
         ex.run_round(ex.tasks(b, blk, True, bseg[1], self.n), ex.tasks(f, blk, False, fseg[1], self.n))
-        return t1 - t0
+        return seconds
 
     def comm_cpu(self, fseg, bseg) -> float:
         """Seconds of CPU the process spent beside this thread while one round ran (a COMM op
@@ -173,9 +205,9 @@ class LayerProbe:
             return
         for i in range(len(self.graph.blocks[b])):
             tasks = ex.tasks(mb, b, backward, i, i + 1)
-            t0 = time.perf_counter()
+            t0 = self.clock.start()
             ex.run_round(*((tasks, []) if backward else ([], tasks)))
-            times.append(time.perf_counter() - t0)
+            times.append(self.clock.stop(t0))
         if backward:
             times.reverse()  # backward positions -> forward op order
 
@@ -183,15 +215,16 @@ class LayerProbe:
         """Seconds of a whole layer pair run by ``plan`` (the makespan the planner predicts)."""
         ex, blk = self.executor, self.block
         f, b = self._strands()
-        t0 = time.perf_counter()
+        t0 = self.clock.start()
         for r in plan.rounds:
             ex.run_round(ex.tasks(b, blk, True, *r.bwd), ex.tasks(f, blk, False, *r.fwd))
-        return time.perf_counter() - t0
+        return self.clock.stop(t0)
 
 
-def world_max(values: list[float]) -> list[float]:
-    """Each value's maximum over the ranks (every rank then holds the same numbers)."""
-    t = torch.tensor(values, dtype=torch.float64)
+def world_max(values: list[float], device: torch.device | str = "cpu") -> list[float]:
+    """Each value's maximum over the ranks (every rank then holds the same numbers), reduced on a
+    tensor of ``device`` (the run's: an NCCL group takes no CPU tensor)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -229,7 +262,7 @@ class _Samples:
 
     def table(self) -> OverlapTable:
         keys = list(self.runs)
-        reduced = world_max(
+        reduced = self.probe.clock.reduce_max(
             [statistics.median(self.runs[k]) for k in keys] + [robust_spread(self.runs[k]) for k in keys]
         )
         medians, spreads = reduced[: len(keys)], reduced[len(keys) :]  # one all-reduce for both
@@ -257,7 +290,9 @@ def profile_layer(
     t0 = time.perf_counter()
     for key in tqdm(jobs, desc="profile", disable=not show, dynamic_ncols=True):
         samples.measure(key, repeats, warmup)
-    first_s = world_max([time.perf_counter() - t0])[0]  # the slowest rank's: every rank's budget alike
+    first_s = samples.probe.clock.reduce_max([time.perf_counter() - t0])[
+        0
+    ]  # the slowest rank's: every rank's budget alike
     table = samples.table()
     noisy_runs = _remeasure_noisy(samples, table, repeats, first_s * NOISE_BUDGET, show)
     table = samples.table() if noisy_runs else table
@@ -289,7 +324,7 @@ def time_block_ops(probe: LayerProbe, warmup: int, repeats: int) -> dict:
     graph, nb = probe.graph, len(probe.graph.blocks)
     layout = [(key, d, len(graph.blocks[b])) for key, b in (("pre", 0), ("post", nb - 1)) for d in (0, 1)]
     medians = [statistics.median(run[key][d][i] for run in runs) * 1e3 for key, d, n in layout for i in range(n)]
-    reduced, out = world_max(medians), {}
+    reduced, out = probe.clock.reduce_max(medians), {}
     for key, d, n in layout:
         block = graph.blocks[0 if key == "pre" else nb - 1]
         entry = out.setdefault(key, {"ops": [op.name for op in block]})
@@ -305,7 +340,9 @@ def time_comm_cpu(probe: LayerProbe, fwd, bwd, warmup: int, repeats: int) -> dic
     for key in keys:
         for _ in range(warmup):
             probe.comm_cpu(*key)
-    medians = world_max([statistics.median(probe.comm_cpu(*key) for _ in range(repeats)) * 1e3 for key in keys])
+    medians = probe.clock.reduce_max(
+        [statistics.median(probe.comm_cpu(*key) for _ in range(repeats)) * 1e3 for key in keys]
+    )
     out = {"fwd": [None] * len(fwd), "bwd": [None] * len(bwd)}
     for (fseg, bseg), ms in zip(keys, medians):
         direction, seg = ("fwd", fseg) if bseg == EMPTY else ("bwd", bseg)
@@ -329,12 +366,13 @@ def _remeasure_noisy(samples: _Samples, table: OverlapTable, repeats: int, budge
             added += repeats
             if (
                 i % BUDGET_CHECK_EVERY == BUDGET_CHECK_EVERY - 1
-                and world_max([time.perf_counter() - t0])[0] >= budget_s
+                and samples.probe.clock.reduce_max([time.perf_counter() - t0])[0] >= budget_s
             ):
                 keys = []  # out of time (every rank sees the slowest rank's clock: all stop together)
                 break
         else:
-            keys = _noisy(samples.table(), keys) if world_max([time.perf_counter() - t0])[0] < budget_s else []
+            spent = samples.probe.clock.reduce_max([time.perf_counter() - t0])[0]
+            keys = _noisy(samples.table(), keys) if spent < budget_s else []
     if show and added:
         print(
             f"ds_dhelix: profile re-measured noisy entries: {added} runs in {time.perf_counter() - t0:.1f} s",
@@ -436,7 +474,7 @@ def confirm_by_measurement(graph, batch: dict, plan, params=(), log=print, repea
     for _ in range(repeats):
         samples[0].append(probe.time_plan(plan))
         samples[1].append(probe.time_plan(fallback))
-    dp_ms, default_ms = (m * 1e3 for m in world_max([statistics.median(x) for x in samples]))
+    dp_ms, default_ms = (m * 1e3 for m in probe.clock.reduce_max([statistics.median(x) for x in samples]))
     for p in params:
         p.grad = None
     log(f"ds_dhelix: measured per layer pair: DP plan {dp_ms:.2f} ms, default plan {default_ms:.2f} ms")

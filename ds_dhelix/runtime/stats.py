@@ -22,6 +22,18 @@ class StepStats:
     # the time the compute stream stalled waiting on one (None on CPU, where the host waits)
     device_comm_s: float | None = None
     device_exposed_s: float | None = None
+    # CUDA: compute ops launched, and those launched onto an empty compute stream (the device had
+    # run out of work: the host was behind; ``starved_share``)
+    launches: int = 0
+    idle_launches: int = 0
+
+    @property
+    def starved_share(self) -> float | None:
+        """Share of the step's compute ops that found the device idle at launch (CUDA; None on CPU,
+        where ops run on the calling thread). Near 0: the host keeps ahead of the GPU; near 1: the
+        step is host-bound, and exposure figures say little (nothing waits on a collective when the
+        GPU already waits on Python)."""
+        return self.idle_launches / self.launches if self.launches else None
 
     @property
     def hidden_fraction(self) -> float:

@@ -8,7 +8,9 @@ weight and bias gradients itself, or, while ``WeightGradStore.collecting``, leav
 part is two plain matmuls run later by the executor (``PendingGrad.run``): no retained graph and
 no second engine pass (DualPipe's weight-gradient store works the same way).
 
-The gradients are the matmuls autograd's own ``linear`` backward runs, on the same operands:
+An expert's projection on its row of a fused expert weight (``F.linear(x, W[e])``, ``x @ W[e]``) is
+routed too, its gradient added into that row (``Slot``). The gradients are the matmuls autograd's
+own ``linear`` backward runs, on the same operands:
 ``dX = g.mm(W)``, ``dW = g.t().mm(x)``, ``db = g.sum(0)`` with ``g`` and ``x`` flattened to 2-D,
 bitwise equal to plain autograd for 2-D to 4-D inputs, contiguous or not (``tests/test_wgrad.py``).
 A gradient is added to ``param.grad`` as autograd's accumulator adds it (the first one taken as is,
@@ -53,9 +55,31 @@ class PendingGrad:
         self.x = self.g = None
 
 
-def accumulate_into(param: torch.Tensor, grad: torch.Tensor, hooks: bool) -> None:
+class Slot:
+    """Row ``index`` of parameter ``param``: an expert's slice of a fused expert weight, where the
+    gradient of a linear on that slice goes."""
+
+    __slots__ = ("param", "index")
+
+    def __init__(self, param: torch.nn.Parameter, index: int):
+        self.param, self.index = param, index
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+
+def accumulate_into(param, grad: torch.Tensor, hooks: bool) -> None:
     """``grad`` added to ``param.grad`` as autograd's accumulator adds it, then (``hooks``) the
-    parameter's post-accumulate-grad hooks."""
+    parameter's post-accumulate-grad hooks. A ``Slot``'s gradient goes into its row of the
+    parameter's gradient (zeros elsewhere the first time: what autograd's sum over the rows' views
+    gives, bitwise); its hooks are not run (one slot is not the whole gradient)."""
+    if isinstance(param, Slot):
+        whole = param.param
+        if whole.grad is None:
+            whole.grad = torch.zeros_like(whole)
+        whole.grad[param.index] += grad
+        return
     if param.grad is None:
         param.grad = grad
     else:
@@ -64,6 +88,18 @@ def accumulate_into(param: torch.Tensor, grad: torch.Tensor, hooks: bool) -> Non
     if registered:
         for hook in tuple(registered.values()):
             hook(param)
+
+
+def _target(t: torch.Tensor | None):
+    """Where the gradient of weight or bias ``t`` goes: ``t`` itself when it is a parameter, a
+    ``Slot`` when it is ``param[e]`` (a row view of a parameter), else None (not routed)."""
+    if isinstance(t, torch.nn.Parameter):
+        return t
+    base = getattr(t, "_base", None)
+    if not isinstance(base, torch.nn.Parameter) or t.shape != base.shape[1:] or t.stride() != base.stride()[1:]:
+        return None
+    index, rest = divmod(t.storage_offset() - base.storage_offset(), base.stride(0))
+    return Slot(base, index) if rest == 0 and 0 <= index < base.shape[0] else None
 
 
 class WeightGradStore:
@@ -92,13 +128,14 @@ class _Linear(torch.autograd.Function):
     """A linear whose parameters are not inputs of the autograd graph: its backward adds their
     gradients itself (``PendingGrad.run``), now or, while the store collects, later. (Were they
     inputs, autograd would visit their accumulators, and run their hooks, even when given none.)
-    ``rows_out``: ``F.linear(x, weight, bias)``; else ``Conv1D``'s ``addmm(bias, x, weight)`` /
-    ``matmul(x, weight)``."""
+    ``params``: the weight and bias as computed with; ``targets``: where their gradients go (the
+    parameters, or ``Slot`` rows of one). ``rows_out``: ``F.linear(x, weight, bias)``; else
+    ``Conv1D``'s ``addmm(bias, x, weight)`` / ``matmul(x, weight)``."""
 
     @staticmethod
-    def forward(ctx, x, store, params, rows_out):
+    def forward(ctx, x, store, params, targets, rows_out):
         ctx.save_for_backward(x)
-        ctx.store, ctx.params, ctx.rows_out = store, params, rows_out
+        ctx.store, ctx.params, ctx.targets, ctx.rows_out = store, params, targets, rows_out
         weight, bias = params
         if rows_out:
             return _LINEAR(x, weight, bias)
@@ -107,40 +144,45 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        weight, bias = ctx.params
+        weight, _ = ctx.params
+        w_to, b_to = ctx.targets
         g2 = g.reshape(-1, g.shape[-1])
         dx = (g2.mm(weight) if ctx.rows_out else g2.mm(weight.t())).view(x.shape)
-        need_w, need_b = weight.requires_grad, bias is not None and bias.requires_grad
+        need_w, need_b = w_to.requires_grad, b_to is not None and b_to.requires_grad
         x2 = x.reshape(-1, x.shape[-1]) if need_w else None
-        pending = PendingGrad(x2, g2, weight if need_w else None, bias if need_b else None, ctx.rows_out)
+        pending = PendingGrad(x2, g2, w_to if need_w else None, b_to if need_b else None, ctx.rows_out)
         if not ctx.store.take(pending):
             pending.run(hooks=True)
-        return dx, None, None, None
-
-
-def _trained(*params) -> bool:
-    return any(p is not None and p.requires_grad for p in params)
+        return dx, None, None, None, None
 
 
 class _Intercept(TorchFunctionMode):
-    """Routes the linears of an op's forward through ``_Linear``; ``params``: those it routed."""
+    """Routes the linears of an op's forward through ``_Linear``; ``params``: the parameters whose
+    gradients it routed (whole parameters, for a slot its parameter)."""
 
     def __init__(self, store: WeightGradStore):
         super().__init__()
-        self.store, self.params = store, []
+        self.store, self._params = store, {}
+
+    @property
+    def params(self) -> list:
+        return list(self._params.values())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         routed = self._route(func, args, kwargs)
         if routed is None:
             return func(*args, **kwargs)
-        x, weight, bias, rows_out = routed
-        self.params.extend(p for p in (weight, bias) if p is not None and p.requires_grad)
-        return _Linear.apply(x, self.store, (weight, bias), rows_out)
+        x, weight, bias, targets, rows_out = routed
+        for t in targets:
+            if t is not None and t.requires_grad:
+                p = t.param if isinstance(t, Slot) else t
+                self._params[id(p)] = p
+        return _Linear.apply(x, self.store, (weight, bias), targets, rows_out)
 
     @staticmethod
     def _route(func, args, kwargs):
-        """(x, weight, bias, rows_out) of a linear to route, or None."""
+        """(x, weight, bias, targets, rows_out) of a linear to route, or None."""
         if kwargs and func is not _LINEAR:
             return None
         if func is _LINEAR:
@@ -151,12 +193,18 @@ class _Intercept(TorchFunctionMode):
             rows_out = False
             if x.dim() != 2 or bias.dim() != 1:
                 return None
-        elif func is torch.matmul and len(args) == 2 and isinstance(args[1], torch.nn.Parameter):
-            (x, weight), bias, rows_out = args, None, False  # Conv1D without its bias
+        elif func is torch.matmul and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            (x, weight), bias, rows_out = args, None, False  # Conv1D without its bias; x @ W[e]
         else:
             return None
-        ok = isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and x.dim() >= 2 and x.requires_grad
-        return (x, weight, bias, rows_out) if ok and _trained(weight, bias) else None
+        if weight.dim() != 2 or x.dim() < 2 or not x.requires_grad:
+            return None
+        targets = (_target(weight), None if bias is None else _target(bias))
+        if targets[0] is None or (bias is not None and targets[1] is None):
+            return None  # a weight or bias that is not a parameter (or a row of one): autograd's
+        if not any(t is not None and t.requires_grad for t in targets):
+            return None
+        return x, weight, bias, targets, rows_out
 
 
 def _linear_args(input, weight, bias=None):

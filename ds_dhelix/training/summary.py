@@ -144,6 +144,9 @@ def _schedule_figures(stats: list, schedule: str) -> tuple[dict, str]:
         hidden_fraction=frac,
         peak_activation_bytes=max(s.peak_activation_bytes for s in stats),
     )
+    launches = sum(s.launches for s in kept)
+    if launches:  # CUDA: a host-bound step launches onto an idle GPU (exposure then says little)
+        figures["starved_launch_fraction"] = sum(s.idle_launches for s in kept) / launches
     if comm > 0:
         return figures, (
             f"; schedule {schedule}: communication {comm / n * 1e3:.0f} ms/step, "
