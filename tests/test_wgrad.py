@@ -156,7 +156,9 @@ def _step(model, batches, schedule, defer):
     return [mb.loss for mb in mbs], {n: p.grad for n, p in model.named_parameters()}, calls, ex.stats.num_deferred
 
 
-@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-gpt2", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"])
+@pytest.mark.parametrize(
+    "model_name", ["tiny-llama", "tiny-gpt2", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"]
+)
 def test_si_with_deferred_linears_is_sequential_bitwise_in_one_engine_call_per_op(model_name):
     ref, _ = build_model(model_name, seed=0, num_layers=2)
     batches = random_batches(ref.config.vocab_size, 4, 1, 16)
