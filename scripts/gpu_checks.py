@@ -29,6 +29,14 @@ go to ``<out>/gpu_checks.json``.
    longer matmul chain ~0; the host wait is ~0 in both (what host timers would report).
 7. ``connections`` (CUDA only): ``CUDA_DEVICE_MAX_CONNECTIONS`` and the warning the engines give
    when it serializes kernels.
+12. ``planner_clock``: the planner's ``StreamClock`` (``runtime/profiler.py``) on the device: a
+   layer's co-executed round timed by CUDA events beside the host's time to launch it, and the
+   world reduction on a one-rank NCCL world (a CUDA tensor).
+13. ``layer_shapes``: a Llama-3-8B layer's TP=8 share and a Qwen3-30B-A3B layer's EP=8 share (bf16,
+   seq 4096): HF against the executor's sequential and SI (step time, host launch time, the share
+   of ops that found the GPU idle, ``starved_share``), and the same with side-stream fake
+   collectives of ``dhelix predict``'s H100 lengths: how much sequential and SI hide
+   (``scripts/gpu_layer_checks.py``).
 9. ``tutel_kernels`` (where tutel imports): ``dhelix.moe.kernels`` torch against tutel on the device,
    fp32 and bf16: the send buffer and combined rows equal or not, and the encode + decode forward +
    backward time of each (median).
@@ -72,6 +80,7 @@ from ds_dhelix.runtime.trace import TraceRecorder  # noqa: E402
 from ds_dhelix.verify import random_batches  # noqa: E402
 from hf_models.adapters import adapter_for  # noqa: E402
 from hf_models.registry import build_model  # noqa: E402
+from scripts.gpu_layer_checks import check_layer_shapes, check_planner_clock  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -627,6 +636,11 @@ def main(argv=None) -> int:
         )
         report("host_syncs", lambda: check_host_syncs(device, args.micro_batches, 2, 256))
     report("roofline", lambda: check_roofline(device))
+    report("planner_clock", lambda: check_planner_clock(ref, batches[0], device))
+    report(
+        "layer_shapes",
+        lambda: check_layer_shapes(device, args.steps) if device.type == "cuda" else check_layer_shapes(device, 1, 2),
+    )
     missing = tutel_missing()
     if missing:
         report("tutel_kernels", lambda: {"skipped": missing})

@@ -31,7 +31,16 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
     rows = {r["check"]: r for r in json.loads((tmp_path / "gpu_checks.json").read_text())}
     assert rc == 0, rows
     # stream_overlap, device_events, connections and tutel_overlap need CUDA
-    assert list(rows) == ["env", "parity", "step_time", "profiler", "roofline", "tutel_kernels"]
+    assert list(rows) == [
+        "env",
+        "parity",
+        "step_time",
+        "profiler",
+        "roofline",
+        "planner_clock",
+        "layer_shapes",
+        "tutel_kernels",
+    ]
     assert rows["parity"]["si"]["bitwise"] and rows["parity"]["si-ends"]["bitwise"]
     assert rows["step_time"]["hf_ms"] > 0 and rows["step_time"]["si_ms"] > 0
     assert rows["profiler"]["spans"] > 0 and rows["profiler"]["missing_ranges"] == []
@@ -44,8 +53,15 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
     assert tutel["ok"] and (
         tutel.get("skipped") or (tutel["float32"]["buffer_equal"] and tutel["float32"]["combined_equal"])
     )
+    clock = rows["planner_clock"]  # the planner's timer and reduction on the device (CPU here)
+    assert clock["ok"] and clock["round_ms"] > 0 and clock["reduced"] == [1.0, 2.0]
+    layers = rows["layer_shapes"]  # both layers through HF, sequential, SI, with and without fakes
+    for name in ("llama-tp8", "moe-ep8"):
+        row = layers[name]
+        assert all(row[m]["step_ms"] > 0 for m in ("hf", "sequential", "si", "sequential+fakes", "si+fakes"))
+        assert row["fake_collectives"]["per_step"] > 0 and "si_hidden" in row
     lines = [line for line in capsys.readouterr().out.strip().splitlines() if line.startswith("{")]
-    assert len(lines) == 6  # one JSON line per check
+    assert len(lines) == 8  # one JSON line per check
 
 
 def test_cuda_connections_warning_names_the_setting():
