@@ -305,7 +305,9 @@ def test_predict_json_on_a_gpu_preset(capsys):
     )
     assert code == 0
     r = json.loads(out)
-    assert set(r["modes"]) == {"sequential", "si", "si-ends", "si-plan", "si-planned", "intra"}
+    assert set(r["modes"]) == {"sequential", "si", "si-ordered", "si-ends", "si-plan", "si-planned", "intra"}
+    # a GPU never reacts to completed collectives: si is priced in the order si-ordered names
+    assert r["modes"]["si"]["step_time_s"] == r["modes"]["si-ordered"]["step_time_s"]
     for row in r["modes"].values():
         assert row["step_time_s"] > 0 and 0 <= row["exposed_comm_s"] < row["step_time_s"]
         assert row["tokens_per_s"] == pytest.approx(r["layout"]["tokens_per_step"] / row["step_time_s"])

@@ -92,13 +92,14 @@ def _modes_rank(rank, world, preset, overrides):
         ("reactive", "si", "reactive", True),
         ("reactive-nodefer", "si", "reactive", False),
         ("reactive-ends", "si", "reactive", True),
+        ("ordered", "si", "reactive", True),  # react_to_completions false: the order a CUDA run takes
     ]:
         model = copy.deepcopy(ref)
         graph = adapter_for(config).build_graph(model, world, layout.tp_rank, layout.tp, layout.tp_grad_group)
         specs = graph.layer_specs()
         plan = default_plan(specs, backward_order(specs)) if kind == "plan" else None
         rec = TraceRecorder(rank)
-        ex = Executor(graph, plan, recorder=rec, defer_weight_grads=defer)
+        ex = Executor(graph, plan, recorder=rec, defer_weight_grads=defer, react=name != "ordered")
         mbs = ex.run_microbatches(list(batches), "si-ends" if name == "reactive-ends" else schedule, 1.0 / len(batches))
         wgrad = sorted({e["name"] for e in rec.events() if e.get("name", "").endswith(".wgrad")})
         runs[name] = {
@@ -151,6 +152,7 @@ def test_reactive_plan_sequential_bitwise(preset, overrides):
             "reactive": [],
             "reactive-nodefer": [],
             "reactive-ends": [],
+            "ordered": [],
         }, r["differ"]
         assert r["wgrad"]["sequential"] == [] and r["wgrad"]["plan"] == [] and r["wgrad"]["reactive-nodefer"] == []
         # exactly the ops the adapters mark linear (the activation sits in mlp.down, rotary in
@@ -165,6 +167,7 @@ def test_reactive_plan_sequential_bitwise(preset, overrides):
             "reactive": True,
             "reactive-nodefer": True,
             "reactive-ends": True,
+            "ordered": False,  # react_to_completions false
         }
         # once per step, the same number of collectives in every mode
         assert set(r["replicated_spans"].values()) == {1}

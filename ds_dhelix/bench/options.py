@@ -11,6 +11,8 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
                 ranks, its own dispatch/combine all-to-alls inside the MoE blocks it replaced
     sequential  ds_dhelix TP/SP, micro-batches one after another, every comm waited at once
     si          ds_dhelix TP/SP with strand interleaving, reactive pairs (the default "si_execution")
+    si-ordered  reactive SI without reacting to completed collectives: the timing-independent order a
+                CUDA run takes ("react_to_completions": false)
     si-plan     SI run by the fixed default plan, a barrier after each plan round ("si_execution": "plan")
     si-planned  SI run by the plan the planner makes from a profile ("planner.profile": "auto")
     si-ends     reactive SI with "pair_ends": the first two forwards and the last two backwards paired
@@ -56,9 +58,9 @@ TUTEL_MODES = ("tutel", "tutel-overlap2", "tutel-overlap4")
 MODES = ("deepspeed", "autotp", "autoep", *TUTEL_MODES, *names(ONE_STAGE))
 """Modes a run can measure, in table order: the peers, then every one-stage schedule of the registry."""
 
-DEFAULT_MODES = tuple(m for m in MODES if m not in ("si-ends", "auto", *TUTEL_MODES))
-"""Modes measured unless ``--modes`` says otherwise (``si-ends``, ``auto`` and the tutel modes are asked for
-by name)."""
+DEFAULT_MODES = tuple(m for m in MODES if m not in ("si-ends", "si-ordered", "auto", *TUTEL_MODES))
+"""Modes measured unless ``--modes`` says otherwise (``si-ends``, ``si-ordered``, ``auto`` and the tutel
+modes are asked for by name)."""
 
 DEEPSPEED_MODES = ("deepspeed", "autotp", "autoep", *TUTEL_MODES)
 """Modes that run DeepSpeed's own engine on the HF model (no ds_dhelix adapter involved)."""

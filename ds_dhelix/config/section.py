@@ -449,6 +449,13 @@ class DhelixConfig(_Section):
     attn.out, mlp.up, mlp.down, head.logits, moe.experts.up / .down) compute their input gradient
     first and their weight gradient later, filling the time both strands wait on collectives (in
     graphs that have collectives: TP, CP or EP > 1)."""
+    react_to_completions: bool = True
+    """"reactive" only: a strand whose collective has completed goes on at once, a rank with both
+    strands' collectives in flight waits for whichever completes first, and the forward strand
+    keeps within an activation byte budget, where that is safe: collectives the host sees complete
+    (gloo on CPU) on separate strand groups. A CUDA run never does (the host would block on the
+    device, and ranks could order their launches differently); false runs that timing-independent
+    order here too, the order a GPU runs (the bench's "si-ordered")."""
     pair_ends: bool = False
     """"si" + "reactive" only: co-execute the step's first two forwards and its last two backwards
     too (F0xF1 | F2xB0 | ... | B(m-2)xB(m-1)), so no strand runs alone and their collectives are

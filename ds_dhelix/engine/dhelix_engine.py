@@ -69,6 +69,7 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
             graph,
             plan if dhelix.schedule in ("si", "auto") else None,
             defer_weight_grads=None if dhelix.defer_weight_grads else False,  # None: where useful
+            react=dhelix.react_to_completions,
             recompute=dhelix.recompute,
         )
         self.interpreter = Interpreter(self.executor)

@@ -100,7 +100,9 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
     def __init__(self, *, dhelix, groups, plan, load_report=None, **kwargs):
         super().__init__(**kwargs)
         self.load_report = load_report
-        self.setup_strands(dhelix, groups, self.module.graph, plan, recompute=dhelix.recompute)
+        self.setup_strands(
+            dhelix, groups, self.module.graph, plan, recompute=dhelix.recompute, react=dhelix.react_to_completions
+        )
         self.fold = self.module.fold
         self.blocks = [self.module.chunk_blocks(0), self.module.chunk_blocks(1)]
         loss_phase = 1 if chunk_index(self.stage_id, 1, self.num_stages) == 2 * self.num_stages - 1 else None

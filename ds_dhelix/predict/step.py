@@ -71,8 +71,8 @@ def backward_chain(st: StepTimes, blocks: list[int], defer: bool, lo: int = 0, h
     return out
 
 
-def _rules(st: StepTimes, **kw) -> RoundRules:
-    return reactive_rules(reacts=st.reacts, **kw)
+def _rules(st: StepTimes, reacts: bool = True, **kw) -> RoundRules:
+    return reactive_rules(reacts=st.reacts and reacts, **kw)
 
 
 def _run(st: StepTimes, backward: list[ChainOp], forward: list[ChainOp], rules: RoundRules) -> PairRetime:
@@ -95,7 +95,7 @@ def price(
     times of a micro-batch's two halves (intra)."""
     every = list(range(len(st.blocks)))
     back, defer = every[::-1], spec.defers_weight_grads and communicates(st)
-    rules = _strand_rules(st, plan is not None)
+    rules = _strand_rules(st, plan is not None, reacts=spec.reacts)
     if isinstance(ins, S.Forward):
         return _lap(_run(st, [], forward_chain(st, every), rules))
     if isinstance(ins, S.Backward):
@@ -103,14 +103,13 @@ def price(
     if isinstance(ins, S.ForwardBackward):
         if plan is not None:
             return plan_pair(st, every, back, plan)
-        return _lap(_run(st, backward_chain(st, back, defer), forward_chain(st, every), _rules(st)))
+        return _lap(_run(st, backward_chain(st, back, defer), forward_chain(st, every), _rules(st, spec.reacts)))
     a, b = half if spec.halves else (st, st)
     if isinstance(ins, S.ForwardForward):
-        return _lap(_run(a, forward_chain(a, every), forward_chain(b, every), _rules(a, gated=False)))
+        return _lap(_run(a, forward_chain(a, every), forward_chain(b, every), _rules(a, spec.reacts, gated=False)))
     if isinstance(ins, S.BackwardBackward):
-        return _lap(
-            _run(a, backward_chain(a, back, defer), backward_chain(b, back, defer), _rules(a, gated=False, trail=True))
-        )
+        chains = backward_chain(a, back, defer), backward_chain(b, back, defer)
+        return _lap(_run(a, *chains, _rules(a, spec.reacts, gated=False, trail=True)))
     return ZERO  # loads, the activation budget, the step's end (``StepTimes.tail``)
 
 

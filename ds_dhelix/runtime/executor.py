@@ -62,7 +62,8 @@ class Executor(Collectives):
     plan: one round per block), backward compute first. Collaborators, all optional: ``meter``
     (``ActivationMeter``), ``recorder`` (``TraceRecorder``: spans and profiler labels),
     ``watchdog`` (``beat(**where)``). ``start_step()`` begins a step's ``StepStats``. It is the
-    round policy's host (``completed``, ``pollable``, ``deferred``, ``may_save``)."""
+    round policy's host (``completed``, ``pollable``, ``deferred``, ``may_save``). ``react``
+    False: never react to completed collectives (the timing-independent order CUDA runs)."""
 
     MAX_DEFERRED = 2  # weight-gradient passes waiting at once (each keeps its op's saved tensors)
     # SI's second strand may hold at most this share more activation bytes than one micro-batch's
@@ -81,6 +82,7 @@ class Executor(Collectives):
         defer_weight_grads: bool | None = None,
         reactive: bool | None = None,
         recompute: str = "none",
+        react: bool = True,
     ):
         self.graph, self.plan, self.meter = graph, plan, meter
         self._pair_plans: dict = {}  # (forward kind, backward kind) -> default plan (mixed layer kinds)
@@ -106,7 +108,7 @@ class Executor(Collectives):
         # react to completed collectives at once when every COMM op keeps forward and backward
         # collectives on separate groups (timing may then reorder the two strands' launches);
         # never on CUDA, where the host's view of completion lags the device (``_cuda``)
-        self._reacts = self.reactive and all(getattr(op.comm, "strand_safe", False) for op in comms)
+        self._reacts = react and self.reactive and all(getattr(op.comm, "strand_safe", False) for op in comms)
         # every COMM op's in-flight work says when it is complete (``within_budget``, ``pollable``)
         self._all_poll = all(self.polls(op) for op in comms)
         self._cuda = False  # set by the first collective launched on a CUDA tensor

@@ -39,6 +39,11 @@ class ScheduleSpec:
     auto_candidate: bool = False  # "schedule": "auto" may choose it
 
     @property
+    def reacts(self) -> bool:
+        """Whether its pairs may react to completed collectives (where the machine lets them)."""
+        return self.section.get("react_to_completions", True)
+
+    @property
     def configured(self) -> bool:
         """A value of ``dhelix.schedule`` itself (not a variant of one)."""
         return self.section == {"schedule": self.name}
@@ -82,6 +87,15 @@ REGISTRY: tuple[ScheduleSpec, ...] = (
         "si with the first two forwards and the last two backwards paired too",
         one_stage.si_ends_schedule,
         {"schedule": "si", "pair_ends": True},
+        co_executes=True,
+        defers_weight_grads=True,
+    ),
+    _row(
+        "si-ordered",
+        ONE_STAGE,
+        "si in the timing-independent order a CUDA run takes (no reacting to completed collectives)",
+        one_stage.si_schedule,
+        {"schedule": "si", "react_to_completions": False},
         co_executes=True,
         defers_weight_grads=True,
     ),
