@@ -89,12 +89,13 @@ def read_kind(func, args, kwargs) -> str | None:
 
 
 def call_site() -> str:
-    """The innermost caller outside torch and this file: ``path:line (function)``, relative to the
+    """The innermost caller outside torch, this file and other torch-function modes passing the
+    call on (the executor's ``wgrad`` interception): ``path:line (function)``, relative to the
     repository (or to the package for transformers)."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(TORCH_DIR) and path != __file__:
+        if not path.startswith(TORCH_DIR) and path != __file__ and frame.f_code.co_name != "__torch_function__":
             where = os.path.relpath(path, ROOT) if path.startswith(ROOT) else path.split("site-packages/")[-1]
             return f"{where}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
