@@ -20,7 +20,7 @@ from ds_dhelix.planning.planner import (
     predicted_spread_ms,
     synthetic_table,
 )
-from ds_dhelix.runtime.profiler import _refine_plan, _remeasure_noisy, _Samples, robust_spread
+from ds_dhelix.runtime.profiler import StreamClock, _refine_plan, _remeasure_noisy, _Samples, robust_spread
 
 FWD, BWD = TINY_LAYER_OPS, tuple(reversed(TINY_LAYER_OPS))
 
@@ -98,6 +98,7 @@ class _FakeProbe:
 
     def __init__(self, truth: OverlapTable, lucky_key, lucky: int, rng):
         self.truth, self.lucky_key, self.lucky, self.rng = truth, lucky_key, lucky, rng
+        self.clock = StreamClock("cpu")  # the reduction over ranks (one process: the values)
 
     def time_round(self, fseg, bseg):
         key = (fseg, bseg)
