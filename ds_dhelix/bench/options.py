@@ -58,9 +58,9 @@ TUTEL_MODES = ("tutel", "tutel-overlap2", "tutel-overlap4")
 MODES = ("deepspeed", "autotp", "autoep", *TUTEL_MODES, *names(ONE_STAGE))
 """Modes a run can measure, in table order: the peers, then every one-stage schedule of the registry."""
 
-DEFAULT_MODES = tuple(m for m in MODES if m not in ("si-ends", "si-ordered", "auto", *TUTEL_MODES))
-"""Modes measured unless ``--modes`` says otherwise (``si-ends``, ``si-ordered``, ``auto`` and the tutel
-modes are asked for by name)."""
+DEFAULT_MODES = tuple(m for m in MODES if m not in ("si-ends", "auto", *TUTEL_MODES))
+"""Modes measured unless ``--modes`` says otherwise (``si-ends``, ``auto`` and the tutel modes are asked for
+by name; ``si-ordered``, the order a GPU runs, is measured beside ``si`` by default)."""
 
 DEEPSPEED_MODES = ("deepspeed", "autotp", "autoep", *TUTEL_MODES)
 """Modes that run DeepSpeed's own engine on the HF model (no ds_dhelix adapter involved)."""
