@@ -37,6 +37,9 @@ go to ``<out>/gpu_checks.json``.
    of ops that found the GPU idle, ``starved_share``), and the same with side-stream fake
    collectives of ``dhelix predict``'s H100 lengths: how much sequential and SI hide
    (``scripts/gpu_layer_checks.py``).
+14. ``two_ranks``: two processes on the one device over gloo (CUDA tensors, where the machine's
+   gloo takes them): tiny-llama TP=2 and tiny-mixtral EP=2, sequential and SI through the executor,
+   bitwise or not, and no hang (bounded by a timeout).
 9. ``tutel_kernels`` (where tutel imports): ``dhelix.moe.kernels`` torch against tutel on the device,
    fp32 and bf16: the send buffer and combined rows equal or not, and the encode + decode forward +
    backward time of each (median).
@@ -80,7 +83,7 @@ from ds_dhelix.runtime.trace import TraceRecorder  # noqa: E402
 from ds_dhelix.verify import random_batches  # noqa: E402
 from hf_models.adapters import adapter_for  # noqa: E402
 from hf_models.registry import build_model  # noqa: E402
-from scripts.gpu_layer_checks import check_layer_shapes, check_planner_clock  # noqa: E402
+from scripts.gpu_layer_checks import check_layer_shapes, check_planner_clock, check_two_ranks  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -637,6 +640,7 @@ def main(argv=None) -> int:
         report("host_syncs", lambda: check_host_syncs(device, args.micro_batches, 2, 256))
     report("roofline", lambda: check_roofline(device))
     report("planner_clock", lambda: check_planner_clock(ref, batches[0], device))
+    report("two_ranks", lambda: check_two_ranks(device))
     report(
         "layer_shapes",
         lambda: check_layer_shapes(device, args.steps) if device.type == "cuda" else check_layer_shapes(device, 1, 2),

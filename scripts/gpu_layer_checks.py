@@ -298,3 +298,61 @@ def check_planner_clock(model, batch: dict, device: torch.device) -> dict:
         "host_launch_ms": round(statistics.median(launched) * 1e3, 3),
         "reduced": reduced,
     }
+
+
+TWO_RANK_CASES = {"tiny-llama-tp2": ("tiny-llama", 2, 1), "tiny-mixtral-ep2": ("tiny-mixtral", 1, 2)}
+
+
+def _two_rank_case(rank, world, preset: str, tp: int, ep: int, device_type: str) -> dict:
+    """One rank of a TP / EP pair on one device: sequential and SI steps through the executor,
+    losses and every gradient bitwise or not (gloo carries the collectives, CUDA tensors on a GPU)."""
+    import copy
+
+    from ds_dhelix.config.dims import ParallelDims
+    from ds_dhelix.runtime.groups import ProcessGroups
+    from hf_models.registry import build_model
+
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    lay = ProcessGroups.create(ParallelDims(world, tp=tp, ep=ep))
+    ref, _ = build_model(preset, seed=0, num_layers=2)
+    runs = {}
+    for schedule in ("sequential", "si"):
+        model = copy.deepcopy(ref).to(device)
+        extra = {"ep_groups": lay.expert_groups()} if ep > 1 else {}
+        graph = adapter_for(model.config).build_graph(model, tp, lay.tp_rank, lay.tp, lay.tp_grad_group, **extra)
+        batches = random_batches(model.config.vocab_size, 4, 1, 32, seed=1 + rank // tp, device=device)
+        t0 = time.perf_counter()
+        mbs = Executor(graph).run_microbatches(batches, schedule, 1 / len(batches))
+        _sync(device)
+        runs[schedule] = (
+            [mb.loss.detach() for mb in mbs],
+            {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+            time.perf_counter() - t0,
+        )
+    (seq_l, seq_g, seq_s), (si_l, si_g, si_s) = runs["sequential"], runs["si"]
+    return {
+        "bitwise": all(torch.equal(a, b) for a, b in zip(seq_l, si_l))
+        and seq_g.keys() == si_g.keys()
+        and all(torch.equal(seq_g[k], si_g[k]) for k in seq_g),
+        "max_abs_grad_diff": max(float((seq_g[k] - si_g[k]).abs().max()) for k in seq_g),
+        "sequential_s": round(seq_s, 3),
+        "si_s": round(si_s, 3),
+    }
+
+
+def check_two_ranks(device: torch.device, timeout: int = 240) -> dict:
+    """Two processes on the one device, TP=2 and EP=2 over gloo (CUDA tensors on a GPU, where this
+    machine's gloo takes them): the CUDA branch of the executor's collectives (device events, the
+    side-stream host copies of MoE split sizes) for parity and no hang (a hang fails by the timeout)."""
+    from ds_dhelix.runtime.spawn import run_ranks
+
+    out = {}
+    for name, (preset, tp, ep) in TWO_RANK_CASES.items():
+        try:
+            ranks = run_ranks(_two_rank_case, 2, args=(preset, tp, ep, device.type), timeout=timeout)
+            out[name] = {"bitwise": all(r["bitwise"] for r in ranks), "ranks": ranks}
+        except Exception as err:  # gloo without CUDA support, a hang: say which
+            out[name] = {"error": f"{type(err).__name__}: {str(err)[-400:]}"}
+    return out

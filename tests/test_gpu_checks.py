@@ -10,7 +10,7 @@ import pytest
 from scripts.gpu_checks import main
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
     rc = main(
         [
@@ -38,6 +38,7 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
         "profiler",
         "roofline",
         "planner_clock",
+        "two_ranks",
         "layer_shapes",
         "tutel_kernels",
     ]
@@ -55,13 +56,15 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
     )
     clock = rows["planner_clock"]  # the planner's timer and reduction on the device (CPU here)
     assert clock["ok"] and clock["round_ms"] > 0 and clock["reduced"] == [1.0, 2.0]
+    two = rows["two_ranks"]  # TP=2 and EP=2 in two processes on the one device: SI bitwise sequential
+    assert all(two[name]["bitwise"] for name in ("tiny-llama-tp2", "tiny-mixtral-ep2")), two
     layers = rows["layer_shapes"]  # both layers through HF, sequential, SI, with and without fakes
     for name in ("llama-tp8", "moe-ep8"):
         row = layers[name]
         assert all(row[m]["step_ms"] > 0 for m in ("hf", "sequential", "si", "sequential+fakes", "si+fakes"))
         assert row["fake_collectives"]["per_step"] > 0 and "si_hidden" in row
     lines = [line for line in capsys.readouterr().out.strip().splitlines() if line.startswith("{")]
-    assert len(lines) == 8  # one JSON line per check
+    assert len(lines) == 9  # one JSON line per check
 
 
 def test_cuda_connections_warning_names_the_setting():

@@ -448,11 +448,22 @@ def initialize(
 def _warn_ignored_by_pipeline(ds_config: dict, setup: Setup) -> None:
     """The pipeline runs every pair by its plan (the default plan): keys of reactive execution are
     harmless there but do nothing; say so once."""
-    given = [k for k in ("si_execution", "defer_weight_grads") if k in (ds_config.get("dhelix") or {})]
+    section = ds_config.get("dhelix") or {}
+    given = [k for k in ("si_execution", "defer_weight_grads", "react_to_completions") if k in section]
     if setup.dims.pp > 1 and given and dist.get_rank() == 0:
         logger.warning(
             f"ds_dhelix: dhelix.{' and dhelix.'.join(given)} have no effect with a pipeline: every "
             f"forward/backward pair runs by the SI plan's rounds (the default plan)"
+        )
+    if (
+        section.get("react_to_completions") is True
+        and get_accelerator().device_name() == "cuda"
+        and dist.get_rank() == 0
+    ):
+        logger.warning(
+            "ds_dhelix: dhelix.react_to_completions = true has no effect on CUDA: the host does not wait on "
+            "the device to see a collective complete, and every rank launches in the same order (the order "
+            "'false' names); it is honoured on CPU (gloo)"
         )
 
 
