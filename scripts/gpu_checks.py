@@ -83,12 +83,13 @@ from ds_dhelix.runtime.trace import TraceRecorder  # noqa: E402
 from ds_dhelix.verify import random_batches  # noqa: E402
 from hf_models.adapters import adapter_for  # noqa: E402
 from hf_models.registry import build_model  # noqa: E402
-from scripts.gpu_layer_checks import check_layer_shapes, check_planner_clock, check_two_ranks  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from scripts.gpu_layer_checks import (  # noqa: E402
+    against_sequential,
+    check_layer_shapes,
+    check_planner_clock,
+    check_two_ranks,
+)
+from scripts.gpu_layer_checks import sync as _sync  # noqa: E402
 
 
 def make_batches(vocab: int, num: int, size: int, seq: int, device) -> list[dict]:
@@ -105,17 +106,7 @@ def check_parity(ref, batches) -> dict:
     runs = {}
     for name in ("sequential", "si", "si-ends"):
         runs[name] = _executor_step(copy.deepcopy(ref), batches, name)
-    seq_losses, seq_grads = runs["sequential"]
-    out = {}
-    for name in ("si", "si-ends"):
-        losses, grads = runs[name]
-        diff = max((grads[k] - seq_grads[k]).abs().max().item() for k in seq_grads)
-        out[name] = {
-            "bitwise": all(torch.equal(a, b) for a, b in zip(losses, seq_losses))
-            and all(torch.equal(grads[k], seq_grads[k]) for k in seq_grads),
-            "max_abs_grad_diff": diff,
-        }
-    return out
+    return {name: against_sequential(runs["sequential"], runs[name]) for name in ("si", "si-ends")}
 
 
 def check_step_time(ref, batches, steps: int, device) -> dict:

@@ -190,9 +190,21 @@ def _model(spec: dict, device: torch.device):
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").to(device)
 
 
-def _sync(device) -> None:
+def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def against_sequential(seq: tuple, other: tuple) -> dict:
+    """``(losses, {name: grad})`` of a run against sequential's: bitwise or not, largest gradient
+    difference."""
+    (seq_l, seq_g), (losses, grads) = seq[:2], other[:2]
+    return {
+        "bitwise": all(torch.equal(a, b) for a, b in zip(losses, seq_l))
+        and seq_g.keys() == grads.keys()
+        and all(torch.equal(grads[k], seq_g[k]) for k in seq_g),
+        "max_abs_grad_diff": max(float((grads[k] - seq_g[k]).abs().max()) for k in seq_g),
+    }
 
 
 def _time_steps(run, device, steps: int) -> dict:
@@ -200,11 +212,11 @@ def _time_steps(run, device, steps: int) -> dict:
     run()  # warm-up
     walls, hosts = [], []
     for _ in range(steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         run()
         hosts.append(time.perf_counter() - t0)
-        _sync(device)
+        sync(device)
         walls.append(time.perf_counter() - t0)
     return {"step_ms": round(statistics.median(walls) * 1e3, 3), "host_ms": round(statistics.median(hosts) * 1e3, 3)}
 
@@ -272,7 +284,7 @@ def check_planner_clock(model, batch: dict, device: torch.device) -> dict:
     for _ in range(5):
         ex, blk = probe.executor, probe.block
         f, b = probe._strands()
-        _sync(device)
+        sync(device)
         t0, c0 = time.perf_counter(), probe.clock.start()
         ex.run_round(ex.tasks(b, blk, True), ex.tasks(f, blk, False))
         launched.append(time.perf_counter() - t0)
@@ -325,20 +337,15 @@ def _two_rank_case(rank, world, preset: str, tp: int, ep: int, device_type: str)
         batches = random_batches(model.config.vocab_size, 4, 1, 32, seed=1 + rank // tp, device=device)
         t0 = time.perf_counter()
         mbs = Executor(graph).run_microbatches(batches, schedule, 1 / len(batches))
-        _sync(device)
+        sync(device)
         runs[schedule] = (
             [mb.loss.detach() for mb in mbs],
             {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
             time.perf_counter() - t0,
         )
-    (seq_l, seq_g, seq_s), (si_l, si_g, si_s) = runs["sequential"], runs["si"]
-    return {
-        "bitwise": all(torch.equal(a, b) for a, b in zip(seq_l, si_l))
-        and seq_g.keys() == si_g.keys()
-        and all(torch.equal(seq_g[k], si_g[k]) for k in seq_g),
-        "max_abs_grad_diff": max(float((seq_g[k] - si_g[k]).abs().max()) for k in seq_g),
-        "sequential_s": round(seq_s, 3),
-        "si_s": round(si_s, 3),
+    return against_sequential(runs["sequential"], runs["si"]) | {
+        "sequential_s": round(runs["sequential"][2], 3),
+        "si_s": round(runs["si"][2], 3),
     }
 
 

@@ -67,7 +67,7 @@ class Collective:
         return Pending(Work(self.clock, self.ms), g.clone())
 
 
-WGRAD_CLOCKS: dict = {}  # weight -> its weight gradient's tick on the clock, for deferred ones
+WGRAD_CLOCKS: dict = {}  # weight -> its weight gradient's tick on the clock, for deferred ones (one graph's)
 
 
 def _timed_pending_run(run):
@@ -158,6 +158,7 @@ def _executor_order(monkeypatch, layer=LAYER, num_layers: int = 2) -> list[str]:
     """Run F(1) beside B(0) through the executor (reactive, weight gradients deferred) on the
     virtual clock; the names of what ran, in order (unnamed zero-cost ops left out)."""
     clock = Clock()
+    WGRAD_CLOCKS.clear()  # the previous graph's weights
     graph = _graph(clock, layer, num_layers)
     import time
 

@@ -414,24 +414,10 @@ def _cpu_table(cpu_ms: float = 0.3):
     """A hand-made overlap table of tiny-llama's layer at TP=2 (4 x 256 tokens): op i takes i+1 ms
     forward and 2(i+1) backward (a collective 1 ms each way, of which ``cpu_ms`` CPU beside the
     main thread; one outlier)."""
-    from ds_dhelix.graph.ops import backward_order, op_specs
-    from ds_dhelix.planning.planner import EMPTY, OverlapTable
+    from ds_dhelix.graph.ops import backward_order
+    from ds_dhelix.planning.planner import EMPTY, LLAMA_LAYER_OPS, OverlapTable
 
-    names = [
-        ("attn.norm", "comp"),
-        ("attn.ag", "comm"),
-        ("attn.qkv", "comp"),
-        ("attn.core", "comp"),
-        ("attn.out", "comp"),
-        ("attn.rs", "comm"),
-        ("mlp.norm", "comp"),
-        ("mlp.ag", "comm"),
-        ("mlp.up", "comp"),
-        ("mlp.down", "comp"),
-        ("mlp.rs", "comm"),
-        ("mlp.add", "comp"),
-    ]
-    fwd = op_specs(names)
+    fwd = LLAMA_LAYER_OPS
     bwd = backward_order(fwd)
     n = len(fwd)
     table = OverlapTable(

@@ -13,34 +13,11 @@ import torch
 
 from ..graph.model_graph import Op
 from ..schedule import policy as P
-from .comm import CollectiveError, Pending, is_comm_failure
+from .comm import CollectiveError, DeviceEvents, Pending, is_comm_failure
 from .tasks import Task, accumulate
 
 POLL_S = 50e-6
 """How long a rank waiting on two strands' collectives sleeps between looking at them."""
-
-
-class _EventSpan:
-    """CUDA events around a blocking collective on the compute stream: busy and exposed alike
-    (the stream waits for all of it), read as ``DeviceEvents.times_s`` is."""
-
-    def __init__(self, begin):
-        self.begin, self.end = begin, None
-
-    @classmethod
-    def start(cls) -> _EventSpan:
-        begin = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        return cls(begin)
-
-    def stop(self) -> _EventSpan:
-        self.end = torch.cuda.Event(enable_timing=True)
-        self.end.record()
-        return self
-
-    def times_s(self) -> tuple[float, float]:
-        seconds = self.begin.elapsed_time(self.end) / 1e3
-        return seconds, seconds
 
 
 class Collectives:
@@ -137,12 +114,12 @@ class Collectives:
         step's last micro-batch)."""
         if self.graph.replicated is None or not self._grad:
             return
-        span = _EventSpan.start() if self._cuda else None  # (TP collectives ran on CUDA tensors)
+        events = DeviceEvents.start() if self._cuda else None  # (TP collectives ran on CUDA tensors)
         t0 = time.perf_counter()
         nbytes = self.graph.replicated.all_reduce()
         t1 = time.perf_counter()
-        if span is not None and nbytes:  # NCCL returns at once: its time is the stream's, by events
-            self._device_events.append(span.stop())
+        if events is not None and nbytes:  # NCCL returns at once: its time is the stream's, by events
+            self._device_events.append(events.waited_in_full())
         if nbytes:
             self.stats.comm_s += t1 - t0
             self.stats.exposed_s += t1 - t0

@@ -142,6 +142,14 @@ class DeviceEvents:
         work.wait()
         self.resumed.record()
 
+    def waited_in_full(self) -> DeviceEvents:
+        """A collective the compute stream waited on from its launch (a blocking call, such as the
+        replicated gradients' all-reduce): reached at launch, resumed now; busy = exposed."""
+        self.reached = self.launched
+        self.resumed = torch.cuda.Event(enable_timing=True)
+        self.resumed.record()
+        return self
+
     def times_s(self) -> tuple[float, float]:
         """(busy, exposed) seconds; call after the device has finished the step."""
         if self.resumed is None:

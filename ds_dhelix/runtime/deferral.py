@@ -28,17 +28,12 @@ class OpWeights:
 NO_WEIGHTS = OpWeights((), False)  # COMM ops
 
 
-def op_weights(op: Op, tensors, leaves, known: OpWeights = NO_WEIGHTS, linears=()) -> OpWeights:
-    """The parameters an op's backward adds to: the leaf variables its autograd graph reaches from
-    its outputs, other than its own inputs, with the parameters of its intercepted ``linears``
-    (``wgrad.py``: not in the graph) and those ``known`` from an earlier forward. Deferrable when
-    its adapter marks it ``linear``."""
+def op_weights(op: Op, tensors, leaves) -> OpWeights:
+    """The parameters an op's backward adds to through autograd: the leaf variables its autograd
+    graph reaches from its outputs, other than its own inputs. Deferrable when its adapter marks
+    it ``linear``."""
     leaf_ids = {id(x) for x in leaves}
-    params = list(known.params)
-    for p in linears:
-        if id(p) not in known.ids:
-            params.append(p)
-    seen, stack = set(), [x.grad_fn for x in tensors if x.grad_fn is not None]
+    params, seen, stack = [], set(), [x.grad_fn for x in tensors if x.grad_fn is not None]
     while stack:
         fn = stack.pop()
         if fn in seen:
@@ -46,11 +41,23 @@ def op_weights(op: Op, tensors, leaves, known: OpWeights = NO_WEIGHTS, linears=(
         seen.add(fn)
         var = getattr(fn, "variable", None)  # a leaf's gradient accumulator
         if var is not None:
-            if id(var) not in leaf_ids and all(var is not p for p in params):
+            if id(var) not in leaf_ids:
                 params.append(var)
             continue
         stack.extend(f for f, _ in fn.next_functions if f is not None)
-    return OpWeights(tuple(params), op.linear and any(p.dim() >= 2 for p in params), frozenset(id(p) for p in params))
+    return with_params(op, NO_WEIGHTS, params)
+
+
+def with_params(op: Op, weights: OpWeights, params) -> OpWeights:
+    """``weights`` with ``params`` added (those not in it yet): what an op adds to, gathered over
+    the ways its forward ran (through autograd, or with its linears routed by ``wgrad.py``)."""
+    found = list(weights.params)
+    ids = set(weights.ids)
+    for p in params:
+        if id(p) not in ids:
+            found.append(p)
+            ids.add(id(p))
+    return OpWeights(tuple(found), op.linear and any(p.dim() >= 2 for p in found), frozenset(ids))
 
 
 class DeferredGrads:

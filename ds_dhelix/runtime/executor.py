@@ -36,7 +36,7 @@ from ..graph.recompute import Kept, RecomputePolicy, keep
 from ..planning.plan import SIPlan
 from ..schedule import policy as P
 from .collectives import Collectives
-from .deferral import NO_WEIGHTS, DeferredGrads, OpWeights, op_weights
+from .deferral import NO_WEIGHTS, DeferredGrads, OpWeights, op_weights, with_params
 from .interpreter import run_microbatches
 from .stats import StepStats
 from .tasks import MicroBatch, Task, accumulate
@@ -93,15 +93,16 @@ class Executor(Collectives):
         self.recorder, self.watchdog = recorder, watchdog
         self.stats = StepStats()
         comms = [op for block in graph.blocks for op in block if op.is_comm]
-        # deferring a weight gradient costs host work (its linears run as autograd Functions); it pays only where it fills the
-        # time the strands wait on collectives, so by default (None) a graph without COMM ops
-        # (TP = CP = EP = 1) runs each backward op whole; True defers anyway (the same matmuls
-        # either way: results do not change)
+        # deferring a weight gradient costs host work (its linears run as autograd Functions); it
+        # pays only where it fills the time the strands wait on collectives, so by default (None) a
+        # graph without COMM ops (TP = CP = EP = 1) runs each backward op whole; True defers anyway
+        # (the same matmuls either way: results do not change)
         self.defer_weight_grads = (bool(comms) if defer_weight_grads is None else defer_weight_grads) and self.reactive
         self._grad = True  # False inside ``inference()``
         self._deferring = False  # on while a schedule that defers runs (``deferring``)
         self._deferred = DeferredGrads()
         self._wgrad = WeightGradStore()  # where deferred linears leave their weight gradients
+        self._linears = intercept_linears(self._wgrad)  # entered around a deferring op's forward
         self._op_weights: dict = {}  # (block, op index) -> OpWeights, from the op's first forwards
         # (block, op index, linears routed) -> parameters autograd reaches when matrices are among them
         self._weighed: dict = {}
@@ -244,19 +245,19 @@ class Executor(Collectives):
         op, mb = t.op, t.mb
         leaves = [inputs[k].detach().requires_grad_(inputs[k].is_floating_point()) for k in op.inputs]
         hooks = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
-        linears = intercept_linears(self._wgrad) if self._deferring and op.linear else None
+        linears = self._linears if self._deferring and op.linear else None
         with torch.enable_grad(), hooks, linears or contextlib.nullcontext():
             outs = op.fn(mb.side, *leaves)
         key = (t.block, t.op_index)
         way = (*key, linears is not None)
         if way not in self._weighed:  # once per op and way: what its backward adds to
-            tensors = [o for o in outs if o.requires_grad]
-            in_graph = op_weights(op, tensors, leaves)
-            # matrices a deferring op reaches through autograd (not routed: an expert's slice of a
-            # fused weight, a grouped GEMM) keep a second pass for their part (``_comp_backward``)
-            self._weighed[way] = in_graph.params if any(p.dim() >= 2 for p in in_graph.params) else ()
-            known = self._op_weights.get(key, NO_WEIGHTS)
-            self._op_weights[key] = op_weights(op, tensors, leaves, known, linears.params if linears else ())
+            in_graph = op_weights(op, [o for o in outs if o.requires_grad], leaves)
+            # matrices a deferring op reaches through autograd (not routed: a gpt-oss expert bias,
+            # a grouped GEMM) keep a second pass for their part (``_comp_backward``)
+            self._weighed[way] = in_graph.params if in_graph.deferrable else ()
+            routed = linears.params if linears is not None else ()
+            known = with_params(op, self._op_weights.get(key, NO_WEIGHTS), in_graph.params)
+            self._op_weights[key] = with_params(op, known, routed)
         mb.saved[key] = (leaves, outs, self._weighed[way])
         for name, out in zip(op.outputs, outs):
             mb.env[name] = out.detach()

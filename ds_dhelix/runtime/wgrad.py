@@ -158,11 +158,16 @@ class _Linear(torch.autograd.Function):
 
 class _Intercept(TorchFunctionMode):
     """Routes the linears of an op's forward through ``_Linear``; ``params``: the parameters whose
-    gradients it routed (whole parameters, for a slot its parameter)."""
+    gradients it routed since it was last entered (whole parameters, for a slot its parameter).
+    One instance serves every op: entering it starts a fresh ``params``."""
 
     def __init__(self, store: WeightGradStore):
         super().__init__()
         self.store, self._params = store, {}
+
+    def __enter__(self):
+        self._params = {}
+        return super().__enter__()
 
     @property
     def params(self) -> list:
@@ -218,6 +223,7 @@ def run_backward(tensors: list, grads: list) -> None:
 
 
 def intercept_linears(store: WeightGradStore):
-    """Inside: ``F.linear`` with a trained weight or bias runs as ``_Linear`` (see the module
-    docstring), whose backward hands its weight gradient to ``store`` while it collects."""
+    """A mode (re-enterable, one op at a time) inside which ``F.linear`` with a trained weight or
+    bias runs as ``_Linear`` (see the module docstring), whose backward hands its weight gradient
+    to ``store`` while it collects."""
     return _Intercept(store)
