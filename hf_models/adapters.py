@@ -14,6 +14,8 @@ import importlib
 
 from ds_dhelix.config.dims import check_cp_heads
 
+from .vocab import check_vocab
+
 ADAPTERS = {
     "llama": "hf_models.llama",
     "gpt2": "hf_models.gpt2",
@@ -70,6 +72,8 @@ def check_model(dims, model_config):
     valid sizes, before any model is built. Returns the model's adapter."""
     adapter = adapter_for(model_config)
     adapter.check_tp(model_config, dims.tp)
+    if dims.tp > 1:  # the vocabulary is split over TP (``vocab.py``)
+        check_vocab(model_config.vocab_size, dims.tp)
     if dims.cp > 1 and dims.cp_comm == "ulysses":
         check_cp_heads(model_config, dims.tp, dims.cp)
     if dims.cp > 1 and hasattr(adapter, "check_cp"):

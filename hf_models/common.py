@@ -20,6 +20,7 @@ from ds_dhelix.graph.model_graph import comm, comp
 from ds_dhelix.runtime.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
 from ds_dhelix.runtime.groups import ContextShards
 
+from . import vocab as vp
 from .lora import has_lora, shard_factors
 from .ring import AttentionCore
 
@@ -122,6 +123,10 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
             "batch": b,
             "serial": serial,
         }
+        if tp > 1:  # the TP group's tokens, in TP rank order (the vocab-parallel embedding and loss)
+            group = local if ring else slice(sl.start - tp_rank * n, sl.start + (tp - tp_rank) * n)
+            side["tp_ids"] = ids[:, group]
+            side["tp_targets"] = targets[:, group].t().contiguous()
         _add_documents(side, position_ids, local if ring else None)
         if extra is not None:
             side.update(extra(batch, side))
@@ -144,9 +149,12 @@ def _add_documents(side: dict, position_ids, ring_index) -> None:
             side["segments"] = (position_ids == 0).cumsum(dim=1)
 
 
-def embed_op(embed: nn.Module, pos_embed: nn.Module | None = None, drop=None):
-    """``embed``: token (+ learned position) embedding of this rank's shard -> ``h`` [s/tp, b, h];
-    ``drop`` (a ``Dropout`` or None): the embedding dropout."""
+def embed_op(embed: nn.Module, pos_embed: nn.Module | None = None, drop=None, vocab=None) -> list:
+    """The embedding's ops -> ``h`` [s/tp, b, h]: at TP 1 (``vocab`` None) one ``embed`` op (token
+    + learned position embedding, ``drop``: the embedding dropout, a ``Dropout`` or None); with the
+    vocabulary split over TP (``vocab``: a ``vocab.VocabShard``) the ops of ``vocab.embed_ops``."""
+    if vocab is not None:
+        return vp.embed_ops(embed, vocab, pos_embed, drop)
 
     def fn(side):
         h = embed(side["ids"])
@@ -156,7 +164,7 @@ def embed_op(embed: nn.Module, pos_embed: nn.Module | None = None, drop=None):
             h = drop(h, side, "embed")
         return (h.transpose(0, 1).contiguous(),)
 
-    return comp("embed", (), ("h",), fn)
+    return [comp("embed", (), ("h",), fn)]
 
 
 class Dropout:
@@ -186,22 +194,44 @@ def loss_denominator(side: dict):
     return given if given is not None else max(side["num_valid"], 1)
 
 
-def head_ops(norm: nn.Module, lm_head: nn.Module, softcap: float | None = None):
-    """``head.norm``, ``head.logits``, ``head.loss``: this rank's share of the micro-batch loss;
-    ``softcap``: the logits' tanh softcapping (``c * tanh(logits / c)``, before the loss)."""
+class CrossEntropy:
+    """``head.loss``'s last step: a summed cross-entropy -> this rank's share of the micro-batch
+    loss (over ``loss_denominator``). ``keys``: extra inputs of ``head.loss`` passed on to ``add``
+    (``add(side, ce, *pieces)``: e.g. MoE load-balancing terms)."""
 
-    def loss_fn(side, logits):
+    def __init__(self, keys: tuple[str, ...] = (), add=None):
+        self.keys, self.add = keys, add
+
+    def __call__(self, side, ce_sum, *pieces):
+        ce = ce_sum / loss_denominator(side)
+        return ce if self.add is None else self.add(side, ce, *pieces)
+
+
+def head_ops(
+    norm: nn.Module, lm_head: nn.Module, softcap: float | None = None, vocab=None, loss=None, chunk: int = 0
+) -> list:
+    """``head.norm``, ``head.logits``, ``head.loss``: this rank's share of the micro-batch loss;
+    ``softcap``: the logits' tanh softcapping (``c * tanh(logits / c)``, before the loss); ``loss``:
+    a ``CrossEntropy`` (default: the plain one). ``vocab`` (a ``vocab.VocabShard``): the
+    vocabulary split over TP, the ops of ``vocab.head_ops`` (no rank holds the full logits);
+    ``chunk`` > 0: the logits made and differentiated ``chunk`` tokens at a time (``dhelix.head_chunk``)."""
+    loss = loss or CrossEntropy()
+    if vocab is not None or chunk:
+        vocab = vocab or vp.VocabShard(lm_head.weight.shape[0], 1, 0)
+        return vp.head_ops(norm, lm_head, vocab, softcap, loss, chunk)
+
+    def loss_fn(side, logits, *pieces):
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
-        loss = F.cross_entropy(
+        ce = F.cross_entropy(
             logits.float().flatten(0, 1), side["targets"].flatten(), ignore_index=-100, reduction="sum"
         )
-        return (loss / loss_denominator(side),)
+        return (loss(side, ce, *pieces),)
 
     return [
         comp("head.norm", ("h",), ("y",), lambda side, h: (norm(h),)),
         comp("head.logits", ("y",), ("logits",), lambda side, y: (lm_head(y),), linear=True),
-        comp("head.loss", ("logits",), ("loss",), loss_fn),
+        comp("head.loss", ("logits", *loss.keys), ("loss",), loss_fn),
     ]
 
 
@@ -228,7 +258,7 @@ def gather_param(p: torch.Tensor, group, tp: int, data: torch.Tensor | None = No
         out = torch.empty_like(full)
         out.index_copy_(dim, torch.cat(idx), full)
         full = out
-    return full
+    return vp.trim_padding(p, full)
 
 
 # ---------------------------------------------------------------------------------- dense layers

@@ -35,6 +35,7 @@ linear on the way to its weights and reactive SI can defer its weight gradient. 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ from .common import (
     shard_param,
 )
 from .lora import project
+from .vocab import shard_vocab
 
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
@@ -445,8 +447,9 @@ def build_graph(
     config = model.config
     shard(family, model, tp, tp_rank)
     inner = model.model
+    vocab = shard_vocab(inner.embed_tokens, model.lm_head, tp, tp_rank, tp_group)
     replicated = None
-    if tp > 1:  # every parameter TP does not cut (norms, row-parallel biases, embedding, head) sees a sequence
+    if tp > 1:  # every parameter TP does not cut (norms, row-parallel biases) sees a sequence
         # shard; a replicated kv head's copies see their own query heads
         replicated = mark_replicated(
             [
@@ -456,14 +459,16 @@ def build_graph(
             ],
             tp_grad_group,
         )
-    blocks = [[embed_op(inner.embed_tokens)]]
+    blocks = [embed_op(inner.embed_tokens, vocab=vocab)]
     blocks += [
         layer_ops(family, i, layer, config, tp, tp_group, draws, inner.rotary_emb, cp)
         for i, layer in enumerate(inner.layers)
     ]
     cap = getattr(config, family.softcap, None) if family.softcap else None
-    blocks.append(head_ops(inner.norm, model.lm_head, softcap=cap))
+    head = functools.partial(head_ops, inner.norm, model.lm_head, softcap=cap, vocab=vocab)
+    blocks.append(head())
     side = rotary_side_fn(inner.rotary_emb, inner.embed_tokens, config, layer_windows(model))
     if family.linear_attention and deltanet.linear_layers(config):
         side = deltanet.no_documents(side, family.name)
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side, cp), family=family.family, replicated=replicated)
+    side = make_side_fn(tp, tp_rank, side, cp)
+    return ModelGraph(blocks, side, family=family.family, meta={"head": head}, replicated=replicated)

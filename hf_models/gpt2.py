@@ -31,6 +31,7 @@ masks seeded per micro-batch, layer, op and rank (``ds_dhelix.graph.draws``).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from transformers.models.gpt2 import modeling_gpt2 as hf
@@ -56,6 +57,7 @@ from .common import (
 )
 from .lora import project
 from .ring import AttentionCore
+from .vocab import shard_vocab
 
 CONTEXT_PARALLEL = True
 """Attention runs with context parallelism (Ulysses or ring, ``common.context_attention``)."""
@@ -165,9 +167,10 @@ def build_graph(
     draws = Draws(seed)
     shard(model, tp, tp_rank)
     tr = model.transformer
+    vocab = shard_vocab(tr.wte, model.lm_head, tp, tp_rank, tp_group)
     replicated = None
     if tp > 1:
-        replicated = [tr.wte.weight, tr.wpe.weight, tr.ln_f.weight, tr.ln_f.bias, model.lm_head.weight]
+        replicated = [tr.wpe.weight, tr.ln_f.weight, tr.ln_f.bias]
         for block in tr.h:
             replicated += [
                 block.ln_1.weight,
@@ -177,14 +180,16 @@ def build_graph(
                 block.attn.c_proj.bias,
                 block.mlp.c_proj.bias,
             ]
-        replicated = mark_replicated(replicated, tp_grad_group)  # a tied lm_head/wte is one parameter
+        replicated = mark_replicated(replicated, tp_grad_group)
 
     def eager_mask(batch, side):
         return causal_mask_side(
             config, tr.wte.weight.dtype, side["seq_len"], tr.wte.weight.device, side.get("position_ids"), side
         )
 
-    blocks = [[embed_op(tr.wte, pos_embed=tr.wpe, drop=Dropout.make(draws, config.embd_pdrop, -1, tr))]]
+    blocks = [embed_op(tr.wte, pos_embed=tr.wpe, drop=Dropout.make(draws, config.embd_pdrop, -1, tr), vocab=vocab)]
     blocks += [layer_ops(i, block, config, tp, tp_group, draws, cp) for i, block in enumerate(tr.h)]
-    blocks.append(head_ops(tr.ln_f, model.lm_head))
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, eager_mask, cp), family="gpt2", replicated=replicated)
+    head = functools.partial(head_ops, tr.ln_f, model.lm_head, vocab=vocab)
+    blocks.append(head())
+    side = make_side_fn(tp, tp_rank, eager_mask, cp)
+    return ModelGraph(blocks, side, family="gpt2", meta={"head": head}, replicated=replicated)

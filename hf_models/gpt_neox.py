@@ -28,6 +28,8 @@ reduce-scatter. Dropout is not applied (see ``build_graph``).
 
 from __future__ import annotations
 
+import functools
+
 from transformers.models.gpt_neox import modeling_gpt_neox as hf
 
 from ds_dhelix.graph.draws import Draws
@@ -54,6 +56,7 @@ from .common import (
     shard_param,
 )
 from .lora import project
+from .vocab import shard_vocab
 
 CONTEXT_PARALLEL = True
 """Attention runs with context parallelism (Ulysses or ring, ``common.context_attention``)."""
@@ -148,14 +151,10 @@ def build_graph(
     draws = Draws(seed)
     shard(model, tp, tp_rank)
     inner = model.gpt_neox
+    vocab = shard_vocab(inner.embed_in, model.lm_head, tp, tp_rank, tp_group)
     replicated = None
     if tp > 1:
-        replicated = [
-            inner.embed_in.weight,
-            inner.final_layer_norm.weight,
-            inner.final_layer_norm.bias,
-            model.lm_head.weight,
-        ]
+        replicated = [inner.final_layer_norm.weight, inner.final_layer_norm.bias]
         for layer in inner.layers:
             replicated += [
                 layer.input_layernorm.weight,
@@ -167,8 +166,10 @@ def build_graph(
             ]
         replicated = mark_replicated(replicated, tp_grad_group)
 
-    blocks = [[embed_op(inner.embed_in)]]
+    blocks = [embed_op(inner.embed_in, vocab=vocab)]
     blocks += [layer_ops(i, layer, config, tp, tp_group, draws, cp) for i, layer in enumerate(inner.layers)]
-    blocks.append(head_ops(inner.final_layer_norm, model.lm_head))
+    head = functools.partial(head_ops, inner.final_layer_norm, model.lm_head, vocab=vocab)
+    blocks.append(head())
     side = rotary_side_fn(inner.rotary_emb, inner.embed_in, config)  # cos/sin: [1, s, rotary_ndims]
-    return ModelGraph(blocks, make_side_fn(tp, tp_rank, side, cp), family="gpt_neox", replicated=replicated)
+    side = make_side_fn(tp, tp_rank, side, cp)
+    return ModelGraph(blocks, side, family="gpt_neox", meta={"head": head}, replicated=replicated)

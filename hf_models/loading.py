@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .lora import is_factor_name
+from .vocab import pad_rows, real_shape
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -293,12 +294,12 @@ def materialize(model, files: CheckpointFiles, dtype: torch.dtype | None = None,
         full = files.shape(source)
         selection = getattr(p, "hf_selection", None) or {}
         want = [(_as_index(selection[d], n).numel() if d in selection else n) for d, n in enumerate(full)]
-        if want != list(p.shape):
+        if want != real_shape(p):
             raise ValueError(
                 f"{files.path}: {name} is {full} in the checkpoint; this rank's shard of it "
                 f"{list(p.shape)} does not fit (does config.json match the weights?)"
             )
-        data = files.read(source, selection).to(dtype or p.dtype).contiguous()
+        data = pad_rows(p, files.read(source, selection).to(dtype or p.dtype).contiguous())
         keep = dict(p.__dict__)
         torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
         p.__dict__.update(keep)

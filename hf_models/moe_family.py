@@ -46,6 +46,7 @@ gathered back to ``[E, ...]`` by global expert id.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,7 @@ from ds_dhelix.runtime.groups import ExpertGroups
 from . import deltanet, gated_attention, mla
 from .common import (
     ContextShards,
+    CrossEntropy,
     Dropout,
     attn_core_op,
     causal_mask_side,
@@ -91,7 +93,6 @@ from .common import (
     layer_window,
     layer_windows,
     lean_glu,
-    loss_denominator,
     make_side_fn,
     mark_replicated,
     qkv_projections,
@@ -101,6 +102,7 @@ from .common import (
     side_positions,
 )
 from .lora import project
+from .vocab import shard_vocab
 
 
 @dataclass(frozen=True)
@@ -579,8 +581,8 @@ def dense_mlp_ops(layer) -> list:
     ]
 
 
-def loss_op(config, sparse: list[int], coef: float, tp: int, tp_grad_group, metrics: MoeMetrics, num_experts: int):
-    """``head.loss``: this rank's share of cross-entropy + ``coef`` x HF's load-balancing loss.
+def moe_loss(config, sparse: list[int], coef: float, tp: int, tp_grad_group, metrics: MoeMetrics, num_experts: int):
+    """``head.loss``'s last step: this rank's share of cross-entropy + ``coef`` x HF's load-balancing loss.
 
     With TP the pieces are summed over the TP group first (the loss is over all tokens of the
     micro-batch) and each TP rank adds 1/t of the aux term, so the shares still sum to the loss.
@@ -593,18 +595,15 @@ def loss_op(config, sparse: list[int], coef: float, tp: int, tp_grad_group, metr
 
         return all_reduce(t, group=tp_grad_group)
 
-    def fn(side, logits, *pieces):
-        ce = F.cross_entropy(
-            logits.float().flatten(0, 1), side["targets"].flatten(), ignore_index=-100, reduction="sum"
-        ) / loss_denominator(side)
+    def add(side, ce, *pieces):
         if not pieces:  # a family without HF's load-balancing loss (DeepSeek-V3, GLM-4.5)
-            return (ce,)
-        tokens = logits.shape[0] * logits.shape[1]
+            return ce
+        tokens = side["targets"].numel()  # this rank's sequence shard
         aux = load_balancing_loss(pieces, tokens, num_experts, reduce if tp > 1 else None, tp)
         metrics.record_aux(aux)
-        return (ce + coef * side["loss_share"] * aux / tp,)
+        return ce + coef * side["loss_share"] * aux / tp
 
-    return comp("head.loss", ("logits",) + keys, ("loss",), fn)
+    return CrossEntropy(keys, add)
 
 
 def build_graph(
@@ -631,7 +630,7 @@ def build_graph(
     None = auto (grouped GEMM on CUDA bf16, else a loop over experts); ``kernels``: the dispatch and
     combine kernels (``ds_dhelix.moe.kernels``: "torch" or "tutel")."""
     config, ep_groups = model.config, ep_groups or ExpertGroups()
-    replicated = _check_and_shard(family, model, tp, tp_rank, tp_grad_group, ep_groups, check_ep)
+    _check_and_shard(family, model, tp, tp_rank, ep_groups, check_ep)
     inner = model.model
     aux_loss_coef = _aux_loss_coef(family, config, aux_loss_coef)
     sparse = [i for i, layer in enumerate(inner.layers) if is_sparse(layer)]
@@ -640,30 +639,36 @@ def build_graph(
     settings = {"capacity_factor": capacity_factor, "grouped_mm": grouped_mm, "seed": draws.base, "rank": draws.rank,
                 "config": config, "kernels": make_kernels(kernels)}  # fmt: skip
     settings["host_copies"] = HostCopies()  # split sizes to the host: one side stream for the graph
-    blocks = [[embed_op(inner.embed_tokens)]]
+    vocab = shard_vocab(inner.embed_tokens, model.lm_head, tp, tp_rank, tp_group)
+    replicated = _replicated(model, tp, tp_grad_group)
+    blocks = [embed_op(inner.embed_tokens, vocab=vocab)]
     for i, layer in enumerate(inner.layers):
         mlp = moe_ops(i, layer, ep_groups, settings, metrics, family) if i in sparse else dense_mlp_ops(layer)
         blocks.append(attention_ops(i, layer, config, tp, tp_group, draws, family, cp) + mlp)
-    loss = loss_op(config, sparse if family.aux_loss else [], aux_loss_coef, *sequence_ranks(tp, tp_grad_group, cp),
-                   metrics, family.num_experts(config))  # fmt: skip
-    blocks.append(head_ops(inner.norm, model.lm_head)[:2] + [loss])
+    loss = moe_loss(config, sparse if family.aux_loss else [], aux_loss_coef, *sequence_ranks(tp, tp_grad_group, cp),
+                    metrics, family.num_experts(config))  # fmt: skip
+    head = functools.partial(head_ops, inner.norm, model.lm_head, vocab=vocab, loss=loss)
+    blocks.append(head())
     meta = {"moe_metrics": metrics, "expert_groups": ep_groups, "capacity_factor": capacity_factor,
-            "moe_kernels": kernels, "aux_loss_coef": aux_loss_coef, "sparse_layers": sparse}  # fmt: skip
+            "moe_kernels": kernels, "aux_loss_coef": aux_loss_coef, "sparse_layers": sparse, "head": head}  # fmt: skip
     side = make_side_fn(tp, tp_rank, side_inputs(model, family), cp)
     return ModelGraph(blocks, side, family=family.family, meta=meta, replicated=replicated)
 
 
-def _check_and_shard(family: MoeFamily, model, tp: int, tp_rank: int, tp_grad_group, ep_groups, check_ep):
-    """The family's checks, then ``model`` cut in place for this TP and EP rank; returns the
-    TP-replicated parameters' gradient reduction (None at TP 1)."""
+def _check_and_shard(family: MoeFamily, model, tp: int, tp_rank: int, ep_groups, check_ep) -> None:
+    """The family's checks, then ``model`` cut in place for this TP and EP rank."""
     check_tp(model.config, tp)
     check_dropout(model.config, ("attention_dropout",), family.name)
     if check_ep is not None:
         check_ep(model.config, ep_groups.size)
     shard(model, tp, tp_rank, ep_groups)
+
+
+def _replicated(model, tp: int, tp_grad_group):
+    """The TP-replicated parameters' gradient reduction (None at TP 1)."""
     if tp == 1:
         return None
-    # every parameter TP does not cut (norms, router, experts, embedding, head) sees a sequence shard
+    # every parameter TP does not cut (norms, router, experts) sees a sequence shard
     return mark_replicated([p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)],
                            tp_grad_group)  # fmt: skip
 

@@ -434,11 +434,11 @@ def _cpu_table(cpu_ms: float = 0.3):
     }
     table.comm_cpu_ms["fwd"][1] = 5.0  # one rank's outlier run: the median ignores it
     table.block_ops = {
-        "pre": {"ops": ["embed"], "fwd_ms": [0.5], "bwd_ms": [0.7]},
+        "pre": {"ops": ["embed", "embed.rs"], "fwd_ms": [0.5, 1.0], "bwd_ms": [0.7, 1.0]},
         "post": {
-            "ops": ["head.norm", "head.logits", "head.loss"],
-            "fwd_ms": [0.1, 3.0, 2.0],
-            "bwd_ms": [0.2, 6.0, 4.0],
+            "ops": ["head.norm", "head.ag", "head.logits", "head.lse", "head.lse_a2a", "head.loss"],
+            "fwd_ms": [0.1, 1.0, 3.0, 2.0, 1.0, 0.1],
+            "bwd_ms": [0.2, 1.0, 6.0, 4.0, 1.0, 0.1],
         },
     }
     return table

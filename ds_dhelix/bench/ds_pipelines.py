@@ -141,7 +141,7 @@ def graph_pipe_layers(model, tp: int, tp_rank: int, tp_group, seed: int = 0):
     """Shard a Llama-style ``model`` for TP rank ``tp_rank`` (in place) and return ``(layers,
     loss_fn, replicated)``: our op graph's blocks as pipeline layers (``GraphEmbedPipe``,
     ``GraphLayerPipe`` per decoder layer, ``GraphHeadPipe``), the loss of the graph's own
-    ``head.loss`` op (its value the micro-batch's loss, summed over the TP ranks' shares; its
+    ops after ``head.logits`` (its value the micro-batch's loss, summed over the TP ranks' shares; its
     gradient that of this rank's share), and the
     replicated weights whose gradients are summed over ``tp_group`` once per step."""
     from hf_models.adapters import adapter_for
@@ -149,8 +149,8 @@ def graph_pipe_layers(model, tp: int, tp_rank: int, tp_group, seed: int = 0):
     pipe_layers(model)  # the same model check as the HF-layer baselines
     graph = adapter_for(model.config).build_graph(model, tp, tp_rank, tp_group, tp_group, seed=seed)
     inner, pre, *body, post = model.model, *graph.blocks
-    *head, loss_op = post
-    assert loss_op.outputs == ("loss",), loss_op
+    cut = 1 + next(i for i, op in enumerate(post) if op.name == "head.logits")
+    head, loss_ops = post[:cut], post[cut:]  # (the vocab-parallel loss: its statistics' all-to-all too)
     layers = (
         [GraphEmbedPipe(pre, inner.embed_tokens, graph.make_side)]
         + [GraphLayerPipe(ops, layer, graph.make_side, tp) for ops, layer in zip(body, inner.layers)]
@@ -158,7 +158,7 @@ def graph_pipe_layers(model, tp: int, tp_rank: int, tp_group, seed: int = 0):
     )
 
     def loss_fn(logits, labels):
-        share = loss_op.fn(graph.make_side({"input_ids": labels, "labels": labels}), logits)[0]
+        share = run_ops(loss_ops, graph.make_side({"input_ids": labels, "labels": labels}), {"logits": logits})["loss"]
         total = share.detach().clone()
         torch.distributed.all_reduce(total, group=tp_group)
         return share + (total - share.detach())  # the micro-batch's loss; the gradient of this rank's share

@@ -63,6 +63,13 @@ def _add_leg_flags(p) -> None:
         help="DeepSpeed precision (bf16 / fp16 with its loss scaler; fp16 is forced on a CPU without it, "
         "and the output says so); the HF comparison runs in fp32 only",
     )
+    p.add_argument(
+        "--head-chunk",
+        type=int,
+        default=0,
+        metavar="N",
+        help="dhelix.head_chunk of the trained legs: the LM head and loss N tokens at a time (0: whole)",
+    )
 
 
 def _add_lora_moe_flags(p) -> None:
@@ -139,6 +146,8 @@ def run(args) -> int:
     for name in ("tp", "dp", "ep", "pp", "cp", "steps", "micro_batches", "micro_batch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.head_chunk < 0:
+        raise ValueError(f"--head-chunk must be >= 0 (0: the logits whole), got {args.head_chunk}")
     opts = ParityOptions(
         model=args.model,
         tp=args.tp,
@@ -158,7 +167,7 @@ def run(args) -> int:
         cp=args.cp,
         cp_comm=args.cp_comm,
         lora=_lora(args),
-        extra=_moe_extra(args),
+        extra={**_moe_extra(args), **({"head_chunk": args.head_chunk} if args.head_chunk else {})},
     )
     _check_setup(opts)
     result = run_parity(opts, timeout=args.timeout)

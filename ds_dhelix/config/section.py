@@ -489,6 +489,14 @@ class DhelixConfig(_Section):
     recompute right before their backward) or "full" (each decoder layer keeps only its inputs and
     recomputes its forward, collectives included, as its backward starts); losses and parameters do
     not change; works with every schedule and MoE."""
+    head_chunk: int = 0
+    """Tokens per chunk of the LM head and loss: > 0 makes and differentiates the logits that many
+    tokens at a time (each chunk's logits recomputed in the backward, one more head GEMM; the
+    head's weight gradient is then not deferred), so a micro-batch never holds more than
+    ``head_chunk x vocabulary / TP`` logits; 0 (default) keeps the micro-batch's logits whole
+    (``tokens x vocabulary / TP``; the vocabulary is split over TP either way). Worth it when the
+    logits dominate the activation peak: long sequences with 128k+ vocabularies (docs: precision,
+    recompute and memory)."""
     seed: int = 1234
     """Base seed of the op graph's random draws (dropout masks, MoE router noise): with the
     micro-batch's number in the run, the layer, the op and the rank it seeds each draw, so every
@@ -535,6 +543,7 @@ class DhelixConfig(_Section):
         self._at_least("log_interval", 1)
         self._at_least("auto_trials", 1)
         self._at_least("auto_recheck_steps", 0)
+        self._at_least("head_chunk", 0)
         if self.recompute not in RECOMPUTE_MODES:
             close = difflib.get_close_matches(self.recompute, RECOMPUTE_MODES, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else ""

@@ -250,6 +250,8 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
     if dims.cp > 1:
         moe["cp"] = groups.context_shards()
     graph = adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, seed=dh.seed, **moe)
+    if dh.head_chunk:
+        graph.blocks[-1] = graph.meta["head"](chunk=dh.head_chunk)
     whole = [p for p in lora_factors(model) if p.requires_grad]  # LoRA factors (those cut with their base skip)
     if dims.tp > 1 and whole:
         graph.replicated = ReplicatedGrads(

@@ -164,8 +164,8 @@ def rank_params(shape: ModelShape, outline: ModelOutline, layout: RunLayout) -> 
     for layer in layers:
         c, r, e = _layer_params(shape, outline.blocks[layer + 1], dims.tp)
         cut, rep, experts = cut + c, rep + r, experts + e / dims.ep
-    rep += shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden
-    return RankParams(cut, rep, experts)
+    vocab = shape.vocab * shape.hidden * (1 if shape.tied else 2)  # split over TP (``hf_models.vocab``)
+    return RankParams(cut + vocab / dims.tp, rep + shape.hidden, experts)
 
 
 def step_tail(hw: Hardware, shape: ModelShape, outline: ModelOutline, layout: RunLayout, places: dict) -> dict:

@@ -105,12 +105,19 @@ def causal_pairs(s: float, window: int | None) -> float:
 
 
 # ---------------------------------------------------------------------------- ops by name
+def _vocab(ctx: BlockContext) -> float:
+    """Vocabulary rows on this rank (split over TP: ``hf_models.vocab``)."""
+    return ctx.shape.vocab / ctx.layout.dims.tp
+
+
 def _embed(ctx: BlockContext) -> OpWork:
-    sh, n, e = ctx.shape, ctx.n_loc, ctx.e
-    rows = 2 if sh.learned_positions else 1
-    # backward: the dense [V, h] gradient written, then added to the parameter's (read twice, write)
+    sh, e = ctx.shape, ctx.e
+    # TP: every token of the TP group looked up in this rank's rows (the positions added after the
+    # reduce-scatter, ``embed.add``); backward: the dense [V/t, h] gradient written, then added to
+    # the parameter's (read twice, write)
+    n, rows = (ctx.n_tp, 1) if ctx.layout.dims.tp > 1 else (ctx.n_loc, 2 if sh.learned_positions else 1)
     return OpWork(
-        fwd=(mem(2 * rows * n * sh.hidden * e),), bwd=(mem(n * sh.hidden * e + 4 * sh.vocab * sh.hidden * e),)
+        fwd=(mem(2 * rows * n * sh.hidden * e),), bwd=(mem(n * sh.hidden * e + 4 * _vocab(ctx) * sh.hidden * e),)
     )
 
 
@@ -123,13 +130,24 @@ def _norm(passes_fwd: int, passes_bwd: int):
 
 
 def _head_logits(ctx: BlockContext) -> OpWork:
-    return linear(ctx.n_loc, ctx.shape.hidden, ctx.shape.vocab, ctx.e)  # the whole vocabulary on the shard
+    # TP: the group's tokens against this rank's vocabulary columns; TP 1: the whole vocabulary
+    return linear(ctx.n_tp, ctx.shape.hidden, _vocab(ctx), ctx.e)
+
+
+def _logit_passes(ctx: BlockContext) -> OpWork:
+    # the logits read, cast to fp32, log-softmax (or log-sum-exp) read and written; backward the same
+    size = ctx.n_tp * _vocab(ctx) * (ctx.e + 12)
+    return OpWork(fwd=(mem(size),), bwd=(mem(size),))
 
 
 def _head_loss(ctx: BlockContext) -> OpWork:
-    # the logits read, cast to fp32, log-softmax read and written; backward the same passes back
-    size = ctx.n_loc * ctx.shape.vocab * (ctx.e + 12)
-    return OpWork(fwd=(mem(size),), bwd=(mem(size),))
+    if ctx.layout.dims.tp > 1:  # the statistics of this rank's tokens only (``head.lse`` read the logits)
+        return OpWork(fwd=(mem(ctx.n_tp * 8 * 2),), bwd=(mem(ctx.n_tp * 8 * 2),))
+    return _logit_passes(ctx)
+
+
+def _lse_a2a(ctx: BlockContext) -> OpWork:
+    return OpWork(comm=Collective("tp", "all_to_all", "all_to_all", ctx.n_tp * 2 * 4))
 
 
 def _qkv(ctx: BlockContext) -> OpWork:
@@ -267,8 +285,13 @@ def _moe_add(ctx: BlockContext) -> OpWork:
 
 OPS = {
     "embed": _embed,
+    "embed.rs": _tp_seq("reduce_scatter", "all_gather"),
+    "embed.add": _norm(3, 1),
     "head.norm": _norm(2, 3),
+    "head.ag": _tp_seq("all_gather", "reduce_scatter"),
     "head.logits": _head_logits,
+    "head.lse": _logit_passes,
+    "head.lse_a2a": _lse_a2a,
     "head.loss": _head_loss,
     "attn.norm": _norm(2, 3),
     "attn.ag": _tp_seq("all_gather", "reduce_scatter"),
