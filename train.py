@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(each rank reads only its shards under dhelix)",
     )
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR|corpus",
+        help="tokenizer directory (default: the checkpoint's own, the embedded-corpus tokenizer for presets; a "
+        "checkpoint without tokenizer files and a vocabulary larger than the embedded tokenizer's is refused); "
+        "corpus: the embedded-corpus tokenizer (2,048 tokens)",
+    )
+    p.add_argument(
         "--data",
         default=None,
         help="training data: .txt, .jsonl, .json, .parquet or a datasets.save_to_disk directory, read "
@@ -322,6 +330,12 @@ def lora_config(args, setup, model_config):
                 file=sys.stderr,
             )
         cfg = LoraConfig(**{k: v for k, v in raw.items() if k in known and k != "peft_type"})
+        if cfg.init_lora_weights is not True:  # (the engine's own check comes after the model is built)
+            raise ValueError(
+                f"--peft-config {args.peft_config!r}: init_lora_weights={cfg.init_lora_weights!r}; train.py builds "
+                f"the model empty and reads each rank's shards, then draws the factors as PEFT's default "
+                f"does (A Kaiming-uniform, B zero): use init_lora_weights true"
+            )
     else:
         r = 8 if args.lora_r is None else args.lora_r
         if r < 1:
@@ -433,8 +447,13 @@ def _data(args, setup, model_config):
     from ds_dhelix.data.sources import load_data
     from hf_models.registry import load_tokenizer_for
 
-    tokenizer = load_tokenizer_for(args.model)
+    tokenizer = load_tokenizer_for(args.model, tokenizer=args.tokenizer)
     data = load_data(data_options(args, tokenizer), tokenizer)
+    if args.chat_template is not None:  # (chat data only: load_data refuses it otherwise)
+        from ds_dhelix.data.records import resolve_chat_template
+
+        # what the model was trained on is what the exported tokenizer renders
+        tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
     need, d = setup.batch.micro_batch_size * setup.dims.dp, setup.dims
     if data.train is not None and len(data.train) < need:
         s = data.stats
@@ -523,7 +542,8 @@ def main(argv=None) -> int:
     try:
         prep = check_inputs(args)
     except ValueError as err:
-        print(f"train.py: error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under the launcher every rank checks; one says why
+            print(f"train.py: error: {err}", file=sys.stderr)
         return 2
     return run(args, prep)
 

@@ -62,7 +62,7 @@ def run(tree: str, model: str, steps: int, seq_len: int) -> dict:
             json.dump(CONFIG, f)
         launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
         cmd = [launcher, "--num_gpus", "2", os.path.join(tree, "train.py"), "--deepspeed", cfg, "--model", model,
-               "--steps", str(steps), "--seq-len", str(seq_len), "--output-dir", os.path.join(tmp, "out"),
+               "--tokenizer", "corpus", "--steps", str(steps), "--seq-len", str(seq_len), "--output-dir", os.path.join(tmp, "out"),
                "--json-summary", out]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": tree}
         subprocess.run(cmd, cwd=tmp, env=env, check=True, stdout=subprocess.DEVNULL)

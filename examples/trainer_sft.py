@@ -41,6 +41,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--model", default="tiny-llama", help="preset name or local HF checkpoint directory")
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR|corpus",
+        help="tokenizer directory (default: the checkpoint's own; corpus: the embedded-corpus tokenizer)",
+    )
+    p.add_argument(
         "--data",
         default=None,
         help="training data as train.py reads it: .txt, .jsonl, .json, .parquet or a save_to_disk "
@@ -303,7 +309,7 @@ def main(argv=None) -> int:
         ds_config = plain_config(ds_config, world)
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.join(args.output_dir, "tensorboard"))
     targs = training_arguments(args, ds_config)
-    tokenizer = load_tokenizer_for(args.model)
+    tokenizer = load_tokenizer_for(args.model, tokenizer=args.tokenizer)
     model, _ = build_model(args.model, seed=args.seed)
     if args.lora_r:
         from peft import LoraConfig, get_peft_model

@@ -233,21 +233,45 @@ def build_model(
     return model, info
 
 
-def load_tokenizer_for(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None):
-    """The checkpoint directory's own tokenizer when it has one, else the embedded-corpus tokenizer.
+def load_tokenizer_for(
+    name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, tokenizer: str | None = None
+):
+    """``tokenizer`` (a directory with tokenizer files, or "corpus": the embedded-corpus one), else
+    the checkpoint directory's own tokenizer when it has one, else the embedded-corpus tokenizer.
 
     The embedded tokenizer's vocabulary is capped at the model's vocab_size so every id is valid.
+    A checkpoint directory without tokenizer files whose vocabulary is larger than the embedded
+    tokenizer's is refused (a tokenizer that would use a sliver of the embedding is a wrong run,
+    not a default), naming ``--tokenizer``; so is a tokenizer with more tokens than the model has rows.
     """
     from ds_dhelix.data import DEFAULT_CACHE_DIR, DEFAULT_VOCAB_SIZE, get_tokenizer
 
     name = os.path.expanduser(os.fspath(name_or_path))
-    if (
-        not is_preset(name)
-        and os.path.isdir(name)
-        and any(os.path.isfile(os.path.join(name, f)) for f in _TOKENIZER_FILES)
-    ):
-        from transformers import AutoTokenizer
+    vocab = load_config(name_or_path).vocab_size
+    own = None if tokenizer == "corpus" else os.path.expanduser(tokenizer) if tokenizer else None
+    if own is None and tokenizer is None and not is_preset(name) and os.path.isdir(name):
+        if any(os.path.isfile(os.path.join(name, f)) for f in _TOKENIZER_FILES):
+            own = name
+        elif vocab > DEFAULT_VOCAB_SIZE:
+            raise ValueError(
+                f"{name} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}) and a {vocab:,}-token vocabulary; "
+                f"give --tokenizer DIR (the tokenizer the model was trained with), or --tokenizer corpus for the "
+                f"embedded {DEFAULT_VOCAB_SIZE:,}-token one"
+            )
+    if own is None:
+        return get_tokenizer(cache_dir or DEFAULT_CACHE_DIR, min(DEFAULT_VOCAB_SIZE, vocab))
+    return _own_tokenizer(own, vocab)
 
-        return AutoTokenizer.from_pretrained(name, local_files_only=True)
-    vocab_size = min(DEFAULT_VOCAB_SIZE, load_config(name_or_path).vocab_size)
-    return get_tokenizer(cache_dir or DEFAULT_CACHE_DIR, vocab_size)
+
+def _own_tokenizer(path: str, vocab: int):
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(f"--tokenizer {path}: no tokenizer files there ({', '.join(_TOKENIZER_FILES)})")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if len(tok) > vocab:
+        raise ValueError(
+            f"tokenizer {path} has {len(tok):,} tokens, the model's embedding {vocab:,} rows: ids past the "
+            f"embedding would be out of range; give the model's own tokenizer"
+        )
+    return tok

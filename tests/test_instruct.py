@@ -323,6 +323,10 @@ def test_chat_run_evaluates_and_si_equals_sequential_across_a_resume(tmp_path, t
     second, proc = _train(tmp_path, "si2", "si", *common, "--ds-checkpoint", ckpt, "--resume", "auto")
     assert second["start_step"] == stop
     assert first["losses"] + second["losses"] == seq["losses"]  # bitwise
+    from transformers import AutoTokenizer
+
+    exported = AutoTokenizer.from_pretrained(tmp_path / "seq" / "hf")  # with the template it trained on
+    assert exported.chat_template == CHATML_TEMPLATE
     assert first["eval_losses"] + second["eval_losses"] == seq["eval_losses"]
     assert [e["step"] for e in seq["eval_losses"]] == [5, 10, 15, 20]
     assert seq["eval_losses"][-1]["loss"] < seq["eval_losses"][0]["loss"]
@@ -432,3 +436,24 @@ def test_a_stream_too_short_for_one_step_is_refused_before_any_model(tmp_path, m
     )
     err = capsys.readouterr().err
     assert rc == 2 and "fewer than 4 blocks" in err and "one micro-batch (4)" in err, err
+
+
+STANDARD_CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("prompt", [False, True])
+def test_builtin_chatml_renders_standard_chatml_byte_for_byte(tokenizer, prompt):
+    """What inference with a stock ChatML template sees is what the model was trained on: a newline
+    after every turn's <|im_end|> (transformers' trim_blocks would drop one written after a block tag)."""
+    for r in chat_records(n=6):
+        ours = tokenizer.apply_chat_template(
+            r["messages"], chat_template=CHATML_TEMPLATE, tokenize=False, add_generation_prompt=prompt
+        )
+        standard = tokenizer.apply_chat_template(
+            r["messages"], chat_template=STANDARD_CHATML, tokenize=False, add_generation_prompt=prompt
+        )
+        assert ours == standard
+        assert "<|im_end|>\n<|im_start|>" in ours

@@ -223,3 +223,13 @@ def test_ring_cp2_parity(model, kw):
 def test_ring_cp4_on_four_ranks():
     # three ring steps per layer: blocks from earlier and from later ranks on every rank
     _assert_parity(_parity(model="tiny-llama", cp=4, steps=1, micro_batches=2, num_layers=1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ring_cp2_with_tp2_does_not_deadlock():
+    """Ring CP=2 x TP=2 on four ranks: ring sends / receives cannot be polled, so the pairs run in
+    the order of their op lists (a rank that waited on one strand's TP collective while the other
+    strand's ring pass had completed unseen held back the launch its TP peer waited for: every
+    rank stuck until the watchdog)."""
+    _assert_parity(_parity(model="tiny-qwen3", tp=2, steps=1, micro_batches=2, num_layers=2, seq_len=32))

@@ -58,6 +58,19 @@ def _bin_only_checkpoint(tmp) -> str:
     return str(out)
 
 
+def _big_vocab_checkpoint(tmp) -> str:
+    """tiny-llama with a 4,096-row vocabulary and no tokenizer files."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_models.registry import load_config
+
+    config = load_config("tiny-llama")
+    config.vocab_size = 4096
+    out = tmp / "big-vocab"
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return str(out)
+
+
 def _setdh(key, value):
     def change(cfg):
         cfg["dhelix"][key] = value
@@ -84,6 +97,29 @@ CASES = [
         2,
         lambda t: ["--deepspeed", BASE, "--model", _truncated_checkpoint(t)],
         ["model.safetensors", "truncated"],
+    ),
+    (
+        "no-tokenizer-for-the-vocabulary",
+        2,
+        lambda t: ["--deepspeed", BASE, "--model", _big_vocab_checkpoint(t)],
+        ["no tokenizer files", "4,096-token", "--tokenizer DIR", "--tokenizer corpus"],
+    ),
+    (
+        "tokenizer-dir-without-files",
+        2,
+        lambda t: ["--deepspeed", BASE, "--tokenizer", str(t)],
+        ["--tokenizer", "no tokenizer files there"],
+    ),
+    (
+        "peft-config-gaussian-init",
+        2,
+        lambda t: [
+            "--deepspeed",
+            BASE,
+            "--peft-config",
+            _file(t, "adapter_config.json", '{"r": 4, "target_modules": ["q_proj"], "init_lora_weights": "gaussian"}'),
+        ],
+        ["adapter_config.json", "init_lora_weights='gaussian'", "init_lora_weights true"],
     ),
     ("missing-data", 2, lambda t: ["--deepspeed", BASE, "--data", "/nonexistent/data.txt"], ["/nonexistent/data.txt"]),
     (
@@ -386,3 +422,16 @@ def test_unknown_deepspeed_key_can_be_allowed_with_a_warning(tmp_path):
         assert check_deepspeed_keys({"future_key": 1, "train_batch_size": 2}, allow_unknown=True) == ["future_key"]
     with pytest.raises(ValueError, match="future_key"):
         check_deepspeed_keys({"future_key": 1})
+
+
+def test_a_refusal_is_printed_by_rank_0_only(tmp_path, monkeypatch, capsys):
+    """Under the launcher every rank runs the checks: rank 0 says why, the others exit with the
+    same code in silence."""
+    import train
+
+    argv = ["--deepspeed", "/nonexistent/ds.json"]
+    for rank, lines in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert len([x for x in err.splitlines() if x.startswith("train.py: error:")]) == lines, err

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import pytest
 import torch
 
 from hf_models.vocab import VocabShard, check_vocab, pad_rows, shard_vocab, trim_padding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_rows_start_and_padding_of_each_rank():
@@ -114,3 +117,30 @@ def test_chunked_head_trains_as_the_whole_one(results, case):
     the losses agree to fp32 rounding (1e-6 on losses of ~7.6)."""
     got, whole = results[case]["losses"]["si"], results[CHUNKED[case]]["losses"]["si"]
     assert max(abs(a - b) for a, b in zip(got, whole)) < 1e-6, (got, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_py_exports_the_whole_vocabulary(tmp_path):
+    """train.py at TP=2 on a checkpoint whose 2047-row vocabulary TP pads (tied, softcapped, in
+    64-token head chunks): the export has 2047 rows and, loaded by plain transformers, reproduces
+    the trained model's loss."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_train_e2e import run_train
+
+    model_dir = _checkpoint(tmp_path, GEMMA[0], **GEMMA[1])
+    cfg = tmp_path / "ds.json"
+    with open(os.path.join(ROOT, "ds_configs", "tiny_llama_cpu.json")) as f:
+        ds = json.load(f)
+    ds["dhelix"]["head_chunk"] = 64
+    ds["tensorboard"]["output_path"] = str(tmp_path / "tb")
+    cfg.write_text(json.dumps(ds))
+    summary, _ = run_train(tmp_path, steps=4, extra=("--model", model_dir, "--deepspeed", str(cfg)))
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert out.get_input_embeddings().weight.shape[0] == 2047
+    assert out.lm_head.weight.data_ptr() == out.get_input_embeddings().weight.data_ptr()  # still tied
+    ids = torch.tensor(summary["probe_input_ids"])
+    with torch.no_grad():
+        loss = out(input_ids=ids, labels=ids).loss.item()
+    assert abs(loss - summary["probe_loss"]) < 1e-4, (loss, summary["probe_loss"])

@@ -28,12 +28,16 @@ _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
-    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{{ '\\n' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>{{ '\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 """``--chat-template chatml``: ChatML turns, the assistant's marked for the loss mask (for a
-tokenizer without a template of its own, such as the presets')."""
+tokenizer without a template of its own, such as the presets'). Renders byte for byte what the
+standard ChatML template does (``<|im_start|>role\ncontent<|im_end|>\n`` per turn): the newline
+after a turn is an expression, since transformers compiles templates with ``trim_blocks``, which
+drops a newline written right after a block tag. The assistant's newline is inside its loss span,
+as a template without markers (answers told turn by turn) also counts it."""
 
 
 def data_kind(path: str) -> str:

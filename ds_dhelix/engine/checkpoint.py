@@ -260,14 +260,28 @@ def _write_side_files(model, tmp: str, tokenizer, meta: dict, dtype) -> None:
 
     config = copy.deepcopy(model.config)
     config.dtype = dtype  # the dtype the tensors were written in (a bf16 run exports bf16)
+    _fill_special_ids(config, tokenizer)
     config.save_pretrained(tmp)
     generation = getattr(model, "generation_config", None)
     if generation is not None and model.can_generate():
+        generation = copy.deepcopy(generation)
+        _fill_special_ids(generation, tokenizer)
         generation.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, EXPORT_MARK), "w") as f:
         json.dump(meta, f, indent=1)
+
+
+def _fill_special_ids(config, tokenizer) -> None:
+    """The tokenizer's bos / eos / pad ids into ``config`` (a model or generation config) where it
+    has none, so generation with the export stops where the data's documents did."""
+    if tokenizer is None:
+        return
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, key, None)
+        if getattr(config, key, None) is None and value is not None:
+            setattr(config, key, value)
 
 
 def hf_tensors(model, tp_group=None, tp_size: int = 1, only=None):

@@ -106,12 +106,17 @@ class Executor(Collectives):
         self._op_weights: dict = {}  # (block, op index) -> OpWeights, from the op's first forwards
         # (block, op index, linears routed) -> parameters autograd reaches when matrices are among them
         self._weighed: dict = {}
-        # react to completed collectives at once when every COMM op keeps forward and backward
-        # collectives on separate groups (timing may then reorder the two strands' launches);
-        # never on CUDA, where the host's view of completion lags the device (``_cuda``)
-        self._reacts = react and self.reactive and all(getattr(op.comm, "strand_safe", False) for op in comms)
         # every COMM op's in-flight work says when it is complete (``within_budget``, ``pollable``)
         self._all_poll = all(self.polls(op) for op in comms)
+        # react to completed collectives at once when every COMM op keeps forward and backward
+        # collectives on separate groups (timing may then reorder the two strands' launches) and
+        # every one can be polled: a rank blocked on one strand's collective while the other's
+        # (ring attention's send / receive) has completed unseen can hold back the launch its
+        # TP peer waits for (ring CP x TP deadlocked so); never on CUDA, where the host's view of
+        # completion lags the device (``_cuda``)
+        self._reacts = (
+            react and self.reactive and self._all_poll and all(getattr(op.comm, "strand_safe", False) for op in comms)
+        )
         self._cuda = False  # set by the first collective launched on a CUDA tensor
         self._stream = _UNKNOWN  # the compute stream (CUDA), None on CPU: from the first op's input
         self._device_events: list = []  # this step's ``comm.DeviceEvents`` (CUDA)
