@@ -274,3 +274,19 @@ def test_qwen3_5_language_model_of_a_multimodal_checkpoint(tmp_path):
         model = _cut(empty_model(path), "tiny-qwen3-5", 2, rank)
         materialize(model, CheckpointFiles(path))
         assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_parity_from_a_checkpoint_dir_leaves_no_semaphore_behind(tmp_path):
+    """The ranks' progress bars (reading shards; transformers' own) hold thread locks, not tqdm's
+    default multiprocessing one, which spawned ranks leaked: ``resource_tracker: There appear to
+    be 2 leaked semaphore objects`` at the end of every parity run on a checkpoint directory."""
+    import subprocess
+    import sys
+
+    _, path = _save(tmp_path, "tiny-llama")
+    cmd = [sys.executable, "-m", "ds_dhelix.cli", "parity", "--model", path, "--steps", "1", "--seq-len", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "BITWISE EQUAL" in proc.stdout and "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]

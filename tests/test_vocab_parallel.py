@@ -124,12 +124,13 @@ def test_chunked_head_trains_as_the_whole_one(results, case):
 def test_train_py_exports_the_whole_vocabulary(tmp_path):
     """train.py at TP=2 on a checkpoint whose 2047-row vocabulary TP pads (tied, softcapped, in
     64-token head chunks): the export has 2047 rows and, loaded by plain transformers, reproduces
-    the trained model's loss."""
+    the trained model's loss; its config and generation config carry the tokenizer's special ids."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_train_e2e import run_train
 
-    model_dir = _checkpoint(tmp_path, GEMMA[0], **GEMMA[1])
+    # a config without special ids (the export takes them from the tokenizer)
+    model_dir = _checkpoint(tmp_path, GEMMA[0], **GEMMA[1], bos_token_id=None, eos_token_id=None, pad_token_id=None)
     cfg = tmp_path / "ds.json"
     with open(os.path.join(ROOT, "ds_configs", "tiny_llama_cpu.json")) as f:
         ds = json.load(f)
@@ -139,6 +140,15 @@ def test_train_py_exports_the_whole_vocabulary(tmp_path):
     summary, _ = run_train(tmp_path, steps=4, extra=("--model", model_dir, "--deepspeed", str(cfg)))
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert out.get_input_embeddings().weight.shape[0] == 2047
+    from hf_models.registry import load_tokenizer_for
+
+    tok = load_tokenizer_for("tiny-llama")
+    for cfg in (out.config, out.generation_config):
+        assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (
+            tok.bos_token_id,
+            tok.eos_token_id,
+            tok.pad_token_id,
+        )
     assert out.lm_head.weight.data_ptr() == out.get_input_embeddings().weight.data_ptr()  # still tied
     ids = torch.tensor(summary["probe_input_ids"])
     with torch.no_grad():

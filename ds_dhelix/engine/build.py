@@ -336,9 +336,9 @@ def load_shards(model, weights: str | None, rank: int = 0, seed: int | None = No
 
 
 def _progress(total: int, what: str):
-    from tqdm.auto import tqdm
+    from ..runtime.progress import progress
 
-    return tqdm(total=total, desc=f"ds_dhelix: {what}", unit="tensor", leave=False)
+    return progress(total=total, desc=f"ds_dhelix: {what}", unit="tensor", leave=False)
 
 
 def build_engine(

@@ -278,7 +278,7 @@ def profile_layer(
     """Measure every candidate segment alone and every allowed pair, then re-measure the noisy
     entries and the plan's own (see the module docstring); returns the overlap table, with
     ``info`` saying what each pass did."""
-    from tqdm import tqdm
+    from .progress import progress as tqdm
 
     specs = graph.layer_specs()
     fwd, bwd = specs, backward_order(specs)

@@ -28,6 +28,9 @@ def _entry(rank, fn, world, port, outdir, args):
 
     os.dup2(2, 1)  # ranks log to stderr: the parent's stdout stays clean for --json output
     sys.stdout = sys.stderr
+    from .progress import thread_locked_bars
+
+    thread_locked_bars()  # every tqdm bar of the rank (transformers' too)
     import torch
     import torch.distributed as dist
 

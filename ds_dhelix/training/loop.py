@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..runtime.progress import progress
 from .evaluation import evaluate
 from .plain import plain_step
 
@@ -93,7 +94,6 @@ def train_loop(engine, data, options: LoopOptions, run_state: dict | None = None
     ``data.options.seed``'s order, each replica its share, continuing a resumed engine's position.
     ``run_state``: what checkpoints record (``ds_dhelix.training.run_state``). Collective."""
     import torch.distributed as dist
-    from tqdm import tqdm
 
     from ds_dhelix.engine.evaluation import data_parallel
     from ds_dhelix.engine.stopping import StopRequest
@@ -112,7 +112,7 @@ def train_loop(engine, data, options: LoopOptions, run_state: dict | None = None
     stop = StopRequest.install()
     log = TrainLog(start, micro * gas * data.options.seq_len * dp_size)
     log_data_fields(engine, data, start)
-    bar = tqdm(total=options.steps, initial=start, desc="train", disable=dist.get_rank() != 0, dynamic_ncols=True)
+    bar = progress(total=options.steps, initial=start, desc="train", disable=dist.get_rank() != 0, dynamic_ncols=True)
     for _ in range(start, options.steps):
         _one_step(engine, batches, log, bar)
         if _between_steps(engine, data, options, run_state, log, stop, bar):
