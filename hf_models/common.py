@@ -82,7 +82,8 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
     ``ContextShards``, None without context parallelism). With ring attention a CP rank's tokens
     are the two chunks of the zig-zag split (``ring.zigzag_index``), cut by TP; the side then
     carries ``ring_index`` (the positions of the CP rank's tokens) and, for packed documents,
-    ``segments`` (each position's document number).
+    ``segments`` (each position's document number). At TP > 1: ``tp_ids`` / ``tp_targets``, the
+    TP group's tokens in TP rank order (the vocabulary-parallel embedding and loss, ``vocab.py``).
     """
     shards, index = (tp, tp_rank) if cp is None else (tp * cp.size, cp.rank * tp + tp_rank)
     ring = cp is not None and cp.comm == "ring"
@@ -104,10 +105,6 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
             local = zigzag_index(s, cp.size, cp.rank, ids.device)
             sl = local[tp_rank * n : (tp_rank + 1) * n]
         position_ids = batch.get("position_ids")  # packed documents: positions restart per document
-        if position_ids is None:
-            positions = torch.arange(s, device=ids.device)[sl].unsqueeze(0).expand(b, n)
-        else:
-            positions = position_ids[:, sl]
         side = {
             "ids": ids[:, sl],
             "targets": targets[:, sl].t().contiguous(),  # [s/tp, b], sequence-first
@@ -118,21 +115,27 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
             # this micro-batch's share of the rows of the one it was cut from (the intra schedule's
             # halves, ``interpreter.half_batches``): weighs a per-micro-batch loss term (MoE balance)
             "loss_share": batch.get("loss_share", 1.0),
-            "positions": positions,
+            "positions": _positions(position_ids, s, sl, ids.device, b, n),
             "seq_len": s,
             "batch": b,
             "serial": serial,
         }
         if tp > 1:  # the TP group's tokens, in TP rank order (the vocab-parallel embedding and loss)
             group = local if ring else slice(sl.start - tp_rank * n, sl.start + (tp - tp_rank) * n)
-            side["tp_ids"] = ids[:, group]
-            side["tp_targets"] = targets[:, group].t().contiguous()
+            side.update(tp_ids=ids[:, group], tp_targets=targets[:, group].t().contiguous())
         _add_documents(side, position_ids, local if ring else None)
         if extra is not None:
             side.update(extra(batch, side))
         return side
 
     return make_side
+
+
+def _positions(position_ids, s: int, sl, device, b: int, n: int):
+    """The shard's positions: packed documents' own (``position_ids``), else 0 .. s-1 cut by ``sl``."""
+    if position_ids is None:
+        return torch.arange(s, device=device)[sl].unsqueeze(0).expand(b, n)
+    return position_ids[:, sl]
 
 
 def _add_documents(side: dict, position_ids, ring_index) -> None:

@@ -203,8 +203,19 @@ def test_tokenisation_is_cached_across_runs(tmp_path, tokenizer):
     assert all(torch.equal(first.train.fields[k], again.train.fields[k]) for k in first.train.fields)
 
 
-def test_stream_packs_the_blocks_of_the_whole_file_and_resumes(tmp_path, tokenizer):
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_stream_packs_the_blocks_of_the_whole_file_and_resumes(tmp_path, tokenizer, kind):
+    """A streamed file gives the blocks of the whole one (parquet: read a batch of rows at a time
+    by ``records.ParquetRecords``, not datasets' streaming), and a resumed stream continues."""
     path = write_jsonl(tmp_path / "chat.jsonl", chat_records(50))
+    if kind == "parquet":
+        import datasets
+
+        from ds_dhelix.data.records import ParquetRecords
+
+        path = str(tmp_path / "chat.parquet")
+        datasets.Dataset.from_list(chat_records(50)).to_parquet(path, batch_size=16)  # several row groups
+        assert isinstance(open_records(path, streaming=True), ParquetRecords)
     opts = dict(path=path, chat_template="chatml", packing="docs", seq_len=96)
     whole = load_data(DataOptions(**opts, stream_above=None), tokenizer)
     stream = load_data(DataOptions(**opts, stream_above=1), tokenizer)
@@ -359,18 +370,38 @@ def test_train_py_and_trainer_example_first_step_loss(tmp_path):
     assert abs(ours["losses"][0] - theirs["losses"][0]) < 1e-5, (ours["losses"], theirs["losses"])
 
 
+def write_parquet(path, records, size: int, group_rows: int = 20_000) -> None:
+    """``records`` repeated into a parquet file of about ``size`` bytes, row group by row group."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(records)
+    table = pa.concat_tables([table] * max(1, group_rows // len(records)))
+    with pq.ParquetWriter(path, table.schema) as w:
+        while True:
+            w.write_table(table, row_group_size=group_rows)
+            if os.path.getsize(path) >= size:
+                break
+
+
 @pytest.mark.slow
 @pytest.mark.extended
-def test_a_1gb_file_streams_with_flat_memory(tmp_path):
-    """5 steps on a 1 GB chat jsonl (streamed: above --stream-above 256MB) against the same run on
-    a 1 MB file: the peak RSS grows by less than 200 MiB."""
-    lines = [json.dumps(r) + "\n" for r in chat_records(400)]
-    block = "".join(lines).encode()
-    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
-    small.write_bytes((block * (2**20 // len(block) + 1))[: 2**20].rsplit(b"\n", 1)[0] + b"\n")
-    with open(big, "wb") as f:
-        for _ in range(2**30 // len(block) + 1):
-            f.write(block)
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_1gb_file_streams_with_flat_memory(tmp_path, kind):
+    """5 steps on a 1 GB chat file (streamed: above --stream-above 256MB) against the same run on
+    a 1 MB file: the peak RSS grows by less than 200 MiB; jsonl through datasets' streaming, parquet
+    row group by row group (``records.ParquetRecords``)."""
+    small, big = tmp_path / f"small.{kind}", tmp_path / f"big.{kind}"
+    if kind == "parquet":
+        write_parquet(small, chat_records(400), 2**20, group_rows=400)
+        write_parquet(big, chat_records(400), 2**30)
+    else:
+        lines = [json.dumps(r) + "\n" for r in chat_records(400)]
+        block = "".join(lines).encode()
+        small.write_bytes((block * (2**20 // len(block) + 1))[: 2**20].rsplit(b"\n", 1)[0] + b"\n")
+        with open(big, "wb") as f:
+            for _ in range(2**30 // len(block) + 1):
+                f.write(block)
     common = ["--chat-template", "chatml", "--packing", "docs", "--seq-len", "64", "--steps", "5"]
     runs = {}
     for name, path in (("small", small), ("big", big)):

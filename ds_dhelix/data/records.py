@@ -94,6 +94,8 @@ def open_records(path: str, streaming: bool = False):
                     "text", data_files=path, split="train", streaming=True, sample_by="paragraph"
                 )
             return datasets.Dataset.from_dict({"text": split_documents(load_text(path))})
+        if kind == "parquet" and streaming:
+            return ParquetRecords(path)
         return datasets.load_dataset(kind, data_files=path, split="train", streaming=streaming)
     except ValueError:
         raise
@@ -105,6 +107,28 @@ def open_records(path: str, streaming: bool = False):
             f"cannot read {path!r} as {kind}: {type(cause).__name__}: "
             f"{str(cause).splitlines()[0] if str(cause) else ''}"
         ) from None
+
+
+class ParquetRecords:
+    """A parquet file's records as a stream: ``pyarrow.parquet.ParquetFile.iter_batches``, a batch
+    of rows at a time (each pass reads the file again from its start). ``datasets``' own parquet
+    streaming held ever more memory as it read (2 GB of RSS after 2,000 records of a 2 GB file);
+    this holds one batch of rows and the row group it comes from. Decoding runs on this thread
+    (``use_threads=False``): no reader threads are alive at exit."""
+
+    def __init__(self, path: str, batch_rows: int = 256):
+        import pyarrow.parquet as pq
+
+        self.path, self.batch_rows = path, batch_rows
+        with pq.ParquetFile(path) as f:  # a file that is not parquet fails here, before any model
+            self.num_rows = f.metadata.num_rows
+
+    def __iter__(self):
+        import pyarrow.parquet as pq
+
+        with pq.ParquetFile(self.path, pre_buffer=False) as f:
+            for batch in f.iter_batches(batch_size=self.batch_rows, use_threads=False):
+                yield from batch.to_pylist()
 
 
 def _check_json_lines(path: str) -> None:
