@@ -15,18 +15,31 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def settle_params(seq: dict, other: dict) -> None:
+    """Compare the two legs' trained parameters now and drop them (``compare`` reads the verdict):
+    the run then holds no whole copy of the model while the first step and HF legs run."""
+    if "params" in seq and seq is not other:
+        seq["params_vs_other"] = _params_verdict(seq, other)
+        del seq["params"], other["params"]
+
+
+def _params_verdict(seq: dict, other: dict) -> tuple[bool, float]:
+    equal = all(torch.equal(seq["params"][k], other["params"][k]) for k in seq["params"])
+    return equal, max_diff(other["params"], seq["params"])
+
+
 def compare(opts, seq, other, hf, label: str | None = None, note: str = "") -> dict:
     """``seq`` (sequential, with its ``first_step``) against ``other`` (bitwise) and ``hf``
     (within tolerances; None: not compared, e.g. under bf16/fp16). ``label``: the key of ``other``
     in "losses" / "peak_activation_bytes" (default: the schedule)."""
     label = label or opts.schedule
-    bitwise = seq["losses"] == other["losses"] and all(
-        torch.equal(seq["params"][k], other["params"][k]) for k in seq["params"]
-    )
+    verdict = _params_verdict(seq, other) if "params" in seq else seq.get("params_vs_other", (True, 0.0))
+    equal, diff = verdict  # (settled before, or other is seq: sequential against itself)
+    bitwise = seq["losses"] == other["losses"] and equal
     out = {
         "options": {k: v for k, v in asdict(opts).items() if k != "extra"},
         "bitwise_equal": bitwise,
-        "max_abs_diff_vs_sequential": max_diff(other["params"], seq["params"]),
+        "max_abs_diff_vs_sequential": diff,
         "losses": {"sequential": seq["losses"], label: other["losses"]},
         "peak_activation_bytes": {"sequential": seq["peak_activation_bytes"], label: other["peak_activation_bytes"]},
         "note": note,

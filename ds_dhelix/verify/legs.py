@@ -21,6 +21,8 @@ def train_leg(opts: ParityOptions, schedule: str, batches, gather) -> dict:
         losses.append(float(engine.train_batch(iter(my_share(opts, step, engine.groups.dp_rank)))))
         peaks.append(engine.last_stats.peak_activation_bytes)
     params = gather(engine)
+    if engine.groups.rank != 0:  # (the gather is collective; rank 0 alone compares)
+        params = None
     engine.destroy()
     return {"losses": losses, "params": params, "peak_activation_bytes": max(peaks), "rank": engine.groups.rank}
 

@@ -19,7 +19,7 @@ every one of them off on both sides (``hf_stochastic_off`` in the result names t
 from __future__ import annotations
 
 from .batches import halve_batches, make_batches
-from .judge import compare, compare_kernels, judge_halves
+from .judge import compare, compare_kernels, judge_halves, settle_params
 from .legs import first_step, hf_cannot_take_the_mask, result_note, train_hf, train_schedule
 from .options import ParityOptions, halved, intra_has_halves_reference, moe_kernels, with_moe_kernels
 from .pipeline import run_pipe_parity
@@ -32,6 +32,8 @@ def _rank_main(rank, world, opts: ParityOptions):
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     seq = train_schedule(opts, "sequential", batches)
     other = train_schedule(opts, opts.schedule, batches) if opts.schedule != "sequential" else seq
+    if rank == 0 and opts.schedule != "intra":  # (intra's halves compare their parameters too)
+        settle_params(seq, other)
     halves = None
     if opts.schedule == "intra":
         if opts.dtype == "fp32":
