@@ -36,8 +36,16 @@ def test_profile_covers_every_candidate(table):
     plan = plan_dp(table)
     assert plan.predicted_ms > 0 and not plan.comm_conflicts()
     # the embedding and head blocks are timed op by op too (dhelix predict --hardware cpu reads them)
-    assert table.block_ops["pre"]["ops"] == ["embed"]
-    assert table.block_ops["post"]["ops"] == ["head.norm", "head.logits", "head.loss"]
+    # (TP=2: the vocabulary split over TP, its collectives in the blocks)
+    assert table.block_ops["pre"]["ops"] == ["embed", "embed.rs"]
+    assert table.block_ops["post"]["ops"] == [
+        "head.norm",
+        "head.ag",
+        "head.logits",
+        "head.lse",
+        "head.lse_a2a",
+        "head.loss",
+    ]
     assert all(ms > 0 for b in table.block_ops.values() for ms in b["fwd_ms"] + b["bwd_ms"])
     # and each collective's CPU time beside the main thread (None for compute ops)
     for direction, ops in (("fwd", table.fwd_ops), ("bwd", table.bwd_ops)):
