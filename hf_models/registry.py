@@ -248,8 +248,10 @@ def load_tokenizer_for(
 
     name = os.path.expanduser(os.fspath(name_or_path))
     vocab = load_config(name_or_path).vocab_size
-    own = None if tokenizer == "corpus" else os.path.expanduser(tokenizer) if tokenizer else None
-    if own is None and tokenizer is None and not is_preset(name) and os.path.isdir(name):
+    own = None
+    if tokenizer not in (None, "corpus"):
+        own = os.path.expanduser(tokenizer)
+    elif tokenizer is None and not is_preset(name) and os.path.isdir(name):
         if any(os.path.isfile(os.path.join(name, f)) for f in _TOKENIZER_FILES):
             own = name
         elif vocab > DEFAULT_VOCAB_SIZE:

@@ -68,11 +68,11 @@ class VocabShard:
 
 def check_vocab(vocab: int, tp: int) -> None:
     """``ValueError`` when ``tp`` ranks cannot each hold a real row of a ``vocab``-row vocabulary."""
-    rows = -(-vocab // tp)
-    if rows * (tp - 1) >= vocab:
+    if VocabShard(vocab, tp, tp - 1).real == 0:
+        fits = max(t for t in range(1, tp) if VocabShard(vocab, t, t - 1).real > 0)
         raise ValueError(
             f"vocab_size {vocab} split over tensor_parallel.size {tp}: rank {tp - 1} would hold padding only; "
-            f"use a TP size of at most {max(1, (vocab - 1) // max(rows, 1))} or a larger vocabulary"
+            f"the largest TP size below it that gives every rank a token is {fits} (or use a larger vocabulary)"
         )
 
 

@@ -2,7 +2,7 @@
 embedding and head, the loss never gathers the logits, a vocabulary that TP does not divide is
 padded and the padding reaches no probability, gradient or checkpoint.
 
-The family suites (``test_dense_families``, ``test_moe_families``, ``test_gpt2``-style presets in
+The family suites (``test_dense_families``, ``test_moe_families``; GPT-2 and GPT-NeoX in
 ``test_adapters``) run every family at TP=2 with the split; here: vocabularies of 2047 rows (TP=2
 pads one row), tied and untied, with softcapping, SI bitwise to sequential and close to HF."""
 
@@ -26,8 +26,12 @@ def test_rows_start_and_padding_of_each_rank():
     ids = torch.tensor([0, 1023, 1024, 2046])
     rows, inside = shards[1].local(ids)
     assert rows.tolist() == [0, 0, 0, 1022] and inside.tolist() == [False, False, True, True]
-    with pytest.raises(ValueError, match=r"vocab_size 3 split over tensor_parallel.size 4: rank 3 would hold padding"):
+    with pytest.raises(
+        ValueError,
+        match=r"size 4: rank 3 would hold padding only; the largest TP size below it that gives every rank a token is 3 ",
+    ):
         check_vocab(3, 4)
+    check_vocab(2047, 2)  # rank 1 holds 1023 real rows
 
 
 def test_shard_pads_ties_and_the_gather_trims():

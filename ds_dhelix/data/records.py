@@ -120,8 +120,7 @@ class ParquetRecords:
         import pyarrow.parquet as pq
 
         self.path, self.batch_rows = path, batch_rows
-        with pq.ParquetFile(path) as f:  # a file that is not parquet fails here, before any model
-            self.num_rows = f.metadata.num_rows
+        pq.ParquetFile(path).close()  # a file that is not parquet fails here, before any model
 
     def __iter__(self):
         import pyarrow.parquet as pq

@@ -106,8 +106,6 @@ class Executor(Collectives):
         self._op_weights: dict = {}  # (block, op index) -> OpWeights, from the op's first forwards
         # (block, op index, linears routed) -> parameters autograd reaches when matrices are among them
         self._weighed: dict = {}
-        # every COMM op's in-flight work says when it is complete (``within_budget``, ``pollable``)
-        self._all_poll = all(self.polls(op) for op in comms)
         # react to completed collectives at once when every COMM op keeps forward and backward
         # collectives on separate groups (timing may then reorder the two strands' launches) and
         # every one can be polled: a rank blocked on one strand's collective while the other's
@@ -115,7 +113,7 @@ class Executor(Collectives):
         # TP peer waits for (ring CP x TP deadlocked so); never on CUDA, where the host's view of
         # completion lags the device (``_cuda``)
         self._reacts = (
-            react and self.reactive and self._all_poll and all(getattr(op.comm, "strand_safe", False) for op in comms)
+            react and self.reactive and all(self.polls(op) and getattr(op.comm, "strand_safe", False) for op in comms)
         )
         self._cuda = False  # set by the first collective launched on a CUDA tensor
         self._stream = _UNKNOWN  # the compute stream (CUDA), None on CPU: from the first op's input
@@ -165,7 +163,7 @@ class Executor(Collectives):
         expert rows), so the gate may open on one rank before its peer, which only a round that
         waits for whichever collective completes first tolerates; in-order waits (CUDA, shared
         groups, ring attention's send / receive) keep the block-depth gate alone."""
-        if self._budget is None or self.meter is None or not (self.reacts_to_completions and self._all_poll):
+        if self._budget is None or self.meter is None or not self.reacts_to_completions:
             return True
         return self.meter.current + self._op_bytes.get((t.block, t.op_index), 0) <= self._budget
 
