@@ -10,7 +10,7 @@ import os
 import sys
 
 # Subcommand modules, in the order `dhelix --help` lists them.
-COMMANDS = ("parity", "profile", "plan", "validate_plan", "simulate", "bench", "trace", "predict")
+COMMANDS = ("parity", "profile", "plan", "validate_plan", "simulate", "bench", "trace", "predict", "convert_checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ the caller allows it. The checkpoint directory must be visible to every rank (on
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -25,6 +26,8 @@ import shutil
 
 import torch
 import torch.distributed as dist
+
+from .reshard import convert_for_resume, has_universal, load_universal, needs_reshard, write_record
 
 RUN_STATE_FILE = "dhelix_run_state.json"
 TMP_PREFIX = ".tmp-"
@@ -195,6 +198,8 @@ def save(engine, root: str, run_state: dict, keep: int) -> str:
     dist.barrier()
     engine.save_checkpoint(root, tag=tmp, client_state={"dhelix_run_state": run_state}, save_latest=False)
     torch.save(rng_state(), _rng_path(root, tmp, rank))
+    if not getattr(engine, "is_pipe_parallel", False):  # (pipeline stages are not resharded)
+        write_record(engine, os.path.join(root, tmp))
     dist.barrier()
     if rank == 0:
         _publish(root, tmp, tag, run_state)
@@ -219,9 +224,15 @@ def _publish(root: str, tmp: str, tag: str, run_state: dict) -> None:
     os.replace(os.path.join(root, ".latest.tmp"), os.path.join(root, "latest"))
 
 
-def load(engine, root: str, tag: str) -> dict:
+def load(engine, root: str, tag: str, current: dict | None = None) -> dict:
     """Load the checkpoint into ``engine`` (optimizer, LR schedule, step counters) and this rank's
-    RNG state; returns its run state."""
+    RNG state; returns its run state. A checkpoint of another parallel layout or ZeRO stage than
+    ``current`` (this run's state), or one converted offline, is loaded resharded
+    (``ds_dhelix.engine.reshard``; no RNG state: every random draw is seeded by its micro-batch)."""
+    tag_dir = os.path.join(root, tag)
+    converted = has_universal(tag_dir) and not glob.glob(os.path.join(tag_dir, "*model_states.pt"))
+    if converted or (current is not None and needs_reshard(read_run_state(root, tag), current)):
+        return load_universal(engine, tag_dir if converted else convert_for_resume(root, tag))
     path, client = engine.load_checkpoint(root, tag=tag)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {os.path.join(root, tag)}")

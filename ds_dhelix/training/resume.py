@@ -93,6 +93,7 @@ def resume_point(
     (``ValueError`` naming what differs, unless ``allow_change``; then rank 0 says it). ``resume``:
     a checkpoint directory or one of its tags, "auto" (the newest complete one under
     ``checkpoint_dir``; None when there is none yet: a fresh start) or None."""
+    from ds_dhelix.engine.reshard import check_reshard, needs_reshard
     from ds_dhelix.engine.resume import check_resume, complete_tags, locate, read_run_state
 
     if not resume:
@@ -102,9 +103,14 @@ def resume_point(
         if not complete_tags(root):
             return None  # nothing saved yet: a fresh start
     root, tag = locate(checkpoint_dir if resume == "auto" else resume)
-    diffs = check_resume(read_run_state(root, tag), state, allow_change)
+    saved = read_run_state(root, tag)
+    diffs = check_resume(saved, state, allow_change)
+    if needs_reshard(saved, state):
+        check_reshard(saved, state)
     if diffs and int(os.environ.get("RANK", 0)) == 0:
         print(f"{prog}: resuming with changes (--allow-resume-change): " + "; ".join(diffs), file=sys.stderr)
+        if needs_reshard(saved, state):
+            print(f"{prog}: the checkpoint is resharded to this run's layout (model and optimizer state)", file=sys.stderr)
     return root, tag
 
 
@@ -121,7 +127,7 @@ def resume_engine(engine, point: tuple[str, str] | None, state: dict, prog: str 
         return
     from ds_dhelix.engine.resume import load
 
-    saved = load(engine, *point)
+    saved = load(engine, *point, current=state)
     if saved.get("plan_fingerprint") != fingerprint and int(os.environ.get("RANK", 0)) == 0:
         print(
             f"{prog}: the SI plan differs from the checkpoint's ({saved.get('plan_fingerprint')} -> "

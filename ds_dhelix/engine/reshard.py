@@ -1,0 +1,424 @@
+"""Checkpoints that resume on another layout: TP, DP, EP, ZeRO stage (and world size) may change.
+
+Every save writes, beside DeepSpeed's files, one small record per rank (``dhelix_layout_rank*.json``):
+which part of each trained parameter's full HF tensor the rank holds (its ``hf_selection``, the
+vocabulary padding), which DeepSpeed file holds its optimizer state and, for ZeRO's flat
+partitions, the rank's place in each parameter group's partitioning group. From those:
+
+    to_universal(root, tag, out)      offline, one process: every trained parameter's fp32 master
+                                      and optimizer moments as full HF tensors (safetensors, one
+                                      folder per kind), the step counters and the LR scheduler
+    load_universal(engine, tag_dir)   on any layout: each rank reads its shards of those tensors
+                                      (sliced reads) into its parameters, ZeRO's fp32 partitions
+                                      and the optimizer state; the counters and the schedule
+
+    <root>/<tag>/universal/
+        fp32/  exp_avg/  exp_avg_sq/   *.safetensors, keyed by parameter name (full HF shape)
+        state.pt                       optimizer step, counters, LR scheduler state, source layout
+
+A resume whose parallel layout or ZeRO stage differs from the checkpoint's converts it once (rank
+0, into the tag's ``universal/``) and loads that; ``dhelix convert-checkpoint`` does the
+conversion offline. Frozen parameters (a LoRA base) are not in it: the run reads them from its
+``--model`` as any start does. What cannot be resharded (a pipeline stage layout, ZeRO-0 with
+expert parallelism, fp16 at ZeRO-0, a checkpoint written before these records) is refused in one
+line naming it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+RECORD = "dhelix_layout_rank{:04d}.json"
+UNIVERSAL = "universal"
+_FORMAT = 1
+_SHARD_BYTES = 2 * 1024**3  # safetensors files of at most ~2 GB
+
+
+# ------------------------------------------------------------------------------------ the record
+def _selection_json(sel: dict | None) -> dict:
+    out = {}
+    for d, s in (sel or {}).items():
+        out[str(d)] = [s.start, s.stop] if isinstance(s, slice) else {"index": [int(i) for i in s.tolist()]}
+    return out
+
+
+def _selection(js: dict) -> dict:
+    return {int(d): (slice(*s) if isinstance(s, list) else torch.tensor(s["index"])) for d, s in js.items()}
+
+
+def _partitioned(opt) -> bool:
+    """ZeRO 1/2 and DeepSpeed's bf16 optimizer: flat fp32 partitions with per-parameter mappings."""
+    return hasattr(opt, "real_dp_process_group")
+
+
+def layout_record(engine) -> dict:
+    """What a conversion needs to know of this rank's part of a checkpoint (see the module doc)."""
+    opt = engine.optimizer
+    params = {}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            shard = getattr(p, "vocab_shard", None)
+            params[name] = {
+                "selection": _selection_json(getattr(p, "hf_selection", None)),
+                "shape": list(p.shape),
+                "real_rows": shard.real if shard is not None else None,
+            }
+    record = {"format": _FORMAT, "rank": dist.get_rank(), "params": params}
+    if _partitioned(opt):
+        record["optimizer"] = "partitioned"
+        record["file"] = os.path.basename(engine._get_zero_ckpt_name("", ""))
+        record["partition_ranks"] = [dist.get_rank(g) for g in opt.real_dp_process_group]
+    else:
+        by_id = {id(p): n for n, p in engine.module.named_parameters()}
+        order = [by_id.get(id(p)) for g in _base(opt).param_groups for p in g["params"]]
+        record["optimizer"] = "per-parameter" if None not in order else "unsupported"  # (fp16 ZeRO-0: copies)
+        record["file"] = os.path.basename(engine._get_ckpt_name("", ""))
+        record["order"] = order
+    return record
+
+
+def write_record(engine, tag_dir: str) -> None:
+    with open(os.path.join(tag_dir, RECORD.format(dist.get_rank())), "w", encoding="utf-8") as f:
+        json.dump(layout_record(engine), f)
+
+
+def _base(opt):
+    """The torch optimizer under DeepSpeed's wrappers."""
+    return getattr(opt, "optimizer", opt)
+
+
+# ------------------------------------------------------------------------------ what may change
+RESHARDED = ("world", "dp", "tp", "ep", "cp")
+"""Layout keys a resume reshards (with the ZeRO stage); the pipeline's stages are not resharded."""
+
+
+def needs_reshard(saved: dict, current: dict) -> bool:
+    """The checkpoint's parallel layout or ZeRO stage differs from this run's."""
+    a, b = saved.get("layout") or {}, current.get("layout") or {}
+    stage = (saved.get("precision") or {}).get("zero_stage") != (current.get("precision") or {}).get("zero_stage")
+    return stage or any(a.get(k, 1) != b.get(k, 1) for k in RESHARDED)
+
+
+def check_reshard(saved: dict, current: dict) -> None:
+    """Before any model: ``ValueError`` naming what a resume on another layout cannot honour."""
+    a, b = saved.get("layout") or {}, current.get("layout") or {}
+    if a.get("pp", 1) != b.get("pp", 1) or (a.get("pp", 1) > 1 and needs_reshard(saved, current)):
+        raise ValueError(
+            f"the checkpoint was written at pipeline size {a.get('pp', 1)} with "
+            f"{_layout_text(a)}; this run is {_layout_text(b)} at pipeline size {b.get('pp', 1)}: pipeline "
+            f"stages are not resharded. Resume on the checkpoint's layout, or start from its HF export (--model DIR)"
+        )
+    global_a = a.get("micro_batch_size", 0) * a.get("gradient_accumulation_steps", 0) * a.get("dp", 1)
+    global_b = b.get("micro_batch_size", 0) * b.get("gradient_accumulation_steps", 0) * b.get("dp", 1)
+    if global_a != global_b:
+        gas = global_a / max(1, b.get("micro_batch_size", 1) * b.get("dp", 1))
+        fix = f"gradient_accumulation_steps {int(gas)}" if gas == int(gas) and gas >= 1 else "a micro-batch and GAS"
+        raise ValueError(
+            f"a resume on another layout keeps the global batch (micro-batch x GAS x DP): the checkpoint's is "
+            f"{global_a}, this run's {global_b}; set {fix} so that it stays {global_a} (the data position and the "
+            f"LR schedule count steps of that batch)"
+        )
+    zero = (current.get("precision") or {}).get("zero_stage")
+    if zero == 0 and b.get("ep", 1) > 1:
+        raise ValueError(
+            "a resume on another layout at ZeRO stage 0 with expert parallelism is not supported; use ZeRO stage 1 or 2"
+        )
+
+
+def _layout_text(layout: dict) -> str:
+    return " ".join(f"{k}={layout.get(k, 1)}" for k in ("tp", "dp", "ep", "cp"))
+
+
+# ------------------------------------------------------------------------------------ conversion
+def has_universal(tag_dir: str) -> bool:
+    return os.path.isfile(os.path.join(tag_dir, UNIVERSAL, "state.pt"))
+
+
+def _records(tag_dir: str) -> list[dict]:
+    paths = sorted(glob.glob(os.path.join(tag_dir, "dhelix_layout_rank*.json")))
+    if not paths:
+        raise ValueError(
+            f"{tag_dir} has no shard layout records (dhelix_layout_rank*.json): it was written before "
+            f"ds_dhelix could reshard checkpoints. Resume it on the layout that wrote it, or start from its "
+            f"HF export (--model DIR)"
+        )
+    out = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            out.append(json.load(f))
+    return out
+
+
+class _Pieces:
+    """The pieces of every trained parameter's full tensors, as the ranks' files hold them."""
+
+    def __init__(self):
+        self.shards: dict[str, dict[str, dict]] = {}  # name -> selection key -> shard entry
+
+    def entry(self, name: str, info: dict) -> dict:
+        key = json.dumps(info["selection"], sort_keys=True)
+        return self.shards.setdefault(name, {}).setdefault(key, {"info": info, "parts": {}})
+
+    def full(self, name: str) -> torch.Tensor:
+        """The full HF tensor of ``name`` from its shards (each the concatenation of its partition
+        pieces in partition order, less the vocabulary padding)."""
+        entries = list(self.shards[name].values())
+        sels = [_selection(e["info"]["selection"]) for e in entries]
+        shape = list(entries[0]["info"]["shape"])
+        real0 = entries[0]["info"]["real_rows"]
+        full_shape = [real0 if (d == 0 and real0 is not None) else n for d, n in enumerate(shape)]
+        for d in range(len(shape)):
+            ends = [(s[d].stop if isinstance(s[d], slice) else int(s[d].max()) + 1) for s in sels if d in s]
+            full_shape[d] = max(ends) if ends else full_shape[d]
+        out = torch.zeros(full_shape, dtype=torch.float32)
+        seen = torch.zeros(full_shape, dtype=torch.bool)
+        for e, sel in zip(entries, sels):
+            parts = [e["parts"][r] for r in sorted(e["parts"])]
+            flat = torch.cat(parts) if parts else torch.empty(0)
+            want = math.prod(e["info"]["shape"])
+            if flat.numel() != want:
+                raise ValueError(f"{name}: the checkpoint holds {flat.numel()} of its {want} elements on one shard")
+            shard = flat.view(e["info"]["shape"])
+            if e["info"]["real_rows"] is not None:
+                shard = shard[: e["info"]["real_rows"]]
+            index = tuple(
+                _as_slice_or_index(sel.get(d), full_shape[d], shard.shape[d]) for d in range(len(full_shape))
+            )
+            _assign(out, index, shard)
+            _assign(seen, index, torch.ones_like(shard, dtype=torch.bool))
+        if not bool(seen.all()):
+            raise ValueError(f"{name}: the checkpoint's shards do not cover the whole tensor (a rank's files missing?)")
+        return out
+
+
+def _as_slice_or_index(sel, size: int, n: int):
+    if sel is None:
+        return slice(0, size)
+    if isinstance(sel, slice):
+        return slice(sel.start, sel.start + n)
+    return sel[:n]
+
+
+def _assign(out: torch.Tensor, index: tuple, value: torch.Tensor) -> None:
+    """``out[index] = value``; ``index`` holds slices and at most one index tensor (rows picked)."""
+    picks = [d for d, i in enumerate(index) if not isinstance(i, slice)]
+    if not picks:
+        out[index] = value
+        return
+    if len(picks) > 1:
+        raise ValueError("a shard picked by rows along two dims cannot be placed")
+    d = picks[0]
+    view = out[tuple(slice(None) if k == d else i for k, i in enumerate(index))]
+    view.index_copy_(d, index[d].long(), value)
+
+
+def _kinds(records: list[dict], tag_dir: str) -> list[str]:
+    """The optimizer-state tensors a parameter has besides its fp32 master (Adam: the moments)."""
+    rec = records[0]
+    sd = _load(os.path.join(tag_dir, rec["file"]))
+    if rec["optimizer"] == "partitioned":
+        state = sd["optimizer_state_dict"]["base_optimizer_state"]["state"]
+    else:
+        state = (sd.get("optimizer") or {}).get("state") or {}
+    first = next(iter(state.values()), {})
+    return sorted(k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def _load(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: missing; the checkpoint is incomplete")
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _collect(records: list[dict], tag_dir: str, kind: str) -> tuple[_Pieces, object]:
+    """Every shard's pieces of ``kind`` ("fp32" or an optimizer-state key) and the optimizer step."""
+    pieces, step = _Pieces(), None
+    for rec in records:
+        path = os.path.join(tag_dir, rec["file"])
+        if rec["optimizer"] == "per-parameter" and not os.path.isfile(path):
+            continue  # ZeRO-0: only the first DP rank of each model-parallel rank writes its file
+        sd = _load(path)
+        if rec["optimizer"] == "partitioned":
+            osd = sd["optimizer_state_dict"]
+            flats = osd["single_partition_of_fp32_groups"]
+            states = osd["base_optimizer_state"]["state"]
+            for g, mapping in enumerate(osd["param_slice_mappings"]):
+                flat = flats[g] if kind == "fp32" else states[g][kind]
+                step = states[g].get("step", step)
+                prank = rec["partition_ranks"][g]
+                for name, frag in mapping.items():
+                    e = pieces.entry(name, rec["params"][name])
+                    e["parts"].setdefault(prank, flat.narrow(0, frag.start, frag.numel).float().clone())
+        else:
+            module, state = sd["module"], sd["optimizer"]["state"]
+            for i, name in enumerate(rec["order"]):
+                e = pieces.entry(name, rec["params"][name])
+                value = module[name] if kind == "fp32" else state[i][kind]
+                step = state[i].get("step", step)
+                e["parts"].setdefault(0, value.float().flatten().clone())
+    return pieces, step
+
+
+def to_universal(root: str, tag: str, out_tag_dir: str | None = None, progress=None) -> str:
+    """Write ``root/tag``'s trained state as full HF tensors (see the module doc) into
+    ``out_tag_dir/universal`` (default: the tag's own). One process; returns the folder."""
+    from safetensors.torch import save_file
+
+    tag_dir = os.path.join(root, tag)
+    records = _records(tag_dir)
+    if any(r.get("format") != _FORMAT for r in records):
+        raise ValueError(f"{tag_dir}: shard layout records of another format; convert with the version that wrote it")
+    if any(r["optimizer"] == "unsupported" for r in records):
+        raise ValueError(
+            f"{tag_dir} was written with fp16 at ZeRO stage 0, whose optimizer state is not resharded; resume "
+            f"it on its own layout"
+        )
+    out_tag_dir = out_tag_dir or tag_dir
+    final = os.path.join(out_tag_dir, UNIVERSAL)
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    kinds = ["fp32", *_kinds(records, tag_dir)]
+    step = None
+    for k, kind in enumerate(kinds):
+        pieces, step = _collect(records, tag_dir, kind)
+        os.makedirs(os.path.join(tmp, kind))
+        batch, size, n = {}, 0, 0
+        for i, name in enumerate(sorted(pieces.shards)):
+            batch[name] = pieces.full(name)
+            size += batch[name].numel() * 4
+            if size >= _SHARD_BYTES:
+                save_file(batch, os.path.join(tmp, kind, f"part-{n:05d}.safetensors"))
+                batch, size, n = {}, 0, n + 1
+            if progress is not None:
+                progress(k * len(pieces.shards) + i + 1, len(kinds) * len(pieces.shards), f"{kind} {name}")
+        if batch:
+            save_file(batch, os.path.join(tmp, kind, f"part-{n:05d}.safetensors"))
+    torch.save(_counters(tag_dir, records, step, kinds), os.path.join(tmp, "state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    return final
+
+
+def _counters(tag_dir: str, records: list[dict], step, kinds: list[str]) -> dict:
+    names = sorted(glob.glob(os.path.join(tag_dir, "*model_states.pt")))
+    if not names:
+        raise ValueError(f"{tag_dir}: no DeepSpeed model-state file; the checkpoint is incomplete")
+    sd = _load(names[0])
+    with open(os.path.join(tag_dir, "dhelix_run_state.json"), encoding="utf-8") as f:
+        run_state = json.load(f)
+    return {
+        "format": _FORMAT,
+        "kinds": kinds,
+        "optimizer_step": step,
+        "global_steps": sd["global_steps"],
+        "global_samples": sd.get("global_samples"),
+        "skipped_steps": sd.get("skipped_steps", 0),
+        "lr_scheduler": sd.get("lr_scheduler"),
+        "run_state": run_state,
+    }
+
+
+def convert_for_resume(root: str, tag: str) -> str:
+    """Collective: rank 0 writes the tag's ``universal/`` unless it is there; every rank waits."""
+    tag_dir = os.path.join(root, tag)
+    err = None
+    if dist.get_rank() == 0 and not has_universal(tag_dir):
+        try:
+            to_universal(root, tag)
+        except ValueError as e:
+            err = str(e)
+    box = [err]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ValueError(box[0])
+    return tag_dir
+
+
+# ------------------------------------------------------------------------------------------ load
+def load_universal(engine, tag_dir: str) -> dict:
+    """Read ``tag_dir/universal`` into ``engine`` at its own layout (every rank); returns the
+    checkpoint's run state. The step counters and the LR scheduler continue from it."""
+    from hf_models.loading import CheckpointFiles, Key
+    from hf_models.vocab import pad_rows
+
+    folder = os.path.join(tag_dir, UNIVERSAL)
+    meta = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=False)
+    files = {kind: CheckpointFiles(os.path.join(folder, kind)) for kind in meta["kinds"]}
+    opt = engine.optimizer
+    if not _partitioned(opt) and engine.fp16_enabled():
+        raise ValueError("a resume on another layout with fp16 at ZeRO stage 0 is not supported; use ZeRO stage 1 or 2")
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name not in files["fp32"]:
+                raise ValueError(
+                    f"{tag_dir}: no {name} in the checkpoint: it was written for another model or adapter"
+                )
+            sel = getattr(p, "hf_selection", None) or {}
+            values = {k: pad_rows(p, f.read(Key(name), sel).float()).reshape(p.shape) for k, f in files.items()}
+            p.data.copy_(values["fp32"].to(p.dtype))
+            _set_state(opt, p, values, meta["optimizer_step"])
+    _set_counters(engine, meta)
+    return meta["run_state"]
+
+
+def _set_state(opt, p, values: dict, step) -> None:
+    """``p``'s fp32 master and optimizer state: its fragment of the flat partition (ZeRO 1/2,
+    bf16) or its own state (ZeRO-0, fp32)."""
+    base = _base(opt)
+    if _partitioned(opt):
+        mapping = getattr(p, "_hp_mapping", None)
+        if mapping is None:
+            return  # every element of p lies in another rank's partition
+        lp, hp = mapping.lp_fragment_address, mapping.get_hp_fragment_address()
+        flat = _owner(base, mapping.hp_fragment)
+        mapping.hp_fragment.copy_(values["fp32"].flatten().narrow(0, lp.start, lp.numel))
+        state = base.state[flat]
+        if mapping.optim_fragment is None:  # (DeepSpeed fills it at the first step)
+            mapping.optim_fragment = {}
+        for kind, value in values.items():
+            if kind == "fp32":
+                continue
+            buf = state.setdefault(kind, torch.zeros_like(flat))
+            buf.narrow(0, hp.start, hp.numel).copy_(value.flatten().narrow(0, lp.start, lp.numel))
+            mapping.optim_fragment[kind] = buf.narrow(0, hp.start, hp.numel)
+        state["step"] = _step_like(step)
+        return
+    state = base.state[p]
+    for kind, value in values.items():
+        if kind != "fp32":
+            state[kind] = value.to(p.device).clone()
+    state["step"] = _step_like(step)
+
+
+def _step_like(step):
+    return step.clone() if torch.is_tensor(step) else step
+
+
+def _owner(base, fragment: torch.Tensor) -> torch.Tensor:
+    ptr = fragment.untyped_storage().data_ptr()
+    for group in base.param_groups:
+        for flat in group["params"]:
+            if flat.untyped_storage().data_ptr() == ptr:
+                return flat
+    raise RuntimeError("no flat partition of the optimizer holds this parameter's fp32 fragment")
+
+
+def _set_counters(engine, meta: dict) -> None:
+    engine.global_steps = meta["global_steps"]
+    engine.global_samples = meta["global_samples"] or meta["global_steps"] * engine.train_batch_size()
+    engine.skipped_steps = meta["skipped_steps"]
+    sched, saved = engine.lr_scheduler, meta.get("lr_scheduler")
+    if sched is not None and saved is not None:
+        sched.load_state_dict(saved)
+        last = getattr(sched, "last_batch_iteration", None)
+        if last is not None:  # DeepSpeed's schedules: set the groups' LR of that step, as a native load has it
+            sched.step(last)
