@@ -158,7 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allow-resume-change",
         action="store_true",
-        help="resume although total steps, LR schedule, batch/parallel layout, model or data differ",
+        help="resume although the run differs from the checkpoint's: total steps (the LR schedule is "
+        "stretched to them), LR schedule, optimizer settings, data, sequence length, seed, clipping, micro-batch "
+        "and GAS; another TP/DP/EP/CP layout, ZeRO stage or fp16/bf16 (the checkpoint is resharded). Never "
+        "another model, optimizer type, pipeline size or global batch",
     )
     p.add_argument(
         "--stop-after",
@@ -564,7 +567,12 @@ def run(args, prep: Prepared) -> int:
         from ds_dhelix.engine.resume import remove_leftovers
 
         remove_leftovers(os.path.abspath(args.ds_checkpoint))
-    engine = build(args, prep)
+    try:
+        engine = build(args, prep)
+    except ValueError as err:  # a checkpoint that does not fit the model: every rank finds it
+        if dist.get_rank() == 0:
+            print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
     try:
         code = train(args, prep, engine)
         teardown(engine)

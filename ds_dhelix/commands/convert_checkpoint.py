@@ -41,8 +41,10 @@ def run(args) -> int:
     root, tag = locate(args.checkpoint)
     state = read_run_state(root, tag)
     if (state.get("layout") or {}).get("pp", 1) > 1:
-        raise ValueError(f"{os.path.join(root, tag)} was written at pipeline size {state['layout']['pp']}: "
-                         f"pipeline checkpoints are not converted; resume it on its own layout")
+        raise ValueError(
+            f"{os.path.join(root, tag)} was written at pipeline size {state['layout']['pp']}: "
+            f"pipeline checkpoints are not converted; resume it on its own layout"
+        )
     out = os.path.abspath(os.path.expanduser(args.out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"--out {out!r} exists and is not an empty directory; choose a new path")
@@ -66,11 +68,20 @@ def run(args) -> int:
         shutil.rmtree(out, ignore_errors=True)
         raise
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
-    summary = {"source": os.path.join(root, tag), "out": tag_dir, "step": state["step"],
-               "layout": state.get("layout"), "bytes": size, "folder": UNIVERSAL}
+    summary = {
+        "source": os.path.join(root, tag),
+        "out": tag_dir,
+        "step": state["step"],
+        "layout": state.get("layout"),
+        "bytes": size,
+        "folder": UNIVERSAL,
+    }
     if args.json:
         print(json.dumps(summary), file=args.stdout)
     else:
-        print(f"dhelix convert-checkpoint: {summary['source']} (step {state['step']}) -> {tag_dir} "
-              f"({size / 2**20:.1f} MiB); resume it with --resume {out} --allow-resume-change", file=args.stdout)
+        print(
+            f"dhelix convert-checkpoint: {summary['source']} (step {state['step']}) -> {tag_dir} "
+            f"({size / 2**20:.1f} MiB); resume it with --resume {out} --allow-resume-change",
+            file=args.stdout,
+        )
     return 0

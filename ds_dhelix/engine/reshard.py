@@ -84,6 +84,27 @@ def layout_record(engine) -> dict:
     return record
 
 
+def check_fits(engine, tag_dir: str) -> None:
+    """``ValueError`` naming the first trained tensor this rank's part of the checkpoint holds
+    otherwise than ``engine``'s model (another model or adapter); a checkpoint without records
+    passes (DeepSpeed's loader checks what it can)."""
+    path = os.path.join(tag_dir, RECORD.format(dist.get_rank()))
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)["params"]
+    mine = layout_record(engine)["params"]
+    for name in sorted(set(saved) | set(mine)):
+        a, b = saved.get(name), mine.get(name)
+        if a is None or b is None or a["shape"] != b["shape"]:
+            what = lambda x: "absent" if x is None else f"shape {x['shape']}"  # noqa: E731
+            raise ValueError(
+                f"{tag_dir} does not fit this run's model: trained tensor {name} is {what(a)} in the checkpoint, "
+                f"{what(b)} here (another model or adapter); resume with the model it trained, or start "
+                f"from its HF export (--model DIR)"
+            )
+
+
 def write_record(engine, tag_dir: str) -> None:
     with open(os.path.join(tag_dir, RECORD.format(dist.get_rank())), "w", encoding="utf-8") as f:
         json.dump(layout_record(engine), f)
@@ -96,18 +117,27 @@ def _base(opt):
 
 # ------------------------------------------------------------------------------ what may change
 RESHARDED = ("world", "dp", "tp", "ep", "cp")
-"""Layout keys a resume reshards (with the ZeRO stage); the pipeline's stages are not resharded."""
+"""Layout keys a resume reshards (with the ZeRO stage and fp16/bf16); the pipeline's stages are not
+resharded."""
 
 
 def needs_reshard(saved: dict, current: dict) -> bool:
     """The checkpoint's parallel layout or ZeRO stage differs from this run's."""
     a, b = saved.get("layout") or {}, current.get("layout") or {}
-    stage = (saved.get("precision") or {}).get("zero_stage") != (current.get("precision") or {}).get("zero_stage")
-    return stage or any(a.get(k, 1) != b.get(k, 1) for k in RESHARDED)
+    pa, pb = saved.get("precision") or {}, current.get("precision") or {}
+    precision = pa.get("zero_stage") != pb.get("zero_stage") or any(
+        _enabled(pa.get(k)) != _enabled(pb.get(k)) for k in ("fp16", "bf16")
+    )
+    return precision or any(a.get(k, 1) != b.get(k, 1) for k in RESHARDED)
+
+
+def _enabled(section) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", False))
 
 
 def check_reshard(saved: dict, current: dict) -> None:
-    """Before any model: ``ValueError`` naming what a resume on another layout cannot honour."""
+    """Before any model: ``ValueError`` naming what a resume on another layout (or micro-batch /
+    GAS) cannot honour."""
     a, b = saved.get("layout") or {}, current.get("layout") or {}
     if a.get("pp", 1) != b.get("pp", 1) or (a.get("pp", 1) > 1 and needs_reshard(saved, current)):
         raise ValueError(
@@ -188,9 +218,7 @@ class _Pieces:
             shard = flat.view(e["info"]["shape"])
             if e["info"]["real_rows"] is not None:
                 shard = shard[: e["info"]["real_rows"]]
-            index = tuple(
-                _as_slice_or_index(sel.get(d), full_shape[d], shard.shape[d]) for d in range(len(full_shape))
-            )
+            index = tuple(_as_slice_or_index(sel.get(d), full_shape[d], shard.shape[d]) for d in range(len(full_shape)))
             _assign(out, index, shard)
             _assign(seen, index, torch.ones_like(shard, dtype=torch.bool))
         if not bool(seen.all()):
@@ -360,14 +388,29 @@ def load_universal(engine, tag_dir: str) -> dict:
                 continue
             if name not in files["fp32"]:
                 raise ValueError(
-                    f"{tag_dir}: no {name} in the checkpoint: it was written for another model or adapter"
+                    f"{tag_dir}: no {name} in the checkpoint: it was written for another model or adapter; "
+                    f"resume with the model it trained, or start from its HF export (--model DIR)"
                 )
             sel = getattr(p, "hf_selection", None) or {}
+            _check_shape(files["fp32"], name, sel, p, tag_dir)
             values = {k: pad_rows(p, f.read(Key(name), sel).float()).reshape(p.shape) for k, f in files.items()}
             p.data.copy_(values["fp32"].to(p.dtype))
             _set_state(opt, p, values, meta["optimizer_step"])
     _set_counters(engine, meta)
     return meta["run_state"]
+
+
+def _check_shape(files, name: str, sel: dict, p, tag_dir: str) -> None:
+    from hf_models.loading import Key, _as_index
+    from hf_models.vocab import real_shape
+
+    full = files.shape(Key(name))
+    want = [(_as_index(sel[d], n).numel() if d in sel else n) for d, n in enumerate(full)]
+    if want != real_shape(p):
+        raise ValueError(
+            f"{tag_dir} does not fit this run's model: {name} is {full} in the checkpoint, this rank's "
+            f"shard {list(p.shape)} is not part of it (another model?); resume with the model it trained"
+        )
 
 
 def _set_state(opt, p, values: dict, step) -> None:
@@ -422,3 +465,40 @@ def _set_counters(engine, meta: dict) -> None:
         last = getattr(sched, "last_batch_iteration", None)
         if last is not None:  # DeepSpeed's schedules: set the groups' LR of that step, as a native load has it
             sched.step(last)
+
+
+def gather_universal(engine, kinds=("fp32", "exp_avg", "exp_avg_sq")) -> dict[str, dict[str, torch.Tensor]]:
+    """The live engine's trained state as ``load_universal`` reads it: ``{kind: {name: full HF
+    tensor}}`` (collective over every group; the check of what a resharded load carried over)."""
+    from hf_models.common import gather_param
+
+    from ..moe.experts import gather_expert_param, is_expert_param
+
+    groups = getattr(engine, "groups", None)
+    tp_group, tp = (groups.tp_grad_group, groups.tp_size) if groups is not None else (None, 1)
+    opt, out = engine.optimizer, {k: {} for k in kinds}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        for kind in kinds:
+            local = _local_state(opt, p, kind)
+            out[kind][name] = (
+                gather_expert_param(p, local) if is_expert_param(p) else gather_param(p, tp_group, tp, data=local)
+            )
+    return out
+
+
+def _local_state(opt, p, kind: str) -> torch.Tensor:
+    """This rank's shard of ``p``'s fp32 master or optimizer state ``kind``, whole over ZeRO's
+    partitions (collective over the partitioning group)."""
+    if not _partitioned(opt):
+        return p.detach().float() if kind == "fp32" else _base(opt).state[p][kind]
+    full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+    mapping = getattr(p, "_hp_mapping", None)
+    if mapping is not None:
+        lp, hp = mapping.lp_fragment_address, mapping.get_hp_fragment_address()
+        flat = _owner(_base(opt), mapping.hp_fragment)
+        source = flat if kind == "fp32" else _base(opt).state[flat][kind]
+        full.narrow(0, lp.start, lp.numel).copy_(source.narrow(0, hp.start, hp.numel))
+    dist.all_reduce(full, group=p._dp_group)
+    return full.view(p.shape)

@@ -27,7 +27,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .reshard import convert_for_resume, has_universal, load_universal, needs_reshard, write_record
+from .reshard import check_fits, convert_for_resume, has_universal, load_universal, needs_reshard, write_record
 
 RUN_STATE_FILE = "dhelix_run_state.json"
 TMP_PREFIX = ".tmp-"
@@ -135,6 +135,12 @@ def check_resume(saved: dict, current: dict, allow_change: bool = False) -> list
             f"(the run's total); pass --steps {saved.get('step')} or more (a larger --steps changes the "
             f"LR schedule: add --allow-resume-change)"
         )
+    kinds = [(saved.get("optimizer") or {}).get("type"), (current.get("optimizer") or {}).get("type")]
+    if kinds[0] and kinds[1] and kinds[0].lower() != kinds[1].lower():
+        raise ValueError(
+            f"the checkpoint's optimizer is {kinds[0]}, this run's {kinds[1]}: its state does not carry over "
+            f"to another optimizer; resume with {kinds[0]}, or start from the run's HF export (--model DIR)"
+        )
     diffs = [
         f"{what} ({key}): checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
         for key, what in MUST_MATCH.items()
@@ -233,10 +239,25 @@ def load(engine, root: str, tag: str, current: dict | None = None) -> dict:
     converted = has_universal(tag_dir) and not glob.glob(os.path.join(tag_dir, "*model_states.pt"))
     if converted or (current is not None and needs_reshard(read_run_state(root, tag), current)):
         return load_universal(engine, tag_dir if converted else convert_for_resume(root, tag))
+    check_fits(engine, tag_dir)
     path, client = engine.load_checkpoint(root, tag=tag)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {os.path.join(root, tag)}")
     rng = _rng_path(root, tag, dist.get_rank())
     if os.path.isfile(rng):
         set_rng_state(torch.load(rng, weights_only=False))
+    if current is not None:
+        apply_optimizer_settings(engine, current.get("optimizer"))
     return (client or {}).get("dhelix_run_state") or read_run_state(root, tag)
+
+
+def apply_optimizer_settings(engine, optimizer: dict | None) -> None:
+    """This run's optimizer hyperparameters (betas, eps, weight decay; the LR too without a
+    scheduler) over the checkpoint's, which DeepSpeed's load restores: a changed optimizer setting
+    on resume is the run's, not silently the checkpoint's."""
+    params = (optimizer or {}).get("params") or {}
+    groups = getattr(engine.optimizer, "optimizer", engine.optimizer).param_groups
+    for group in groups:
+        for key, value in params.items():
+            if key in group and (key != "lr" or engine.lr_scheduler is None):
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value

@@ -105,12 +105,14 @@ def resume_point(
     root, tag = locate(checkpoint_dir if resume == "auto" else resume)
     saved = read_run_state(root, tag)
     diffs = check_resume(saved, state, allow_change)
-    if needs_reshard(saved, state):
+    if needs_reshard(saved, state) or saved.get("layout") != state.get("layout"):
         check_reshard(saved, state)
     if diffs and int(os.environ.get("RANK", 0)) == 0:
         print(f"{prog}: resuming with changes (--allow-resume-change): " + "; ".join(diffs), file=sys.stderr)
         if needs_reshard(saved, state):
-            print(f"{prog}: the checkpoint is resharded to this run's layout (model and optimizer state)", file=sys.stderr)
+            print(
+                f"{prog}: the checkpoint is resharded to this run's layout (model and optimizer state)", file=sys.stderr
+            )
     return root, tag
 
 
