@@ -401,16 +401,22 @@ def load_universal(engine, tag_dir: str) -> dict:
 
 
 def _check_shape(files, name: str, sel: dict, p, tag_dir: str) -> None:
-    from hf_models.loading import Key, _as_index
+    from hf_models.loading import Key
     from hf_models.vocab import real_shape
 
     full = files.shape(Key(name))
-    want = [(_as_index(sel[d], n).numel() if d in sel else n) for d, n in enumerate(full)]
+    want = [_picked(sel.get(d), n) for d, n in enumerate(full)]
     if want != real_shape(p):
         raise ValueError(
             f"{tag_dir} does not fit this run's model: {name} is {full} in the checkpoint, this rank's "
             f"shard {list(p.shape)} is not part of it (another model?); resume with the model it trained"
         )
+
+
+def _picked(sel, size: int) -> int:
+    if sel is None:
+        return size
+    return len(range(*sel.indices(size))) if isinstance(sel, slice) else sel.numel()
 
 
 def _set_state(opt, p, values: dict, step) -> None:

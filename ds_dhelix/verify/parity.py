@@ -9,6 +9,11 @@ Parameters after a few AdamW steps are not compared with HF: Adam divides by sqr
 weight whose gradient is ~0 a rounding-level gradient difference moves its update by a sizeable
 part of the learning rate.
 
+The trained legs run on a spawned gloo world (each leg's memory returned to the system before the
+next); the unsharded HF reference runs after that world is gone, in the calling process, so a
+parity run needs about the memory of a training run of the same layout, not that plus a whole model
+with its optimizer.
+
 Stochastic settings (dropout rates, MoE router jitter / noise; ``adapters.stochastic_settings``),
 from ``--dropout`` or the model's own config (a checkpoint trained with dropout or router jitter):
 the trained legs keep them (SI and sequential draw the same seeded masks, so they stay
@@ -18,6 +23,10 @@ every one of them off on both sides (``hf_stochastic_off`` in the result names t
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from .batches import halve_batches, make_batches
 from .judge import compare, compare_kernels, judge_halves, settle_params
 from .legs import first_step, hf_cannot_take_the_mask, result_note, train_hf, train_schedule
@@ -25,15 +34,20 @@ from .options import ParityOptions, halved, intra_has_halves_reference, moe_kern
 from .pipeline import run_pipe_parity
 
 
-def _rank_main(rank, world, opts: ParityOptions):
+def _rank_legs(rank, world, opts: ParityOptions, path: str):
+    """The trained legs on every rank; rank 0 writes what the judge needs to ``path``."""
     from hf_models.registry import load_config
 
-    note = result_note(opts)
+    from ..runtime.memory import release_memory
+
+    result_note(opts)  # (fp16 on a CPU without DeepSpeed's fp16 support: the capability override, on every rank)
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     seq = train_schedule(opts, "sequential", batches)
+    release_memory()
     other = train_schedule(opts, opts.schedule, batches) if opts.schedule != "sequential" else seq
     if rank == 0 and opts.schedule != "intra":  # (intra's halves compare their parameters too)
         settle_params(seq, other)
+    release_memory()
     halves = None
     if opts.schedule == "intra":
         if opts.dtype == "fp32":
@@ -45,33 +59,58 @@ def _rank_main(rank, world, opts: ParityOptions):
         seq["first_step"] = first_step(opts, batches)
         if moe_kernels(opts) != "torch":  # the same first step on torch's dispatch / combine kernels
             torch_kernels = first_step(with_moe_kernels(opts, "torch"), batches)
-    if rank != 0:
-        return None
+    if rank == 0:
+        torch.save({"seq": seq, "other": other, "halves": halves, "torch_kernels": torch_kernels}, path)
+    release_memory()
+
+
+def _judge(opts: ParityOptions, path: str) -> dict:
+    """The HF leg and the verdicts, in this process after the world is gone: the unsharded
+    reference never shares a machine's memory with the trained legs."""
+    from hf_models.registry import load_config
+
+    from ..runtime.memory import release_memory
+
+    legs = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    seq, other = legs["seq"], legs["other"]
+    batches = make_batches(opts, load_config(opts.model).vocab_size)
     hf = train_hf(opts, batches) if opts.dtype == "fp32" and not hf_cannot_take_the_mask(opts) else None
-    out = compare(opts, seq, other, hf, note=note)
-    if torch_kernels is not None:
-        compare_kernels(out, seq["first_step"], torch_kernels, moe_kernels(opts))
-    return judge_halves(out, other, halves) if opts.schedule == "intra" else out
+    out = compare(opts, seq, other, hf, note=result_note(opts))
+    if legs["torch_kernels"] is not None:
+        compare_kernels(out, seq["first_step"], legs["torch_kernels"], moe_kernels(opts))
+    out = judge_halves(out, other, legs["halves"]) if opts.schedule == "intra" else out
+    del legs, seq, other, hf
+    release_memory()
+    return out
 
 
 def run_parity(opts: ParityOptions, timeout: float = 600.0) -> dict:
-    from ..runtime.spawn import run_ranks
-
     if opts.pp > 1:
         return run_pipe_parity(opts, timeout)
-    return run_ranks(_rank_main, opts.world, args=(opts,), timeout=timeout)[0]
+    return run_parities([opts], timeout)[0]
 
 
-def _rank_many(rank, world, many: list[ParityOptions]):
-    return [_rank_main(rank, world, opts) for opts in many]
+def _rank_many(rank, world, many: list[ParityOptions], paths: list[str]):
+    for opts, path in zip(many, paths):
+        _rank_legs(rank, world, opts, path)
 
 
 def run_parities(many: list[ParityOptions], timeout: float = 900.0) -> list[dict]:
     """``run_parity`` of several one-stage option sets in one world (one start-up for all; every set
-    must need the same world size), in order."""
+    must need the same world size), in order. The trained legs run in a spawned world; the HF
+    reference and the verdicts here, after it."""
+    import shutil
+    import tempfile
+
     from ..runtime.spawn import run_ranks
 
     worlds = {opts.world for opts in many}
     if len(worlds) != 1 or any(opts.pp > 1 for opts in many):
         raise ValueError(f"run_parities needs one-stage option sets of one world size, got worlds {sorted(worlds)}")
-    return run_ranks(_rank_many, worlds.pop(), args=(list(many),), timeout=timeout)[0]
+    folder = tempfile.mkdtemp(prefix="dhelix-parity-")
+    try:
+        paths = [os.path.join(folder, f"legs{i}.pt") for i in range(len(many))]
+        run_ranks(_rank_many, worlds.pop(), args=(list(many), paths), timeout=timeout)
+        return [_judge(opts, path) for opts, path in zip(many, paths)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
