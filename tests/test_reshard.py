@@ -78,23 +78,31 @@ def _save_world(rank, world, model, layout, root):
     return (state, _lr(engine), engine.global_steps) if rank == 0 else None
 
 
-def _load_world(rank, world, model, layout, tag_dir):
+def _load_world(rank, world, model, layout, tag_dir, converted):
     import ds_dhelix
     from ds_dhelix.engine.reshard import gather_universal, load_universal
     from ds_dhelix.verify import build
 
     opts = _opts(model, dict(layout), seed=999)  # another init: everything must come from the checkpoint
     engine, *_ = ds_dhelix.initialize(model=build(opts), config=_config(opts))
-    load_universal(engine, tag_dir)
+    if converted:
+        load_universal(engine, tag_dir)
+    else:  # DeepSpeed's API: the engine sees the other layout in the shard records and reshards
+        engine.load_checkpoint(os.path.dirname(tag_dir))
     state = gather_universal(engine, KINDS)
     step = (
         {float(s["step"]) for s in engine.optimizer.optimizer.state.values()}
         if hasattr(engine.optimizer, "optimizer")
         else {float(s["step"]) for s in engine.optimizer.state.values()}
     )
-    return (state, _lr(engine), engine.global_steps, step) if rank == 0 else None
+    return (
+        (state, _lr(engine), engine.global_steps, step, getattr(engine, "loaded_resharded", None))
+        if rank == 0
+        else None
+    )
 
 
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}
 CASES = {
     "tp2-to-dp2": ("tiny-llama", {"tp": 2, "dp": 1}, {"tp": 1, "dp": 2}),
     "dp2-to-tp2-bf16": ("tiny-llama", {"tp": 1, "dp": 2, "dtype": "bf16"}, {"tp": 2, "dp": 1, "dtype": "bf16"}),
@@ -102,6 +110,9 @@ CASES = {
     "zero1-to-zero0": ("tiny-llama", {"tp": 2, "dp": 1}, {"tp": 1, "dp": 2, "zero_stage": 0}),
     "zero0-to-tp2": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 0}, {"tp": 2, "dp": 1}),
     "ep2-to-ep1": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}, {"tp": 1, "dp": 2, "ep": 1}),
+    "cp2-to-dp2": ("tiny-llama", {"tp": 1, "dp": 1, "cp": 2}, {"tp": 1, "dp": 2}),
+    "phi3-fused-tp2-to-dp2": ("tiny-phi3", {"tp": 2, "dp": 1}, {"tp": 1, "dp": 2}),  # rows picked by index
+    "lora-tp2-to-dp2": ("tiny-llama", {"tp": 2, "dp": 1, "lora": LORA}, {"tp": 1, "dp": 2, "lora": LORA}),
 }
 
 
@@ -113,10 +124,16 @@ def test_resharded_load_carries_the_state_over(tmp_path, case):
     model, a, b = CASES[case]
     root = str(tmp_path / "ck")
     saved, lr_a, steps_a = run_ranks(_save_world, 2, args=(model, a, root), timeout=180)[0]
-    folder = to_universal(root, "global_step2")
-    loaded, lr_b, steps_b, opt_steps = run_ranks(_load_world, 2, args=(model, b, os.path.dirname(folder)), timeout=180)[
-        0
-    ]
+    converted = case.startswith("zero")  # these convert first; the others let load_checkpoint do it
+    if converted:
+        to_universal(root, "global_step2")
+    folder = os.path.join(root, "global_step2", "universal")
+    args = (model, b, os.path.dirname(folder), converted)
+    loaded, lr_b, steps_b, opt_steps, resharded = run_ranks(_load_world, 2, args=args, timeout=180)[0]
+    # CP ranks are DeepSpeed's data-parallel ranks: CP=2 -> DP=2 writes the same files, loaded as they are
+    assert converted or resharded == (case != "cp2-to-dp2")
+    if not os.path.isdir(folder):
+        to_universal(root, "global_step2")  # (the reference the loaded state is held to)
     from safetensors.torch import load_file
 
     for kind in KINDS:

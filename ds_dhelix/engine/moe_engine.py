@@ -106,7 +106,7 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
                 with open(latest) as f:
                     tag = f.read().strip()
         out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
-        if self.has_moe_layers and tag is not None:
+        if self.has_moe_layers and tag is not None and not self.loaded_resharded:  # (resharded: experts read)
             self._load_expert_shards(load_dir, str(tag))
         return out
 

@@ -70,7 +70,9 @@ def layout_record(engine) -> dict:
                 "shape": list(p.shape),
                 "real_rows": shard.real if shard is not None else None,
             }
-    record = {"format": _FORMAT, "rank": dist.get_rank(), "params": params}
+    dtypes = sorted({str(p.dtype) for p in engine.module.parameters() if p.requires_grad})
+    record = {"format": _FORMAT, "rank": dist.get_rank(), "world": dist.get_world_size(), "dtypes": dtypes,
+              "params": params}  # fmt: skip
     if _partitioned(opt):
         record["optimizer"] = "partitioned"
         record["file"] = os.path.basename(engine._get_zero_ckpt_name("", ""))
@@ -103,6 +105,26 @@ def check_fits(engine, tag_dir: str) -> None:
                 f"{what(b)} here (another model or adapter); resume with the model it trained, or start "
                 f"from its HF export (--model DIR)"
             )
+
+
+def records_differ(engine, tag_dir: str) -> bool:
+    """The checkpoint at ``tag_dir`` was written at another layout, ZeRO stage or precision than
+    ``engine``'s (its records say so); False without records (DeepSpeed's loader decides)."""
+    path = os.path.join(tag_dir, RECORD.format(dist.get_rank()))
+    if not glob.glob(os.path.join(tag_dir, "dhelix_layout_rank*.json")):
+        return False
+    if not os.path.isfile(path):
+        return True  # fewer ranks wrote it
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    mine = layout_record(engine)
+    keys = ("world", "dtypes", "params", "optimizer", "partition_ranks")
+    return any(saved.get(k) != mine.get(k) for k in keys)
+
+
+def is_converted(tag_dir: str) -> bool:
+    """A tag written by ``dhelix convert-checkpoint``: the universal folder, no DeepSpeed files."""
+    return has_universal(tag_dir) and not glob.glob(os.path.join(tag_dir, "*model_states.pt"))
 
 
 def write_record(engine, tag_dir: str) -> None:
@@ -339,8 +361,10 @@ def _counters(tag_dir: str, records: list[dict], step, kinds: list[str]) -> dict
     if not names:
         raise ValueError(f"{tag_dir}: no DeepSpeed model-state file; the checkpoint is incomplete")
     sd = _load(names[0])
-    with open(os.path.join(tag_dir, "dhelix_run_state.json"), encoding="utf-8") as f:
-        run_state = json.load(f)
+    run_state = {}  # (a checkpoint the HF Trainer wrote has none)
+    if os.path.isfile(os.path.join(tag_dir, "dhelix_run_state.json")):
+        with open(os.path.join(tag_dir, "dhelix_run_state.json"), encoding="utf-8") as f:
+            run_state = json.load(f)
     return {
         "format": _FORMAT,
         "kinds": kinds,

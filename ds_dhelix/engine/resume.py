@@ -17,7 +17,6 @@ the caller allows it. The checkpoint directory must be visible to every rank (on
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import random
@@ -27,7 +26,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .reshard import check_fits, convert_for_resume, has_universal, load_universal, needs_reshard, write_record
+from .reshard import check_fits, convert_for_resume, is_converted, load_universal, needs_reshard, write_record
 
 RUN_STATE_FILE = "dhelix_run_state.json"
 TMP_PREFIX = ".tmp-"
@@ -204,7 +203,9 @@ def save(engine, root: str, run_state: dict, keep: int) -> str:
     dist.barrier()
     engine.save_checkpoint(root, tag=tmp, client_state={"dhelix_run_state": run_state}, save_latest=False)
     torch.save(rng_state(), _rng_path(root, tmp, rank))
-    if not getattr(engine, "is_pipe_parallel", False):  # (pipeline stages are not resharded)
+    from .evaluation import is_dhelix
+
+    if not is_dhelix(engine):  # (a ds_dhelix engine writes its shard records itself)
         write_record(engine, os.path.join(root, tmp))
     dist.barrier()
     if rank == 0:
@@ -236,7 +237,7 @@ def load(engine, root: str, tag: str, current: dict | None = None) -> dict:
     ``current`` (this run's state), or one converted offline, is loaded resharded
     (``ds_dhelix.engine.reshard``; no RNG state: every random draw is seeded by its micro-batch)."""
     tag_dir = os.path.join(root, tag)
-    converted = has_universal(tag_dir) and not glob.glob(os.path.join(tag_dir, "*model_states.pt"))
+    converted = is_converted(tag_dir)
     if converted or (current is not None and needs_reshard(read_run_state(root, tag), current)):
         return load_universal(engine, tag_dir if converted else convert_for_resume(root, tag))
     check_fits(engine, tag_dir)

@@ -162,13 +162,39 @@ class DhelixStepMixin:
         """DeepSpeed's checkpoint without the frozen parameters: the model a run is built from
         holds them (a LoRA checkpoint is the adapters and their optimizer state), and DP rank 0's
         frozen expert shards would otherwise be loaded by every rank."""
-        return super().save_checkpoint(
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        out = super().save_checkpoint(
             save_dir,
             tag,
             {} if client_state is None else client_state,
             save_latest,
             exclude_frozen_parameters or bool(self.frozen_names()),
         )
+        if not self.pipeline_parallelism:  # (pipeline stages are not resharded)
+            from .reshard import write_record
+
+            write_record(self, os.path.join(save_dir, tag))
+        return out
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """DeepSpeed's load, or, for a checkpoint of another TP / DP / EP / CP layout, ZeRO stage or
+        precision (its shard records differ from this engine's) or one converted offline, the
+        resharded load (``ds_dhelix.engine.reshard``): every caller of ``load_checkpoint`` (the HF
+        Trainer's resume too) continues on any layout. Returns DeepSpeed's ``(path, client_state)``."""
+        from .reshard import convert_for_resume, is_converted, load_universal, records_differ
+
+        if tag is None and os.path.isfile(os.path.join(load_dir, "latest")):
+            with open(os.path.join(load_dir, "latest")) as f:
+                tag = f.read().strip()
+        self.loaded_resharded = False
+        if tag is not None and not self.pipeline_parallelism:
+            tag_dir = os.path.join(load_dir, str(tag))
+            if is_converted(tag_dir) or records_differ(self, tag_dir):
+                if not is_converted(tag_dir):
+                    convert_for_resume(load_dir, str(tag))
+                self.loaded_resharded = True
+                return tag_dir, {"dhelix_run_state": load_universal(self, tag_dir)}
+        return super().load_checkpoint(load_dir, tag=tag, **kwargs)
 
     def load_module_state_dict(self, checkpoint, strict=True, **kwargs):
         """Frozen parameters are not in the checkpoint (``save_checkpoint``): every trained one must be."""
