@@ -341,3 +341,35 @@ def test_zero1_to_zero2_and_ep2_to_ep1_and_offline_conversion(tmp_path):
     assert straight_e1["losses"] == full_e1["losses"][:2]
     _close(e1["losses"], full_e1["losses"][2:])
     assert again["losses"] == full_e1["losses"][2:]  # the converted checkpoint on its own layout: bitwise
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+def test_hf_trainer_resumes_on_another_layout(tmp_path):
+    """examples/trainer_sft.py (DhelixTrainer): a checkpoint-2 folder written at TP=2 resumed at
+    TP=1 x DP=2 through the Trainer's resume_from_checkpoint (DeepSpeed's load_checkpoint)."""
+    from tests.conftest import free_port
+
+    def trainer(name, tp, gas, *extra):
+        with open(os.path.join(ROOT, "ds_configs", "tiny_llama_cpu.json")) as f:
+            cfg = json.load(f)
+        cfg["tensorboard"] = {"enabled": False}
+        cfg["gradient_accumulation_steps"] = gas
+        cfg["dhelix"]["tensor_parallel"] = {"size": tp}
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+        deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(free_port()),
+               os.path.join(ROOT, "examples", "trainer_sft.py"), "--deepspeed", str(tmp_path / f"{name}.json"),
+               "--model", "tiny-llama", "--max-steps", "4", "--seq-len", "32", "--output-dir", str(tmp_path / name),
+               "--json-summary", str(tmp_path / f"{name}-summary.json"), *extra]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(tmp_path / f"{name}-summary.json") as f:
+            return json.load(f)["losses"]
+
+    straight = trainer("a", 2, 4, "--save-steps", "2")
+    resumed = trainer("b", 1, 2, "--resume-from-checkpoint", str(tmp_path / "a" / "checkpoint-2"))
+    assert (tmp_path / "a" / "checkpoint-2" / "global_step2" / "universal").is_dir()  # (it was resharded)
+    _close(resumed, straight[2:])
