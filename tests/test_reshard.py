@@ -192,8 +192,10 @@ def test_what_a_reshard_cannot_honour_is_named():
     with pytest.raises(ValueError, match="pipeline stages are not resharded"):
         check_reshard(_state(pp=2), _state())
     s = _state(zero=0, ep=2)
-    with pytest.raises(ValueError, match="ZeRO stage 0 with expert parallelism"):
+    with pytest.raises(ValueError, match="ZeRO stage 0 with expert parallelism is not supported"):
         check_reshard(_state(), s)
+    with pytest.raises(ValueError, match="written at ZeRO stage 0 with expert parallelism"):
+        check_reshard(s, _state())
 
 
 # ------------------------------------------------------------------------- end to end: train.py

@@ -80,7 +80,10 @@ def layout_record(engine) -> dict:
     else:
         by_id = {id(p): n for n, p in engine.module.named_parameters()}
         order = [by_id.get(id(p)) for g in _base(opt).param_groups for p in g["params"]]
+        sharded_experts = any(getattr(p, "ep_size", 1) > 1 for p in engine.module.parameters() if p.requires_grad)
         record["optimizer"] = "per-parameter" if None not in order else "unsupported"  # (fp16 ZeRO-0: copies)
+        if sharded_experts:  # (DeepSpeed keeps each EP rank's expert state in its own files)
+            record["optimizer"] = "unsupported-ep"
         record["file"] = os.path.basename(engine._get_ckpt_name("", ""))
         record["order"] = order
     return record
@@ -181,6 +184,11 @@ def check_reshard(saved: dict, current: dict) -> None:
     if zero == 0 and b.get("ep", 1) > 1:
         raise ValueError(
             "a resume on another layout at ZeRO stage 0 with expert parallelism is not supported; use ZeRO stage 1 or 2"
+        )
+    if (saved.get("precision") or {}).get("zero_stage") == 0 and a.get("ep", 1) > 1:
+        raise ValueError(
+            "the checkpoint was written at ZeRO stage 0 with expert parallelism, whose expert optimizer state is not "
+            "resharded; resume it on its own layout"
         )
 
 
@@ -325,6 +333,11 @@ def to_universal(root: str, tag: str, out_tag_dir: str | None = None, progress=N
     records = _records(tag_dir)
     if any(r.get("format") != _FORMAT for r in records):
         raise ValueError(f"{tag_dir}: shard layout records of another format; convert with the version that wrote it")
+    if any(r["optimizer"] == "unsupported-ep" for r in records):
+        raise ValueError(
+            f"{tag_dir} was written at ZeRO stage 0 with expert parallelism, whose expert optimizer state is not "
+            f"resharded; resume it on its own layout (or train at ZeRO stage 1 or 2 to change layouts later)"
+        )
     if any(r["optimizer"] == "unsupported" for r in records):
         raise ValueError(
             f"{tag_dir} was written with fp16 at ZeRO stage 0, whose optimizer state is not resharded; resume "
