@@ -1,15 +1,19 @@
 """Resume on another layout (``ds_dhelix.engine.reshard``).
 
-carried over   a checkpoint saved at layout A, converted and loaded by an engine at layout B
-               (other random init): every trained parameter's fp32 master and both Adam moments,
-               gathered to full HF tensors on each side, are bitwise A's; the optimizer step, the
-               LR and the step counters continue. TP=2 -> TP=1 x DP=2 (and back, bf16), ZeRO-1 ->
-               ZeRO-2 and -> ZeRO-0, EP=2 -> EP=1 (tiny-phimoe). Two spawned worlds per case.
-refusals       pipeline size changes, another global batch, ZeRO-0 with EP, records missing,
+carried over   a checkpoint saved at layout A and loaded by an engine at layout B (other random
+               init; DeepSpeed's load_checkpoint, which sees the other layout in the shard records,
+               or the offline conversion): every trained parameter's fp32 master and both Adam
+               moments, gathered to full HF tensors on each side, are bitwise A's; the optimizer
+               step, the LR and the step counters continue. TP=2 -> TP=1 x DP=2, DP=2 -> TP=2 in
+               bf16, ZeRO-1 -> ZeRO-2 and -> ZeRO-0, ZeRO-0 -> TP=2, EP=2 -> EP=1 (tiny-qwen3-moe),
+               CP=2 -> DP=2, Phi-3's fused rows, LoRA factors, PP=2 (W) -> DP=2 and TP=2 -> PP=2.
+               Two spawned worlds per case.
+refusals       another global batch, ZeRO-0 with EP, records missing,
                the offline command's output checks: one line each, before any model
 end to end     (train.py, the real launcher; slow tier) TP=2 -> TP=1 x DP=2 -> one rank and
                ZeRO-1 -> ZeRO-2 and EP=2 -> EP=1: the resumed losses equal a straight run's on the
-               new layout; a checkpoint converted offline resumes bitwise on its own layout
+               new layout; a checkpoint converted offline resumes bitwise on its own layout; the HF
+               Trainer's resume_from_checkpoint on another layout (extended tier)
 """
 
 from __future__ import annotations
@@ -32,14 +36,15 @@ def _opts(model: str, layout: dict, seed: int):
     from ds_dhelix.verify import ParityOptions
 
     ep = layout.pop("ep", 1)
-    opts = ParityOptions(model=model, steps=2, micro_batches=2, seq_len=16, num_layers=2, seed=seed, **layout)
+    layout = {"num_layers": 2, "micro_batches": 2, **layout}
+    opts = ParityOptions(model=model, steps=2, seq_len=16, seed=seed, **layout)
     if ep > 1 or model.endswith("moe"):
         opts.extra = {"expert_parallel": {"size": ep, "capacity_factor": None}}
     return opts
 
 
 def _config(opts) -> dict:
-    cfg = opts.ds_config("si")
+    cfg = opts.ds_config("w" if opts.pp > 1 else "si")
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}}
     return cfg
 
@@ -74,8 +79,8 @@ def _save_world(rank, world, model, layout, root):
     for step in batches[:2]:
         engine.train_batch(iter(step))
     save(engine, root, _layout_state(opts), keep=1)
-    state = gather_universal(engine, KINDS)
-    return (state, _lr(engine), engine.global_steps) if rank == 0 else None
+    state = gather_universal(engine, KINDS)  # (a pipeline stage's own: every rank answers, the test merges)
+    return (state, _lr(engine), engine.global_steps) if rank == 0 or opts.pp > 1 else None
 
 
 def _load_world(rank, world, model, layout, tag_dir, converted):
@@ -97,12 +102,25 @@ def _load_world(rank, world, model, layout, tag_dir, converted):
     )
     return (
         (state, _lr(engine), engine.global_steps, step, getattr(engine, "loaded_resharded", None))
-        if rank == 0
+        if rank == 0 or opts.pp > 1
         else None
     )
 
 
+FOUR = {"num_layers": 4, "micro_batches": 4}  # (the W fold over 2 stages: a layer per chunk, 3+ micro-batches)
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}
+
+
+def _merged(results: list):
+    """Rank 0's answer, its state merged with the other ranks' (pipeline stages hold their own)."""
+    first = list(results[0])
+    for other in results[1:]:
+        if other is not None:
+            for kind in KINDS:
+                first[0][kind] = {**other[0][kind], **first[0][kind]}
+    return first
+
+
 CASES = {
     "tp2-to-dp2": ("tiny-llama", {"tp": 2, "dp": 1}, {"tp": 1, "dp": 2}),
     "dp2-to-tp2-bf16": ("tiny-llama", {"tp": 1, "dp": 2, "dtype": "bf16"}, {"tp": 2, "dp": 1, "dtype": "bf16"}),
@@ -112,6 +130,8 @@ CASES = {
     "ep2-to-ep1": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}, {"tp": 1, "dp": 2, "ep": 1}),
     "cp2-to-dp2": ("tiny-llama", {"tp": 1, "dp": 1, "cp": 2}, {"tp": 1, "dp": 2}),
     "phi3-fused-tp2-to-dp2": ("tiny-phi3", {"tp": 2, "dp": 1}, {"tp": 1, "dp": 2}),  # rows picked by index
+    "pp2-to-dp2": ("tiny-llama", {"tp": 1, "dp": 1, "pp": 2, **FOUR}, {"tp": 1, "dp": 2, **FOUR}),
+    "tp2-to-pp2": ("tiny-llama", {"tp": 2, "dp": 1, **FOUR}, {"tp": 1, "dp": 1, "pp": 2, **FOUR}),
     "lora-tp2-to-dp2": ("tiny-llama", {"tp": 2, "dp": 1, "lora": LORA}, {"tp": 1, "dp": 2, "lora": LORA}),
 }
 
@@ -123,13 +143,13 @@ def test_resharded_load_carries_the_state_over(tmp_path, case):
 
     model, a, b = CASES[case]
     root = str(tmp_path / "ck")
-    saved, lr_a, steps_a = run_ranks(_save_world, 2, args=(model, a, root), timeout=180)[0]
+    saved, lr_a, steps_a = _merged(run_ranks(_save_world, 2, args=(model, a, root), timeout=180))
     converted = case.startswith("zero")  # these convert first; the others let load_checkpoint do it
     if converted:
         to_universal(root, "global_step2")
     folder = os.path.join(root, "global_step2", "universal")
     args = (model, b, os.path.dirname(folder), converted)
-    loaded, lr_b, steps_b, opt_steps, resharded = run_ranks(_load_world, 2, args=args, timeout=180)[0]
+    loaded, lr_b, steps_b, opt_steps, resharded = _merged(run_ranks(_load_world, 2, args=args, timeout=180))
     # CP ranks are DeepSpeed's data-parallel ranks: CP=2 -> DP=2 writes the same files, loaded as they are
     assert converted or resharded == (case != "cp2-to-dp2")
     if not os.path.isdir(folder):
@@ -189,8 +209,8 @@ def test_what_a_reshard_cannot_honour_is_named():
     check_reshard(_state(tp=2, dp=1, gradient_accumulation_steps=4), _state())  # same global batch: fine
     with pytest.raises(ValueError, match=r"global batch .* 32, this run's 16; set gradient_accumulation_steps 4"):
         check_reshard(_state(tp=2, dp=1, gradient_accumulation_steps=8), _state())
-    with pytest.raises(ValueError, match="pipeline stages are not resharded"):
-        check_reshard(_state(pp=2), _state())
+    assert needs_reshard(_state(pp=2, dp=1, gradient_accumulation_steps=4), _state())
+    check_reshard(_state(pp=2, dp=1, gradient_accumulation_steps=4), _state())  # pipeline stages reshard too
     s = _state(zero=0, ep=2)
     with pytest.raises(ValueError, match="ZeRO stage 0 with expert parallelism is not supported"):
         check_reshard(_state(), s)

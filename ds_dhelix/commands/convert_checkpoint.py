@@ -3,13 +3,13 @@
     dhelix convert-checkpoint ckpt --out ckpt-any-layout
     deepspeed --num_gpus 4 train.py ... --resume ckpt-any-layout --allow-resume-change
 
-Reads a ``--ds-checkpoint`` directory (its ``latest`` tag, or ``--tag``) written at any TP / DP /
+Reads a ``--ds-checkpoint`` directory (its ``latest`` tag, or ``--tag``) written at any TP / PP / DP /
 EP / ZeRO stage and writes ``OUT/<tag>/universal/``: every trained parameter's fp32 master and
 optimizer moments as full HF tensors (safetensors), the optimizer step, the step counters and the
 LR scheduler, with the run state and ``latest`` beside them. ``--resume OUT`` continues from it on
 any layout with the same global batch; each rank reads only its shards. A resume on another
 layout converts by itself (into the checkpoint's own tag); this command does it ahead of time or
-on a machine without the training's devices. Pipeline checkpoints (pp > 1) are not converted.
+on a machine without the training's devices.
 """
 
 from __future__ import annotations
@@ -40,11 +40,6 @@ def run(args) -> int:
 
     root, tag = locate(args.checkpoint)
     state = read_run_state(root, tag)
-    if (state.get("layout") or {}).get("pp", 1) > 1:
-        raise ValueError(
-            f"{os.path.join(root, tag)} was written at pipeline size {state['layout']['pp']}: "
-            f"pipeline checkpoints are not converted; resume it on its own layout"
-        )
     out = os.path.abspath(os.path.expanduser(args.out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"--out {out!r} exists and is not an empty directory; choose a new path")

@@ -19,9 +19,9 @@ partitions, the rank's place in each parameter group's partitioning group. From 
 A resume whose parallel layout or ZeRO stage differs from the checkpoint's converts it once (rank
 0, into the tag's ``universal/``) and loads that; ``dhelix convert-checkpoint`` does the
 conversion offline. Frozen parameters (a LoRA base) are not in it: the run reads them from its
-``--model`` as any start does. What cannot be resharded (a pipeline stage layout, ZeRO-0 with
-expert parallelism, fp16 at ZeRO-0, a checkpoint written before these records) is refused in one
-line naming it.
+``--model`` as any start does. The folded pipeline's stages (PP) reshard like the rest: a stage's
+records name its own parameters. What cannot be resharded (ZeRO-0 with expert parallelism, fp16
+at ZeRO-0, a checkpoint written before these records) is refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def layout_record(engine) -> dict:
         if p.requires_grad:
             shard = getattr(p, "vocab_shard", None)
             params[name] = {
+                "key": hf_name(name),
                 "selection": _selection_json(getattr(p, "hf_selection", None)),
                 "shape": list(p.shape),
                 "real_rows": shard.real if shard is not None else None,
@@ -86,6 +87,8 @@ def layout_record(engine) -> dict:
             record["optimizer"] = "unsupported-ep"
         record["file"] = os.path.basename(engine._get_ckpt_name("", ""))
         record["order"] = order
+        pipe = getattr(engine.module, "hf_model", None) is not None  # (the folded pipeline: one file per stage)
+        record["values_file"] = os.path.basename(engine.module._ckpt_path("")) if pipe else record["file"]
     return record
 
 
@@ -130,6 +133,11 @@ def is_converted(tag_dir: str) -> bool:
     return has_universal(tag_dir) and not glob.glob(os.path.join(tag_dir, "*model_states.pt"))
 
 
+def hf_name(name: str) -> str:
+    """A parameter's name in the HF model: the folded pipeline's module holds it as ``hf_model``."""
+    return name.removeprefix("hf_model.")
+
+
 def write_record(engine, tag_dir: str) -> None:
     with open(os.path.join(tag_dir, RECORD.format(dist.get_rank())), "w", encoding="utf-8") as f:
         json.dump(layout_record(engine), f)
@@ -141,9 +149,8 @@ def _base(opt):
 
 
 # ------------------------------------------------------------------------------ what may change
-RESHARDED = ("world", "dp", "tp", "ep", "cp")
-"""Layout keys a resume reshards (with the ZeRO stage and fp16/bf16); the pipeline's stages are not
-resharded."""
+RESHARDED = ("world", "dp", "tp", "pp", "ep", "cp")
+"""Layout keys a resume reshards (with the ZeRO stage and fp16/bf16)."""
 
 
 def needs_reshard(saved: dict, current: dict) -> bool:
@@ -164,12 +171,6 @@ def check_reshard(saved: dict, current: dict) -> None:
     """Before any model: ``ValueError`` naming what a resume on another layout (or micro-batch /
     GAS) cannot honour."""
     a, b = saved.get("layout") or {}, current.get("layout") or {}
-    if a.get("pp", 1) != b.get("pp", 1) or (a.get("pp", 1) > 1 and needs_reshard(saved, current)):
-        raise ValueError(
-            f"the checkpoint was written at pipeline size {a.get('pp', 1)} with "
-            f"{_layout_text(a)}; this run is {_layout_text(b)} at pipeline size {b.get('pp', 1)}: pipeline "
-            f"stages are not resharded. Resume on the checkpoint's layout, or start from its HF export (--model DIR)"
-        )
     global_a = a.get("micro_batch_size", 0) * a.get("gradient_accumulation_steps", 0) * a.get("dp", 1)
     global_b = b.get("micro_batch_size", 0) * b.get("gradient_accumulation_steps", 0) * b.get("dp", 1)
     if global_a != global_b:
@@ -190,10 +191,6 @@ def check_reshard(saved: dict, current: dict) -> None:
             "the checkpoint was written at ZeRO stage 0 with expert parallelism, whose expert optimizer state is not "
             "resharded; resume it on its own layout"
         )
-
-
-def _layout_text(layout: dict) -> str:
-    return " ".join(f"{k}={layout.get(k, 1)}" for k in ("tp", "dp", "ep", "cp"))
 
 
 # ------------------------------------------------------------------------------------ conversion
@@ -312,13 +309,17 @@ def _collect(records: list[dict], tag_dir: str, kind: str) -> tuple[_Pieces, obj
                 step = states[g].get("step", step)
                 prank = rec["partition_ranks"][g]
                 for name, frag in mapping.items():
-                    e = pieces.entry(name, rec["params"][name])
+                    e = pieces.entry(rec["params"][name]["key"], rec["params"][name])
                     e["parts"].setdefault(prank, flat.narrow(0, frag.start, frag.numel).float().clone())
         else:
-            module, state = sd["module"], sd["optimizer"]["state"]
+            state, in_module = sd["optimizer"]["state"], rec["values_file"] == rec["file"]
+            values = None
+            if kind == "fp32":  # (the folded pipeline keeps each stage's weights in a file of its own)
+                values = sd["module"] if in_module else _load(os.path.join(tag_dir, rec["values_file"]))
             for i, name in enumerate(rec["order"]):
-                e = pieces.entry(name, rec["params"][name])
-                value = module[name] if kind == "fp32" else state[i][kind]
+                info = rec["params"][name]
+                e = pieces.entry(info["key"], info)
+                value = state[i][kind] if values is None else values[name if in_module else info["key"]]
                 step = state[i].get("step", step)
                 e["parts"].setdefault(0, value.float().flatten().clone())
     return pieces, step
@@ -370,7 +371,7 @@ def to_universal(root: str, tag: str, out_tag_dir: str | None = None, progress=N
 
 
 def _counters(tag_dir: str, records: list[dict], step, kinds: list[str]) -> dict:
-    names = sorted(glob.glob(os.path.join(tag_dir, "*model_states.pt")))
+    names = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not names:
         raise ValueError(f"{tag_dir}: no DeepSpeed model-state file; the checkpoint is incomplete")
     sd = _load(names[0])
@@ -420,7 +421,8 @@ def load_universal(engine, tag_dir: str) -> dict:
     if not _partitioned(opt) and engine.fp16_enabled():
         raise ValueError("a resume on another layout with fp16 at ZeRO stage 0 is not supported; use ZeRO stage 1 or 2")
     with torch.no_grad():
-        for name, p in engine.module.named_parameters():
+        for ds_name, p in engine.module.named_parameters():
+            name = hf_name(ds_name)
             if not p.requires_grad:
                 continue
             if name not in files["fp32"]:
@@ -512,7 +514,8 @@ def _set_counters(engine, meta: dict) -> None:
 
 def gather_universal(engine, kinds=("fp32", "exp_avg", "exp_avg_sq")) -> dict[str, dict[str, torch.Tensor]]:
     """The live engine's trained state as ``load_universal`` reads it: ``{kind: {name: full HF
-    tensor}}`` (collective over every group; the check of what a resharded load carried over)."""
+    tensor}}`` (collective over every group; a pipeline stage's own parameters only; the check of
+    what a resharded load carried over)."""
     from hf_models.common import gather_param
 
     from ..moe.experts import gather_expert_param, is_expert_param
@@ -520,7 +523,8 @@ def gather_universal(engine, kinds=("fp32", "exp_avg", "exp_avg_sq")) -> dict[st
     groups = getattr(engine, "groups", None)
     tp_group, tp = (groups.tp_grad_group, groups.tp_size) if groups is not None else (None, 1)
     opt, out = engine.optimizer, {k: {} for k in kinds}
-    for name, p in engine.module.named_parameters():
+    for ds_name, p in engine.module.named_parameters():
+        name = hf_name(ds_name)
         if not p.requires_grad:
             continue
         for kind in kinds:

@@ -170,10 +170,9 @@ class DhelixStepMixin:
             save_latest,
             exclude_frozen_parameters or bool(self.frozen_names()),
         )
-        if not self.pipeline_parallelism:  # (pipeline stages are not resharded)
-            from .reshard import write_record
+        from .reshard import write_record
 
-            write_record(self, os.path.join(save_dir, tag))
+        write_record(self, os.path.join(save_dir, tag))
         return out
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
@@ -187,7 +186,7 @@ class DhelixStepMixin:
             with open(os.path.join(load_dir, "latest")) as f:
                 tag = f.read().strip()
         self.loaded_resharded = False
-        if tag is not None and not self.pipeline_parallelism:
+        if tag is not None:
             tag_dir = os.path.join(load_dir, str(tag))
             if is_converted(tag_dir) or records_differ(self, tag_dir):
                 if not is_converted(tag_dir):
