@@ -73,7 +73,7 @@ def layout_record(engine) -> dict:
             }
     dtypes = sorted({str(p.dtype) for p in engine.module.parameters() if p.requires_grad})
     record = {"format": _FORMAT, "rank": dist.get_rank(), "world": dist.get_world_size(), "dtypes": dtypes,
-              "params": params}  # fmt: skip
+              "zero_stage": int(engine.zero_optimization_stage()), "params": params}  # fmt: skip
     if _partitioned(opt):
         record["optimizer"] = "partitioned"
         record["file"] = os.path.basename(engine._get_zero_ckpt_name("", ""))
@@ -115,17 +115,21 @@ def check_fits(engine, tag_dir: str) -> None:
 
 def records_differ(engine, tag_dir: str) -> bool:
     """The checkpoint at ``tag_dir`` was written at another layout, ZeRO stage or precision than
-    ``engine``'s (its records say so); False without records (DeepSpeed's loader decides)."""
-    path = os.path.join(tag_dir, RECORD.format(dist.get_rank()))
+    ``engine``'s (its records say so, on any rank: collective, every rank gets the same answer);
+    False without records (DeepSpeed's loader decides)."""
     if not glob.glob(os.path.join(tag_dir, "dhelix_layout_rank*.json")):
         return False
-    if not os.path.isfile(path):
-        return True  # fewer ranks wrote it
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
-    mine = layout_record(engine)
-    keys = ("world", "dtypes", "params", "optimizer", "partition_ranks")
-    return any(saved.get(k) != mine.get(k) for k in keys)
+    path = os.path.join(tag_dir, RECORD.format(dist.get_rank()))
+    differs = True  # (fewer ranks wrote it)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        mine = layout_record(engine)
+        keys = ("world", "dtypes", "zero_stage", "params", "optimizer", "partition_ranks")
+        differs = any(saved.get(k) != mine.get(k) for k in keys)
+    flag = torch.tensor([float(differs)], device=engine.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def is_converted(tag_dir: str) -> bool:
