@@ -125,6 +125,11 @@ def _as_index(sel, size: int) -> torch.Tensor:
     return sel
 
 
+def selected_shape(full: list[int], selection: dict) -> list[int]:
+    """The shape of the part ``selection`` (dim -> slice | index tensor) of a tensor of shape ``full``."""
+    return [(_as_index(selection[d], n).numel() if d in selection else n) for d, n in enumerate(full)]
+
+
 def _runs(index: torch.Tensor) -> list[tuple[int, int]]:
     """Contiguous ascending runs ``[lo, hi)`` of the sorted unique values of ``index``."""
     values = torch.unique(index).tolist()
@@ -293,8 +298,7 @@ def materialize(model, files: CheckpointFiles, dtype: torch.dtype | None = None,
         source = _find(model, files, aliases[id(p)])
         full = files.shape(source)
         selection = getattr(p, "hf_selection", None) or {}
-        want = [(_as_index(selection[d], n).numel() if d in selection else n) for d, n in enumerate(full)]
-        if want != real_shape(p):
+        if selected_shape(full, selection) != real_shape(p):
             raise ValueError(
                 f"{files.path}: {name} is {full} in the checkpoint; this rank's shard of it "
                 f"{list(p.shape)} does not fit (does config.json match the weights?)"

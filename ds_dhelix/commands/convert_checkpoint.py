@@ -38,7 +38,7 @@ def run(args) -> int:
     from ds_dhelix.engine.resume import RUN_STATE_FILE, locate, read_run_state
     from ds_dhelix.runtime.progress import progress
 
-    root, tag = locate(args.checkpoint)
+    root, tag = locate(args.checkpoint, flag="checkpoint")
     state = read_run_state(root, tag)
     out = os.path.abspath(os.path.expanduser(args.out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):

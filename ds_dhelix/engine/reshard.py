@@ -92,27 +92,6 @@ def layout_record(engine) -> dict:
     return record
 
 
-def check_fits(engine, tag_dir: str) -> None:
-    """``ValueError`` naming the first trained tensor this rank's part of the checkpoint holds
-    otherwise than ``engine``'s model (another model or adapter); a checkpoint without records
-    passes (DeepSpeed's loader checks what it can)."""
-    path = os.path.join(tag_dir, RECORD.format(dist.get_rank()))
-    if not os.path.isfile(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)["params"]
-    mine = layout_record(engine)["params"]
-    for name in sorted(set(saved) | set(mine)):
-        a, b = saved.get(name), mine.get(name)
-        if a is None or b is None or a["shape"] != b["shape"]:
-            what = lambda x: "absent" if x is None else f"shape {x['shape']}"  # noqa: E731
-            raise ValueError(
-                f"{tag_dir} does not fit this run's model: trained tensor {name} is {what(a)} in the checkpoint, "
-                f"{what(b)} here (another model or adapter); resume with the model it trained, or start "
-                f"from its HF export (--model DIR)"
-            )
-
-
 def records_differ(engine, tag_dir: str) -> bool:
     """The checkpoint at ``tag_dir`` was written at another layout, ZeRO stage or precision than
     ``engine``'s (its records say so, on any rank: collective, every rank gets the same answer);
@@ -395,6 +374,19 @@ def _counters(tag_dir: str, records: list[dict], step, kinds: list[str]) -> dict
     }
 
 
+def load_if_resharded(engine, root: str, tag: str) -> dict | None:
+    """Collective: the resharded load of ``root/tag`` into ``engine`` when the checkpoint was
+    converted offline or its shard records differ from the engine's (another layout, ZeRO stage or
+    precision; converted first, once); its run state. None: DeepSpeed's own load fits."""
+    tag_dir = os.path.join(root, tag)
+    converted = is_converted(tag_dir)
+    if not converted and not records_differ(engine, tag_dir):
+        return None
+    if not converted:
+        convert_for_resume(root, tag)
+    return load_universal(engine, tag_dir)
+
+
 def convert_for_resume(root: str, tag: str) -> str:
     """Collective: rank 0 writes the tag's ``universal/`` unless it is there; every rank waits."""
     tag_dir = os.path.join(root, tag)
@@ -424,6 +416,15 @@ def load_universal(engine, tag_dir: str) -> dict:
     opt = engine.optimizer
     if not _partitioned(opt) and engine.fp16_enabled():
         raise ValueError("a resume on another layout with fp16 at ZeRO stage 0 is not supported; use ZeRO stage 1 or 2")
+    trained = {hf_name(n) for n, p in engine.module.named_parameters() if p.requires_grad}
+    extra = sorted(set(files["fp32"].keys()) - trained)
+    if extra and getattr(engine.module, "hf_model", None) is None:  # (a pipeline stage trains a part)
+        raise ValueError(
+            f"{tag_dir} does not fit this run's model: it trains {extra[0]}"
+            + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else "")
+            + ", which this model does not (another model or adapter); resume with the model it trained, "
+            "or start from its HF export (--model DIR)"
+        )
     with torch.no_grad():
         for ds_name, p in engine.module.named_parameters():
             name = hf_name(ds_name)
@@ -444,22 +445,15 @@ def load_universal(engine, tag_dir: str) -> dict:
 
 
 def _check_shape(files, name: str, sel: dict, p, tag_dir: str) -> None:
-    from hf_models.loading import Key
+    from hf_models.loading import Key, selected_shape
     from hf_models.vocab import real_shape
 
     full = files.shape(Key(name))
-    want = [_picked(sel.get(d), n) for d, n in enumerate(full)]
-    if want != real_shape(p):
+    if selected_shape(full, sel) != real_shape(p):
         raise ValueError(
             f"{tag_dir} does not fit this run's model: {name} is {full} in the checkpoint, this rank's "
             f"shard {list(p.shape)} is not part of it (another model?); resume with the model it trained"
         )
-
-
-def _picked(sel, size: int) -> int:
-    if sel is None:
-        return size
-    return len(range(*sel.indices(size))) if isinstance(sel, slice) else sel.numel()
 
 
 def _set_state(opt, p, values: dict, step) -> None:

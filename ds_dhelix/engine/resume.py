@@ -26,7 +26,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .reshard import check_fits, convert_for_resume, is_converted, load_universal, needs_reshard, write_record
+from .reshard import load_if_resharded, write_record
 
 RUN_STATE_FILE = "dhelix_run_state.json"
 TMP_PREFIX = ".tmp-"
@@ -90,14 +90,14 @@ def remove_leftovers(root: str) -> list[str]:
     return gone
 
 
-def locate(path: str) -> tuple[str, str]:
+def locate(path: str, flag: str = "--resume") -> tuple[str, str]:
     """``(root, tag)`` of the checkpoint ``path`` names: a checkpoint root (its ``latest`` tag, else
     its newest complete one) or one tag directory. ``ValueError`` when there is none."""
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.isfile(os.path.join(path, RUN_STATE_FILE)):
         return os.path.dirname(path), os.path.basename(path)
     if not os.path.isdir(path):
-        raise ValueError(f"--resume {path!r}: no such checkpoint directory")
+        raise ValueError(f"{flag} {path!r}: no such checkpoint directory")
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
         with open(latest) as f:
@@ -107,7 +107,7 @@ def locate(path: str) -> tuple[str, str]:
     tags = complete_tags(path)
     if not tags:
         raise ValueError(
-            f"--resume {path!r}: no complete ds_dhelix checkpoint there (a checkpoint holds "
+            f"{flag} {path!r}: no complete ds_dhelix checkpoint there (a checkpoint holds "
             f"{RUN_STATE_FILE}); pass a directory written by --ds-checkpoint / --save-interval"
         )
     return path, tags[-1]
@@ -233,23 +233,25 @@ def _publish(root: str, tmp: str, tag: str, run_state: dict) -> None:
 
 def load(engine, root: str, tag: str, current: dict | None = None) -> dict:
     """Load the checkpoint into ``engine`` (optimizer, LR schedule, step counters) and this rank's
-    RNG state; returns its run state. A checkpoint of another parallel layout or ZeRO stage than
-    ``current`` (this run's state), or one converted offline, is loaded resharded
-    (``ds_dhelix.engine.reshard``; no RNG state: every random draw is seeded by its micro-batch)."""
-    tag_dir = os.path.join(root, tag)
-    converted = is_converted(tag_dir)
-    if converted or (current is not None and needs_reshard(read_run_state(root, tag), current)):
-        return load_universal(engine, tag_dir if converted else convert_for_resume(root, tag))
-    check_fits(engine, tag_dir)
-    path, client = engine.load_checkpoint(root, tag=tag)
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint {os.path.join(root, tag)}")
-    rng = _rng_path(root, tag, dist.get_rank())
-    if os.path.isfile(rng):
-        set_rng_state(torch.load(rng, weights_only=False))
+    RNG state; returns its run state. A checkpoint of another parallel layout, ZeRO stage or
+    precision, or one converted offline, is loaded resharded (``reshard.load_if_resharded``: a
+    ds_dhelix engine's ``load_checkpoint`` decides, plain DeepSpeed's here; no RNG state then:
+    every random draw is seeded by its micro-batch). ``current``: this run's state, whose optimizer
+    settings apply over the checkpoint's."""
+    from .evaluation import is_dhelix
+
+    saved = None if is_dhelix(engine) else load_if_resharded(engine, root, tag)
+    if saved is None:
+        path, client = engine.load_checkpoint(root, tag=tag)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {os.path.join(root, tag)}")
+        rng = _rng_path(root, tag, dist.get_rank())
+        if os.path.isfile(rng) and not getattr(engine, "loaded_resharded", False):
+            set_rng_state(torch.load(rng, weights_only=False))
+        saved = (client or {}).get("dhelix_run_state") or read_run_state(root, tag)
     if current is not None:
         apply_optimizer_settings(engine, current.get("optimizer"))
-    return (client or {}).get("dhelix_run_state") or read_run_state(root, tag)
+    return saved
 
 
 def apply_optimizer_settings(engine, optimizer: dict | None) -> None:

@@ -180,19 +180,15 @@ class DhelixStepMixin:
         precision (its shard records differ from this engine's) or one converted offline, the
         resharded load (``ds_dhelix.engine.reshard``): every caller of ``load_checkpoint`` (the HF
         Trainer's resume too) continues on any layout. Returns DeepSpeed's ``(path, client_state)``."""
-        from .reshard import convert_for_resume, is_converted, load_universal, records_differ
+        from .reshard import load_if_resharded
 
         if tag is None and os.path.isfile(os.path.join(load_dir, "latest")):
             with open(os.path.join(load_dir, "latest")) as f:
                 tag = f.read().strip()
-        self.loaded_resharded = False
-        if tag is not None:
-            tag_dir = os.path.join(load_dir, str(tag))
-            if is_converted(tag_dir) or records_differ(self, tag_dir):
-                if not is_converted(tag_dir):
-                    convert_for_resume(load_dir, str(tag))
-                self.loaded_resharded = True
-                return tag_dir, {"dhelix_run_state": load_universal(self, tag_dir)}
+        saved = load_if_resharded(self, load_dir, str(tag)) if tag is not None else None
+        self.loaded_resharded = saved is not None
+        if self.loaded_resharded:
+            return os.path.join(load_dir, str(tag)), {"dhelix_run_state": saved}
         return super().load_checkpoint(load_dir, tag=tag, **kwargs)
 
     def load_module_state_dict(self, checkpoint, strict=True, **kwargs):
