@@ -53,7 +53,17 @@ def _median(steps: list[dict], key: str):
 
 def mode_medians(steps: list[dict]) -> dict:
     return {
-        key: _median(steps, key) for key in ("step_s", "compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s")
+        key: _median(steps, key)
+        for key in (
+            "step_s",
+            "compute_s",
+            "comm_s",
+            "exposed_s",
+            "cpu_s",
+            "main_thread_cpu_s",
+            "dp_reduce_s",
+            "dp_exposed_s",
+        )
     }
 
 
@@ -124,6 +134,8 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, core
         "compute_s": med["compute_s"],
         "comm_s": med["comm_s"],
         "exposed_comm_s": med["exposed_s"],
+        "dp_reduce_s": med["dp_reduce_s"],
+        "dp_exposed_s": med["dp_exposed_s"],
         "cpu_s": med["cpu_s"],
         "other_threads_cpu_s": None,
         "peak_activation_bytes": max(

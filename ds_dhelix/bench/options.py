@@ -30,7 +30,9 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
                 without a trial, and auto_reason says there is nothing to hide
 
 A ds_dhelix mode may name its activation recompute after a ``+``: ``si+full``, ``sequential+selective``
-(``dhelix.recompute``; plain ``si`` is ``si+none``), so the modes' step times sit side by side.
+(``dhelix.recompute``; plain ``si`` is ``si+none``), so the modes' step times sit side by side; and
+``+dp-end`` reduces the data-parallel gradients after the last backward instead of during it
+(``"overlap_grad_reduction": false``): ``si+dp-end``, ``sequential+full+dp-end``.
 
 With ``pp > 1`` (folded pipeline over ``pp`` stages of ``tp`` ranks each) the modes are ``PP_MODES``::
 
@@ -78,10 +80,27 @@ PP_DEFAULT_MODES = tuple(m for m in PP_MODES if m != "auto")
 """Modes of a pipeline run unless ``--modes`` says otherwise (``auto`` is asked for by name)."""
 
 
+MODE_FLAGS = {"dp-end": {"overlap_grad_reduction": False}}
+"""A ds_dhelix mode's ``+`` flags other than a recompute mode: the "dhelix" keys each sets."""
+
+
 def split_mode(mode: str) -> tuple[str, str | None]:
-    """``"si+full"`` -> ``("si", "full")``; ``"si"`` -> ``("si", None)`` (an old name read as its new one)."""
-    base, _, recompute = mode.partition("+")
-    return ALIASES.get(base, base), (recompute or None) if "+" in mode else None
+    """``"si+full"`` -> ``("si", "full")``; ``"si"`` -> ``("si", None)`` (an old name read as its new
+    one); ``+`` flags (``MODE_FLAGS``) are left out."""
+    base, *rest = mode.split("+")
+    recompute = next((r for r in rest if r not in MODE_FLAGS), None)
+    return ALIASES.get(base, base), recompute
+
+
+def mode_flags(mode: str) -> list[str]:
+    """The ``MODE_FLAGS`` a mode names after ``+``, in order."""
+    return [r for r in mode.split("+")[1:] if r in MODE_FLAGS]
+
+
+def canonical_mode(mode: str) -> str:
+    """A mode as the tables name it: its base's old name read as the new one."""
+    base, *rest = mode.split("+")
+    return "+".join([ALIASES.get(base, base), *rest])
 
 
 MIN_REPEATS = 5
@@ -162,7 +181,7 @@ class BenchOptions:
     def __post_init__(self):
         if self.pp > 1 and self.modes == DEFAULT_MODES:  # the default list: the pipeline's
             object.__setattr__(self, "modes", PP_DEFAULT_MODES)
-        renamed = tuple("+".join(filter(None, split_mode(m))) for m in self.modes)  # old names read as new
+        renamed = tuple(canonical_mode(m) for m in self.modes)  # old names read as new
         object.__setattr__(self, "modes", renamed)
         self._check_modes()
         self._check_layout()
@@ -215,10 +234,15 @@ class BenchOptions:
             raise ValueError(f"unknown bench mode(s) {unknown}{hint}; choose from {', '.join(allowed)}")
         for m in self.modes:
             base, recompute = split_mode(m)
-            if recompute is not None and (base not in DHELIX_MODES or recompute not in RECOMPUTE_MODES):
+            extras = [r for r in m.split("+")[1:] if r not in MODE_FLAGS]
+            flags = mode_flags(m)
+            if (recompute is not None or flags) and (
+                base not in DHELIX_MODES or recompute not in (None, *RECOMPUTE_MODES) or len(extras) > 1
+            ):
                 raise ValueError(
                     f"bench mode {m!r}: only a ds_dhelix mode ({', '.join(d for d in DHELIX_MODES if d in allowed)}) "
-                    f"takes '+' and a recompute mode ({', '.join(RECOMPUTE_MODES)}), e.g. si+full"
+                    f"takes '+' with a recompute mode ({', '.join(RECOMPUTE_MODES)}) and / or "
+                    f"{', '.join(MODE_FLAGS)}, e.g. si+full or si+dp-end"
                 )
         if len(set(self.modes)) != len(self.modes):
             raise ValueError(f"bench modes {list(self.modes)} name a mode twice")
@@ -293,11 +317,14 @@ class BenchOptions:
     def dhelix_ds_config(self, mode: str, link_gbps: float | None = None) -> dict:
         """ds_config of a ds_dhelix mode: TP over the whole world, all micro-batches on it.
         ``link_gbps`` keys the planner's cached overlap table to the emulated link."""
+        flags = mode_flags(mode)
         mode, recompute = split_mode(mode)
         assert mode in DHELIX_MODES, mode
         section = copy.deepcopy(self.extra_dhelix)
         if recompute is not None:
             section["recompute"] = recompute
+        for flag in flags:
+            section.update(MODE_FLAGS[flag])
         section.setdefault("seed", self.seed)
         section.update(enabled=True, tensor_parallel={"size": self.tp})
         for key, value in lookup(mode, PIPELINE if self.pp > 1 else ONE_STAGE).section.items():

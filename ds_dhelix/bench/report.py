@@ -31,6 +31,8 @@ CSV_COLUMNS = (
     "compute_s",
     "comm_s",
     "exposed_comm_s",
+    "dp_reduce_s",
+    "dp_exposed_s",
     "hidden_of_hideable",
     "hidden_of_comm",
     "peak_activation_bytes",
@@ -61,18 +63,19 @@ def markdown_table(report: dict) -> str:
     """The rows as a markdown table, one block per link rate, plus the comm/comp ratio line."""
     lines = [
         "| link | mode | step ms [min–max] | tokens/s | vs seq | ideal | achieved/ideal | CPU bound | comp ms | "
-        "comm ms | exposed ms | hidden | comm-thread CPU ms | peak act MiB |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "comm ms | exposed ms | hidden | DP reduce / exposed ms | comm-thread CPU ms | peak act MiB |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in report["results"]:
         link = r["link"] + ("" if r["shaped"] or r["link_gbps"] is None else " (UNSHAPED)")
         if r["status"] != "ok":
             lines.append(
-                f"| {link} | {r['mode']} | {r['status']}: {r.get('reason') or ''} |  |  |  |  |  |  |  |  |  |  |  |"
+                f"| {link} | {r['mode']} | {r['status']}: {r.get('reason') or ''} |  |  |  |  |  |  |  |  |  |  |  |  |"
             )
             continue
         ms = lambda v: _fmt(v * 1e3 if v is not None else None, ".0f")  # noqa: E731
         step = f"{ms(r['step_time_s'])} [{ms(r.get('step_time_min_s'))}–{ms(r.get('step_time_max_s'))}]"
+        dp = "–" if r.get("dp_reduce_s") is None else f"{ms(r['dp_reduce_s'])} / {ms(r['dp_exposed_s'])}"
         if r.get("repeats_below_minimum"):
             step += f" (n={r['steps']} < {MIN_REPEATS})"
         lines.append(
@@ -80,7 +83,7 @@ def markdown_table(report: dict) -> str:
             f"{_times(r['speedup_vs_sequential'])} | {_times(r['ideal_speedup'])} | "
             f"{_fmt(r['achieved_over_ideal'], '.2f')} | {_times(r.get('cpu_bound_speedup'))} | "
             f"{ms(r['compute_s'])} | {ms(r['comm_s'])} | "
-            f"{ms(r['exposed_comm_s'])} | {_fmt(r['hidden_of_hideable'], '.0%')} | "
+            f"{ms(r['exposed_comm_s'])} | {_fmt(r['hidden_of_hideable'], '.0%')} | {dp} | "
             f"{ms(r.get('other_threads_cpu_s'))} | "
             f"{_fmt(None if r['peak_activation_bytes'] is None else r['peak_activation_bytes'] / 2**20, '.1f')} |"
         )

@@ -154,7 +154,7 @@ def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
             "peak_activation_bytes": max(peaks, default=None),
             "loss": recs[0].get("loss"),
         }
-        for key in ("compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s"):
+        for key in ("compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s", "dp_reduce_s", "dp_exposed_s"):
             values = [r.get(key) for r in recs]
             if key in recs[0]:
                 step[key] = None if None in values else sum(values) / len(values)

@@ -69,6 +69,13 @@ def register(sub) -> None:
         ("link_gbps",),
         {"link_gbps": Default(argparse.SUPPRESS, "none; --hardware cpu needs it: the link the table is used at")},
     )
+    _add_training_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=run)
+
+
+def _add_training_flags(p) -> None:
+    """How the projected run trains: dtype, ZeRO stage, where the data-parallel reduction runs."""
     p.add_argument(
         "--dtype",
         choices=("bf16", "fp16", "fp32"),
@@ -82,8 +89,12 @@ def register(sub) -> None:
         default=0,
         help="ZeRO stage: 1 and 2 split the optimizer's update over the data-parallel ranks (default 0)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.set_defaults(func=run)
+    p.add_argument(
+        "--dp-end",
+        action="store_true",
+        help="the data-parallel gradient reduction after the last backward, as with "
+        '"overlap_grad_reduction": false (default: during it, as the engine runs it on one stage)',
+    )
 
 
 def check_args(args) -> None:
@@ -125,7 +136,15 @@ def layout_of(args, config):
     if limit and args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")
     dtype = args.dtype or ("fp32" if args.hardware == "cpu" else "bf16")
-    return RunLayout(dims, args.seq_len, args.micro_batch_size, args.micro_batches, dtype, args.zero_stage)
+    return RunLayout(
+        dims,
+        args.seq_len,
+        args.micro_batch_size,
+        args.micro_batches,
+        dtype,
+        args.zero_stage,
+        overlap_grad_reduction=not args.dp_end,
+    )
 
 
 def times_source(args, outline, shape, layout):
@@ -185,6 +204,7 @@ def predict(args) -> dict:
             "micro_batches": args.micro_batches,
             "dtype": layout.dtype,
             "zero_stage": args.zero_stage,
+            "overlap_grad_reduction": layout.overlap_grad_reduction,
             "tokens_per_step": layout.tokens_per_step,
         },
         "hardware": hardware,
@@ -198,7 +218,10 @@ def assumptions(hardware: dict, notes: dict) -> dict:
     """What the projection assumed (GPU: the hardware's assumptions; CPU: what was fitted here)."""
     common = {
         "routing": "MoE routing balanced: every rank's experts receive its tokens x top-k rows",
-        "step_end": "gradient all-reduces and the optimizer run after the step's last backward, not hidden",
+        "step_end": "the TP-replicated gradients' all-reduce and the optimizer run after the step's last "
+        "backward; the data-parallel reduction on one stage during it, each block's share launched as its "
+        "backward ends, one after another on the link (its own link: no contention with TP's collectives "
+        "modelled), unless --dp-end; on a pipeline after it",
     }
     if hardware.get("name") == "cpu":
         return {**common, **notes, "link": "one loopback shaped to --link-gbps carries every rank's traffic"}
@@ -244,6 +267,12 @@ def print_text(r: dict) -> None:
         f"(ideal overlap {step['ideal_speedup']:.2f}x), once per step "
         + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in step["tail_s"].items())
     )
+    whole, exposed = step["dp_grads_whole_s"], step["tail_s"].get("dp_grads", 0.0)
+    if whole > exposed:
+        print(
+            f"data-parallel gradient reduction: {whole * 1e3:.1f} ms, {exposed * 1e3:.1f} ms of it after the "
+            f"last backward (the rest during it; --dp-end: all after)"
+        )
     for mode, why in r["skipped"].items():
         print(f"not projected: {mode}: {why}")
     print("assumptions: " + "; ".join(f"{k} {v}" for k, v in r["assumptions"].items()))

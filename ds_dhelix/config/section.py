@@ -461,6 +461,16 @@ class DhelixConfig(_Section):
     too (F0xF1 | F2xB0 | ... | B(m-2)xB(m-1)), so no strand runs alone and their collectives are
     hidden as well. Costs one more micro-batch of activation memory (a whole micro-batch waits
     between its forward and its backward); results stay bitwise those of "sequential"."""
+    overlap_grad_reduction: bool = True
+    """Reduce the gradients over the data-parallel group while the step's last backward runs:
+    DeepSpeed's own reduction (ZeRO 1/2: its partitioned buckets; ZeRO 0: its all-reduce), handed
+    each parameter as its gradient becomes final, on a helper thread, so the step waits only for
+    what is left after the backward. Buckets of ``zero_optimization.reduce_bucket_size`` elements;
+    when the ds_config does not set it, ds_dhelix sets it to one layer's parameters (DeepSpeed's
+    default, 5e8, holds most models whole: nothing would be reduced before the backward ends).
+    false: the whole reduction after the last backward. One-stage engines; the folded pipeline
+    reduces after its last backward either way. Results do not depend on it at 2 data-parallel
+    ranks; with more, gloo may sum other buckets in another order (last-bit differences)."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     """Tensor/sequence parallelism."""
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)

@@ -377,7 +377,7 @@ def build_engine(
     graph = shard_model(model, setup.dh, setup.dims, groups)
     model.dhelix_lora = lora
     model_parameters = trained_parameters(model, named)
-    ds_config = deepspeed_view(config, setup)
+    ds_config = deepspeed_view(config, setup, model, len(graph.blocks))
     extra = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "config": ds_config}
     if setup.dims.pp > 1:
         return _pipeline_engine(model, setup, groups, graph, plan, model_parameters, extra, weights)
@@ -403,11 +403,27 @@ def build_engine(
     )
 
 
-def deepspeed_view(config: dict, setup: Setup) -> dict:
+def default_reduce_bucket(ds_config: dict, dh: DhelixConfig, model, num_blocks: int) -> None:
+    """With ``overlap_grad_reduction``, a ``zero_optimization.reduce_bucket_size`` the ds_config
+    leaves out becomes one layer's trained parameters on this rank (the rank's trained elements
+    over the op graph's blocks): DeepSpeed's default (5e8 elements) holds most models whole, and a
+    bucket is reduced only once it is full."""
+    zero = ds_config.get("zero_optimization") or {}
+    if not dh.overlap_grad_reduction or "reduce_bucket_size" in zero:
+        return
+    ds_config["zero_optimization"] = zero
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    zero["reduce_bucket_size"] = max(1, -(-trained // max(num_blocks, 1)))
+
+
+def deepspeed_view(config: dict, setup: Setup, model=None, num_blocks: int = 1) -> dict:
     """The ds_config DeepSpeed reads: without the dhelix section; with context parallelism the batch
-    is counted over DeepSpeed's data-parallel group, DP x CP (CP ranks share each sample)."""
+    is counted over DeepSpeed's data-parallel group, DP x CP (CP ranks share each sample); one
+    stage of ``model`` (``num_blocks`` op-graph blocks): ``default_reduce_bucket``."""
     ds_config = copy.deepcopy(config)
     ds_config.pop("dhelix", None)
+    if model is not None and setup.dims.pp == 1:
+        default_reduce_bucket(ds_config, setup.dh, model, num_blocks)
     if setup.dims.cp > 1:
         b = setup.batch
         ds_config.update(

@@ -7,13 +7,15 @@ the interpreter (``runtime.interpreter``): the executor runs every forward and b
 (each loss seeded with 1/m, times the fp16 loss scale), leaving gradients on the parameters. The
 list ends in ``ReduceGrads`` and ``OptimizerStep``, which DeepSpeed's own code paths carry out
 (overflow checks and the loss scale's update under fp16 included): its data-parallel gradient
-reduction (ZeRO 1/2: ``coalesce_grad_reduction``; ZeRO 0: the buffered all-reduce), gradient
-clipping over the model-parallel group, the optimizer and the LR schedule.
+reduction (ZeRO 1/2: its partitioned buckets; ZeRO 0: the buffered all-reduce; by default driven
+during the last backward, ``grad_reduction.py``, else after it: ``coalesce_grad_reduction`` /
+``no_sync``), gradient clipping over the model-parallel group, the optimizer and the LR schedule.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -74,6 +76,8 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         )
         self.interpreter = Interpreter(self.executor)
         self._warned_few = False
+        self._overlap = self._make_overlap()
+        self._overlap_off_s = 0.0
 
     def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """Write an HF checkpoint (shards gathered) from global rank 0; collective on all ranks."""
@@ -103,10 +107,45 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         )
 
     # ------------------------------------------------------------------ training
-    def _reduction_context(self):
-        if self.zero_optimization_stage() >= 1:
-            return self.coalesce_grad_reduction()
-        return self.no_sync()
+    @property
+    def overlaps_grad_reduction(self) -> bool:
+        """Whether the data-parallel reduction runs during the last backward (``grad_reduction.py``)."""
+        return self._overlap is not None
+
+    def _make_overlap(self):
+        if not self.dhelix.overlap_grad_reduction or self.dp_world_size < 2:
+            return None
+        from .grad_reduction import OverlappedReduction
+
+        return OverlappedReduction(self, self.executor)
+
+    @contextlib.contextmanager
+    def _dp_reduction(self, mbs):
+        """The step's data-parallel reduction; yields what ``ReduceGrads`` calls to finish it."""
+        replicated = lambda: self.executor.reduce_replicated_grads(mbs[-1].index)  # noqa: E731
+        if self._overlap is not None:
+            self._overlap.begin(len(mbs))
+            try:
+                yield lambda: self._overlap.finish(replicated)
+            except BaseException:
+                self._overlap.abort()
+                raise
+            return
+        with contextlib.ExitStack() as reduction:  # ZeRO 1/2 reduce as it closes
+            reduction.enter_context(
+                self.coalesce_grad_reduction() if self.zero_optimization_stage() else self.no_sync()
+            )
+
+            def finish():
+                replicated()
+                t0 = time.perf_counter()
+                reduction.close()
+                if self.zero_optimization_stage() == 0:
+                    self._is_gradient_accumulation_boundary = True
+                    self.allreduce_gradients()
+                self._overlap_off_s = time.perf_counter() - t0
+
+            yield finish
 
     def _warn_few_once(self, num_microbatches: int) -> None:
         if self.dhelix.schedule in ("si", "auto") and not self._warned_few:
@@ -132,10 +171,9 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
     def _micro_batches_and_step(self, batches: list[dict]):
         spec = self.schedule_spec()
         mbs = prepare(self.graph, batches, spec, first_serial=self.global_steps * len(batches))
-        with contextlib.ExitStack() as reduction:
-            reduction.enter_context(self._reduction_context())  # ZeRO 1/2 reduce as it closes
+        with self._dp_reduction(mbs) as finish:
             handlers = {
-                S.ReduceGrads: lambda ins: self._reduce_grads(reduction, mbs),
+                S.ReduceGrads: lambda ins: self._reduce_grads(finish),
                 S.OptimizerStep: lambda ins: self._optimizer_step(len(batches)),
             }
             self.interpreter.run(
@@ -147,14 +185,17 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
             )
         return wholes(spec, mbs)
 
-    def _reduce_grads(self, reduction: contextlib.ExitStack, mbs) -> None:
-        """TP-replicated weights over the TP group, then DeepSpeed's data-parallel reduction."""
-        self.executor.reduce_replicated_grads(mbs[-1].index)
+    def _reduce_grads(self, finish) -> None:
+        """TP-replicated weights over the TP group, then (the rest of) DeepSpeed's data-parallel
+        reduction."""
         self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
-        reduction.close()
+        finish()
         self._is_gradient_accumulation_boundary = True
-        if self.zero_optimization_stage() == 0:
-            self.allreduce_gradients()
+        stats = self.executor.stats
+        if self._overlap is not None:
+            stats.dp_reduce_s, stats.dp_exposed_s = self._overlap.dp_reduce_s, self._overlap.dp_exposed_s
+        else:
+            stats.dp_reduce_s = stats.dp_exposed_s = self._overlap_off_s
 
     def _optimizer_step(self, num_microbatches: int) -> None:
         self.micro_steps += num_microbatches - 1

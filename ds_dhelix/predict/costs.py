@@ -6,7 +6,10 @@ op's time is the sum of its kernels'; a collective's is ``links.collective_ms`` 
 placement. A step adds, once: the all-reduce of TP-replicated weights' gradients (norms,
 embedding, head), the data-parallel gradient reduction (dense weights over DP x CP, experts over
 expert-data-parallel ranks; ZeRO-1/2's reduce-scatter and all-gather move as much) and the
-optimizer's memory-bound update, all after the step's last backward, as the engine runs them.
+optimizer's memory-bound update, after the step's last backward. On one stage the engine drives the
+data-parallel reduction during that backward (``overlap_grad_reduction``): ``overlap_dp_grads``
+launches each block's share of it as the block's backward ends (the TP-replicated weights' share
+last) on the link one after another, and only what runs past the backward's end counts.
 Plain data.
 """
 
@@ -96,13 +99,13 @@ def roofline_times(outline: ModelOutline, shape: ModelShape, layout: RunLayout, 
     for b, ops in enumerate(outline.blocks):
         ctx = block_context(shape, layout, outline, b)
         blocks.append(tuple(_op_time(hw, op, op_work(op.name, ctx), places, layout.dtype) for op in ops))
-    tail = step_tail(hw, shape, outline, layout, places)
+    tail, notes = overlap_dp_grads(step_tail(hw, shape, outline, layout, places), blocks, shape, outline, layout)
     p2p = (
         collective_ms(hw, places["pp"], "p2p", BlockContext(shape, layout).n_loc * shape.hidden * layout.bytes)
         if layout.dims.pp > 1
         else 0.0
     )
-    return StepTimes(tuple(blocks), tail, p2p, hw.assumptions.comm_slowdown, reacts=False)
+    return StepTimes(tuple(blocks), tail, p2p, hw.assumptions.comm_slowdown, reacts=False, notes=notes)
 
 
 def _op_time(hw: Hardware, op, work: OpWork, places: dict, dtype: str) -> OpTime:
@@ -181,3 +184,35 @@ def step_tail(hw: Hardware, shape: ModelShape, outline: ModelOutline, layout: Ru
         + (collective_ms(hw, edp, "all_reduce", p.experts * e) if p.experts else 0.0),
         "optimizer": update / (hw.gpu.memory_gbs * 1e9 * hw.assumptions.memory_efficiency) * 1e3,
     }
+
+
+def block_params(shape: ModelShape, outline: ModelOutline, layout: RunLayout) -> list[float]:
+    """Trained parameters of one rank by the block whose backward makes their gradients final
+    (``[pre, layers.., post]``; a tied head's matrix with the embedding), the TP-replicated ones
+    (reduced over TP after the backward) appended as one more entry."""
+    dims, h = layout.dims, shape.hidden
+    vocab = shape.vocab * h / dims.tp
+    out, replicated = [vocab], h  # the embedding; the final norm
+    for layer in range(shape.num_layers):
+        cut, rep, experts = _layer_params(shape, outline.blocks[layer + 1], dims.tp)
+        out.append(cut + experts / dims.ep)
+        replicated += rep
+    out.append(0.0 if shape.tied else vocab)
+    return [*out, replicated]
+
+
+def overlap_dp_grads(tail: dict, blocks, shape: ModelShape, outline: ModelOutline, layout: RunLayout):
+    """``tail`` with ``dp_grads`` cut to what the step waits for when the reduction runs during the
+    last backward (module docstring), and notes of the whole and the exposed part (ms); unchanged
+    (and no notes) for a pipeline or ``overlap_grad_reduction`` off."""
+    whole = tail.get("dp_grads", 0.0)
+    if layout.dims.pp > 1 or not layout.overlap_grad_reduction or not whole:
+        return tail, {}
+    params = block_params(shape, outline, layout)
+    total = sum(params) or 1.0
+    clock = done = 0.0  # the backward's clock; when the link is free
+    for b in reversed(range(len(blocks))):
+        clock += sum(o.bwd_ms + o.wgrad_ms for o in blocks[b])
+        done = max(done, clock) + whole * params[b] / total
+    exposed = done + whole * params[-1] / total - clock  # (done >= clock: the embedding's share starts at the end)
+    return {**tail, "dp_grads": exposed}, {"dp_grads_ms": {"whole": whole, "exposed": exposed}}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 
 from ..planning.planner import OverlapTable
-from .costs import OpTime, StepTimes, block_context, rank_params
+from .costs import OpTime, StepTimes, block_context, overlap_dp_grads, rank_params
 from .hardware import presets
 from .roofline import OpWork, op_work
 from .shapes import ModelOutline, ModelShape, RunLayout
@@ -178,7 +178,8 @@ def table_times(
         "unshaped_link_gbps": link.unshaped_bps * 8 / 1e9,
         "cpu_stream_gbs": CPU_STREAM_GBS,
     }
-    return StepTimes(tuple(blocks), cpu_tail(shape, outline, layout, link), 0.0, q / (1 - q), reacts=True, notes=notes)
+    tail, dp_notes = overlap_dp_grads(cpu_tail(shape, outline, layout, link), blocks, shape, outline, layout)
+    return StepTimes(tuple(blocks), tail, 0.0, q / (1 - q), reacts=True, notes={**notes, **dp_notes})
 
 
 def cpu_tail(shape: ModelShape, outline: ModelOutline, layout: RunLayout, link: _Link) -> dict:

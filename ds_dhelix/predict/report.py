@@ -127,10 +127,12 @@ def per_step(st: StepTimes, layout: RunLayout, shape: ModelShape) -> dict:
         chunks = chunk_blocks(shape.num_layers, layout.dims.pp)
         blocks = chunks[(0, 0)] + chunks[(0, 1)]
     comp, comm = st.compute_ms(blocks) * layout.micro_batches, st.comm_ms(blocks) * layout.micro_batches
+    dp = st.notes.get("dp_grads_ms")  # the data-parallel reduction during the last backward
     return {
         "compute_s": comp / 1e3,
         "comm_s": comm / 1e3,
         "tail_s": {k: v / 1e3 for k, v in st.tail.items()},
+        "dp_grads_whole_s": (dp["whole"] if dp else st.tail.get("dp_grads", 0.0)) / 1e3,
         "ideal_speedup": (comp + comm) / max(comp, comm) if max(comp, comm) else 1.0,
     }
 

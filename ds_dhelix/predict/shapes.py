@@ -7,6 +7,7 @@ Plain data: ``model_shape`` reads a config's attributes and imports nothing of t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config.dims import ParallelDims
@@ -149,6 +150,7 @@ class RunLayout:
     micro_batches: int
     dtype: str = "bf16"
     zero_stage: int = 0
+    overlap_grad_reduction: bool = True  # the data-parallel reduction during the last backward (one stage)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -172,4 +174,4 @@ class RunLayout:
 
     def with_micro_batch(self, size: int) -> RunLayout:
         """The same run with ``size`` sequences per micro-batch (intra's halves)."""
-        return RunLayout(self.dims, self.seq_len, size, self.micro_batches, self.dtype, self.zero_stage)
+        return dataclasses.replace(self, micro_batch_size=size)

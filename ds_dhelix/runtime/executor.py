@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -119,6 +120,10 @@ class Executor(Collectives):
         self._stream = _UNKNOWN  # the compute stream (CUDA), None on CPU: from the first op's input
         self._device_events: list = []  # this step's ``comm.DeviceEvents`` (CUDA)
         self._op_bytes: dict = {}  # (block, op index) -> bytes its forward saves (the meter's, largest seen)
+        # called with each backward task once its op's gradients for that micro-batch are all in
+        # (after its deferred weight-gradient pass, if any): the data-parallel reduction's cue
+        self.grads_done: Callable[[Task], None] | None = None
+        self.weights_version = 0  # bumped whenever an op's known parameters grow (``weights_of``)
         self._budget: float | None = None  # live activation bytes SI pairs stay within (``within_budget``)
 
     @property
@@ -170,6 +175,10 @@ class Executor(Collectives):
     def weights_of(self, t: Task) -> OpWeights:
         """The parameters ``t``'s op adds to (known after its first forward)."""
         return self._op_weights.get((t.block, t.op_index), NO_WEIGHTS)
+
+    def op_params(self, key: tuple[int, int]) -> tuple:
+        """The parameters op ``key`` = (block, op index) adds to, as far as its forwards showed."""
+        return self._op_weights.get(key, NO_WEIGHTS).params
 
     # ------------------------------------------------------------------ the round policy's host
     def deferred(self) -> tuple[int, float]:
@@ -259,8 +268,9 @@ class Executor(Collectives):
             # a grouped GEMM) keep a second pass for their part (``_comp_backward``)
             self._weighed[way] = in_graph.params if in_graph.deferrable else ()
             routed = linears.params if linears is not None else ()
-            known = with_params(op, self._op_weights.get(key, NO_WEIGHTS), in_graph.params)
-            self._op_weights[key] = with_params(op, known, routed)
+            before = self._op_weights.get(key, NO_WEIGHTS)
+            self._op_weights[key] = with_params(op, with_params(op, before, in_graph.params), routed)
+            self.weights_version += len(self._op_weights[key].params) != len(before.params)
         mb.saved[key] = (leaves, outs, self._weighed[way])
         for name, out in zip(op.outputs, outs):
             mb.env[name] = out.detach()
@@ -275,7 +285,7 @@ class Executor(Collectives):
             mb.side["recomputing"] = False
             del saved
         leaves, outs, in_graph = mb.saved.pop((t.block, t.op_index))
-        tensors, grads = [], []
+        tensors, grads, deferred = [], [], False
         for key, out in zip(op.outputs, outs):
             g = mb.grads.pop(key, None)
             if g is not None and out.requires_grad:
@@ -295,8 +305,11 @@ class Executor(Collectives):
                         run_backward(tensors, grads)
                 if pending or need:
                     self._deferred.add(t, (pending, (tensors, grads, in_graph) if need else None), weights)
+                    deferred = True  # its gradients are in once the pass has run (``run_deferred``)
             else:
                 run_backward(tensors, grads)
+        if not deferred and self.grads_done is not None:
+            self.grads_done(t)
         for key, leaf in zip(op.inputs, leaves):
             if leaf.grad is not None:
                 accumulate(mb.grads, key, leaf.grad)
@@ -318,6 +331,8 @@ class Executor(Collectives):
             t1 = time.perf_counter()
         self.stats.compute_s += t1 - t0
         self.stats.num_deferred += 1
+        if self.grads_done is not None:
+            self.grads_done(t)
         if self.recorder is not None:
             self.recorder.add_span("compute", f"{t.op.name}.wgrad", t0, t1, self._args(t))
         return True

@@ -26,6 +26,10 @@ class StepStats:
     # run out of work: the host was behind; ``starved_share``)
     launches: int = 0
     idle_launches: int = 0
+    # the data-parallel gradient reduction (DeepSpeed's, ``engine/grad_reduction.py``): its time,
+    # and the part of it the step waited for after the last backward (all of it when not overlapped)
+    dp_reduce_s: float = 0.0
+    dp_exposed_s: float = 0.0
 
     @property
     def starved_share(self) -> float | None:
