@@ -63,6 +63,7 @@ CASES = {
     "zero1-bf16": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 1, "dtype": "bf16"}),
     "zero2": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 2}),
     "zero0-fp16": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 0, "dtype": "fp16"}),
+    "zero1-fp16": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 1, "dtype": "fp16"}),
     "moe-ep2-zero1": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}),
     "moe-ep1-zero0": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 1, "zero_stage": 0}),
     "lora-zero2": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 2, "lora": LORA}),

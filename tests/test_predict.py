@@ -473,3 +473,42 @@ def test_cpu_times_come_from_the_table():
     table.meta["link_gbps"] = 2.0
     with pytest.raises(ValueError, match="profile unshaped"):
         table_times(table, outline, shape, layout, 1.0)
+
+
+def test_dp_reduction_during_the_last_backward_against_after_it(capsys):
+    """The data-parallel reduction run during the last backward (the engine's default) waits only
+    for what outlasts the backward; ``--dp-end`` keeps it whole after it. By hand: each block's
+    share starts as its backward ends, one after another; the embedding's and the replicated
+    weights' shares after the backward's end."""
+    from hf_models.outline import config_of, model_outline
+
+    from ds_dhelix.predict.costs import block_params, overlap_dp_grads
+
+    argv = ["--model", "tiny-llama", "--tp", "2", "--dp", "4", "--seq-len", "128", "--hardware", "A40", "--json"]
+    runs = {}
+    for flags in ((), ("--dp-end",)):
+        code, out, _ = _predict(capsys, *argv, *flags)
+        assert code == 0
+        runs[flags] = json.loads(out)
+    during, after = runs[()], runs[("--dp-end",)]
+    whole = after["per_step"]["tail_s"]["dp_grads"]
+    assert during["per_step"]["dp_grads_whole_s"] == pytest.approx(whole) and whole > 0
+    exposed = during["per_step"]["tail_s"]["dp_grads"]
+    assert 0 < exposed < whole
+    for mode, row in during["modes"].items():  # the steps differ by exactly the hidden part
+        gap = after["modes"][mode]["step_time_s"] - row["step_time_s"]
+        assert gap == pytest.approx(whole - exposed)
+    assert during["layout"]["overlap_grad_reduction"] and not after["layout"]["overlap_grad_reduction"]
+
+    config = config_of("tiny-llama")
+    layout = RunLayout(ParallelDims(8, tp=2), seq_len=128, micro_batch_size=1, micro_batches=4)
+    outline, shape = model_outline(config, layout.dims), model_shape(config)
+    params = block_params(shape, outline, layout)
+    blocks = [(OpTime("x", False, 0.0, 1.0),)] * len(outline.blocks)  # 1 ms of backward per block
+    tail, notes = overlap_dp_grads({"dp_grads": 100.0}, blocks, shape, outline, layout)
+    clock = done = 0.0
+    for b in reversed(range(len(blocks))):
+        clock += 1.0
+        done = max(done, clock) + 100.0 * params[b] / sum(params)
+    assert tail["dp_grads"] == pytest.approx(done + 100.0 * params[-1] / sum(params) - clock)
+    assert notes["dp_grads_ms"]["whole"] == 100.0

@@ -147,6 +147,11 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
 
             yield finish
 
+    def destroy(self):
+        if self._overlap is not None:
+            self._overlap.lane.close()
+        super().destroy()
+
     def _warn_few_once(self, num_microbatches: int) -> None:
         if self.dhelix.schedule in ("si", "auto") and not self._warned_few:
             hint = few_microbatches_hint(num_microbatches, self.dhelix.pair_ends)

@@ -63,7 +63,10 @@ class Lane:
 
     def _run(self) -> None:
         while True:
-            fn, event = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, event = item
             t0 = time.perf_counter()
             try:
                 if self._error is None:
@@ -92,6 +95,10 @@ class Lane:
 
     def reset(self) -> None:
         self.busy_s = 0.0
+
+    def close(self) -> None:
+        """End the thread once the work handed to it is done."""
+        self._queue.put(None)
 
 
 class ZeroReducer:

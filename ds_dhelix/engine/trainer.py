@@ -304,6 +304,9 @@ class DhelixTrainer(Trainer):
             }
             if stats.starved_share is not None:  # CUDA: compute ops that found the GPU idle at launch
                 logs["dhelix/starved_launch_fraction"] = stats.starved_share
+            if self._engine.dp_world_size > 1 and hasattr(self._engine, "overlaps_grad_reduction"):  # DP reduction
+                logs["dhelix/dp_reduce_ms"] = stats.dp_reduce_s * 1e3
+                logs["dhelix/dp_exposed_ms"] = stats.dp_exposed_s * 1e3
             auto = getattr(self._engine, "auto", None)
             if auto is not None:  # "schedule": "auto": the logged step's schedule, its index in auto.candidates
                 logs["dhelix/auto_schedule"] = float(auto.candidates.index(self._engine.current_schedule))
