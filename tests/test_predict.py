@@ -480,9 +480,8 @@ def test_dp_reduction_during_the_last_backward_against_after_it(capsys):
     for what outlasts the backward; ``--dp-end`` keeps it whole after it. By hand: each block's
     share starts as its backward ends, one after another; the embedding's and the replicated
     weights' shares after the backward's end."""
-    from hf_models.outline import config_of, model_outline
-
     from ds_dhelix.predict.costs import block_params, overlap_dp_grads
+    from hf_models.outline import config_of, model_outline
 
     argv = ["--model", "tiny-llama", "--tp", "2", "--dp", "4", "--seq-len", "128", "--hardware", "A40", "--json"]
     runs = {}
