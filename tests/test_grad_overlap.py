@@ -117,3 +117,23 @@ def test_bucket_default_is_one_layer_unless_the_config_sets_it():
     cfg = {}
     default_reduce_bucket(cfg, DhelixConfig(enabled=True, overlap_grad_reduction=False), model, 4)
     assert cfg == {}
+
+
+def test_the_summary_reports_the_reduction_and_what_waited():
+    from ds_dhelix.runtime.stats import StepStats
+    from ds_dhelix.training.summary import _schedule_figures
+
+    steps = [StepStats(dp_reduce_s=0.5, dp_exposed_s=0.4), StepStats(dp_reduce_s=0.2, dp_exposed_s=0.05)]
+    figures, line = _schedule_figures(steps, "si")  # (the first step left out)
+    assert figures["dp_reduce_ms_per_step"] == pytest.approx(200) and figures[
+        "dp_exposed_ms_per_step"
+    ] == pytest.approx(50)
+    assert (
+        line
+        == "; schedule si: no collective inside the step's ops; data-parallel reduction 200 ms/step, 50 ms after the backward"
+    )
+    steps = [StepStats(comm_s=1.0, exposed_s=0.25, dp_reduce_s=0.2, dp_exposed_s=0.05)]
+    assert _schedule_figures(steps, "si")[1].endswith(
+        "(250 ms exposed); data-parallel reduction 200 ms/step, 50 ms after the backward"
+    )
+    assert "data-parallel" not in _schedule_figures([StepStats(comm_s=1.0, exposed_s=0.25)], "si")[1]

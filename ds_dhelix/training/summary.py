@@ -147,11 +147,18 @@ def _schedule_figures(stats: list, schedule: str) -> tuple[dict, str]:
     launches = sum(s.launches for s in kept)
     if launches:  # CUDA: a host-bound step launches onto an idle GPU (exposure then says little)
         figures["starved_launch_fraction"] = sum(s.idle_launches for s in kept) / launches
+    dp, dp_exposed = sum(s.dp_reduce_s for s in kept), sum(s.dp_exposed_s for s in kept)
+    tail = ""
+    if dp > 0:  # the data-parallel gradient reduction (one-stage engines)
+        figures.update(dp_reduce_ms_per_step=dp / n * 1e3, dp_exposed_ms_per_step=dp_exposed / n * 1e3)
+        tail = f"; data-parallel reduction {dp / n * 1e3:.0f} ms/step, {dp_exposed / n * 1e3:.0f} ms after the backward"
     if comm > 0:
         return figures, (
             f"; schedule {schedule}: communication {comm / n * 1e3:.0f} ms/step, "
-            f"{frac:.0%} hidden ({exposed / n * 1e3:.0f} ms exposed)"
+            f"{frac:.0%} hidden ({exposed / n * 1e3:.0f} ms exposed){tail}"
         )
+    if dp > 0 and not exposed:  # nothing in the op graph to hide
+        return figures, f"; schedule {schedule}: no collective inside the step's ops{tail}"
     # pipeline transfers only: no collective to hide inside a stage
     return figures, f"; schedule {schedule}: {exposed / n * 1e3:.0f} ms/step waiting on transfers"
 
