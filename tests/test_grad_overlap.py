@@ -4,8 +4,9 @@ overlapped = after   the same DeepSpeed engine trained 2 steps with ``overlap_gr
                      (SI) and off (sequential, the whole reduction after the last backward): losses
                      and every trained parameter bitwise equal on each rank (2 data-parallel ranks:
                      each sum has two terms, so other buckets cannot change it) for ZeRO 0 / 1 / 2,
-                     bf16 and fp16, an MoE model with EP=2 and with EP=1, and LoRA; every parameter
-                     of the order was handed on before the step's ``ReduceGrads``
+                     bf16 and fp16, an MoE model with EP=2 and with EP=1, and LoRA; the first step
+                     reduces at the end, the second hands every parameter of the order on before
+                     its ``ReduceGrads``; after a failed step the engine refuses to go on
 the order            the parameters in the order a backward finalises them, TP-replicated ones left out
 the bucket default   one layer's parameters when the ds_config leaves ``reduce_bucket_size`` out
 """
@@ -39,11 +40,21 @@ def _run(opts, schedule: str, overlap: bool):
     cfg["dhelix"]["overlap_grad_reduction"] = overlap
     engine, *_ = ds_dhelix.initialize(model=build(opts), config=cfg)
     assert engine.overlaps_grad_reduction == overlap
-    losses = [float(engine.train_batch(iter(step))) for step in make_batches(opts, 2048)[: opts.steps]]
+    losses, firsts = [], []
+    for step in make_batches(opts, 2048)[: opts.steps]:
+        losses.append(float(engine.train_batch(iter(step))))
+        firsts.append(engine._overlap.handed_early if overlap else None)
     params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
     stats = engine.last_stats
-    early = (engine._overlap.handed_early, len(engine._overlap.order)) if overlap else None
+    early = (firsts[0], engine._overlap.handed_early, len(engine._overlap.order)) if overlap else None
     bucket = engine.zero_reduce_bucket_size()
+    if overlap:  # a step that failed mid-reduction: the engine refuses to go on
+        engine._overlap.abort()
+        try:
+            engine.train_batch(iter(make_batches(opts, 2048)[0]))
+            raise AssertionError("a step ran after a failed reduction")
+        except RuntimeError as err:
+            assert "resume from the last checkpoint" in str(err)
     engine.destroy()
     return losses, params, early, (stats.dp_reduce_s, stats.dp_exposed_s), bucket
 
@@ -76,13 +87,14 @@ def test_overlapped_reduction_equals_the_reduction_after_the_backward():
     for rank, out in enumerate(results):
         for name, (after, overlapped) in out.items():
             losses, params, _, (reduce_s, exposed_s), bucket = after
-            o_losses, o_params, (early, order), (o_reduce_s, o_exposed_s), o_bucket = overlapped
+            o_losses, o_params, (first, early, order), (o_reduce_s, o_exposed_s), o_bucket = overlapped
             where = f"{name}, rank {rank}"
             assert losses == o_losses, (where, losses, o_losses)
             assert params.keys() == o_params.keys()
             for n in params:
                 assert torch.equal(params[n], o_params[n]), (where, n, (params[n] - o_params[n]).abs().max())
-            assert order > 0 and early == order, (where, early, order)  # all handed on during the backward
+            assert first == 0, where  # the first step knows no order yet: all reduced at the end
+            assert order > 0 and early == order, (where, early, order)  # then all handed on during the backward
             assert reduce_s == exposed_s > 0, where  # after the backward: all of it waited for
             assert 0 < o_exposed_s and o_reduce_s > 0, where
             assert o_bucket < bucket == 5e8, where  # overlapped: one layer's parameters (the ds_config leaves it out)

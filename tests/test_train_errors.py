@@ -277,6 +277,15 @@ CASES = [
         ["zero_optimization.stage = 3", "supported stages are [0, 1, 2]"],
     ),
     (
+        "grad-accum-dtype",
+        2,
+        lambda t: [
+            "--deepspeed",
+            _config(t, lambda c: c.update(data_types={"grad_accum_dtype": "fp32"}, fp16={"enabled": True})),
+        ],
+        ["data_types.grad_accum_dtype = 'fp32' with fp16 training", 'remove "grad_accum_dtype"'],
+    ),
+    (
         "zero-2-with-pipeline",
         2,
         lambda t: ["--deepspeed", _config(t, _set("zero_optimization", {"stage": 2}), base=PP)],

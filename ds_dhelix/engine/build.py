@@ -183,12 +183,32 @@ def _check_zero(ds_config: dict, dh, client_optimizer: bool) -> None:
             f"that the op graph never calls, so the ops would see empty partitions; use stage "
             f"2 (gradients and optimizer state partitioned) or 1"
         )
+    _check_grad_accum_dtype(ds_config, stage)
     if stage >= 1 and "optimizer" not in ds_config and not client_optimizer:
         raise ValueError(
             f"zero_optimization.stage = {stage} partitions the optimizer state but the ds_config "
             f'has no "optimizer" section; add one (e.g. {{"type": "AdamW", "params": '
             f'{{"lr": 1e-4}}}}) or pass optimizer= to ds_dhelix.initialize'
         )
+
+
+def _check_grad_accum_dtype(ds_config: dict, stage: int) -> None:
+    """``data_types.grad_accum_dtype`` other than the training dtype: the op graph accumulates each
+    micro-batch's gradient into ``.grad``, in the parameters' dtype, and DeepSpeed reduces once per
+    step, so its separate accumulation never runs (at ZeRO-1 with fp16 it would see no gradient
+    and train nothing, with bf16 it takes its BF16_Optimizer, at ZeRO-0 it refuses the mix).
+    Refused, naming the fix."""
+    accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
+    half = next((k for k in ("bf16", "fp16") if (ds_config.get(k) or {}).get("enabled")), None)
+    names = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
+    if accum is None or names.get(str(accum).lower(), accum) == (half or "fp32"):
+        return
+    raise ValueError(
+        f"data_types.grad_accum_dtype = {accum!r} with {half or 'fp32'} training (zero_optimization.stage = "
+        f"{stage}): ds_dhelix accumulates each micro-batch's gradient in the parameters' dtype and DeepSpeed "
+        f"reduces it once per step, so a separate accumulation dtype is not honoured; remove "
+        f'"grad_accum_dtype" (fp32 training accumulates in fp32)'
+    )
 
 
 def _check_pipeline(dh, ds_config: dict, dims: ParallelDims, batch: BatchSizes, num_layers: int) -> LayerFold:

@@ -8,15 +8,19 @@ the last backward runs:
 - **Order.** The trained parameters in the order their gradients become final in a backward: by
   the first op (forward order) that adds to them, the last such op first; inside one op, the
   module's parameter order. TP-replicated weights (summed over the TP group first) are left to the
-  end. The order is the op graph's, not the schedule's, so every schedule makes the same calls in
-  the same order: SI stays bitwise sequential.
+  end. The order is the op graph's as the steps before showed it (the first step has none: all
+  its gradients are reduced at the end), not the schedule's, so every schedule makes the same
+  calls in the same order: SI stays bitwise sequential.
 - **Cue.** The executor calls ``grads_done(task)`` when a backward op's gradients for one
   micro-batch are in (after its deferred weight-gradient pass). When an op has done so for every
   micro-batch of the step, its parameters are final; the longest final prefix of the order is
-  handed on.
-- **Lane.** One helper thread runs the handed reductions in order. gloo's collectives block the
-  thread that calls them, so the backward goes on meanwhile; on CUDA the thread launches on its
-  own stream after an event recorded where the parameters became final.
+  handed on (an op that shows new parameters during the step stops that: the rest waits for
+  the end, in the same order).
+- **Lane.** gloo's collectives block the thread that calls them, so on CPU one helper thread runs
+  the handed reductions in order while the backward goes on. On CUDA they run at once on the main
+  thread, on a side stream that waits for the compute stream (NCCL returns at once; one launching
+  thread keeps every rank's order of DP and TP / EP collectives the same); the gradients DeepSpeed
+  moves into its buckets are kept alive until the compute stream has waited for the side stream.
 - **DeepSpeed does the reducing.** ZeRO 1/2: ``reduce_ready_partitions_and_remove_grads`` per
   parameter (its buckets of ``zero_optimization.reduce_bucket_size`` elements, reduced as they
   fill; the rest in its epilogue). ZeRO 0: its all-reduce of a bucket (``_reduce_non_expert_gradients``
@@ -37,45 +41,33 @@ import torch
 
 
 class Lane:
-    """One daemon thread running submitted calls in order (``drain`` waits for them). ``busy_s``:
-    seconds spent in them since the last ``reset``. An error is raised again by ``drain``."""
+    """gloo (CPU): one daemon thread running submitted calls in order (``drain`` waits for them);
+    its collectives block it, not the backward. ``busy_s``: seconds spent in them since the last
+    ``reset``. An error is raised again by ``drain``; after one, later calls are dropped."""
 
     def __init__(self, name: str = "ds_dhelix-dp-reduce"):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
-        self._stream = None  # CUDA: the lane's own stream
         self.busy_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], None], device: torch.device | None = None) -> None:
-        event = None
-        if device is not None and device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device)
+    def submit(self, fn: Callable[[], None]) -> None:
         with self._idle:
             self._pending += 1
-        self._queue.put((fn, event))
+        self._queue.put(fn)
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            fn = self._queue.get()
+            if fn is None:
                 return
-            fn, event = item
             t0 = time.perf_counter()
             try:
                 if self._error is None:
-                    if event is not None:
-                        with torch.cuda.stream(self._stream):
-                            self._stream.wait_event(event)
-                            fn()
-                    else:
-                        fn()
+                    fn()
             except BaseException as err:  # handed to the main thread by drain()
                 self._error = err
             finally:
@@ -87,8 +79,6 @@ class Lane:
     def drain(self) -> None:
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
-        if self._stream is not None:  # the compute stream goes on after the lane's work
-            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         if self._error is not None:
             err, self._error = self._error, None
             raise err
@@ -101,6 +91,33 @@ class Lane:
         self._queue.put(None)
 
 
+class StreamLane:
+    """CUDA: the calls run at once on the calling (main) thread, on a side stream that first waits
+    for the compute stream (NCCL returns at once, so nothing blocks; launching from one thread keeps
+    every rank's order of DP and TP / EP collectives the same, which NCCL needs across
+    communicators). ``drain`` makes the compute stream wait for the side stream."""
+
+    def __init__(self, device: torch.device):
+        self.device, self._stream = device, torch.cuda.Stream(device)
+        self.busy_s = 0.0
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            fn()
+        self.busy_s += time.perf_counter() - t0
+
+    def drain(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def reset(self) -> None:
+        self.busy_s = 0.0
+
+    def close(self) -> None:
+        pass
+
+
 class ZeroReducer:
     """ZeRO 1/2: DeepSpeed's partitioned reduction, parameter by parameter (``reduce_ready_
     partitions_and_remove_grads``); between ``open`` and ``close`` its hooks stay off, as inside
@@ -111,6 +128,7 @@ class ZeroReducer:
         self.group_of = {id(p): i for i, group in enumerate(self.opt.bit16_groups) for p in group}
         self.params = [p for group in self.opt.bit16_groups for p in group if p.requires_grad]
         self._saved_boundary = None
+        self._kept: list = []
 
     def open(self) -> None:
         self._saved_boundary = self.engine._is_gradient_accumulation_boundary
@@ -129,18 +147,24 @@ class ZeroReducer:
 
     def add(self, params) -> None:
         for p in params:
-            if self.opt.get_gradient_for_reduction(p) is not None:
-                self.opt.reduce_ready_partitions_and_remove_grads(p, self.group_of[id(p)])
+            g = self.opt.get_gradient_for_reduction(p)
+            if g is None:
+                continue
+            if g.is_cuda:  # DeepSpeed re-points .grad into its bucket, freeing the memory the compute
+                self._kept.append(g.detach())  # stream made; kept until that stream waited for ours
+            self.opt.reduce_ready_partitions_and_remove_grads(p, self.group_of[id(p)])
 
     def close(self) -> None:
         self.opt._coalesce_grad_reduction = False
         self.engine.inside_no_sync_ctxt = False
         self.opt.overlapping_partition_gradients_reduce_epilogue()
         self.engine._is_gradient_accumulation_boundary = self._saved_boundary
+        self._kept = []
 
     def abort(self) -> None:
         self.opt._coalesce_grad_reduction = False
         self.engine.inside_no_sync_ctxt = False
+        self.engine._is_gradient_accumulation_boundary = self._saved_boundary
 
 
 class PlainReducer:
@@ -213,16 +237,17 @@ def reduction_order(executor, params) -> list:
 
 class OverlappedReduction:
     """The step's data-parallel reduction driven from the executor's ``grads_done`` cue (module
-    docstring). ``step(m)`` is the context of one step of ``m`` micro-batches; ``finish()`` runs at
-    its ``ReduceGrads``."""
+    docstring): ``begin(m)`` for a step of ``m`` micro-batches, ``finish()`` at its ``ReduceGrads``,
+    ``abort()`` when it failed."""
 
     def __init__(self, engine, executor):
         self.engine, self.executor = engine, executor
         stage = engine.zero_optimization_stage()
         bucket = engine.zero_reduce_bucket_size()
         self.reducer = ZeroReducer(engine) if stage >= 1 else PlainReducer(engine, bucket)
-        self.lane = Lane()
         self.device = next((p.device for p in self.reducer.params), torch.device("cpu"))
+        self.lane = StreamLane(self.device) if self.device.type == "cuda" else Lane()
+        self.failed = False  # a step failed mid-reduction: DeepSpeed's reduction state is lost
         self._version = None
         self._order: list = []
         self._ops_of: dict = {}  # op key -> ids of its parameters in the order
@@ -253,9 +278,19 @@ class OverlappedReduction:
 
     # ------------------------------------------------------------------ one step
     def begin(self, num_microbatches: int) -> None:
+        if self.failed:
+            raise RuntimeError(
+                "ds_dhelix: an earlier step failed while its data-parallel gradient reduction was in "
+                "flight, so this engine's reduction state is lost; build the engine again and resume "
+                "from the last checkpoint"
+            )
         self._m = num_microbatches
         self._done: dict = {}  # op key -> micro-batches whose backward gradients are in
-        self._waiting: dict | None = None  # id(param) -> ops not final yet (from the first final op)
+        # the order from the steps before this one (the first step: none, all reduced at the end);
+        # an op that shows new parameters during the step stops the handing on (``grads_done``)
+        self._refresh()
+        self._begin_version = self.executor.weights_version
+        self._waiting = dict(self._users)  # id(param) -> ops whose gradients are not final yet
         self._cursor = 0
         self._started = False
         self.lane.reset()
@@ -266,11 +301,8 @@ class OverlappedReduction:
         key = (t.block, t.op_index)
         n = self._done.get(key, 0) + 1
         self._done[key] = n
-        if n < self._m:
-            return
-        if self._waiting is None:  # every forward of the step has run: the ops' weights are known
-            self._refresh()
-            self._waiting = dict(self._users)
+        if n < self._m or self.executor.weights_version != self._begin_version:
+            return  # (new parameters: one may have a user the order does not count; the rest waits)
         for pid in self._ops_of.get(key, ()):
             self._waiting[pid] -= 1
         self._hand_on()
@@ -285,7 +317,7 @@ class OverlappedReduction:
             self.reducer.start()
             self._started = True
         ready = order[start : self._cursor]
-        self.lane.submit(lambda: self.reducer.add(ready), self.device)
+        self.lane.submit(lambda: self.reducer.add(ready))
 
     def finish(self, reduce_replicated: Callable[[], None]) -> None:
         """The rest of the reduction, after the last backward: TP-replicated gradients over the TP
@@ -297,8 +329,6 @@ class OverlappedReduction:
         self.lane.drain()
         if not self._started:
             self.reducer.start()
-        if self._waiting is None:
-            self._refresh()
         ordered = {id(p) for p in self._order}
         left = self._order[self._cursor :] + [p for p in self.reducer.params if id(p) not in ordered]
         t1 = time.perf_counter()
@@ -309,6 +339,8 @@ class OverlappedReduction:
         self.dp_exposed_s = t2 - t0
 
     def abort(self) -> None:
-        """A step that failed: the cue off, DeepSpeed's flags back (the lane's work is abandoned)."""
+        """A step that failed: the cue off, DeepSpeed's flags back; the lane's work is abandoned (a
+        collective it waits on may never complete) and the engine refuses further steps."""
         self.executor.grads_done = None
         self.reducer.abort()
+        self.failed = True
