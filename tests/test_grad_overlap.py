@@ -4,7 +4,8 @@ overlapped = after   the same DeepSpeed engine trained 2 steps with ``overlap_gr
                      (SI) and off (sequential, the whole reduction after the last backward): losses
                      and every trained parameter bitwise equal on each rank (2 data-parallel ranks:
                      each sum has two terms, so other buckets cannot change it) for ZeRO 0 / 1 / 2,
-                     bf16 and fp16, an MoE model with EP=2 and with EP=1, and LoRA; the first step
+                     bf16 and fp16, an MoE model with EP=2 and with EP=1, LoRA, and the last two
+                     backwards paired (pair_ends) with full recompute; the first step
                      reduces at the end, the second hands every parameter of the order on before
                      its ``ReduceGrads``; after a failed step the engine refuses to go on
 the order            the parameters in the order a backward finalises them, TP-replicated ones left out
@@ -25,10 +26,9 @@ def _opts(model: str, layout: dict):
     from ds_dhelix.verify import ParityOptions
 
     layout = dict(layout)
-    ep = layout.pop("ep", 0)
+    ep, extra = layout.pop("ep", 0), layout.pop("extra", {})
     opts = ParityOptions(model=model, steps=2, seq_len=16, num_layers=2, micro_batches=2, **layout)
-    if ep:
-        opts.extra = {"expert_parallel": {"size": ep, "capacity_factor": None}}
+    opts.extra = {**extra, **({"expert_parallel": {"size": ep, "capacity_factor": None}} if ep else {})}
     return opts
 
 
@@ -38,6 +38,8 @@ def _run(opts, schedule: str, overlap: bool):
 
     cfg = opts.ds_config(schedule)
     cfg["dhelix"]["overlap_grad_reduction"] = overlap
+    if schedule == "sequential":
+        cfg["dhelix"].pop("pair_ends", None)  # (an SI setting)
     engine, *_ = ds_dhelix.initialize(model=build(opts), config=cfg)
     assert engine.overlaps_grad_reduction == overlap
     losses, firsts = [], []
@@ -73,6 +75,10 @@ CASES = {
     "zero0": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 0}),
     "zero1-bf16": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 1, "dtype": "bf16"}),
     "zero2": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 2}),
+    "zero1-pair-ends-recompute": (  # the last two backwards paired; layers recomputed in the backward
+        "tiny-llama",
+        {"tp": 1, "dp": 2, "zero_stage": 1, "extra": {"pair_ends": True, "recompute": "full"}},
+    ),
     "zero0-fp16": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 0, "dtype": "fp16"}),
     "zero1-fp16": ("tiny-llama", {"tp": 1, "dp": 2, "zero_stage": 1, "dtype": "fp16"}),
     "moe-ep2-zero1": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}),
