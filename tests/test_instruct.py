@@ -299,6 +299,7 @@ def _scalars(tb_dir, tag):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # (resume is covered by test_long_job in the main tier: the CI budget)
 def test_chat_run_evaluates_and_si_equals_sequential_across_a_resume(tmp_path, tokenizer):
     """20 steps on a chat file, TP=2, --eval-interval 5: sequential straight through; SI stopped
     inside its second epoch and resumed. Losses and eval losses bitwise equal; Eval/loss at

@@ -157,7 +157,14 @@ def _summary(path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["llama-tp2-si", "phimoe-ep2-si", "llama-pp2-w"])
+@pytest.mark.parametrize(  # (the EP and PP layouts in the extended tier: the CI budget)
+    "layout",
+    [
+        "llama-tp2-si",
+        pytest.param("phimoe-ep2-si", marks=pytest.mark.extended),
+        pytest.param("llama-pp2-w", marks=pytest.mark.extended),
+    ],
+)
 def test_train_from_a_checkpoint_dir_equals_the_preset_run(tmp_path, layout, straight_run):
     """train.py on a saved checkpoint directory (each rank reads its TP / EP / stage shards) trains
     bitwise like the preset it was saved from (the shared straight run of ``conftest.straight_run``),

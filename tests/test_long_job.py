@@ -96,9 +96,14 @@ def _summary(path) -> dict:
 TOTAL, STOP = 20, 10  # the resumed half runs in the cosine decay, after the configs' 10 warm-up steps
 
 
+EXTENDED_LAYOUTS = ("llama-cp2-si", "phimoe-ep2-si")  # (in the extended tier: the CI budget)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=pytest.mark.extended) if k in EXTENDED_LAYOUTS else k for k in sorted(LAYOUTS)]
+)
 def test_stop_and_resume_equals_a_straight_run(tmp_path, layout, straight_run):
     """llama-tp2-si leaves after step 10 (--stop-after) and resumes with --resume auto; the other
     layouts resume from the straight run's own step-10 checkpoint (--save-interval): the same

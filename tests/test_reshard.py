@@ -275,6 +275,7 @@ def _close(resumed: list[float], straight: list[float]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # (the in-process cases above cover the mechanism in the main tier: the CI budget)
 @pytest.mark.timeout(900)
 def test_tp2_then_dp2_then_one_rank_continues_the_run(tmp_path):
     ck = str(tmp_path / "ck")
