@@ -112,9 +112,8 @@ class DhelixRunner(_Settling):
             "loss": float(loss),
             "num_comms": s.num_comms,
             "peak_activation_bytes": s.peak_activation_bytes,
-            # the data-parallel gradient reduction (DP > 1): its time, and what the step waited for
-            "dp_reduce_s": s.dp_reduce_s if self.engine.dp_world_size > 1 else None,
-            "dp_exposed_s": s.dp_exposed_s if self.engine.dp_world_size > 1 else None,
+            "dp_reduce_s": s.dp_reduce_s,  # (None with one data-parallel rank)
+            "dp_exposed_s": s.dp_exposed_s,
         }
 
     def close(self) -> None:

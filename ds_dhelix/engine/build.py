@@ -488,10 +488,12 @@ def _warn_ignored_by_pipeline(ds_config: dict, setup: Setup) -> None:
     harmless there but do nothing; say so once."""
     section = ds_config.get("dhelix") or {}
     given = [k for k in ("si_execution", "defer_weight_grads", "react_to_completions") if k in section]
+    given += ["overlap_grad_reduction"] if section.get("overlap_grad_reduction") is True else []
     if setup.dims.pp > 1 and given and dist.get_rank() == 0:
         logger.warning(
             f"ds_dhelix: dhelix.{' and dhelix.'.join(given)} have no effect with a pipeline: every "
-            f"forward/backward pair runs by the SI plan's rounds (the default plan)"
+            f"forward/backward pair runs by the SI plan's rounds (the default plan), and the data-parallel "
+            f"reduction runs after the last backward"
         )
     if (
         section.get("react_to_completions") is True

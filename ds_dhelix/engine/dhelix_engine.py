@@ -77,7 +77,6 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         self.interpreter = Interpreter(self.executor)
         self._warned_few = False
         self._overlap = self._make_overlap()
-        self._overlap_off_s = 0.0
 
     def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """Write an HF checkpoint (shards gathered) from global rank 0; collective on all ranks."""
@@ -121,7 +120,8 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
 
     @contextlib.contextmanager
     def _dp_reduction(self, mbs):
-        """The step's data-parallel reduction; yields what ``ReduceGrads`` calls to finish it."""
+        """The step's data-parallel reduction; yields what ``ReduceGrads`` calls to finish it (it
+        returns the reduction's seconds and the part the step waited for)."""
         replicated = lambda: self.executor.reduce_replicated_grads(mbs[-1].index)  # noqa: E731
         if self._overlap is not None:
             self._overlap.begin(len(mbs))
@@ -136,14 +136,15 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
                 self.coalesce_grad_reduction() if self.zero_optimization_stage() else self.no_sync()
             )
 
-            def finish():
+            def finish() -> tuple[float, float]:
                 replicated()
                 t0 = time.perf_counter()
                 reduction.close()
                 if self.zero_optimization_stage() == 0:
                     self._is_gradient_accumulation_boundary = True
                     self.allreduce_gradients()
-                self._overlap_off_s = time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                return waited, waited
 
             yield finish
 
@@ -194,13 +195,10 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         """TP-replicated weights over the TP group, then (the rest of) DeepSpeed's data-parallel
         reduction."""
         self.watchdog.beat(microbatch="-", strand="-", op="gradient reduction and optimizer step")
-        finish()
+        reduce_s, exposed_s = finish()
         self._is_gradient_accumulation_boundary = True
-        stats = self.executor.stats
-        if self._overlap is not None:
-            stats.dp_reduce_s, stats.dp_exposed_s = self._overlap.dp_reduce_s, self._overlap.dp_exposed_s
-        else:
-            stats.dp_reduce_s = stats.dp_exposed_s = self._overlap_off_s
+        if self.dp_world_size > 1:
+            self.executor.stats.dp_reduce_s, self.executor.stats.dp_exposed_s = reduce_s, exposed_s
 
     def _optimizer_step(self, num_microbatches: int) -> None:
         self.micro_steps += num_microbatches - 1

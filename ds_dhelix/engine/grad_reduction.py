@@ -252,7 +252,6 @@ class OverlappedReduction:
         self._order: list = []
         self._ops_of: dict = {}  # op key -> ids of its parameters in the order
         self._users: dict[int, int] = {}  # id(param) -> ops that add to it
-        self.dp_reduce_s = self.dp_exposed_s = 0.0
         self.handed_early = 0  # parameters handed on during the last step's backward (of ``len(order)``)
 
     @property
@@ -319,9 +318,10 @@ class OverlappedReduction:
         ready = order[start : self._cursor]
         self.lane.submit(lambda: self.reducer.add(ready))
 
-    def finish(self, reduce_replicated: Callable[[], None]) -> None:
+    def finish(self, reduce_replicated: Callable[[], None]) -> tuple[float, float]:
         """The rest of the reduction, after the last backward: TP-replicated gradients over the TP
-        group, the lane's work waited for, the parameters left (in the same order), the epilogue."""
+        group, the lane's work waited for, the parameters left (in the same order), the epilogue.
+        Returns the reduction's seconds and the part of them the step waited for."""
         self.executor.grads_done = None
         self.handed_early = self._cursor
         reduce_replicated()  # (its own collective on the TP group: timed as TP communication)
@@ -335,8 +335,7 @@ class OverlappedReduction:
         self.reducer.add(left)
         self.reducer.close()
         t2 = time.perf_counter()
-        self.dp_reduce_s = self.lane.busy_s + (t2 - t1)
-        self.dp_exposed_s = t2 - t0
+        return self.lane.busy_s + (t2 - t1), t2 - t0
 
     def abort(self) -> None:
         """A step that failed: the cue off, DeepSpeed's flags back; the lane's work is abandoned (a

@@ -330,7 +330,7 @@ class DhelixStepMixin:
             events.append(("Train/grad_norm", float(norm), step))
         if s.starved_share is not None:  # CUDA: compute ops that found the GPU idle at launch
             events.append(("Train/starved_launch_fraction", s.starved_share, step))
-        if self.dp_world_size > 1 and hasattr(self, "overlaps_grad_reduction"):  # DP reduction; the part waited for
+        if s.dp_reduce_s is not None:  # the data-parallel reduction; the part the step waited for
             events.append(("Train/dp_reduce_ms", s.dp_reduce_s * 1e3, step))
             events.append(("Train/dp_exposed_ms", s.dp_exposed_s * 1e3, step))
         auto = getattr(self, "auto", None)

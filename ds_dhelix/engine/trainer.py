@@ -304,7 +304,7 @@ class DhelixTrainer(Trainer):
             }
             if stats.starved_share is not None:  # CUDA: compute ops that found the GPU idle at launch
                 logs["dhelix/starved_launch_fraction"] = stats.starved_share
-            if self._engine.dp_world_size > 1 and hasattr(self._engine, "overlaps_grad_reduction"):  # DP reduction
+            if stats.dp_reduce_s is not None:  # the data-parallel reduction; the part the step waited for
                 logs["dhelix/dp_reduce_ms"] = stats.dp_reduce_s * 1e3
                 logs["dhelix/dp_exposed_ms"] = stats.dp_exposed_s * 1e3
             auto = getattr(self._engine, "auto", None)

@@ -27,9 +27,10 @@ class StepStats:
     launches: int = 0
     idle_launches: int = 0
     # the data-parallel gradient reduction (DeepSpeed's, ``engine/grad_reduction.py``): its time,
-    # and the part of it the step waited for after the last backward (all of it when not overlapped)
-    dp_reduce_s: float = 0.0
-    dp_exposed_s: float = 0.0
+    # and the part of it the step waited for after the last backward (all of it when not overlapped);
+    # None where not measured (one data-parallel rank, the folded pipeline)
+    dp_reduce_s: float | None = None
+    dp_exposed_s: float | None = None
 
     @property
     def starved_share(self) -> float | None:

@@ -147,7 +147,7 @@ def _schedule_figures(stats: list, schedule: str) -> tuple[dict, str]:
     launches = sum(s.launches for s in kept)
     if launches:  # CUDA: a host-bound step launches onto an idle GPU (exposure then says little)
         figures["starved_launch_fraction"] = sum(s.idle_launches for s in kept) / launches
-    dp, dp_exposed = sum(s.dp_reduce_s for s in kept), sum(s.dp_exposed_s for s in kept)
+    dp, dp_exposed = sum(s.dp_reduce_s or 0.0 for s in kept), sum(s.dp_exposed_s or 0.0 for s in kept)
     tail = ""
     if dp > 0:  # the data-parallel gradient reduction (one-stage engines)
         figures.update(dp_reduce_ms_per_step=dp / n * 1e3, dp_exposed_ms_per_step=dp_exposed / n * 1e3)
