@@ -469,7 +469,7 @@ class DhelixConfig(_Section):
     when the ds_config does not set it, ds_dhelix sets it to one layer's parameters (DeepSpeed's
     default, 5e8, holds most models whole: nothing would be reduced before the backward ends).
     false: the whole reduction after the last backward. One-stage engines; the folded pipeline
-    reduces after its last backward either way. Results do not depend on it at 2 data-parallel
+    reduces after its last backward either way (an explicit true is warned about). Results do not depend on it at 2 data-parallel
     ranks; with more, gloo may sum other buckets in another order (last-bit differences)."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     """Tensor/sequence parallelism."""
