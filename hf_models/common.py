@@ -17,6 +17,7 @@ from torch import nn
 
 from ds_dhelix.data.inputs import shifted_targets, valid_targets
 from ds_dhelix.graph.model_graph import comm, comp
+from ds_dhelix.graph.objectives import REFERENCE_KEY
 from ds_dhelix.runtime.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
 from ds_dhelix.runtime.groups import ContextShards
 
@@ -120,6 +121,8 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
             "batch": b,
             "serial": serial,
         }
+        if REFERENCE_KEY in batch:  # a preference objective's reference log-probabilities, one per row
+            side[REFERENCE_KEY] = batch[REFERENCE_KEY]
         if tp > 1:  # the TP group's tokens, in TP rank order (the vocab-parallel embedding and loss)
             group = local if ring else slice(sl.start - tp_rank * n, sl.start + (tp - tp_rank) * n)
             side.update(tp_ids=ids[:, group], tp_targets=targets[:, group].t().contiguous())
@@ -206,26 +209,48 @@ class CrossEntropy:
         self.keys, self.add = keys, add
 
     def __call__(self, side, ce_sum, *pieces):
-        ce = ce_sum / loss_denominator(side)
-        return ce if self.add is None else self.add(side, ce, *pieces)
+        return self.combine(side, ce_sum / loss_denominator(side), *pieces)
+
+    def combine(self, side, main, *pieces):
+        """``main`` (this rank's share of the micro-batch's cross-entropy, or of another objective's
+        loss) with the family's extra terms."""
+        return main if self.add is None else self.add(side, main, *pieces)
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each token's log-probability of its target ([n, b] from logits [n, b, V] in fp32), 0 where
+    the target is -100."""
+    valid = targets != -100
+    z = logits.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return z.masked_fill(~valid, 0)
 
 
 def head_ops(
-    norm: nn.Module, lm_head: nn.Module, softcap: float | None = None, vocab=None, loss=None, chunk: int = 0
+    norm: nn.Module,
+    lm_head: nn.Module,
+    softcap: float | None = None,
+    vocab=None,
+    loss=None,
+    chunk: int = 0,
+    objective=None,
 ) -> list:
     """``head.norm``, ``head.logits``, ``head.loss``: this rank's share of the micro-batch loss;
     ``softcap``: the logits' tanh softcapping (``c * tanh(logits / c)``, before the loss); ``loss``:
     a ``CrossEntropy`` (default: the plain one). ``vocab`` (a ``vocab.VocabShard``): the
     vocabulary split over TP, the ops of ``vocab.head_ops`` (no rank holds the full logits);
-    ``chunk`` > 0: the logits made and differentiated ``chunk`` tokens at a time (``dhelix.head_chunk``)."""
+    ``chunk`` > 0: the logits made and differentiated ``chunk`` tokens at a time (``dhelix.head_chunk``);
+    ``objective``: another loss than cross-entropy (``ds_dhelix.graph.objectives``: called with each
+    token's log-probability of its target, it gives this rank's share of the micro-batch's loss)."""
     loss = loss or CrossEntropy()
     if vocab is not None or chunk:
         vocab = vocab or vp.VocabShard(lm_head.weight.shape[0], 1, 0)
-        return vp.head_ops(norm, lm_head, vocab, softcap, loss, chunk)
+        return vp.head_ops(norm, lm_head, vocab, softcap, loss, chunk, objective)
 
     def loss_fn(side, logits, *pieces):
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
+        if objective is not None:
+            return (loss.combine(side, objective(side, token_logps(logits.float(), side["targets"])), *pieces),)
         ce = F.cross_entropy(
             logits.float().flatten(0, 1), side["targets"].flatten(), ignore_index=-100, reduction="sum"
         )

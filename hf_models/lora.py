@@ -27,6 +27,7 @@ family's op graph does not call (``lora_targets`` of the adapter). ``adapter_ten
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -298,6 +299,21 @@ def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
 def factors(model: nn.Module) -> list[nn.Parameter]:
     """Every LoRA factor of ``model`` (after ``from_peft``)."""
     return [p for m in model.modules() if has_lora(m) for p in (m.lora_A, m.lora_B)]
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The model as its frozen base: every adapter's scaling 0 inside (its term adds exact zeros),
+    restored after (a preference objective's reference pass)."""
+    wrapped = [m for m in model.modules() if has_lora(m)]
+    scales = [m.lora_scaling for m in wrapped]
+    for m in wrapped:
+        m.lora_scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, s in zip(wrapped, scales):
+            m.lora_scaling = s
 
 
 def is_factor_name(name: str) -> bool:

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from ds_dhelix.graph.draws import Draws, draw_seed, seeded_rng
 from ds_dhelix.graph.model_graph import ModelGraph, comm, comp
+from ds_dhelix.graph.objectives import sum_over_ranks
 from ds_dhelix.moe.dispatch import CountExchange, ExpertAllToAll
 from ds_dhelix.moe.experts import (
     DEFAULT_LAYOUT,
@@ -591,9 +592,7 @@ def moe_loss(config, sparse: list[int], coef: float, tp: int, tp_grad_group, met
     keys = tuple(f"aux.{i}" for i in sparse)  # (HF: the router logits of the MoE layers only)
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_reduce
-
-        return all_reduce(t, group=tp_grad_group)
+        return sum_over_ranks(t, tp_grad_group)
 
     def add(side, ce, *pieces):
         if not pieces:  # a family without HF's load-balancing loss (DeepSeek-V3, GLM-4.5)

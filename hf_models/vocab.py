@@ -165,14 +165,15 @@ def embed_ops(embed: nn.Module, shard: VocabShard, pos_embed: nn.Module | None =
 
 
 def head_ops(
-    norm: nn.Module, lm_head: nn.Module, shard: VocabShard, softcap: float | None, loss, chunk: int = 0
+    norm: nn.Module, lm_head: nn.Module, shard: VocabShard, softcap: float | None, loss, chunk: int = 0, objective=None
 ) -> list:
     """The head's ops at TP > 1 (see the module docstring), or at TP 1 with ``chunk``;
     ``loss(side, ce_sum, *pieces)`` turns the summed cross-entropy of this rank's tokens into its
     ``loss`` (``loss.keys``: the extra inputs, e.g. MoE load-balancing pieces). ``chunk`` > 0:
     ``head.logits`` computes the statistics itself, ``chunk`` tokens at a time, and recomputes
     each chunk's logits in its backward (``ChunkedStats``): no more than ``chunk x V/t`` logits
-    ever exist, for one more head GEMM and a weight gradient that is not deferred."""
+    ever exist, for one more head GEMM and a weight gradient that is not deferred. ``objective``:
+    another loss than cross-entropy, given each token's ``target - lse`` (``common.head_ops``)."""
     grp, tp = shard.group, shard.tp
 
     def targets(side):
@@ -200,6 +201,8 @@ def head_ops(
         lse = torch.logsumexp(st[..., 0], dim=0)  # [n, b]: over every rank's columns
         target = st[..., 1].sum(dim=0)  # one rank holds each target's column, the others gave 0
         valid = side["targets"] != -100
+        if objective is not None:
+            return (loss.combine(side, objective(side, (target - lse).masked_fill(~valid, 0)), *pieces),)
         return (loss(side, (lse - target).masked_fill(~valid, 0).sum(), *pieces),)
 
     x = "yf" if tp > 1 else "y"

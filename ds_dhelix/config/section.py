@@ -268,6 +268,55 @@ class MoeConfig(_Section):
             raise self._fail("kernels", f"choose one of {', '.join(MOE_KERNELS)}")
 
 
+OBJECTIVES = ("cross_entropy", "dpo", "ipo", "simpo", "orpo")
+"""Valid values of ``dhelix.objective.name`` (``ds_dhelix.objectives``)."""
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig(_Section):
+    """What the head's loss is (``ds_dhelix.objectives``; guide: post-training)."""
+
+    _path: ClassVar[str] = "dhelix.objective"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"name": OBJECTIVES}
+
+    name: str = "cross_entropy"
+    """"cross_entropy" (next-token prediction, the default) or a preference objective over rows
+    paired in each micro-batch (its first half the chosen completions, its second half the rejected
+    ones, as TRL's DPOTrainer concatenates them): "dpo" (TRL's sigmoid loss), "ipo" (length-
+    normalised log-ratios), "simpo" (no reference; length-normalised log-probabilities and a
+    margin), "orpo" (no reference; the chosen rows' NLL and an odds-ratio term)."""
+    beta: float | None = None
+    """The objective's beta (DPO's temperature, IPO's tau, SimPO's and ORPO's weight); null = TRL's
+    default: 0.1 (dpo, ipo, orpo), 2.0 (simpo, as its paper)."""
+    label_smoothing: float = 0.0
+    """dpo / simpo: the probability that a pair's preference is flipped (conservative DPO); 0 = none."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin gamma (the loss is -logsigmoid(beta x delta - gamma))."""
+
+    def __post_init__(self):
+        self._check_types()
+        if self.name not in OBJECTIVES:
+            close = difflib.get_close_matches(self.name, OBJECTIVES, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise self._fail("name", f"choose one of {', '.join(OBJECTIVES)}{hint}")
+        self._positive("beta")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise self._fail("label_smoothing", "must be in [0, 0.5)")
+        if self.label_smoothing and self.name not in ("dpo", "simpo"):
+            raise self._fail("label_smoothing", f"applies to dpo and simpo; objective {self.name!r} has none")
+        if self.name == "cross_entropy" and self.beta is not None:
+            raise self._fail("beta", "applies to the preference objectives; cross_entropy has none")
+
+    @property
+    def paired(self) -> bool:
+        """Rows paired chosen / rejected inside each micro-batch."""
+        return self.name != "cross_entropy"
+
+    @property
+    def default_beta(self) -> float:
+        return self.beta if self.beta is not None else {"simpo": 2.0}.get(self.name, 0.1)
+
+
 CP_COMMS = ("ulysses", "ring")
 """Valid values of ``dhelix.context_parallel.comm``."""
 
@@ -499,6 +548,8 @@ class DhelixConfig(_Section):
     recompute right before their backward) or "full" (each decoder layer keeps only its inputs and
     recomputes its forward, collectives included, as its backward starts); losses and parameters do
     not change; works with every schedule and MoE."""
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    """The loss the head computes: next-token cross-entropy, or a preference objective."""
     head_chunk: int = 0
     """Tokens per chunk of the LM head and loss: > 0 makes and differentiates the logits that many
     tokens at a time (each chunk's logits recomputed in the backward, one more head GEMM; the
@@ -549,6 +600,7 @@ class DhelixConfig(_Section):
                 f'and the last two backwards of a non-pipelined SI step; set "pair_ends": false or use '
                 f'"schedule": "si", "si_execution": "reactive"'
             )
+        self._check_objective()
         self._positive("watchdog_s")
         self._at_least("log_interval", 1)
         self._at_least("auto_trials", 1)
@@ -564,6 +616,22 @@ class DhelixConfig(_Section):
             raise ValueError(
                 f"dhelix.pipeline.split = {list(split)} has {len(split)} entries but {self.pipeline.stages} "
                 f"stages fold the layers into {chunks} chunks (2 x stages); give one layer count per chunk"
+            )
+
+    def _check_objective(self) -> None:
+        """A paired objective needs each micro-batch whole on one stage: no halves, no pipeline (yet)."""
+        name = self.objective.name
+        if not self.objective.paired:
+            return
+        if self.schedule == "intra" or (self.schedule == "auto" and "intra" in self.auto_schedules):
+            raise ValueError(
+                f"dhelix.objective {name!r} pairs the rows of a micro-batch, and schedule 'intra' cuts each "
+                f'micro-batch in two along its rows; use "schedule": "si" (or drop \'intra\' from auto_candidates)'
+            )
+        if self.pipeline.stages > 1:
+            raise ValueError(
+                f"dhelix.objective {name!r} with a pipeline ({self.pipeline.stages} stages) is not supported yet: "
+                f"preference objectives run on one-stage layouts (TP, EP, CP, DP); remove the pipeline section"
             )
 
     def _check_si_execution(self) -> None:

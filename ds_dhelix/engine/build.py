@@ -34,6 +34,7 @@ from ..config.section import (
     derive_batch,
     load_ds_config,
 )
+from ..graph.objectives import make_objective
 from ..graph.ops import backward_order
 from ..moe.kernels import check_kernels
 from ..planning.plan import SIPlan, default_plan
@@ -270,8 +271,12 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
     if dims.cp > 1:
         moe["cp"] = groups.context_shards()
     graph = adapter.build_graph(model, dims.tp, groups.tp_rank, groups.tp, groups.tp_grad_group, seed=dh.seed, **moe)
-    if dh.head_chunk:
-        graph.blocks[-1] = graph.meta["head"](chunk=dh.head_chunk)
+    objective = make_objective(dh.objective)
+    if dh.head_chunk or objective is not None:
+        graph.blocks[-1] = graph.meta["head"](chunk=dh.head_chunk, objective=objective)
+    if objective is not None:  # its row sums go over the ranks of one sequence
+        ranks = dims.tp * dims.cp
+        graph.meta["objective"] = objective.bind(ranks, groups.sequence_group if dims.cp > 1 else groups.tp_grad_group)
     whole = [p for p in lora_factors(model) if p.requires_grad]  # LoRA factors (those cut with their base skip)
     if dims.tp > 1 and whole:
         graph.replicated = ReplicatedGrads(

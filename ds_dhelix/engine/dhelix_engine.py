@@ -21,7 +21,11 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
+from hf_models.lora import adapters_off
+from hf_models.lora import factors as lora_factors
+
 from ..config.section import DhelixConfig
+from ..graph.objectives import REFERENCE_KEY
 from ..planning.plan import SIPlan
 from ..runtime.groups import ProcessGroups
 from ..runtime.interpreter import Interpreter, prepare, wholes
@@ -166,6 +170,7 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         Returns the mean loss of the step (over micro-batches and data-parallel ranks)."""
         batches = self.pull_batches(data_iter)
         self._warn_few_once(len(batches))
+        self.add_reference(batches)
         self.module.train()
         return self.guarded_step(batches, lambda: self._micro_batches_and_step(batches), self.mean_loss)
 
@@ -210,13 +215,42 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         """Mean loss over one step's worth of micro-batches (or ``num_microbatches``), forward only;
         ``per_microbatch``: each micro-batch's loss on this replica instead (``sequence_losses``)."""
         batches = self.pull_batches(data_iter, num_microbatches)
+        self.add_reference(batches)
+        mbs = self._forward_only(batches)
+        return self.sequence_losses(mbs) if per_microbatch else self.mean_loss(mbs)
+
+    def _forward_only(self, batches: list[dict]) -> list[MicroBatch]:
+        """The micro-batches run forward in eval mode, no gradients (the watchdog armed)."""
         self.module.eval()
         self.watchdog.resume(step=self.global_steps)
         try:
             mbs = [MicroBatch(k, self.graph.make_side(b)) for k, b in enumerate(batches)]
-            with self.executor.inference():
+            with torch.no_grad(), self.executor.inference():
                 self.interpreter.run(S.forward_only(lookup("sequential", ONE_STAGE).schedule(1, len(mbs))[0]), mbs, 1.0)
         finally:
             self.watchdog.pause()
             self.module.train()
-        return self.sequence_losses(mbs) if per_microbatch else self.mean_loss(mbs)
+        return mbs
+
+    def add_reference(self, batches: list[dict]) -> None:
+        """A preference objective with a reference model and batches without its log-probabilities
+        (``ref_logps``): each row's sum under the frozen base, the LoRA adapter switched off, one
+        forward of the step's micro-batches (``objectives``)."""
+        objective = self.graph.meta.get("objective")
+        if objective is None or not objective.needs_reference or REFERENCE_KEY in batches[0]:
+            return
+        if not any(True for _ in lora_factors(self.module)):
+            raise ValueError(
+                f"dhelix.objective {objective.name!r} compares with the reference model, and a full fine-tune "
+                f"changes the only copy of its weights: give each row's reference log-probability sum as the "
+                f"batches' {REFERENCE_KEY!r} (TRL's precomputed ref_chosen_logps / ref_rejected_logps), or train LoRA"
+            )
+        objective.capture = []
+        try:
+            with adapters_off(self.module):
+                self._forward_only(batches)
+            rows = objective.capture
+        finally:
+            objective.capture = None
+        for batch, logps in zip(batches, rows):
+            batch[REFERENCE_KEY] = logps

@@ -241,6 +241,8 @@ class DhelixStepMixin:
 
     def begin_step(self) -> StepStats:
         stats = self.executor.start_step()
+        if self.graph.meta.get("objective") is not None:  # (an evaluation's pairs are not the step's)
+            self.graph.meta["objective"].metrics.reset()
         self.meter.reset_peak()
         self._step_t0 = time.perf_counter()
         self.watchdog.resume(step=self.global_steps)
@@ -308,7 +310,21 @@ class DhelixStepMixin:
         """Rank 0 writes TensorBoard scalars this step (monitor on, every ``log_interval`` steps)."""
         return self.monitor.enabled and self.global_rank == 0 and self.global_steps % self.dhelix.log_interval == 0
 
+    def _reduce_objective_metrics(self) -> None:
+        """A preference objective's step metrics (``objectives.METRICS``), means over the step's pairs
+        on every replica (one all-reduce on the DP group, every rank): ``self.objective_metrics``."""
+        objective = self.graph.meta.get("objective")
+        self.objective_metrics = None
+        if objective is None or objective.metrics.sums is None:
+            return
+        sums = objective.metrics.sums.clone()
+        objective.metrics.reset()
+        if self.groups.dp_size > 1:
+            dist.all_reduce(sums, group=self.groups.dp_group)
+        self.objective_metrics = objective.metrics.means(sums)
+
     def log_step(self, batches) -> None:
+        self._reduce_objective_metrics()
         s = self.last_stats
         tokens = sum(b["input_ids"].numel() for b in batches) * self.groups.dp_size
         s.tokens_per_s = tokens / max(s.step_s, 1e-9)
@@ -339,6 +355,8 @@ class DhelixStepMixin:
             events.append(("Train/auto_schedule", float(auto.candidates.index(self.current_schedule)), step))
         if self.fp16_enabled():
             events.append(("Train/loss_scale", float(self._get_optimizer_loss_scale()), step))
+        for name, value in (self.objective_metrics or {}).items():  # (TRL's names, under Train/)
+            events.append((f"Train/{name}", value, step))
         self.monitor.write_events(events)
 
     def maybe_dump_trace(self) -> None:
