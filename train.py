@@ -54,15 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         default=None,
         help="training data: .txt, .jsonl, .json, .parquet or a datasets.save_to_disk directory, read "
-        "through datasets; records of text, chat messages or prompt/completion (default: the embedded "
-        "corpus)",
+        "through datasets; records of text, chat messages, prompt/completion, or prompt/chosen/rejected "
+        "preference pairs (--objective) (default: the embedded corpus)",
     )
     p.add_argument(
         "--data-format",
         default=None,
-        choices=["text", "chat", "prompt-completion"],
-        help="the records' format (default: told from the first record: 'messages' -> chat, 'prompt' and "
-        "'completion' -> prompt-completion, 'text' -> text)",
+        choices=["text", "chat", "prompt-completion", "preference"],
+        help="the records' format (default: told from the first record: 'chosen' and 'rejected' -> "
+        "preference, 'messages' -> chat, 'prompt' and 'completion' -> prompt-completion, 'text' -> text)",
     )
     p.add_argument(
         "--loss-on",
@@ -89,12 +89,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--packing",
-        default="concat",
+        default=None,
         choices=["concat", "docs", "none"],
         help="concat: records back to back (EOS after text and completions), crossing blocks; docs: "
         "positions restart and attention is masked at each record, and chat / prompt-completion "
         "records are never split (whole records per block, then padding); none: one record per block, "
-        "padded",
+        "padded (default: none for preference pairs, which are padded rows, else concat)",
+    )
+    p.add_argument(
+        "--objective",
+        default=None,
+        choices=["cross_entropy", "dpo", "ipo", "simpo", "orpo"],
+        help="the loss (sets the ds_config's dhelix.objective.name; default: its value, else "
+        "cross_entropy): dpo, ipo, simpo and orpo train on preference pairs (--data with prompt / "
+        "chosen / rejected); dpo and ipo compare with the reference model: ref_chosen_logps / "
+        "ref_rejected_logps in the data, or under LoRA the model with the adapter off",
+    )
+    p.add_argument(
+        "--beta",
+        type=float,
+        default=None,
+        help="the preference objective's beta (dhelix.objective.beta; default 0.1, simpo 2.0)",
     )
     p.add_argument(
         "--drop-long",
@@ -266,6 +281,7 @@ def check_inputs(args) -> Prepared:
         ds_config["dhelix"]["watchdog_s"] = args.watchdog_s
     if (ds_config.get("dhelix") or {}).get("enabled"):
         ds_config["dhelix"].setdefault("seed", args.seed)  # dropout masks and router noise follow --seed
+    _set_objective(args, ds_config)
     model_config = load_config(args.model)  # unknown preset / missing dir -> ValueError
     if not is_preset(args.model):
         check_weight_files(os.path.expanduser(args.model))
@@ -289,7 +305,7 @@ def check_inputs(args) -> Prepared:
     _check_outputs(args)
     set_schedule_length(ds_config, args.steps)
     lora = lora_config(args, setup, model_config)
-    tokenizer, data = _data(args, setup, model_config)
+    tokenizer, data = _data(args, setup, model_config, lora)
     from ds_dhelix.training import adapter_state, resume_point, run_state
 
     state = run_state(ds_config, setup, data, args.model, args.steps, args.loss_average, adapter_state(lora))
@@ -360,6 +376,66 @@ def lora_config(args, setup, model_config):
     return cfg
 
 
+def _set_objective(args, ds_config) -> None:
+    """--objective / --beta into the ds_config's dhelix.objective (the engine's loss)."""
+    given = [f for f, v in (("--objective", args.objective), ("--beta", args.beta)) if v is not None]
+    if not given:
+        return
+    if not (ds_config.get("dhelix") or {}).get("enabled"):
+        raise ValueError(f"{given[0]} sets the ds_dhelix engine's loss: enable the ds_config's dhelix section")
+    section = ds_config["dhelix"].setdefault("objective", {})
+    if args.objective is not None:
+        section["name"] = args.objective
+    if args.beta is not None:
+        section["beta"] = args.beta
+
+
+def _check_objective_data(args, setup, data, lora) -> None:
+    """The objective and the data agree: preference pairs for a paired objective (with their
+    reference log-probabilities unless LoRA lets the engine compute them), other data otherwise."""
+    objective = setup.dh.objective
+    pairs = data.format == "preference"
+    if pairs != objective.paired:
+        raise ValueError(
+            "--data holds preference pairs (prompt / chosen / rejected): choose a preference objective "
+            "(--objective dpo, ipo, simpo or orpo)"
+            if pairs
+            else f"objective {objective.name!r} trains on preference pairs; --data holds {data.format} records "
+            f"(give records with prompt, chosen and rejected)"
+        )
+    if not pairs:
+        return
+    if args.loss_average == "tokens":
+        raise ValueError(
+            "--loss-average tokens with a preference objective: its loss is a mean over pairs (each "
+            "micro-batch holds the same number); drop the flag"
+        )
+    refs = "ref_logps" in data.train.fields
+    if objective.name in ("dpo", "ipo") and not refs and lora is None:
+        raise ValueError(
+            f"objective {objective.name!r} compares with the reference model, and a full fine-tune changes the "
+            f"only copy of its weights: give ref_chosen_logps / ref_rejected_logps in the data (as TRL "
+            f"precomputes them), or train LoRA (--lora: the reference is the model with the adapter off)"
+        )
+    if refs and objective.name in ("simpo", "orpo"):
+        raise ValueError(
+            f"objective {objective.name!r} uses no reference model; the data's ref_chosen_logps / "
+            f"ref_rejected_logps would not be read: drop them or choose dpo / ipo"
+        )
+
+
+def _default_packing(args) -> str:
+    """--packing's default: none (padded rows) for preference pairs, else concat."""
+    if args.data_format is not None:
+        return "none" if args.data_format == "preference" else "concat"
+    if args.data is None:
+        return "concat"
+    from ds_dhelix.data.records import detect_format, first_record, open_records
+
+    first = first_record(open_records(os.path.expanduser(args.data), streaming=True))
+    return "none" if detect_format(first, args.data) == "preference" else "concat"
+
+
 def lora_asked(args) -> bool:
     return args.lora or args.lora_r is not None or args.peft_config is not None
 
@@ -389,6 +465,8 @@ def _check_flags(args) -> None:
                 data_kind(path)  # missing, a foreign directory, an unknown suffix: one line naming it
             except ValueError as err:
                 raise ValueError(f"{flag}: {err}") from None
+    if args.packing is None:
+        args.packing = _default_packing(args)
     data_options(args)  # the data flags' own values
     if args.eval_interval < 0:
         raise ValueError(f"--eval-interval must be >= 0 (0: at the end only), got {args.eval_interval}")
@@ -399,7 +477,7 @@ def _check_flags(args) -> None:
 def _check_packing(args, setup, model_config) -> None:
     from hf_models.adapters import is_moe
 
-    if args.packing == "none" and setup.dh.enabled and is_moe(model_config):
+    if args.packing == "none" and setup.dh.enabled and is_moe(model_config) and not setup.dh.objective.paired:
         raise ValueError(
             "--packing none pads documents, and the MoE router's load-balancing loss would count the "
             "padded tokens (HF leaves them out); use --packing docs (or concat) with an MoE model"
@@ -444,14 +522,15 @@ def _check_outputs(args) -> None:
             raise ValueError(f"--json-summary {args.json_summary!r}: {folder!r} is not a writable directory")
 
 
-def _data(args, setup, model_config):
-    """The tokenizer and the run's data (``ds_dhelix.data.load_data``): enough blocks for one step
-    on every replica, and for one evaluation micro-batch."""
+def _data(args, setup, model_config, lora=None):
+    """The tokenizer and the run's data (``ds_dhelix.data.load_data``): what the objective trains on,
+    enough blocks for one step on every replica, and for one evaluation micro-batch."""
     from ds_dhelix.data.sources import load_data
     from hf_models.registry import load_tokenizer_for
 
     tokenizer = load_tokenizer_for(args.model, tokenizer=args.tokenizer)
     data = load_data(data_options(args, tokenizer), tokenizer)
+    _check_objective_data(args, setup, data, lora)
     if args.chat_template is not None:  # (chat data only: load_data refuses it otherwise)
         from ds_dhelix.data.records import resolve_chat_template
 
@@ -461,9 +540,10 @@ def _data(args, setup, model_config):
     if data.train is not None and len(data.train) < need:
         s = data.stats
         dropped = f", {s.dropped} left out as longer (--drop-long)" if s.dropped else ""
+        blocks = "preference pairs" if data.format == "preference" else "blocks"
         raise ValueError(
             f"{args.data or 'the corpus'} has {s.tokens} tokens in {s.records} records{dropped}: "
-            f"{len(data.train)} blocks of --seq-len {args.seq_len} (--packing {args.packing}), fewer than one micro-batch "
+            f"{len(data.train)} {blocks} of --seq-len {args.seq_len} (--packing {args.packing}), fewer than one micro-batch "
             f"({setup.batch.micro_batch_size}) on each of {d.dp} data-parallel replicas; use more data or a "
             f"shorter --seq-len"
         )

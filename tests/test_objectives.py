@@ -203,3 +203,57 @@ def test_si_equals_sequential_and_the_reference_pass():
             assert abs(m["rewards/margins"] - (m["rewards/chosen"] - m["rewards/rejected"])) < 1e-6, (name, m)
             if direct is not None:  # LoRA: the engine's reference pass = PEFT's disable_adapter
                 assert abs(losses[0] - direct) < 1e-5, (name, losses[0], direct)
+
+
+def preference_file(path, records: int = 64, seed: int = 0) -> str:
+    """Pairs whose chosen completion starts with "yes" and uses the first five words, the rejected
+    one the others: a preference a small model learns in a few steps."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = "the cat dog sat on mat ran far away big small red blue tree house".split()
+    with open(path, "w") as f:
+        for _ in range(records):
+            prompt = " ".join(rng.choice(words) for _ in range(rng.randint(3, 6)))
+            chosen = "yes " + " ".join(rng.choice(words[:5]) for _ in range(rng.randint(2, 5)))
+            rejected = " ".join(rng.choice(words[5:]) for _ in range(rng.randint(2, 6)))
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    return str(path)
+
+
+@pytest.mark.slow
+def test_train_py_dpo_with_lora_learns_and_its_adapter_reproduces_the_probe(tmp_path):
+    """train.py --objective dpo --lora (TP=2, SI): rewards/accuracies rise well above 0.5 and the
+    summary and TensorBoard carry TRL's metrics; PEFT's model from the written adapter, with
+    ``disable_adapter`` as the reference, gives the run's probe loss on its first pairs."""
+    import json
+
+    from peft import PeftModel
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hf_models.registry import build_model
+    from tests.test_train_e2e import run_train
+
+    data = preference_file(tmp_path / "pairs.jsonl")
+    summary, proc = run_train(tmp_path, steps=30, extra=("--data", data, "--objective", "dpo", "--lora"))
+    objective = summary["objective"]
+    assert objective["name"] == "dpo" and len(objective["steps"]) == 30
+    assert objective["last"]["rewards/accuracies"] > 0.8 > objective["first"]["rewards/accuracies"], objective
+    assert objective["last"]["rewards/margins"] > 0.5, objective
+    assert "dpo: rewards/accuracies" in proc.stdout
+    events = EventAccumulator(str(next((tmp_path / "tb").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    assert {"Train/rewards/accuracies", "Train/rewards/margins"} <= set(events.Tags()["scalars"])
+
+    base, _ = build_model("tiny-llama", seed=1234)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "hf")).eval()
+    ids, labels = torch.tensor(summary["probe_input_ids"]), torch.tensor(summary["probe_labels"])
+    batch = {"input_ids": ids, "labels": labels}
+    with torch.no_grad():
+        sums, counts = row_sums(model, batch)
+        with model.disable_adapter():
+            ref, _ = row_sums(model, batch)
+    loss = direct_loss("dpo", sums, counts, ref, 0.1)
+    assert abs(float(loss) - summary["probe_loss"]) < 1e-5, (float(loss), summary["probe_loss"])
+    json.dumps(summary)  # (the summary stays JSON)

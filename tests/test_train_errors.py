@@ -71,6 +71,17 @@ def _big_vocab_checkpoint(tmp) -> str:
     return str(out)
 
 
+def _pairs(tmp, refs=False) -> str:
+    """Eight preference records (``refs``: with reference log-probabilities; "first": on the first only)."""
+    lines = []
+    for k in range(8):
+        record = {"prompt": f"question {k}", "chosen": "a good answer", "rejected": "a bad one"}
+        if refs is True or (refs == "first" and k == 0):
+            record.update(ref_chosen_logps=-10.0, ref_rejected_logps=-12.0)
+        lines.append(json.dumps(record))
+    return _file(tmp, "pairs.jsonl", "\n".join(lines) + "\n")
+
+
 def _setdh(key, value):
     def change(cfg):
         cfg["dhelix"][key] = value
@@ -363,6 +374,83 @@ CASES = [
         2,
         lambda t: ["--deepspeed", _config(t, _pop("dhelix")), "--watchdog-s", "5"],
         ["--watchdog-s", "does not enable dhelix"],
+    ),
+    (
+        "preference-pairs-with-cross-entropy",
+        2,
+        lambda t: ["--deepspeed", BASE, "--data", _pairs(t)],
+        ["preference pairs", "--objective dpo"],
+    ),
+    (
+        "preference-objective-on-text",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "simpo", "--data", _file(t, "d.jsonl", '{"text": "a b"}\n')],
+        ["'simpo'", "text records", "chosen"],
+    ),
+    (
+        "dpo-full-fine-tune-without-references",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "dpo", "--data", _pairs(t)],
+        ["'dpo'", "ref_chosen_logps", "--lora"],
+    ),
+    (
+        "references-with-simpo",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "simpo", "--data", _pairs(t, refs=True)],
+        ["'simpo'", "no reference", "ref_chosen_logps"],
+    ),
+    (
+        "references-for-some-records",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "dpo", "--data", _pairs(t, refs="first")],
+        ["record 2", "some records only"],
+    ),
+    (
+        "preference-token-average",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "orpo", "--data", _pairs(t), "--loss-average", "tokens"],
+        ["--loss-average tokens", "mean over pairs"],
+    ),
+    (
+        "preference-packed",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "orpo", "--data", _pairs(t), "--packing", "concat"],
+        ["preference pairs", "--packing none"],
+    ),
+    (
+        "preference-evaluation",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "orpo", "--data", _pairs(t), "--eval-fraction", "0.1"],
+        ["--eval-fraction", "not built yet"],
+    ),
+    (
+        "objective-on-plain-deepspeed",
+        2,
+        lambda t: ["--deepspeed", _config(t, _pop("dhelix")), "--objective", "dpo"],
+        ["--objective", "enable the ds_config's dhelix section"],
+    ),
+    (
+        "objective-with-intra",
+        2,
+        lambda t: ["--deepspeed", _config(t, _setdh("schedule", "intra")), "--objective", "orpo", "--data", _pairs(t)],
+        ["'orpo'", "'intra'", "schedule"],
+    ),
+    (
+        "objective-with-a-pipeline",
+        2,
+        lambda t: ["--deepspeed", PP, "--objective", "orpo", "--data", _pairs(t)],
+        ["'orpo'", "pipeline", "not supported yet"],
+    ),
+    (
+        "label-smoothing-on-ipo",
+        2,
+        lambda t: [
+            "--deepspeed",
+            _config(t, _setdh("objective", {"name": "ipo", "label_smoothing": 0.1})),
+            "--data",
+            _pairs(t, refs=True),
+        ],
+        ["dhelix.objective.label_smoothing", "dpo and simpo"],
     ),
 ]
 

@@ -12,7 +12,9 @@ Formats:
 - ``chat``: a ``messages`` list of ``{"role", "content"}``, rendered with the tokenizer's chat
   template (or one given); the loss on the assistant turns (``loss_on="answers"``);
 - ``prompt-completion``: ``prompt`` and ``completion`` strings, each tokenised alone and joined,
-  EOS appended; the loss on the completion and its EOS.
+  EOS appended; the loss on the completion and its EOS;
+- ``preference``: ``prompt``, ``chosen`` and ``rejected`` (TRL's preference data), pairs of rows
+  for a preference objective (``preference.py``; not through ``RecordEncoder``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 
-FORMATS = ("text", "chat", "prompt-completion")
+FORMATS = ("text", "chat", "prompt-completion", "preference")
 LOSS_ON = ("all", "answers")
 DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -149,10 +151,13 @@ def first_record(records) -> dict:
 
 
 def detect_format(record: dict, where: str = "the data") -> str:
-    """The format of a record by its fields: ``messages`` -> chat, ``prompt`` + ``completion`` ->
-    prompt-completion, ``text`` -> text."""
+    """The format of a record by its fields: ``chosen`` + ``rejected`` -> preference (pairs,
+    ``preference.py``), ``messages`` -> chat, ``prompt`` + ``completion`` -> prompt-completion,
+    ``text`` -> text."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a record must be an object, got {type(record).__name__}")
+    if "chosen" in record and "rejected" in record:
+        return "preference"
     if "messages" in record:
         return "chat"
     if "prompt" in record and "completion" in record:
@@ -161,7 +166,8 @@ def detect_format(record: dict, where: str = "the data") -> str:
         return "text"
     raise ValueError(
         f"{where}: cannot tell the format from the fields {sorted(record)}: give 'text', 'messages' "
-        f"(chat) or 'prompt' and 'completion' (or force one with --data-format)"
+        f"(chat), 'prompt' and 'completion', or 'prompt', 'chosen' and 'rejected' (preference pairs) "
+        f"(or force one with --data-format)"
     )
 
 

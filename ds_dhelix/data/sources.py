@@ -164,6 +164,8 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
             "data, or --loss-on all)"
         )
     _check_applies(options, fmt, streaming)
+    if fmt == "preference":
+        return _preference_data(records, options, tokenizer, t0)
     encoder = RecordEncoder(tokenizer, fmt, loss_on, options.chat_template)
     data = TrainingData(fmt, loss_on, options)
     held = None
@@ -198,11 +200,38 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
     return data
 
 
+def _preference_data(records, options: DataOptions, tokenizer, t0: float) -> TrainingData:
+    """Preference pairs (``preference.py``), each padded to its own rows; no evaluation split yet."""
+    from .preference import PairEncoder, load_pairs
+    from .records import resolve_chat_template
+
+    for flag, given in (("--eval-fraction", options.eval_fraction), ("--eval-data", options.eval_path)):
+        if given:
+            raise ValueError(f"{flag} with preference data: evaluating a preference objective is not built yet")
+    first = first_record(records)
+    template = (
+        resolve_chat_template(tokenizer, options.chat_template) if not isinstance(first.get("prompt"), str) else None
+    )
+    data = TrainingData("preference", "completions", options)
+    try:
+        data.train = load_pairs(
+            records, PairEncoder(tokenizer, template), options.seq_len, options.pad_id, options.drop_long
+        )
+    except ValueError as err:
+        raise ValueError(f"{options.path}: {err}") from None
+    data.load_s = time.perf_counter() - t0
+    return data
+
+
 def _check_applies(options: DataOptions, fmt: str, streaming: bool) -> None:
     """Refuse options these records would not use (none is dropped silently)."""
+    if fmt == "preference" and (streaming or options.packing != "none"):
+        what = "streamed (larger than --stream-above)" if streaming else f"packed (--packing {options.packing})"
+        fix = "raise --stream-above" if streaming else "give --packing none"
+        raise ValueError(f"preference pairs are padded rows, each pair whole; they cannot be {what}: {fix}")
     if options.chat_template is not None and fmt != "chat":
         raise ValueError(f"--chat-template renders chat records; these are {fmt} records")
-    if options.drop_long and (fmt == "text" or options.packing == "concat"):
+    if options.drop_long and fmt != "preference" and (fmt == "text" or options.packing == "concat"):
         raise ValueError(
             f"--drop-long leaves out chat / prompt-completion records longer than --seq-len under "
             f"--packing docs or none; {fmt} records under --packing {options.packing} flow across "

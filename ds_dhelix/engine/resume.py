@@ -44,6 +44,7 @@ MUST_MATCH = {
     "seq_len": "the sequence length",
     "draw_seed": "the base seed of dropout masks and router noise (dhelix.seed, else --seed)",
     "adapter": "the LoRA adapter (--lora-r, --lora-alpha, --lora-targets or --peft-config; none: full fine-tune)",
+    "objective": "the loss (dhelix.objective / --objective, --beta; none: cross-entropy)",
 }
 """Run-state keys a resume must match. The SI plan's fingerprint is recorded too but only reported
 when it differs: every plan gives the same math."""

@@ -78,13 +78,15 @@ class TrainLog:
     stats: list = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     eval_losses: list[dict] = field(default_factory=list)
+    objective: list[dict] = field(default_factory=list)  # a preference objective's metrics per step
     end: str = "done"  # "done": at the total; "left": stop_after; "stopped": an agreed stop
     checkpoint: str | None = None  # the checkpoint saved on leaving or stopping
     exit_code: int = 0  # "stopped": 128 + the signal (143 for a vanished launcher)
 
 
 def loss_average(choice: str | None, data) -> str:
-    """``choice``, or its default for the data (tokens when the loss is on the answers)."""
+    """``choice``, or its default for the data (tokens when the loss is on the answers; a
+    preference objective's pairs: micro-batches, each holding the same number of pairs)."""
     return choice or ("tokens" if data.loss_on == "answers" else "microbatches")
 
 
@@ -110,7 +112,8 @@ def train_loop(engine, data, options: LoopOptions, run_state: dict | None = None
     if loss_average(options.loss_average, data) == "tokens":
         batches = weighed_by_targets(batches, gas, dp_size, dp_group, engine.device)
     stop = StopRequest.install()
-    log = TrainLog(start, micro * gas * data.options.seq_len * dp_size)
+    rows = micro * (2 if data.format == "preference" else 1)  # (a pair is two rows)
+    log = TrainLog(start, rows * gas * data.options.seq_len * dp_size)
     log_data_fields(engine, data, start)
     bar = progress(total=options.steps, initial=start, desc="train", disable=dist.get_rank() != 0, dynamic_ncols=True)
     for _ in range(start, options.steps):
@@ -171,6 +174,8 @@ def _one_step(engine, batches, log: TrainLog, bar) -> None:
     if is_dhelix(engine):
         loss = engine.train_batch(batches)
         log.stats.append(engine.last_stats)
+        if getattr(engine, "objective_metrics", None) is not None:
+            log.objective.append(engine.objective_metrics)
     else:
         loss = plain_step(engine, batches)
     log.times.append(time.perf_counter() - t0)

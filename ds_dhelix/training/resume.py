@@ -70,6 +70,8 @@ def run_state(
         "draw_seed": setup.dh.seed,
         "plan_fingerprint": None,
         "adapter": adapter,
+        # a preference objective and its settings (None: cross-entropy, as a checkpoint from before objectives)
+        "objective": setup.dh.objective.to_dict() if setup.dh.objective.paired else None,
     }
 
 

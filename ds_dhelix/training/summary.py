@@ -18,7 +18,8 @@ from .loop import LoopOptions, TrainLog, loss_average
 def probe_loss(engine, data, micro: int | None = None) -> dict:
     """Loss of the trained model on the first ``micro`` blocks of the data (their ids and labels,
     no positions or masks): the exported HF checkpoint must reproduce it (the end-to-end test
-    checks that). Collective."""
+    checks that). Preference pairs: the objective's loss on the first pairs (with their reference
+    log-probabilities when the data has them). Collective."""
     import torch
 
     from ds_dhelix.engine.evaluation import is_dhelix
@@ -26,6 +27,8 @@ def probe_loss(engine, data, micro: int | None = None) -> dict:
     first = data.first_batch(micro or engine.train_micro_batch_size_per_gpu())
     block = first["input_ids"]
     batch = {"input_ids": block, "labels": first["labels"]}
+    if "ref_logps" in first:
+        batch["ref_logps"] = first["ref_logps"]
     if is_dhelix(engine):
         loss = engine.eval_batch(iter([batch] * engine.gradient_accumulation_steps()))
     else:
@@ -99,6 +102,7 @@ def summarize(
         summary.update(figures)
         line += text
     print(line)
+    _print_objective(log.objective, engine, summary)
     _print_data(data.summary(), average)
     if log.eval_losses:
         print("eval loss: " + ", ".join(f"step {e['step']} {e['loss']:.4f}" for e in log.eval_losses))
@@ -112,6 +116,19 @@ def summarize(
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=1)
     return summary
+
+
+def _print_objective(metrics: list[dict], engine, summary: dict) -> None:
+    """A preference objective's rewards, first -> last step (means over a tenth of the steps, as
+    the loss), in the line and ``summary["objective"]`` (its per-step metrics too)."""
+    if not metrics:
+        return
+    k = max(1, len(metrics) // 10)
+    first = {n: statistics.mean(m[n] for m in metrics[:k]) for n in metrics[0]}
+    last = {n: statistics.mean(m[n] for m in metrics[-k:]) for n in metrics[0]}
+    summary["objective"] = {"name": engine.dhelix.objective.name, "first": first, "last": last, "steps": metrics}
+    shown = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+    print(f"{engine.dhelix.objective.name}: " + ", ".join(f"{n} {first[n]:.3f} -> {last[n]:.3f}" for n in shown))
 
 
 def _print_auto(engine, summary: dict) -> None:

@@ -1,0 +1,148 @@
+"""Preference pairs as TRL reads them, to micro-batches of a paired objective (``dhelix.objective``).
+
+A record holds ``prompt``, ``chosen`` and ``rejected``: strings (the completions follow the
+prompt's tokens, EOS appended), or conversational (``prompt`` a list of messages, ``chosen`` /
+``rejected`` lists of assistant messages, rendered with the chat template: the completion is what
+the full conversation adds to the prompt rendered with its generation prompt). Optional
+``ref_chosen_logps`` / ``ref_rejected_logps`` (floats, as TRL precomputes them) carry the
+reference model's log-probability sums of the two completions.
+
+Each pair becomes two rows of ``seq_len`` tokens, right-padded, labels -100 on the prompt and the
+padding (a row longer than ``seq_len`` is cut, or with ``drop_long`` its pair left out; a pair
+whose completion was cut away entirely is left out). A micro-batch of ``micro`` pairs is
+``2 x micro`` rows: the chosen rows, then the rejected rows in the same order (``PairDataset``),
+with ``ref_logps`` [2 x micro] when the records carry references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .packing import PackStats
+
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
+REFERENCE_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def is_preference(record: dict) -> bool:
+    return "chosen" in record and "rejected" in record
+
+
+class PairDataset:
+    """Pairs [N, 2, seq_len] with ``BlockDataset``'s interface: ``len`` counts pairs, ``rows(index)``
+    gives the micro-batch of those pairs (chosen rows, then rejected rows)."""
+
+    def __init__(self, fields: dict[str, torch.Tensor], stats: PackStats):
+        self.fields, self.stats = fields, stats
+        self.blocks = fields["input_ids"]
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows(torch.tensor([i]))
+
+    def rows(self, index: torch.Tensor, squeeze: bool = False) -> dict[str, torch.Tensor]:
+        return {k: v[index].transpose(0, 1).reshape(-1, *v.shape[2:]).clone() for k, v in self.fields.items()}
+
+
+class PairEncoder:
+    """Records -> each pair's two token lists and loss masks (and references); ``template``: the
+    chat template of conversational records (``records.resolve_chat_template``), else None."""
+
+    def __init__(self, tokenizer, template: str | None = None):
+        self.tokenizer, self.template, self.eos = tokenizer, template, tokenizer.eos_token_id
+        if self.eos is None:
+            raise ValueError("the tokenizer defines no EOS token: the end of a completion could not be marked")
+
+    def __call__(self, record: dict, where: str):
+        missing = [f for f in PAIR_FIELDS if f not in record]
+        if missing:
+            raise ValueError(
+                f"{where}: a preference record needs {', '.join(PAIR_FIELDS)}; it lacks {', '.join(missing)} "
+                f"(a record with the prompt inside chosen / rejected: give the prompt as its own field)"
+            )
+        refs = [record.get(f) for f in REFERENCE_FIELDS]
+        if any(r is not None and not isinstance(r, int | float) for r in refs):
+            raise ValueError(f"{where}: {' / '.join(REFERENCE_FIELDS)} must be numbers, got {refs!r:.80}")
+        prompt = record["prompt"]
+        if isinstance(prompt, str):
+            rows = [self._text(prompt, record[k], k, where) for k in ("chosen", "rejected")]
+        else:
+            rows = [self._chat(prompt, record[k], k, where) for k in ("chosen", "rejected")]
+        return rows, refs
+
+    def _text(self, prompt: str, completion, key: str, where: str):
+        if not isinstance(completion, str):
+            raise ValueError(f"{where}: {key!r} must be a string like the prompt, got {type(completion).__name__}")
+        p, c = (self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in (prompt, completion))
+        return p + c + [self.eos], [0] * len(p) + [1] * (len(c) + 1)
+
+    def _chat(self, prompt, completion, key: str, where: str):
+        from .records import _messages
+
+        if self.template is None:
+            raise ValueError(f"{where}: conversational records need a chat template (--chat-template)")
+        try:
+            prompt, completion = _messages({"messages": prompt}), _messages({"messages": completion})
+        except ValueError as err:
+            raise ValueError(f"{where} ({key}): {err}") from None
+        render = self.tokenizer.apply_chat_template
+        before = list(render(prompt, chat_template=self.template, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])  # fmt: skip
+        full = list(render(prompt + completion, chat_template=self.template, tokenize=True, return_dict=True)["input_ids"])  # fmt: skip
+        if full[: len(before)] != before:
+            raise ValueError(
+                f"{where}: the chat template renders the prompt differently once the {key} answer follows, so "
+                f"the completion's tokens cannot be told; give --chat-template (e.g. chatml)"
+            )
+        return full, [0] * len(before) + [1] * (len(full) - len(before))
+
+
+def load_pairs(records, encoder: PairEncoder, seq_len: int, pad_id: int, drop_long: bool = False) -> PairDataset:
+    """Every record of ``records`` as a pair of rows (module docstring)."""
+    stats = PackStats(seq_len=seq_len)
+    ids, labels, refs = [], [], []
+    with_refs = None
+    for k, record in enumerate(records):
+        where = f"record {k + 1}"
+        rows, ref = encoder(record, where)
+        given = all(r is not None for r in ref)
+        if with_refs is None:
+            with_refs = given
+        if given != with_refs:
+            raise ValueError(
+                f"{where}: {' / '.join(REFERENCE_FIELDS)} given for some records only; give them for all or none"
+            )
+        stats.records += 1
+        stats.tokens += sum(len(r) for r, _ in rows)
+        if any(len(r) > seq_len for r, _ in rows):
+            if drop_long:
+                stats.dropped += 1
+                continue
+            stats.truncated += 1
+        pair = [_padded(r[:seq_len], m[:seq_len], seq_len, pad_id) for r, m in rows]
+        if any(bool((lab == -100).all()) for _, lab in pair):
+            stats.no_loss += 1
+            continue
+        stats.padding_tokens += sum(seq_len - min(len(r), seq_len) for r, _ in rows)
+        ids.append(torch.stack([i for i, _ in pair]))
+        labels.append(torch.stack([lab for _, lab in pair]))
+        if with_refs:
+            refs.append(torch.tensor(ref, dtype=torch.float32))
+    if not ids:
+        raise ValueError(f"no preference pair fits --seq-len {seq_len} with a completion token left")
+    fields = {"input_ids": torch.stack(ids), "labels": torch.stack(labels)}
+    if with_refs:
+        fields["ref_logps"] = torch.stack(refs)
+    stats.blocks = 2 * len(ids)
+    stats.loss_tokens = int((fields["labels"] != -100).sum())
+    return PairDataset(fields, stats)
+
+
+def _padded(ids: list[int], mask: list[int], seq_len: int, pad_id: int):
+    row = torch.full((seq_len,), pad_id, dtype=torch.long)
+    row[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+    lab = torch.full((seq_len,), -100, dtype=torch.long)
+    keep = torch.tensor(mask, dtype=torch.bool)
+    lab[: len(ids)] = row[: len(ids)].masked_fill(~keep, -100)
+    return row, lab
