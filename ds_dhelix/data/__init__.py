@@ -4,6 +4,7 @@ corpus   the embedded corpus and its cached byte-level BPE tokenizer
 text     a .txt file, its documents, their token ids
 records  data files through datasets, their format, token ids + loss masks (RecordEncoder)
 packing  encoded records -> blocks (Packer), what the loss sees (PackStats)
+preference  prompt/chosen/rejected records -> paired rows for a preference objective (PairDataset)
 sources  DataOptions -> load_data -> TrainingData (train / eval blocks or a stream)
 batches  blocks by packing (concat | docs | none), shuffled, sharded over DP, resumable
 inputs   causal-LM targets, positions, attention masks (shared with the op graphs)
