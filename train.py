@@ -54,15 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         default=None,
         help="training data: .txt, .jsonl, .json, .parquet or a datasets.save_to_disk directory, read "
-        "through datasets; records of text, chat messages, prompt/completion, or prompt/chosen/rejected "
-        "preference pairs (--objective) (default: the embedded corpus)",
+        "through datasets; records of text, chat messages, prompt/completion, prompt/chosen/rejected "
+        "preference pairs or prompt/completions/rewards rollouts (--objective) (default: the embedded corpus)",
     )
     p.add_argument(
         "--data-format",
         default=None,
-        choices=["text", "chat", "prompt-completion", "preference"],
+        choices=["text", "chat", "prompt-completion", "preference", "rollouts"],
         help="the records' format (default: told from the first record: 'chosen' and 'rejected' -> "
-        "preference, 'messages' -> chat, 'prompt' and 'completion' -> prompt-completion, 'text' -> text)",
+        "preference, 'completions' or 'completion_ids' -> rollouts, 'messages' -> chat, 'prompt' and 'completion' -> prompt-completion, 'text' -> text)",
     )
     p.add_argument(
         "--loss-on",
@@ -94,22 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="concat: records back to back (EOS after text and completions), crossing blocks; docs: "
         "positions restart and attention is masked at each record, and chat / prompt-completion "
         "records are never split (whole records per block, then padding); none: one record per block, "
-        "padded (default: none for preference pairs, which are padded rows, else concat)",
+        "padded (default: none for preference pairs and rollouts, which are padded rows, else concat)",
     )
     p.add_argument(
         "--objective",
         default=None,
-        choices=["cross_entropy", "dpo", "ipo", "simpo", "orpo"],
+        choices=["cross_entropy", "dpo", "ipo", "simpo", "orpo", "grpo"],
         help="the loss (sets the ds_config's dhelix.objective.name; default: its value, else "
         "cross_entropy): dpo, ipo, simpo and orpo train on preference pairs (--data with prompt / "
         "chosen / rejected); dpo and ipo compare with the reference model: ref_chosen_logps / "
-        "ref_rejected_logps in the data, or under LoRA the model with the adapter off",
+        "ref_rejected_logps in the data, or under LoRA the model with the adapter off; grpo updates the "
+        "policy on rollouts (prompt / completions / rewards); its other settings in dhelix.objective",
     )
     p.add_argument(
         "--beta",
         type=float,
         default=None,
-        help="the preference objective's beta (dhelix.objective.beta; default 0.1, simpo 2.0)",
+        help="the objective's beta (dhelix.objective.beta; default 0.1, simpo 2.0; grpo: the KL coefficient, default 0)",
     )
     p.add_argument(
         "--drop-long",
@@ -390,21 +391,32 @@ def _set_objective(args, ds_config) -> None:
         section["beta"] = args.beta
 
 
+OBJECTIVE_DATA = {
+    "preference": "preference pairs (prompt / chosen / rejected)",
+    "rollouts": "rollouts (prompt / completions / rewards)",
+}
+
+
 def _check_objective_data(args, setup, data, lora) -> None:
     """The objective and the data agree: preference pairs for a paired objective (with their
-    reference log-probabilities unless LoRA lets the engine compute them), other data otherwise."""
+    reference log-probabilities unless LoRA lets the engine compute them), rollouts for grpo,
+    other data for cross-entropy; the step's average fits the objective."""
     objective = setup.dh.objective
-    pairs = data.format == "preference"
-    if pairs != objective.paired:
+    wants = "preference" if objective.paired else "rollouts" if objective.name == "grpo" else None
+    if data.format != wants and (wants or data.format in OBJECTIVE_DATA):
+        if wants is None:
+            fix = "--objective dpo, ipo, simpo or orpo" if data.format == "preference" else "--objective grpo"
+            raise ValueError(f"--data holds {OBJECTIVE_DATA[data.format]}: choose their objective ({fix})")
         raise ValueError(
-            "--data holds preference pairs (prompt / chosen / rejected): choose a preference objective "
-            "(--objective dpo, ipo, simpo or orpo)"
-            if pairs
-            else f"objective {objective.name!r} trains on preference pairs; --data holds {data.format} records "
-            f"(give records with prompt, chosen and rejected)"
+            f"objective {objective.name!r} trains on {OBJECTIVE_DATA[wants]}; --data holds {data.format} records"
         )
-    if not pairs:
-        return
+    if wants == "preference":
+        _check_pairs(args, objective, data, lora)
+    elif wants == "rollouts":
+        _check_rollouts(args, objective, data)
+
+
+def _check_pairs(args, objective, data, lora) -> None:
     if args.loss_average == "tokens":
         raise ValueError(
             "--loss-average tokens with a preference objective: its loss is a mean over pairs (each "
@@ -424,16 +436,38 @@ def _check_objective_data(args, setup, data, lora) -> None:
         )
 
 
+def _check_rollouts(args, objective, data) -> None:
+    """GRPO: the step's average is its loss_type's (dapo: over the step's tokens on every replica;
+    the others: the mean of the micro-batches'); its KL term needs the reference's log-probabilities."""
+    average = "tokens" if objective.loss_type == "dapo" else "microbatches"
+    if args.loss_average not in (None, average):
+        raise ValueError(
+            f"--loss-average {args.loss_average} with grpo's loss_type {objective.loss_type!r}, which averages over "
+            f"{'the step' if average == 'tokens' else 'each micro-batch'}: drop the flag (or choose another loss_type)"
+        )
+    args.loss_average = average
+    refs = "ref_token_logps" in data.train.fields
+    if objective.default_beta and not refs:
+        raise ValueError(
+            f"grpo with beta {objective.default_beta} (the KL term) needs the reference's per-token "
+            f"log-probabilities: give ref_logps (with prompt_ids / completion_ids) in the data, or beta 0"
+        )
+    if refs and not objective.default_beta:
+        raise ValueError(
+            "the data's ref_logps would not be read: grpo's beta is 0 (no KL term); set --beta (e.g. 0.04) or drop them"
+        )
+
+
 def _default_packing(args) -> str:
-    """--packing's default: none (padded rows) for preference pairs, else concat."""
+    """--packing's default: none (padded rows) for preference pairs and rollouts, else concat."""
+    from ds_dhelix.data.records import ROW_FORMATS, detect_format, first_record, open_records
+
     if args.data_format is not None:
-        return "none" if args.data_format == "preference" else "concat"
+        return "none" if args.data_format in ROW_FORMATS else "concat"
     if args.data is None:
         return "concat"
-    from ds_dhelix.data.records import detect_format, first_record, open_records
-
     first = first_record(open_records(os.path.expanduser(args.data), streaming=True))
-    return "none" if detect_format(first, args.data) == "preference" else "concat"
+    return "none" if detect_format(first, args.data) in ROW_FORMATS else "concat"
 
 
 def lora_asked(args) -> bool:
@@ -477,7 +511,8 @@ def _check_flags(args) -> None:
 def _check_packing(args, setup, model_config) -> None:
     from hf_models.adapters import is_moe
 
-    if args.packing == "none" and setup.dh.enabled and is_moe(model_config) and not setup.dh.objective.paired:
+    objective_rows = setup.dh.objective.name != "cross_entropy"  # (pairs and rollouts are padded rows)
+    if args.packing == "none" and setup.dh.enabled and is_moe(model_config) and not objective_rows:
         raise ValueError(
             "--packing none pads documents, and the MoE router's load-balancing loss would count the "
             "padded tokens (HF leaves them out); use --packing docs (or concat) with an MoE model"
@@ -529,7 +564,9 @@ def _data(args, setup, model_config, lora=None):
     from hf_models.registry import load_tokenizer_for
 
     tokenizer = load_tokenizer_for(args.model, tokenizer=args.tokenizer)
-    data = load_data(data_options(args, tokenizer), tokenizer)
+    options = data_options(args, tokenizer)
+    options.scale_rewards = setup.dh.objective.scale_rewards  # (rollouts with rewards)
+    data = load_data(options, tokenizer)
     _check_objective_data(args, setup, data, lora)
     if args.chat_template is not None:  # (chat data only: load_data refuses it otherwise)
         from ds_dhelix.data.records import resolve_chat_template
@@ -540,7 +577,7 @@ def _data(args, setup, model_config, lora=None):
     if data.train is not None and len(data.train) < need:
         s = data.stats
         dropped = f", {s.dropped} left out as longer (--drop-long)" if s.dropped else ""
-        blocks = "preference pairs" if data.format == "preference" else "blocks"
+        blocks = {"preference": "preference pairs", "rollouts": "completions"}.get(data.format, "blocks")
         raise ValueError(
             f"{args.data or 'the corpus'} has {s.tokens} tokens in {s.records} records{dropped}: "
             f"{len(data.train)} {blocks} of --seq-len {args.seq_len} (--packing {args.packing}), fewer than one micro-batch "

@@ -17,7 +17,7 @@ from torch import nn
 
 from ds_dhelix.data.inputs import shifted_targets, valid_targets
 from ds_dhelix.graph.model_graph import comm, comp
-from ds_dhelix.graph.objectives import REFERENCE_KEY
+from ds_dhelix.graph.objectives import ROW_KEYS, TOKEN_KEYS
 from ds_dhelix.runtime.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
 from ds_dhelix.runtime.groups import ContextShards
 
@@ -121,8 +121,7 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
             "batch": b,
             "serial": serial,
         }
-        if REFERENCE_KEY in batch:  # a preference objective's reference log-probabilities, one per row
-            side[REFERENCE_KEY] = batch[REFERENCE_KEY]
+        _objective_columns(side, batch, sl)
         if tp > 1:  # the TP group's tokens, in TP rank order (the vocab-parallel embedding and loss)
             group = local if ring else slice(sl.start - tp_rank * n, sl.start + (tp - tp_rank) * n)
             side.update(tp_ids=ids[:, group], tp_targets=targets[:, group].t().contiguous())
@@ -132,6 +131,19 @@ def make_side_fn(tp: int, tp_rank: int, extra=None, cp: ContextShards | None = N
         return side
 
     return make_side
+
+
+def _objective_columns(side: dict, batch: dict, sl) -> None:
+    """An objective's batch columns into the side: per row as they are ([b]), per token shifted as
+    the targets are and cut to this rank's shard ([n, b]: the value of the token each position predicts)."""
+    for key in ROW_KEYS:
+        if key in batch:
+            side[key] = batch[key]
+    for key in TOKEN_KEYS:
+        if key in batch:
+            x = batch[key]
+            shifted = torch.cat([x[:, 1:], x.new_zeros(x.shape[0], 1)], dim=1)
+            side[key] = shifted[:, sl].t().contiguous()
 
 
 def _positions(position_ids, s: int, sl, device, b: int, n: int):

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_dhelix.graph.objectives import METRICS
+from ds_dhelix.graph.objectives import GRPO_METRICS, METRICS
 from ds_dhelix.runtime.spawn import run_ranks
 
 PAIRS, SEQ = 2, 16
@@ -87,6 +87,11 @@ def direct_first_step(opts, step, objective: dict):
     beta = objective.get("beta", {"simpo": 2.0}.get(objective["name"], 0.1))
     total = 0.0
     for b in step:
+        if objective["name"] == "grpo":
+            loss = direct_grpo(model, b, objective) / len(step)
+            loss.backward()
+            total += loss.item()
+            continue
         ref = b.get("ref_logps")
         if ref is None and objective["name"] in ("dpo", "ipo"):
             with torch.no_grad(), model.disable_adapter():
@@ -118,11 +123,58 @@ def _first_step_world(rank, world, cases):
     out = {}
     for name, (model, layout, objective, ref) in cases.items():
         opts = _opts(model, layout, objective)
-        steps = [pair_batches(512, opts.dp * opts.micro_batches, ref=ref)]
+        if objective["name"] == "grpo":
+            steps = [rollout_batches(opts, opts.dp * opts.micro_batches, kl=bool(objective.get("beta")))]
+        else:
+            steps = [pair_batches(512, opts.dp * opts.micro_batches, ref=ref)]
         ours = first_step(opts, steps)
         direct = direct_first_step(opts, steps[0], objective) if rank == 0 else None
         out[name] = (ours, direct)
     return out
+
+
+def rollout_batches(opts, num: int, kl: bool, rows: int = 4, seed: int = 9):
+    """``num`` micro-batches of ``rows`` sampled completions (random prompts and completions, right
+    padding), each with an advantage, the sampling policy's per-token log-probabilities (the start
+    model's plus noise: ratios around 1, some clipped) and with ``kl`` the reference's."""
+    from ds_dhelix.verify.options import build
+
+    model = build(opts, stochastic=False)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for batch in pair_batches(512, num, pairs=rows // 2, seed=seed, ref=False):
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"]).logits.float()
+        tok = logits.log_softmax(-1)[:, :-1].gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+        aligned = torch.cat([torch.zeros(rows, 1), tok], dim=1)  # the value of token t at position t
+        batch["advantages"] = torch.randn(rows, generator=g)
+        batch["old_logps"] = aligned + 0.3 * torch.randn(aligned.shape, generator=g)
+        if kl:
+            batch["ref_token_logps"] = aligned + 0.2 * torch.randn(aligned.shape, generator=g)
+        out.append(batch)
+    return out
+
+
+def direct_grpo(model, batch, objective: dict):
+    """GRPO's loss of one micro-batch, as TRL's ``_compute_loss`` forms it."""
+    logits = model(input_ids=batch["input_ids"]).logits.float()[:, :-1]
+    labels = batch["labels"][:, 1:]
+    mask = (labels != -100).float()
+    tok = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    adv = batch["advantages"].unsqueeze(1)
+    eps, high = objective.get("epsilon", 0.2), objective.get("epsilon_high") or objective.get("epsilon", 0.2)
+    ratio = torch.exp(tok - batch["old_logps"][:, 1:])
+    per = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + high) * adv)
+    beta = objective.get("beta", 0.0)
+    if beta:
+        d = batch["ref_token_logps"][:, 1:] - tok
+        per = per + beta * (torch.exp(d) - d - 1)
+    kind = objective.get("loss_type", "dapo")
+    if kind == "grpo":
+        return ((per * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if kind == "dr_grpo":
+        return (per * mask).sum() / (per.shape[0] * objective["max_completion_length"])
+    return (per * mask).sum() / mask.sum().clamp(min=1.0)  # bnpo; dapo over one micro-batch's tokens
 
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
@@ -135,6 +187,25 @@ FIRST_STEP = {
     "orpo-tp2": ("tiny-llama", {"tp": 2}, {"name": "orpo", "beta": 0.2}, False),
     "dpo-ep2": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}, {"name": "dpo"}, True),
     "orpo-ep2": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}, {"name": "orpo"}, False),
+    "grpo-seq-kl-tp2": ("tiny-llama", {"tp": 2}, {"name": "grpo", "loss_type": "grpo", "beta": 0.04}, False),
+    "grpo-dapo-clip-higher-tp2": (
+        "tiny-llama",
+        {"tp": 2},
+        {"name": "grpo", "loss_type": "dapo", "epsilon": 0.1, "epsilon_high": 0.28},
+        False,
+    ),
+    "grpo-dr-ep2": (
+        "tiny-qwen3-moe",
+        {"tp": 1, "dp": 2, "ep": 2},
+        {"name": "grpo", "loss_type": "dr_grpo", "max_completion_length": 12},
+        False,
+    ),
+    "grpo-bnpo-kl-ep2": (
+        "tiny-qwen3-moe",
+        {"tp": 1, "dp": 2, "ep": 2},
+        {"name": "grpo", "loss_type": "bnpo", "beta": 0.1},
+        False,
+    ),
 }
 
 
@@ -172,7 +243,10 @@ def _engine_world(rank, world, cases):
     out = {}
     for name, (model, layout, objective, ref) in cases.items():
         opts = _opts(model, layout, objective)
-        steps = [pair_batches(512, opts.dp * opts.micro_batches, ref=ref, seed=5 + k) for k in range(2)]
+        if objective["name"] == "grpo":
+            steps = [rollout_batches(opts, opts.dp * opts.micro_batches, kl=True, seed=9 + k) for k in range(2)]
+        else:
+            steps = [pair_batches(512, opts.dp * opts.micro_batches, ref=ref, seed=5 + k) for k in range(2)]
         mine = [my_share(opts, s, rank % opts.dp) for s in steps]
         seq = _train(opts, "sequential", mine)
         si = _train(opts, "si", mine)
@@ -186,6 +260,8 @@ ENGINE = {
     "dpo-ep2": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}, {"name": "dpo"}, True),
     "dpo-lora-tp2": ("tiny-llama", {"tp": 2, "lora": LORA}, {"name": "dpo"}, False),  # reference: adapter off
     "ipo-lora-ep2": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2, "lora": ATTN_LORA}, {"name": "ipo"}, False),
+    "grpo-tp2": ("tiny-llama", {"tp": 2}, {"name": "grpo", "loss_type": "grpo", "beta": 0.04}, True),
+    "grpo-ep2": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}, {"name": "grpo", "beta": 0.04}, True),
 }
 
 
@@ -198,9 +274,13 @@ def test_si_equals_sequential_and_the_reference_pass():
             assert losses == si_losses, (name, rank, losses, si_losses)
             for n in params:
                 assert torch.equal(params[n], si_params[n]), (name, rank, n)
-            assert metrics == si_metrics and set(metrics[0]) == set(METRICS), (name, metrics, si_metrics)
+            names = GRPO_METRICS if name.startswith("grpo") else METRICS
+            assert metrics == si_metrics and set(metrics[0]) == set(names), (name, metrics, si_metrics)
             m = metrics[0]
-            assert abs(m["rewards/margins"] - (m["rewards/chosen"] - m["rewards/rejected"])) < 1e-6, (name, m)
+            if name.startswith("grpo"):
+                assert m["kl"] > 0 and 0 < m["clip_ratio/region"] < 1 and m["completions/length"] > 3, (name, m)
+            else:
+                assert abs(m["rewards/margins"] - (m["rewards/chosen"] - m["rewards/rejected"])) < 1e-6, (name, m)
             if direct is not None:  # LoRA: the engine's reference pass = PEFT's disable_adapter
                 assert abs(losses[0] - direct) < 1e-5, (name, losses[0], direct)
 
@@ -257,3 +337,89 @@ def test_train_py_dpo_with_lora_learns_and_its_adapter_reproduces_the_probe(tmp_
     loss = direct_loss("dpo", sums, counts, ref, 0.1)
     assert abs(float(loss) - summary["probe_loss"]) < 1e-5, (float(loss), summary["probe_loss"])
     json.dumps(summary)  # (the summary stays JSON)
+
+
+def rollout_file(path, records: int = 32, seed: int = 0) -> str:
+    """Groups of four completions per prompt: two start with "yes" and use the first five words
+    (reward 1), two use the others (reward 0)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = "the cat dog sat on mat ran far away big small red blue tree house".split()
+    with open(path, "w") as f:
+        for _ in range(records):
+            prompt = " ".join(rng.choice(words) for _ in range(rng.randint(3, 6)))
+            good = ["yes " + " ".join(rng.choice(words[:5]) for _ in range(rng.randint(2, 5))) for _ in range(2)]
+            bad = [" ".join(rng.choice(words[5:]) for _ in range(rng.randint(2, 6))) for _ in range(2)]
+            f.write(json.dumps({"prompt": prompt, "completions": good + bad, "rewards": [1, 1, 0, 0]}) + "\n")
+    return str(path)
+
+
+def reward_gap(model, tokenizer, path) -> float:
+    """Mean per-token log-probability of the rewarded completions minus the others'."""
+    import json
+
+    sums = {True: [], False: []}
+    for line in open(path):
+        r = json.loads(line)
+        p = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+        for c, reward in zip(r["completions"], r["rewards"]):
+            ids = tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([p + ids])).logits.float()[0, len(p) - 1 : -1]
+            sums[bool(reward)].append(float(logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).mean()))
+    return sum(sums[True]) / len(sums[True]) - sum(sums[False]) / len(sums[False])
+
+
+@pytest.mark.slow
+def test_train_py_grpo_raises_the_rewarded_completions(tmp_path):
+    """train.py --objective grpo on rollouts with rewards (TP=2, SI, full fine-tune, DAPO's token
+    average): the exported model prefers the rewarded completions (their mean token log-probability
+    rises by more than 1 nat over the others', from about 0); the summary carries GRPO's metrics."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_models.registry import build_model, load_tokenizer_for
+    from tests.test_train_e2e import run_train
+
+    data = rollout_file(tmp_path / "rollouts.jsonl")
+    summary, proc = run_train(tmp_path, steps=20, extra=("--data", data, "--objective", "grpo"))
+    assert summary["objective"]["name"] == "grpo" and set(summary["objective"]["last"]) == set(GRPO_METRICS)
+    assert summary["data"]["loss_average"] == "tokens" and summary["data"]["format"] == "rollouts"
+    assert "grpo: kl" in proc.stdout
+    tokenizer = load_tokenizer_for("tiny-llama")
+    before = reward_gap(build_model("tiny-llama", seed=1234)[0].eval(), tokenizer, data)
+    after = reward_gap(AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval(), tokenizer, data)
+    assert abs(before) < 0.2 and after > before + 1.0, (before, after)
+
+
+def test_rollouts_are_rows_with_their_advantages_and_aligned_log_probabilities():
+    """``rollouts.py``: rewards normalised per group as TRL does (unbiased std + 1e-4, or only the
+    mean with scale_rewards none), per-token values at their tokens' positions, cut rows counted."""
+    from ds_dhelix.data.rollouts import RolloutEncoder, load_rollouts
+    from hf_models.registry import load_tokenizer_for
+
+    tok = load_tokenizer_for("tiny-llama")
+    record = {
+        "prompt_ids": [5, 6, 7],
+        "completion_ids": [[8, 9], [10, 11, 12], [13]],
+        "rewards": [1.0, 0.0, 0.5],
+        "old_logps": [[-1.0, -2.0], [-3.0, -4.0, -5.0], [-6.0]],
+        "ref_logps": [[-1.5, -2.5], [-3.5, -4.5, -5.5], [-6.5]],
+    }
+    data = load_rollouts([record], RolloutEncoder(tok), seq_len=6, pad_id=0)
+    f = data.fields
+    r = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    assert torch.allclose(f["advantages"], ((r - r.mean()) / (r.std() + 1e-4)).float())
+    assert f["input_ids"][1].tolist() == [5, 6, 7, 10, 11, 12]
+    assert f["labels"][1].tolist() == [-100, -100, -100, 10, 11, 12]
+    assert f["old_logps"][1].tolist() == [0, 0, 0, -3.0, -4.0, -5.0]
+    assert f["ref_token_logps"][2].tolist() == [0, 0, 0, -6.5, 0, 0]
+    assert f["labels"][2].tolist() == [-100, -100, -100, 13, -100, -100]
+    cut = load_rollouts([record], RolloutEncoder(tok, scale_rewards="none"), seq_len=5, pad_id=0)
+    assert cut.stats.truncated == 1 and cut.fields["old_logps"][1].tolist() == [0, 0, 0, -3.0, -4.0]
+    assert torch.allclose(cut.fields["advantages"], (r - r.mean()).float())
+    with pytest.raises(ValueError, match="'rewards' or their 'advantages'"):
+        load_rollouts([{**record, "advantages": [0, 0, 0]}], RolloutEncoder(tok), 6, 0)
+    with pytest.raises(ValueError, match="of its length"):
+        load_rollouts([{**record, "old_logps": [[-1.0], [-3.0, -4.0, -5.0], [-6.0]]}], RolloutEncoder(tok), 6, 0)

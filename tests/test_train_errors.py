@@ -82,6 +82,21 @@ def _pairs(tmp, refs=False) -> str:
     return _file(tmp, "pairs.jsonl", "\n".join(lines) + "\n")
 
 
+def _rollouts(tmp, ids=False, old_on_text=False) -> str:
+    """Eight groups of two completions with rewards (``ids``: as token ids with the reference's
+    per-token log-probabilities; ``old_on_text``: text completions with sampling log-probabilities)."""
+    lines = []
+    for k in range(8):
+        if ids:
+            record = {"prompt_ids": [5, 6, 7], "completion_ids": [[8, 9], [10]], "ref_logps": [[-1.0, -2.0], [-3.0]]}
+        else:
+            record = {"prompt": f"question {k}", "completions": ["a good answer", "a bad one"]}
+            if old_on_text:
+                record["old_logps"] = [[-1.0] * 3, [-1.0] * 3]
+        lines.append(json.dumps({**record, "rewards": [1.0, 0.0]}))
+    return _file(tmp, "rollouts.jsonl", "\n".join(lines) + "\n")
+
+
 def _setdh(key, value):
     def change(cfg):
         cfg["dhelix"][key] = value
@@ -415,7 +430,7 @@ CASES = [
         "preference-packed",
         2,
         lambda t: ["--deepspeed", BASE, "--objective", "orpo", "--data", _pairs(t), "--packing", "concat"],
-        ["preference pairs", "--packing none"],
+        ["preference records", "padded rows", "--packing none"],
     ),
     (
         "preference-evaluation",
@@ -440,6 +455,62 @@ CASES = [
         2,
         lambda t: ["--deepspeed", PP, "--objective", "orpo", "--data", _pairs(t)],
         ["'orpo'", "pipeline", "not supported yet"],
+    ),
+    (
+        "grpo-on-preference-pairs",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "grpo", "--data", _pairs(t)],
+        ["'grpo'", "rollouts", "preference records"],
+    ),
+    (
+        "rollouts-with-cross-entropy",
+        2,
+        lambda t: ["--deepspeed", BASE, "--data", _rollouts(t)],
+        ["rollouts", "--objective grpo"],
+    ),
+    (
+        "grpo-kl-without-references",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "grpo", "--beta", "0.04", "--data", _rollouts(t)],
+        ["beta 0.04", "ref_logps", "or beta 0"],
+    ),
+    (
+        "grpo-references-without-kl",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "grpo", "--data", _rollouts(t, ids=True)],
+        ["ref_logps would not be read", "--beta"],
+    ),
+    (
+        "grpo-sampling-log-probs-of-text",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "grpo", "--data", _rollouts(t, old_on_text=True)],
+        ["record 1", "prompt_ids and completion_ids"],
+    ),
+    (
+        "grpo-average-of-another-loss-type",
+        2,
+        lambda t: [
+            "--deepspeed",
+            BASE,
+            "--objective",
+            "grpo",
+            "--data",
+            _rollouts(t),
+            "--loss-average",
+            "microbatches",
+        ],
+        ["--loss-average microbatches", "'dapo'"],
+    ),
+    (
+        "grpo-key-on-dpo",
+        2,
+        lambda t: [
+            "--deepspeed",
+            _config(t, _setdh("objective", {"name": "dpo", "epsilon": 0.3})),
+            "--data",
+            _pairs(t),
+        ],
+        ["dhelix.objective.epsilon", "applies to grpo"],
     ),
     (
         "label-smoothing-on-ipo",

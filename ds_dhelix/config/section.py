@@ -268,8 +268,12 @@ class MoeConfig(_Section):
             raise self._fail("kernels", f"choose one of {', '.join(MOE_KERNELS)}")
 
 
-OBJECTIVES = ("cross_entropy", "dpo", "ipo", "simpo", "orpo")
-"""Valid values of ``dhelix.objective.name`` (``ds_dhelix.objectives``)."""
+PAIRED_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+OBJECTIVES = ("cross_entropy", *PAIRED_OBJECTIVES, "grpo")
+"""Valid values of ``dhelix.objective.name`` (``ds_dhelix.graph.objectives``)."""
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+"""How GRPO's per-token losses are averaged (``dhelix.objective.loss_type``)."""
+GRPO_KEYS = ("epsilon", "epsilon_high", "loss_type", "max_completion_length", "scale_rewards")
 
 
 @dataclass(frozen=True)
@@ -277,21 +281,44 @@ class ObjectiveConfig(_Section):
     """What the head's loss is (``ds_dhelix.objectives``; guide: post-training)."""
 
     _path: ClassVar[str] = "dhelix.objective"
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"name": OBJECTIVES}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "name": OBJECTIVES,
+        "loss_type": GRPO_LOSS_TYPES,
+        "scale_rewards": ("group", "none"),
+    }
 
     name: str = "cross_entropy"
     """"cross_entropy" (next-token prediction, the default) or a preference objective over rows
     paired in each micro-batch (its first half the chosen completions, its second half the rejected
     ones, as TRL's DPOTrainer concatenates them): "dpo" (TRL's sigmoid loss), "ipo" (length-
     normalised log-ratios), "simpo" (no reference; length-normalised log-probabilities and a
-    margin), "orpo" (no reference; the chosen rows' NLL and an odds-ratio term)."""
+    margin), "orpo" (no reference; the chosen rows' NLL and an odds-ratio term); or "grpo", the
+    policy-gradient update of GRPO on sampled completions with their advantages (the clipped
+    surrogate, an optional KL term)."""
     beta: float | None = None
-    """The objective's beta (DPO's temperature, IPO's tau, SimPO's and ORPO's weight); null = TRL's
-    default: 0.1 (dpo, ipo, orpo), 2.0 (simpo, as its paper)."""
+    """The objective's beta (DPO's temperature, IPO's tau, SimPO's and ORPO's weight, GRPO's KL
+    coefficient); null = TRL's default: 0.1 (dpo, ipo, orpo), 2.0 (simpo, as its paper), 0.0 (grpo:
+    no KL term)."""
     label_smoothing: float = 0.0
     """dpo / simpo: the probability that a pair's preference is flipped (conservative DPO); 0 = none."""
     simpo_gamma: float = 0.5
     """simpo: the target reward margin gamma (the loss is -logsigmoid(beta x delta - gamma))."""
+    epsilon: float = 0.2
+    """grpo: the ratio's clipping range below 1 (``1 - epsilon``), and above it unless
+    ``epsilon_high`` is set."""
+    epsilon_high: float | None = None
+    """grpo: the clipping range above 1 (DAPO's clip-higher, e.g. 0.28); null = ``epsilon``."""
+    loss_type: str = "dapo"
+    """grpo: how the per-token losses are averaged: "grpo" (each completion's mean, then the mean
+    over completions), "bnpo" (over the micro-batch's completion tokens), "dr_grpo" (the sum over
+    completions x ``max_completion_length``), "dapo" (over the step's completion tokens on every
+    replica: train.py's token average), as TRL defines them."""
+    max_completion_length: int | None = None
+    """grpo with loss_type "dr_grpo": the constant the summed loss is divided by, per completion;
+    null = the sequence length."""
+    scale_rewards: str = "group"
+    """grpo, records with rewards (not advantages): each reward minus its group's mean, divided by the
+    group's standard deviation + 1e-4 ("group", TRL's default) or not ("none", Dr. GRPO)."""
 
     def __post_init__(self):
         self._check_types()
@@ -299,7 +326,18 @@ class ObjectiveConfig(_Section):
             close = difflib.get_close_matches(self.name, OBJECTIVES, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise self._fail("name", f"choose one of {', '.join(OBJECTIVES)}{hint}")
-        self._positive("beta")
+        if self.name != "grpo":
+            self._positive("beta")
+        elif self.beta is not None and self.beta < 0:
+            raise self._fail("beta", "must be >= 0 (0: no KL term)")
+        for key in GRPO_KEYS:
+            if self.name != "grpo" and getattr(self, key) != ObjectiveConfig.__dataclass_fields__[key].default:
+                raise self._fail(key, f"applies to grpo; objective {self.name!r} has none")
+        for key in ("epsilon", "epsilon_high", "max_completion_length"):
+            self._positive(key)
+        for key, choices in self.CHOICES.items():
+            if getattr(self, key) not in choices:
+                raise self._fail(key, f"choose one of {', '.join(choices)}")
         if not 0 <= self.label_smoothing < 0.5:
             raise self._fail("label_smoothing", "must be in [0, 0.5)")
         if self.label_smoothing and self.name not in ("dpo", "simpo"):
@@ -310,11 +348,11 @@ class ObjectiveConfig(_Section):
     @property
     def paired(self) -> bool:
         """Rows paired chosen / rejected inside each micro-batch."""
-        return self.name != "cross_entropy"
+        return self.name in PAIRED_OBJECTIVES
 
     @property
     def default_beta(self) -> float:
-        return self.beta if self.beta is not None else {"simpo": 2.0}.get(self.name, 0.1)
+        return self.beta if self.beta is not None else {"simpo": 2.0, "grpo": 0.0}.get(self.name, 0.1)
 
 
 CP_COMMS = ("ulysses", "ring")
@@ -619,19 +657,22 @@ class DhelixConfig(_Section):
             )
 
     def _check_objective(self) -> None:
-        """A paired objective needs each micro-batch whole on one stage: no halves, no pipeline (yet)."""
+        """An objective other than cross-entropy takes each micro-batch whole (no halves: a pair's
+        rows, a micro-batch's averages) on one stage (no pipeline yet)."""
         name = self.objective.name
-        if not self.objective.paired:
+        if name == "cross_entropy":
             return
         if self.schedule == "intra" or (self.schedule == "auto" and "intra" in self.auto_schedules):
             raise ValueError(
-                f"dhelix.objective {name!r} pairs the rows of a micro-batch, and schedule 'intra' cuts each "
-                f'micro-batch in two along its rows; use "schedule": "si" (or drop \'intra\' from auto_candidates)'
+                f"dhelix.objective {name!r} takes each micro-batch whole (its pairs, its averages), and schedule "
+                f"'intra' cuts each micro-batch in two along its rows; use \"schedule\": \"si\" (or drop 'intra' "
+                f"from auto_candidates)"
             )
         if self.pipeline.stages > 1:
             raise ValueError(
                 f"dhelix.objective {name!r} with a pipeline ({self.pipeline.stages} stages) is not supported yet: "
-                f"preference objectives run on one-stage layouts (TP, EP, CP, DP); remove the pipeline section"
+                f"objectives other than cross_entropy run on one-stage layouts (TP, EP, CP, DP); remove the "
+                f"pipeline section"
             )
 
     def _check_si_execution(self) -> None:

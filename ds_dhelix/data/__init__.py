@@ -5,6 +5,7 @@ text     a .txt file, its documents, their token ids
 records  data files through datasets, their format, token ids + loss masks (RecordEncoder)
 packing  encoded records -> blocks (Packer), what the loss sees (PackStats)
 preference  prompt/chosen/rejected records -> paired rows for a preference objective (PairDataset)
+rollouts  a prompt's sampled completions with rewards -> rows for GRPO's update
 sources  DataOptions -> load_data -> TrainingData (train / eval blocks or a stream)
 batches  blocks by packing (concat | docs | none), shuffled, sharded over DP, resumable
 inputs   causal-LM targets, positions, attention masks (shared with the op graphs)

@@ -14,7 +14,9 @@ Formats:
 - ``prompt-completion``: ``prompt`` and ``completion`` strings, each tokenised alone and joined,
   EOS appended; the loss on the completion and its EOS;
 - ``preference``: ``prompt``, ``chosen`` and ``rejected`` (TRL's preference data), pairs of rows
-  for a preference objective (``preference.py``; not through ``RecordEncoder``).
+  for a preference objective (``preference.py``; not through ``RecordEncoder``);
+- ``rollouts``: a prompt's sampled ``completions`` with their rewards, rows for GRPO's update
+  (``rollouts.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from __future__ import annotations
 import os
 import re
 
-FORMATS = ("text", "chat", "prompt-completion", "preference")
+FORMATS = ("text", "chat", "prompt-completion", "preference", "rollouts")
+ROW_FORMATS = ("preference", "rollouts")
+"""Formats whose records become padded rows of their own (an objective's data, never packed)."""
 LOSS_ON = ("all", "answers")
 DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -152,12 +156,15 @@ def first_record(records) -> dict:
 
 def detect_format(record: dict, where: str = "the data") -> str:
     """The format of a record by its fields: ``chosen`` + ``rejected`` -> preference (pairs,
-    ``preference.py``), ``messages`` -> chat, ``prompt`` + ``completion`` -> prompt-completion,
+    ``preference.py``), ``completions`` / ``completion_ids`` -> rollouts (GRPO, ``rollouts.py``),
+    ``messages`` -> chat, ``prompt`` + ``completion`` -> prompt-completion,
     ``text`` -> text."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a record must be an object, got {type(record).__name__}")
     if "chosen" in record and "rejected" in record:
         return "preference"
+    if "completions" in record or "completion_ids" in record:
+        return "rollouts"
     if "messages" in record:
         return "chat"
     if "prompt" in record and "completion" in record:
@@ -166,8 +173,8 @@ def detect_format(record: dict, where: str = "the data") -> str:
         return "text"
     raise ValueError(
         f"{where}: cannot tell the format from the fields {sorted(record)}: give 'text', 'messages' "
-        f"(chat), 'prompt' and 'completion', or 'prompt', 'chosen' and 'rejected' (preference pairs) "
-        f"(or force one with --data-format)"
+        f"(chat), 'prompt' and 'completion', 'prompt', 'chosen' and 'rejected' (preference pairs), or "
+        f"'prompt' and 'completions' (rollouts) (or force one with --data-format)"
     )
 
 

@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 
 from .batches import BlockDataset, block_batches, stream_batches
 from .packing import Packer, PackStats, stack_blocks
-from .records import FORMATS, LOSS_ON, RecordEncoder, data_size, detect_format, first_record, open_records
+from .records import (
+    FORMATS,
+    LOSS_ON,
+    ROW_FORMATS,
+    RecordEncoder,
+    data_size,
+    detect_format,
+    first_record,
+    open_records,
+)
 
 DEFAULT_STREAM_ABOVE = 256 * 2**20
 ENCODE_BATCH = 256  # records per tokeniser call
@@ -46,6 +55,7 @@ class DataOptions:
     eval_fraction: float = 0.0
     seed: int = 1234
     pad_id: int = 0
+    scale_rewards: str = "group"  # rollouts with rewards: normalised per group ("group") or not ("none")
 
     def check(self) -> None:
         """One-line ValueErrors for values no data could make right."""
@@ -164,8 +174,8 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
             "data, or --loss-on all)"
         )
     _check_applies(options, fmt, streaming)
-    if fmt == "preference":
-        return _preference_data(records, options, tokenizer, t0)
+    if fmt in ROW_FORMATS:
+        return _row_data(records, options, tokenizer, t0, fmt)
     encoder = RecordEncoder(tokenizer, fmt, loss_on, options.chat_template)
     data = TrainingData(fmt, loss_on, options)
     held = None
@@ -200,23 +210,29 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
     return data
 
 
-def _preference_data(records, options: DataOptions, tokenizer, t0: float) -> TrainingData:
-    """Preference pairs (``preference.py``), each padded to its own rows; no evaluation split yet."""
+def _row_data(records, options: DataOptions, tokenizer, t0: float, fmt: str) -> TrainingData:
+    """Preference pairs (``preference.py``) or rollouts (``rollouts.py``), each padded to its own
+    rows; no evaluation split yet."""
     from .preference import PairEncoder, load_pairs
     from .records import resolve_chat_template
+    from .rollouts import RolloutEncoder, load_rollouts
 
     for flag, given in (("--eval-fraction", options.eval_fraction), ("--eval-data", options.eval_path)):
         if given:
-            raise ValueError(f"{flag} with preference data: evaluating a preference objective is not built yet")
+            raise ValueError(
+                f"{flag} with {fmt} data: evaluating an objective other than cross-entropy is not built yet"
+            )
     first = first_record(records)
-    template = (
-        resolve_chat_template(tokenizer, options.chat_template) if not isinstance(first.get("prompt"), str) else None
-    )
-    data = TrainingData("preference", "completions", options)
+    chat = "prompt" in first and not isinstance(first["prompt"], str)
+    template = resolve_chat_template(tokenizer, options.chat_template) if chat else None
+    data = TrainingData(fmt, "completions", options)
+    o = options
     try:
-        data.train = load_pairs(
-            records, PairEncoder(tokenizer, template), options.seq_len, options.pad_id, options.drop_long
-        )
+        if fmt == "preference":
+            data.train = load_pairs(records, PairEncoder(tokenizer, template), o.seq_len, o.pad_id, o.drop_long)
+        else:
+            encoder = RolloutEncoder(tokenizer, template, o.scale_rewards)
+            data.train = load_rollouts(records, encoder, o.seq_len, o.pad_id, o.drop_long)
     except ValueError as err:
         raise ValueError(f"{options.path}: {err}") from None
     data.load_s = time.perf_counter() - t0
@@ -225,13 +241,13 @@ def _preference_data(records, options: DataOptions, tokenizer, t0: float) -> Tra
 
 def _check_applies(options: DataOptions, fmt: str, streaming: bool) -> None:
     """Refuse options these records would not use (none is dropped silently)."""
-    if fmt == "preference" and (streaming or options.packing != "none"):
+    if fmt in ROW_FORMATS and (streaming or options.packing != "none"):
         what = "streamed (larger than --stream-above)" if streaming else f"packed (--packing {options.packing})"
         fix = "raise --stream-above" if streaming else "give --packing none"
-        raise ValueError(f"preference pairs are padded rows, each pair whole; they cannot be {what}: {fix}")
+        raise ValueError(f"{fmt} records are padded rows, each record whole; they cannot be {what}: {fix}")
     if options.chat_template is not None and fmt != "chat":
         raise ValueError(f"--chat-template renders chat records; these are {fmt} records")
-    if options.drop_long and fmt != "preference" and (fmt == "text" or options.packing == "concat"):
+    if options.drop_long and fmt not in ROW_FORMATS and (fmt == "text" or options.packing == "concat"):
         raise ValueError(
             f"--drop-long leaves out chat / prompt-completion records longer than --seq-len under "
             f"--packing docs or none; {fmt} records under --packing {options.packing} flow across "

@@ -73,6 +73,9 @@ def check_attention_mask(batch: dict, k: int, moe: bool = False) -> None:
 class DhelixStepMixin:
     """Step logic shared by the ds_dhelix engines (mixed in before a ``DeepSpeedEngine`` class)."""
 
+    objective_metrics: dict | None = None
+    """An objective's metrics of the last step (``objectives``; None for cross-entropy)."""
+
     dhelix_engine = True
     """Marks ds_dhelix's engines for ``guard`` (they remove the dhelix section before DeepSpeed reads it)."""
 
@@ -311,14 +314,16 @@ class DhelixStepMixin:
         return self.monitor.enabled and self.global_rank == 0 and self.global_steps % self.dhelix.log_interval == 0
 
     def _reduce_objective_metrics(self) -> None:
-        """A preference objective's step metrics (``objectives.METRICS``), means over the step's pairs
-        on every replica (one all-reduce on the DP group, every rank): ``self.objective_metrics``."""
+        """An objective's step metrics (``objectives.METRICS`` / ``GRPO_METRICS``): summed over the
+        ranks of a sequence and the replicas (every rank), then means: ``self.objective_metrics``."""
         objective = self.graph.meta.get("objective")
         self.objective_metrics = None
         if objective is None or objective.metrics.sums is None:
             return
         sums = objective.metrics.sums.clone()
         objective.metrics.reset()
+        if objective.ranks > 1:
+            dist.all_reduce(sums, group=objective.group)
         if self.groups.dp_size > 1:
             dist.all_reduce(sums, group=self.groups.dp_group)
         self.objective_metrics = objective.metrics.means(sums)

@@ -48,27 +48,39 @@ METRICS = (
     "logps/rejected",
 )
 """What a preference objective reports per step (means over the step's pairs on every replica)."""
+GRPO_METRICS = ("kl", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "advantages", "completions/length")
+"""What GRPO reports per step: means over the step's completion tokens (advantages, length: over
+its completions) on every replica; ``clip_ratio/*`` as TRL counts them (the share of tokens whose
+ratio was clipped below / above / either, where the advantage made the clip bite)."""
+TOKEN_KEYS = ("old_logps", "ref_token_logps")
+"""Batch columns with one value per token ([b, s], aligned with ``labels``: the value at position
+t is about token t): the sampling policy's log-probabilities and the reference's (GRPO)."""
+ROW_KEYS = (REFERENCE_KEY, "advantages")
+"""Batch columns with one value per row ([b])."""
 
 
 class ObjectiveMetrics:
-    """The step's sums of ``METRICS`` and its pair count, kept on the device (read once a step)."""
+    """The step's sums of ``names`` and of the counts they are means over, kept on the device (read
+    once a step). ``over[k]``: which count metric k is a mean over. Each objective records on one
+    rank of a sequence's ranks the row values (the same on all of them), on every rank its own
+    tokens' values; the step sums them over the sequence's ranks and the replicas."""
 
-    def __init__(self):
-        self.sums: torch.Tensor | None = None
+    def __init__(self, names: tuple[str, ...] = METRICS, over: tuple[int, ...] | None = None):
+        self.names, self.over, self.sums = names, over or (0,) * len(names), None
 
     def reset(self) -> None:
         self.sums = None
 
-    def record(self, values: torch.Tensor, pairs: int) -> None:
-        """``values`` [len(METRICS)]: sums over ``pairs`` pairs."""
-        row = torch.cat([values.detach().double(), values.new_tensor([pairs], dtype=torch.float64)])
+    def record(self, values: torch.Tensor, counts: torch.Tensor) -> None:
+        """``values`` [len(names)] sums over ``counts`` items."""
+        row = torch.cat([values.detach().double(), counts.detach().double()])
         self.sums = row if self.sums is None else self.sums + row
 
     def means(self, sums: torch.Tensor) -> dict[str, float]:
-        """The metrics' means from ``sums`` (``self.sums`` summed over the replicas)."""
+        """The metrics' means from ``sums`` (``self.sums`` summed over the ranks)."""
         values = sums.tolist()
-        pairs = max(values[-1], 1.0)
-        return {name: v / pairs for name, v in zip(METRICS, values[:-1])}
+        counts = [max(c, 1.0) for c in values[len(self.names) :]]
+        return {name: values[k] / counts[self.over[k]] for k, name in enumerate(self.names)}
 
 
 class PreferenceObjective:
@@ -79,16 +91,19 @@ class PreferenceObjective:
         self.name, self.beta = config.name, config.default_beta
         self.smoothing, self.gamma = config.label_smoothing, config.simpo_gamma
         self.metrics = ObjectiveMetrics()
-        self.ranks, self.group = 1, None
+        self.ranks, self.group, self.first = 1, None, True
         self.capture: list | None = None  # a reference pass: each micro-batch's row sums, no loss
 
     @property
     def needs_reference(self) -> bool:
         return self.name in ("dpo", "ipo")
 
-    def bind(self, ranks: int, group) -> PreferenceObjective:
+    def bind(self, ranks: int, group):
         """The ``ranks`` ranks (``group``) holding shards of one sequence (TP x CP; 1: no sum)."""
+        import torch.distributed as dist
+
         self.ranks, self.group = ranks, group
+        self.first = ranks == 1 or dist.get_rank(group) == 0  # records the rows' metrics
         return self
 
     def row_sums(self, side: dict, logps: torch.Tensor) -> torch.Tensor:
@@ -159,7 +174,7 @@ class PreferenceObjective:
                     pr.sum(),
                 ]
             )
-            self.metrics.record(values, pairs)
+            self.metrics.record(values * self.first, values.new_tensor([pairs * self.first]))
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -194,7 +209,81 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
+class PolicyGradientObjective:
+    """GRPO's update (``dhelix.objective`` "grpo"): per completion token, with the row's advantage
+    ``A``, the ratio ``r = exp(log p - old log p)`` to the sampling policy (1 with its gradient when
+    the batch has no ``old_logps``: one update per generation) and the reference's ``ref`` log p::
+
+        loss_t = -min(r A, clip(r, 1 - eps, 1 + eps_high) A) + beta (exp(ref - log p) - (ref - log p) - 1)
+
+    averaged as ``loss_type`` says (``ObjectiveConfig.loss_type``; the "grpo" type's per-completion
+    means need each row's sums over the sequence's ranks, one all-reduce; the others are token
+    sums over a count, no collective). Each rank returns its share, as the cross-entropy does."""
+
+    needs_reference = False
+
+    def __init__(self, config):
+        self.name, self.beta, self.loss_type = config.name, config.default_beta, config.loss_type
+        self.low, self.high = config.epsilon, config.epsilon_high or config.epsilon
+        self.max_length = config.max_completion_length
+        self.metrics = ObjectiveMetrics(GRPO_METRICS, (0, 0, 0, 0, 1, 1))
+        self.ranks, self.group, self.first, self.capture = 1, None, True, None
+
+    bind = PreferenceObjective.bind
+
+    def __call__(self, side: dict, logps: torch.Tensor) -> torch.Tensor:
+        logps = logps.float()
+        valid = side["targets"] != -100
+        if "advantages" not in side:
+            raise ValueError("dhelix.objective 'grpo' needs each row's advantage: the batch's 'advantages' [rows]")
+        adv = side["advantages"].to(logps.dtype).unsqueeze(0)  # [1, b]
+        old = side.get("old_logps")
+        old = logps.detach() if old is None else torch.where(valid, old.to(logps.dtype), logps.detach())
+        ratio = torch.exp(logps - old)
+        per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - self.low, 1 + self.high) * adv)
+        kl = None
+        if self.beta:
+            if "ref_token_logps" not in side:
+                raise ValueError(
+                    "dhelix.objective 'grpo' with beta > 0 needs the reference's per-token log-probabilities: "
+                    "the batch's 'ref_token_logps' [rows, sequence] (or beta 0: no KL term)"
+                )
+            d = torch.where(valid, side["ref_token_logps"].to(logps.dtype), logps.detach()) - logps
+            kl = torch.exp(d) - d - 1
+            per_token = per_token + self.beta * kl
+        per_token = per_token.masked_fill(~valid, 0)
+        self.record(valid, ratio, adv, kl)
+        return self.average(side, per_token, valid)
+
+    def average(self, side: dict, per_token: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the micro-batch's loss (``loss_type``)."""
+        rows = per_token.shape[1]
+        if self.loss_type == "grpo":
+            sums = torch.stack([per_token.sum(0), valid.to(per_token.dtype).sum(0)])
+            sums = sum_over_ranks(sums, self.group) if self.ranks > 1 else sums
+            return (sums[0] / sums[1].clamp(min=1)).sum() / rows / self.ranks
+        if self.loss_type == "dr_grpo":
+            return per_token.sum() / (rows * (self.max_length or side["seq_len"]))
+        # bnpo / dapo: over the micro-batch's completion tokens, or the count the caller gives (train.py
+        # gives dapo the step's on every replica)
+        given = side.get("loss_denominator")
+        return per_token.sum() / (given if given is not None else max(side["num_valid"], 1))
+
+    def record(self, valid, ratio, adv, kl) -> None:
+        with torch.no_grad():
+            f = valid.to(ratio.dtype)
+            low = ((ratio < 1 - self.low) & (adv < 0)).to(f.dtype) * f
+            high = ((ratio > 1 + self.high) & (adv > 0)).to(f.dtype) * f
+            zero = f.new_zeros(())
+            rows = adv.sum() * self.first, adv.new_tensor(adv.numel() * self.first)
+            kl = (kl * f).sum() if kl is not None else zero
+            values = torch.stack([kl, low.sum(), high.sum(), (low + high).sum(), rows[0], f.sum()])
+            self.metrics.record(values, torch.stack([f.sum(), rows[1]]))
+
+
 def make_objective(config):
     """The objective of ``dhelix.objective`` (an ``ObjectiveConfig``); None for cross-entropy (the
     head's own path)."""
+    if config.name == "grpo":
+        return PolicyGradientObjective(config)
     return PreferenceObjective(config) if config.paired else None

@@ -71,7 +71,7 @@ def run_state(
         "plan_fingerprint": None,
         "adapter": adapter,
         # a preference objective and its settings (None: cross-entropy, as a checkpoint from before objectives)
-        "objective": setup.dh.objective.to_dict() if setup.dh.objective.paired else None,
+        "objective": setup.dh.objective.to_dict() if setup.dh.objective.name != "cross_entropy" else None,
     }
 
 

@@ -18,8 +18,8 @@ from .loop import LoopOptions, TrainLog, loss_average
 def probe_loss(engine, data, micro: int | None = None) -> dict:
     """Loss of the trained model on the first ``micro`` blocks of the data (their ids and labels,
     no positions or masks): the exported HF checkpoint must reproduce it (the end-to-end test
-    checks that). Preference pairs: the objective's loss on the first pairs (with their reference
-    log-probabilities when the data has them). Collective."""
+    checks that). Another objective: its loss on the first rows (with their objective columns:
+    reference log-probabilities, advantages). Collective."""
     import torch
 
     from ds_dhelix.engine.evaluation import is_dhelix
@@ -27,8 +27,9 @@ def probe_loss(engine, data, micro: int | None = None) -> dict:
     first = data.first_batch(micro or engine.train_micro_batch_size_per_gpu())
     block = first["input_ids"]
     batch = {"input_ids": block, "labels": first["labels"]}
-    if "ref_logps" in first:
-        batch["ref_logps"] = first["ref_logps"]
+    from ds_dhelix.graph.objectives import ROW_KEYS, TOKEN_KEYS
+
+    batch.update({k: first[k] for k in (*ROW_KEYS, *TOKEN_KEYS) if k in first})  # an objective's columns
     if is_dhelix(engine):
         loss = engine.eval_batch(iter([batch] * engine.gradient_accumulation_steps()))
     else:
@@ -128,6 +129,8 @@ def _print_objective(metrics: list[dict], engine, summary: dict) -> None:
     last = {n: statistics.mean(m[n] for m in metrics[-k:]) for n in metrics[0]}
     summary["objective"] = {"name": engine.dhelix.objective.name, "first": first, "last": last, "steps": metrics}
     shown = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+    if shown[0] not in first:  # grpo
+        shown = ("kl", "clip_ratio/region", "advantages", "completions/length")
     print(f"{engine.dhelix.objective.name}: " + ", ".join(f"{n} {first[n]:.3f} -> {last[n]:.3f}" for n in shown))
 
 
