@@ -219,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-r", type=int, default=None, metavar="R", help="LoRA rank (implies --lora; default 8)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     p.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=None,
+        metavar="P",
+        help="dropout on each adapter's input while training (default 0; masks drawn from --seed per "
+        "micro-batch, so SI stays bitwise the sequential schedule)",
+    )
+    p.add_argument(
         "--lora-targets",
         default=None,
         metavar="NAMES",
@@ -318,7 +326,15 @@ def lora_config(args, setup, model_config):
     """The LoraConfig of --lora / --lora-r / --peft-config, checked against the model's family
     before any model is built; None for a full fine-tune."""
     asked = lora_asked(args)
-    given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets)) if v is not None]
+    given = [
+        f
+        for f, v in (
+            ("--lora-alpha", args.lora_alpha),
+            ("--lora-targets", args.lora_targets),
+            ("--lora-dropout", args.lora_dropout),
+        )
+        if v is not None
+    ]
     if not asked:
         if given or args.merge_lora:
             raise ValueError(f"{(given + ['--merge-lora'])[0]} sets up LoRA: add --lora (or --lora-r R)")
@@ -332,7 +348,9 @@ def lora_config(args, setup, model_config):
 
     if args.peft_config is not None:
         if args.lora_r is not None or given:
-            raise ValueError("--peft-config gives the whole LoRA config: drop --lora-r / --lora-alpha / --lora-targets")
+            raise ValueError(
+                "--peft-config gives the whole LoRA config: drop --lora-r / --lora-alpha / --lora-targets / --lora-dropout"
+            )
         try:
             with open(os.path.expanduser(args.peft_config)) as f:
                 raw = json.load(f)
@@ -364,7 +382,10 @@ def lora_config(args, setup, model_config):
             raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
         targets = None if args.lora_targets is None else [t.strip() for t in args.lora_targets.split(",") if t.strip()]
         targets = check_lora_targets(model_config, targets, "--lora-targets")
-        cfg = LoraConfig(r=r, lora_alpha=args.lora_alpha or 2 * r, target_modules=targets, lora_dropout=0.0)
+        dropout = args.lora_dropout or 0.0
+        if not 0 <= dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {dropout}")
+        cfg = LoraConfig(r=r, lora_alpha=args.lora_alpha or 2 * r, target_modules=targets, lora_dropout=dropout)
     check_config(cfg)
     names = cfg.target_modules
     if not names or isinstance(names, str) and names != "all-linear":

@@ -20,8 +20,7 @@ each rank: their gradients are summed over the TP group with the other replicate
 
 What the engine cannot honour is refused in one line (``check_peft``): another adapter type than
 LoRA, DoRA, LoRA biases, ``modules_to_save``, trainable tokens, several adapters, a merged adapter,
-``lora_dropout`` > 0 (its masks would be drawn outside ``dhelix.seed``), or a target module the
-family's op graph does not call (``lora_targets`` of the adapter). ``adapter_tensors`` and
+or a target module the family's op graph does not call (``lora_targets`` of the adapter). ``adapter_tensors`` and
 ``adapter_config`` give back PEFT's files; ``merged`` the base weights with the adapter added.
 """
 
@@ -70,8 +69,60 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def lora_term(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``scaling * B(A(x))`` of a module carrying LoRA factors."""
+    """``scaling * B(A(dropout(x)))`` of a module carrying LoRA factors (the dropout while training,
+    with ``lora_dropout`` > 0: ``use_dropout``)."""
+    drop = getattr(module, "lora_drop", None)
+    if drop is not None and module.training:
+        x = dropped(module, x, drop)
     return F.linear(F.linear(x, module.lora_A), module.lora_B) * module.lora_scaling
+
+
+@dataclass(frozen=True)
+class LoraDrop:
+    """One wrapped module's dropout of its LoRA input: rate ``p``, seeded by (``seed``, micro-batch,
+    ``replica``, ``key``) and drawn over the ``full_in`` input features of the whole module."""
+
+    p: float
+    seed: int
+    replica: int  # the data-parallel x context-parallel position: other data, other masks
+    key: str  # "lora:<module path>"
+    full_in: int
+
+
+def use_dropout(model: nn.Module, seed: int, replica: int) -> bool:
+    """Give every wrapped module of ``model`` (after ``from_peft``; its ``dhelix_lora`` set) PEFT's
+    ``lora_dropout`` as a ``LoraDrop``; True when there is one. The masks do not depend on the
+    schedule (the micro-batch's number seeds them: SI draws what sequential does, a recomputed
+    forward what the first did) nor on the TP rank: each is drawn over the module's whole input
+    ([sequence, batch, in], the same on every TP rank of a column-parallel module, which sees the
+    whole sequence), a row-parallel module keeping its input columns of it; so TP=2 masks what TP=1
+    does."""
+    info = getattr(model, "dhelix_lora", None)
+    p = float(getattr(info.config, "lora_dropout", 0.0) or 0.0) if info is not None else 0.0
+    if not p:
+        return False
+    for path, module in model.named_modules():
+        if has_lora(module):
+            module.lora_drop = LoraDrop(p, seed, replica, f"lora:{path}", info.shapes[f"{path}.lora_A"][1])
+    return True
+
+
+def dropped(module: nn.Module, x: torch.Tensor, drop: LoraDrop) -> torch.Tensor:
+    """``x`` [..., in (this rank's columns)] with the micro-batch's mask of ``drop`` applied."""
+    from ds_dhelix.graph.draws import current_side, draw_seed, seeded_rng
+
+    side = current_side()
+    if side is None:
+        raise RuntimeError(
+            f"{drop.key[5:]}: LoRA dropout draws its masks per micro-batch inside the engine's op graph; this "
+            f"module was called outside it while training (call the model through the engine, or eval())"
+        )
+    with seeded_rng(x.device, draw_seed(drop.seed, side["serial"], 0, drop.replica, drop.key)):
+        keep = torch.empty((*x.shape[:-1], drop.full_in), device=x.device, dtype=x.dtype).bernoulli_(1 - drop.p)
+    cols = (getattr(module.lora_A, "hf_selection", None) or {}).get(1)
+    if cols is not None:
+        keep = keep[..., cols] if isinstance(cols, slice) else keep.index_select(-1, cols.to(x.device))
+    return x * keep / (1 - drop.p)
 
 
 def project(module: nn.Module, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
@@ -149,12 +200,6 @@ def check_config(cfg) -> None:
             "target projections by module name",
         ),
         (bool(getattr(cfg, "layer_replication", None)), "layer_replication", "leave it unset"),
-        (
-            (getattr(cfg, "lora_dropout", 0.0) or 0.0) > 0,
-            f"lora_dropout={cfg.lora_dropout} (its masks would be drawn outside dhelix.seed, so SI and sequential "
-            f"would differ)",
-            "lora_dropout=0",
-        ),
     ]
     for bad, what, fix in refusals:
         if bad:

@@ -129,7 +129,6 @@ def _peft(config: dict, model="tiny-llama", second=None):
     "config, second, model, named",
     [
         (dict(r=4, target_modules=["q_proj"], use_dora=True), None, "tiny-llama", "use_dora=True"),
-        (dict(r=4, target_modules=["q_proj"], lora_dropout=0.05), None, "tiny-llama", "lora_dropout=0.05"),
         (dict(r=4, target_modules=["q_proj"], bias="lora_only"), None, "tiny-llama", "bias='lora_only'"),
         (dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), None, "tiny-llama", "modules_to_save"),
         (dict(r=4, target_modules=["lm_head"]), None, "tiny-llama", "LoRA on lm_head"),

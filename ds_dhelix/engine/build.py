@@ -23,6 +23,7 @@ from deepspeed.utils import logger
 
 from hf_models.adapters import check_model, unwrap_peft
 from hf_models.lora import factors as lora_factors
+from hf_models.lora import use_dropout as use_lora_dropout
 
 from ..config.dims import ParallelDims
 from ..config.ds_keys import check_deepspeed_keys
@@ -277,6 +278,8 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
     if objective is not None:  # its row sums go over the ranks of one sequence
         ranks = dims.tp * dims.cp
         graph.meta["objective"] = objective.bind(ranks, groups.sequence_group if dims.cp > 1 else groups.tp_grad_group)
+    me = dims.coords(groups.rank)  # LoRA dropout: masks by data replica, the same on every TP rank
+    graph.meta["needs_side"] = use_lora_dropout(model, dh.seed, me.dp_rank * dims.cp + me.cp_rank)
     whole = [p for p in lora_factors(model) if p.requires_grad]  # LoRA factors (those cut with their base skip)
     if dims.tp > 1 and whole:
         graph.replicated = ReplicatedGrads(
@@ -399,8 +402,8 @@ def build_engine(
     named = parameter_names(model, model_parameters)
     _warn_ignored_by_pipeline(config, setup)
     groups = ProcessGroups.create(setup.dims)
-    graph = shard_model(model, setup.dh, setup.dims, groups)
     model.dhelix_lora = lora
+    graph = shard_model(model, setup.dh, setup.dims, groups)
     model_parameters = trained_parameters(model, named)
     ds_config = deepspeed_view(config, setup, model, len(graph.blocks))
     extra = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "config": ds_config}

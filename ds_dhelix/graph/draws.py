@@ -14,6 +14,7 @@ SI, sequential and a resumed run therefore draw the same masks; the global RNG i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import zlib
 
 import torch
@@ -39,6 +40,25 @@ def seeded_rng(device: torch.device, seed: int):
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.manual_seed(seed)
             yield
+
+
+_SIDE: contextvars.ContextVar = contextvars.ContextVar("dhelix_op_side", default=None)
+
+
+@contextlib.contextmanager
+def op_side(side: dict):
+    """The micro-batch side inputs of the op running inside (``current_side``): what a module called
+    by an op reads to seed its draws (LoRA dropout), where the op does not pass the side on."""
+    token = _SIDE.set(side)
+    try:
+        yield
+    finally:
+        _SIDE.reset(token)
+
+
+def current_side() -> dict | None:
+    """The side of the op running now (``op_side``), None outside the executor's ops."""
+    return _SIDE.get()
 
 
 class Draws:

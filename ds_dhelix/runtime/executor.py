@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..graph.draws import op_side
 from ..graph.model_graph import ModelGraph
 from ..graph.recompute import Kept, RecomputePolicy, keep
 from ..planning.plan import SIPlan
@@ -52,6 +53,10 @@ def _is_comm(t: Task) -> bool:
 
 def _depth(t: Task) -> int:
     return t.depth
+
+
+def _no_side(side):
+    return contextlib.nullcontext()
 
 
 class Executor(Collectives):
@@ -125,6 +130,9 @@ class Executor(Collectives):
         self.grads_done: Callable[[Task], None] | None = None
         self.weights_version = 0  # bumped whenever an op's known parameters grow (``weights_of``)
         self._budget: float | None = None  # live activation bytes SI pairs stay within (``within_budget``)
+        # modules an op calls that draw per micro-batch without being given the side (LoRA dropout)
+        # read it from ``draws.current_side``: set around each op only where the graph has them
+        self._op_side = op_side if graph.meta.get("needs_side") else _no_side
 
     @property
     def reacts_to_completions(self) -> bool:
@@ -245,7 +253,7 @@ class Executor(Collectives):
         if self._forward_only(t):
             if self._grad and self.recompute.selective(t.block, op):
                 mb.saved[(t.block, t.op_index)] = keep(mb.env, op.inputs, self.meter)
-            with torch.no_grad():
+            with torch.no_grad(), self._op_side(mb.side):
                 outs = op.fn(mb.side, *(mb.env[k] for k in op.inputs))
             mb.env.update(zip(op.outputs, outs))
             return
@@ -258,7 +266,7 @@ class Executor(Collectives):
         leaves = [inputs[k].detach().requires_grad_(inputs[k].is_floating_point()) for k in op.inputs]
         hooks = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
         linears = self._linears if self._deferring and op.linear else None
-        with torch.enable_grad(), hooks, linears or contextlib.nullcontext():
+        with torch.enable_grad(), hooks, linears or contextlib.nullcontext(), self._op_side(mb.side):
             outs = op.fn(mb.side, *leaves)
         key = (t.block, t.op_index)
         way = (*key, linears is not None)

@@ -80,12 +80,15 @@ def adapter_state(cfg) -> dict | None:
     if cfg is None:
         return None
     names = cfg.target_modules
-    return {
+    state = {
         "r": cfg.r,
         "alpha": cfg.lora_alpha,
         "targets": names if isinstance(names, str) else sorted(names),
         "rslora": cfg.use_rslora,
     }
+    if cfg.lora_dropout:  # (recorded only when on: a checkpoint from before dropout matches 0)
+        state["dropout"] = cfg.lora_dropout
+    return state
 
 
 def resume_point(

@@ -52,7 +52,8 @@ def first_step(opts: ParityOptions, batches, schedule: str = "sequential") -> di
     from ..runtime.executor import Executor
     from ..runtime.groups import ProcessGroups
 
-    model, _ = unwrap_peft(build(opts, stochastic=False))
+    model, lora = unwrap_peft(build(opts, stochastic=False))
+    model.dhelix_lora = lora  # (its lora_dropout, if any)
     setup = check_setup(opts.ds_config("sequential"), model.config, dist.get_world_size())
     groups = ProcessGroups.create(setup.dims)
     graph = shard_model(model, setup.dh, setup.dims, groups)
