@@ -374,6 +374,24 @@ try:
     print("CHECKPOINTING ACCEPTED")
 except ValueError as err:
     print("CHECKPOINTING REFUSED:", err)
+class DPOTrainer(Trainer):  # (TRL's class name: TRL itself is not a dependency)
+    pass
+class Mixed(ds_dhelix.DhelixTrainer, DPOTrainer):
+    pass
+try:
+    Mixed(model=model, args=args(), train_dataset=data)
+    print("DPO MIX ACCEPTED")
+except ValueError as err:
+    print("DPO MIX REFUSED:", err)
+AcceleratorState._reset_state(True)
+dpo = dict(cfg, dhelix=dict(cfg["dhelix"], objective={"name": "dpo"}))
+try:
+    ds_dhelix.DhelixTrainer(model=model, args=TrainingArguments(output_dir=os.path.join(sys.argv[3], "dpo"),
+                            max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=4, use_cpu=True,
+                            report_to=[], deepspeed=dpo), train_dataset=data)
+    print("OBJECTIVE ACCEPTED")
+except ValueError as err:
+    print("OBJECTIVE REFUSED:", err)
 """
 
 
@@ -396,6 +414,8 @@ def test_no_silent_plain_trainer_and_refused_settings(tmp_path):
     assert "AUTO DhelixEngine 2 3 0.5 0.002 2 seed 7" in proc.stdout, proc.stdout[-3000:]
     assert "PLAIN REFUSED:" in proc.stdout and "DhelixTrainer" in proc.stdout, proc.stdout[-3000:]
     assert "CHECKPOINTING REFUSED:" in proc.stdout and '"recompute": "full"' in proc.stdout, proc.stdout[-3000:]
+    assert "DPO MIX REFUSED: DhelixTrainer mixed with TRL's DPOTrainer" in proc.stdout, proc.stdout[-3000:]
+    assert "OBJECTIVE REFUSED:" in proc.stdout and "train.py --objective" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_example_refuses_a_resume_folder_that_is_no_checkpoint(tmp_path, capsys):

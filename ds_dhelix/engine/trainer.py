@@ -54,6 +54,20 @@ REFUSED_ARGS = {
 }
 """TrainingArguments the op graph cannot honour (refused when set), with the reason and the fix."""
 
+OWN_LOSS_TRAINERS = (
+    "DPOTrainer",
+    "KTOTrainer",
+    "ORPOTrainer",
+    "CPOTrainer",
+    "GRPOTrainer",
+    "RLOOTrainer",
+    "OnlineDPOTrainer",
+    "PPOTrainer",
+    "RewardTrainer",
+)
+"""TRL trainers that compute their loss from the HF model's outputs (``compute_loss`` / their own
+forwards), which the engine's step replaces: refused by class name when mixed into DhelixTrainer."""
+
 
 class _SteppedByEngine:
     """The Trainer's optimizer / LR scheduler handle: ``engine.train_batch`` already stepped both,
@@ -85,6 +99,13 @@ class DhelixTrainer(Trainer):
     """``transformers.Trainer`` for a ds_config with an enabled dhelix section (see the module doc)."""
 
     def __init__(self, *args, **kwargs):
+        mixed = [c.__name__ for c in type(self).__mro__ if c.__name__ in OWN_LOSS_TRAINERS]
+        if mixed:
+            raise ValueError(
+                f"DhelixTrainer mixed with TRL's {mixed[0]}: it computes its loss from the HF model's outputs, "
+                f"which the engine's op graph replaces; train preference objectives (dpo, ipo, simpo, orpo) and "
+                f"GRPO's update with train.py --objective (ds_dhelix's own loss, docs: post-training)"
+            )
         super().__init__(*args, **kwargs)
         source = getattr(self.args, "deepspeed", None)
         if not self.is_deepspeed_enabled or source is None:
@@ -107,6 +128,11 @@ class DhelixTrainer(Trainer):
             raise ValueError(
                 f"DhelixTrainer runs one pipeline stage (dhelix.pipeline.stages = {setup.dims.pp}); "
                 f"train a pipeline with train.py"
+            )
+        if setup.dh.objective.name != "cross_entropy":
+            raise ValueError(
+                f"DhelixTrainer trains the causal-LM cross-entropy; dhelix.objective {setup.dh.objective.name!r} "
+                f"(its pairs or rollouts, its step average) runs through train.py --objective for now"
             )
         self._dims = setup.dims
         self._engine = None
