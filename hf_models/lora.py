@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .expert_lora import check_wrapper, expert_factors, is_expert_factor, is_wrapper, peft_tensor, take_wrappers
+from .expert_lora import merged as expert_merged
 
 
 @dataclass
@@ -44,6 +47,7 @@ class LoraInfo:
     scales: dict[str, float]  # module path ("model.layers.0.self_attn.q_proj") -> alpha / r
     conv1d: frozenset[str]  # paths of GPT-2 Conv1D modules (weight stored [in, out])
     shapes: dict[str, tuple]  # factor name ("<path>.lora_A") -> its full shape
+    experts: dict = field(default_factory=dict)  # "<experts path>.<tensor>" -> expert_lora.ExpertAdapter
 
     def owner(self, name: str) -> tuple[str, str] | None:
         """``(module path, leaf)`` of a parameter of a wrapped module, else None."""
@@ -163,7 +167,9 @@ def check_peft(peft_model, targets: tuple[str, ...], family: str) -> None:
     ((name, cfg),) = configs.items()
     check_config(cfg)
     for path, module in peft_model.base_model.model.named_modules():
-        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+        if is_wrapper(module):  # target_parameters: the experts' fused tensors
+            check_wrapper(path, module)
+        elif hasattr(module, "lora_A") and hasattr(module, "base_layer"):
             _check_layer(path, module, name, targets, family)
 
 
@@ -194,11 +200,6 @@ def check_config(cfg) -> None:
             "modules_to_save=None",
         ),
         (bool(getattr(cfg, "trainable_token_indices", None)), "trainable_token_indices", "leave it unset"),
-        (
-            bool(getattr(cfg, "target_parameters", None)),
-            f"target_parameters={cfg.target_parameters} (LoRA on expert tensors)",
-            "target projections by module name",
-        ),
         (bool(getattr(cfg, "layer_replication", None)), "layer_replication", "leave it unset"),
     ]
     for bad, what, fix in refusals:
@@ -239,6 +240,7 @@ def from_peft(model, targets: tuple[str, ...], family: str):
     check_peft(model, targets, family)
     adapter, config = next(iter(model.peft_config.items()))
     hf = model.base_model.model
+    experts = take_wrappers(hf, adapter)
     scales, conv1d, shapes = {}, set(), {}
     for path, module in list(hf.named_modules()):
         if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
@@ -255,7 +257,7 @@ def from_peft(model, targets: tuple[str, ...], family: str):
         if is_conv1d(base):
             conv1d.add(path)
     model.save_pretrained = _handed_over
-    return hf, LoraInfo(config, scales, frozenset(conv1d), shapes)
+    return hf, LoraInfo(config, scales, frozenset(conv1d), shapes, experts)
 
 
 def _handed_over(*args, **kwargs):
@@ -279,6 +281,12 @@ def init_meta_factors(model: nn.Module, seed: int) -> int:
     for name, p in model.named_parameters():
         if not (p.is_meta and is_factor_name(name)):
             continue
+        if is_expert_factor(name):
+            raise ValueError(
+                f"LoRA target_parameters on {name[: -len('_lora_A')]} of a model built on the meta device (sharded "
+                f"loading): ds_dhelix does not draw expert factors there yet; load the model whole, apply the "
+                f"adapter, then initialize"
+            )
         init = info.config.init_lora_weights
         if init is not True:
             raise ValueError(
@@ -320,6 +328,15 @@ def merged_stream(stream, info: LoraInfo):
     model. A module's three tensors are held until all have come (one module at a time)."""
     held: dict[str, dict] = {}
     for name, full in stream:
+        expert = name if name in info.experts else name[:-7] if is_expert_factor(name) else None
+        if expert in info.experts:  # an expert tensor or one of its factors
+            parts = held.setdefault(expert, {})
+            parts[name[len(expert) :] or "weight"] = full
+            if len(parts) == 3:
+                del held[expert]
+                w, a, b = parts["weight"], parts["_lora_A"], parts["_lora_B"]
+                yield expert, None if w is None else expert_merged(w, a, b, info.experts[expert])
+            continue
         owner = info.owner(name)
         if owner is None or owner[1] not in ("weight", "lora_A", "lora_B"):
             yield name, full
@@ -346,23 +363,40 @@ def factors(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if has_lora(m) for p in (m.lora_A, m.lora_B)]
 
 
+def has_adapter(model: nn.Module) -> bool:
+    """Any LoRA factor, on a projection or an experts' tensor."""
+    return bool(factors(model) or expert_factors(model))
+
+
 @contextlib.contextmanager
 def adapters_off(model: nn.Module):
     """The model as its frozen base: every adapter's scaling 0 inside (its term adds exact zeros),
     restored after (a preference objective's reference pass)."""
     wrapped = [m for m in model.modules() if has_lora(m)]
     scales = [m.lora_scaling for m in wrapped]
+    experts = [m for m in model.modules() if getattr(m, "lora_scalings", None)]
+    expert_scales = [m.lora_scalings for m in experts]
     for m in wrapped:
         m.lora_scaling = 0.0
+    for m in experts:
+        m.lora_scalings = dict.fromkeys(m.lora_scalings, 0.0)
     try:
         yield
     finally:
         for m, s in zip(wrapped, scales):
             m.lora_scaling = s
+        for m, s in zip(experts, expert_scales):
+            m.lora_scalings = s
 
 
 def is_factor_name(name: str) -> bool:
-    return name.endswith((".lora_A", ".lora_B"))
+    """A LoRA factor's name: a projection's (``.lora_A``) or an expert tensor's (``_lora_A``)."""
+    return name.endswith((".lora_A", ".lora_B")) or is_expert_factor(name)
+
+
+def adapter_file_tensor(name: str, full: torch.Tensor, info: LoraInfo) -> tuple[str, torch.Tensor]:
+    """A factor's full tensor as PEFT's adapter file holds it: ``(key, tensor)``."""
+    return peft_tensor(name, full, info.experts) if is_expert_factor(name) else (peft_key(name), full)
 
 
 def peft_key(name: str) -> str:

@@ -79,12 +79,12 @@ class PairEncoder:
         return p + c + [self.eos], [0] * len(p) + [1] * (len(c) + 1)
 
     def _chat(self, prompt, completion, key: str, where: str):
-        from .records import _messages
+        from .records import chat_messages
 
         if self.template is None:
             raise ValueError(f"{where}: conversational records need a chat template (--chat-template)")
         try:
-            prompt, completion = _messages({"messages": prompt}), _messages({"messages": completion})
+            prompt, completion = chat_messages({"messages": prompt}), chat_messages({"messages": completion})
         except ValueError as err:
             raise ValueError(f"{where} ({key}): {err}") from None
         render = self.tokenizer.apply_chat_template

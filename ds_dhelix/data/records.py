@@ -245,7 +245,7 @@ class RecordEncoder:
             return {"text": _field(record, "text", str)}
         if self.fmt == "prompt-completion":
             return {"prompt": _field(record, "prompt", str), "completion": _field(record, "completion", str)}
-        return {"messages": _messages(record)}
+        return {"messages": chat_messages(record)}
 
     def _texts(self, records):
         texts = [r["text"] for r in records]
@@ -304,7 +304,8 @@ def _field(record: dict, name: str, kind: type):
     return value
 
 
-def _messages(record: dict) -> list[dict]:
+def chat_messages(record: dict) -> list[dict]:
+    """A record's ``messages`` checked (roles, string contents), each kept to its role and content."""
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"'messages' must be a non-empty list of {{'role', 'content'}} objects, got {messages!r:.80}")

@@ -84,9 +84,9 @@ class RolloutEncoder:
             p = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             cs = self.tokenizer(completions, add_special_tokens=False)["input_ids"]
             return p, [c + [self.eos] for c in cs]
-        from .records import _messages
+        from .records import chat_messages
 
-        messages = _messages({"messages": prompt})
+        messages = chat_messages({"messages": prompt})
         if self.template is None:
             raise ValueError(f"{where}: a conversational prompt needs a chat template (--chat-template)")
         render = self.tokenizer.apply_chat_template

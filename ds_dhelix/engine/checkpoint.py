@@ -325,7 +325,7 @@ def export_adapter(
 
     from safetensors.torch import save_file
 
-    from hf_models.lora import peft_key
+    from hf_models.lora import adapter_file_tensor
 
     from .. import __version__
 
@@ -337,7 +337,8 @@ def export_adapter(
     with torch.no_grad():
         for name, full in stream:
             if rank == 0:
-                tensors[peft_key(name)] = full.detach().cpu().contiguous()
+                key, tensor = adapter_file_tensor(name, full.detach().cpu(), info)
+                tensors[key] = tensor.contiguous()
     if rank == 0:
         tmp = None
         try:

@@ -21,8 +21,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
-from hf_models.lora import adapters_off
-from hf_models.lora import factors as lora_factors
+from hf_models.lora import adapters_off, has_adapter
 
 from ..config.section import DhelixConfig
 from ..graph.objectives import REFERENCE_KEY
@@ -239,7 +238,7 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         objective = self.graph.meta.get("objective")
         if objective is None or not objective.needs_reference or REFERENCE_KEY in batches[0]:
             return
-        if not any(True for _ in lora_factors(self.module)):
+        if not has_adapter(self.module):
             raise ValueError(
                 f"dhelix.objective {objective.name!r} compares with the reference model, and a full fine-tune "
                 f"changes the only copy of its weights: give each row's reference log-probability sum as the "

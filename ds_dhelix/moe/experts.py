@@ -29,6 +29,8 @@ from ..runtime.groups import ExpertGroups
 from .router import Route
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # (biases: gpt-oss)
+# LoRA on the fused tensors (PEFT target_parameters), expert-major: hf_models/expert_lora.py
+EXPERT_FACTORS = tuple(f"{t}_lora_{x}" for t in ("gate_up_proj", "down_proj") for x in "AB")
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def shard_experts(experts: nn.Module, groups: ExpertGroups) -> None:
     num = getattr(experts, "num_experts", None) or experts.gate_up_proj.shape[0]
     local = num // groups.size
     lo = groups.rank * local
-    for name in EXPERT_PARAMS:
+    for name in EXPERT_PARAMS + EXPERT_FACTORS:
         p = getattr(experts, name, None)
         if p is None:
             continue
@@ -167,6 +169,17 @@ def expert_linear(x, sizes, weight, grouped: bool, bias=None, transposed: bool =
             outs.append(F.linear(rows, weight[e], None if bias is None else bias[e]))
         start += n
     return torch.cat(outs)
+
+
+def expert_weight(experts: nn.Module, name: str, transposed: bool = False) -> torch.Tensor:
+    """``experts.<name>`` [E_local, ...], with its LoRA update ``scaling x B_e @ A_e`` added per
+    expert where PEFT's ``target_parameters`` put one (``hf_models.expert_lora``), as PEFT computes it."""
+    weight = getattr(experts, name)
+    a = getattr(experts, f"{name}_lora_A", None)
+    if a is None:
+        return weight
+    delta = torch.bmm(getattr(experts, f"{name}_lora_B"), a) * experts.lora_scalings[name]
+    return weight + (delta.transpose(1, 2) if transposed else delta).to(weight.dtype)
 
 
 def expert_act(gate_up_out: torch.Tensor, act) -> torch.Tensor:
@@ -268,7 +281,7 @@ def run_expert_up(
     return expert_linear(
         expert_rows(xr, route, ep, local),
         expert_sizes(route, ep, local, grouped, xr.device),
-        experts.gate_up_proj,
+        expert_weight(experts, "gate_up_proj", layout.transposed),
         grouped,
         experts.gate_up_proj_bias if layout.bias else None,
         layout.transposed,
@@ -288,7 +301,7 @@ def run_expert_down(
     ye = expert_linear(
         a,
         expert_sizes(route, ep, local, grouped, a.device),
-        experts.down_proj,
+        expert_weight(experts, "down_proj", layout.transposed),
         grouped,
         experts.down_proj_bias if layout.bias else None,
         layout.transposed,

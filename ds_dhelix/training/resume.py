@@ -88,6 +88,8 @@ def adapter_state(cfg) -> dict | None:
     }
     if cfg.lora_dropout:  # (recorded only when on: a checkpoint from before dropout matches 0)
         state["dropout"] = cfg.lora_dropout
+    if getattr(cfg, "target_parameters", None):  # LoRA on the experts' tensors (likewise)
+        state["parameters"] = sorted(cfg.target_parameters)
     return state
 
 
