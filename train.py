@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data-format",
         default=None,
-        choices=["text", "chat", "prompt-completion", "preference", "rollouts"],
+        choices=["text", "chat", "prompt-completion", "preference", "unpaired", "rollouts"],
         help="the records' format (default: told from the first record: 'chosen' and 'rejected' -> "
-        "preference, 'completions' or 'completion_ids' -> rollouts, 'messages' -> chat, 'prompt' and 'completion' -> prompt-completion, 'text' -> text)",
+        "preference, 'completions' or 'completion_ids' -> rollouts, 'completion' and 'label' -> unpaired, "
+        "'messages' -> chat, 'prompt' and 'completion' -> prompt-completion, 'text' -> text)",
     )
     p.add_argument(
         "--loss-on",
@@ -99,11 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--objective",
         default=None,
-        choices=["cross_entropy", "dpo", "ipo", "simpo", "orpo", "grpo"],
+        choices=["cross_entropy", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"],
         help="the loss (sets the ds_config's dhelix.objective.name; default: its value, else "
         "cross_entropy): dpo, ipo, simpo and orpo train on preference pairs (--data with prompt / "
         "chosen / rejected); dpo and ipo compare with the reference model: ref_chosen_logps / "
-        "ref_rejected_logps in the data, or under LoRA the model with the adapter off; grpo updates the "
+        "ref_rejected_logps in the data, or under LoRA the model with the adapter off; kto trains on "
+        "unpaired completions (prompt / completion / label); grpo updates the "
         "policy on rollouts (prompt / completions / rewards); its other settings in dhelix.objective",
     )
     p.add_argument(
@@ -414,6 +416,7 @@ def _set_objective(args, ds_config) -> None:
 
 OBJECTIVE_DATA = {
     "preference": "preference pairs (prompt / chosen / rejected)",
+    "unpaired": "unpaired completions (prompt / completion / label)",
     "rollouts": "rollouts (prompt / completions / rewards)",
 }
 
@@ -423,15 +426,15 @@ def _check_objective_data(args, setup, data, lora) -> None:
     reference log-probabilities unless LoRA lets the engine compute them), rollouts for grpo,
     other data for cross-entropy; the step's average fits the objective."""
     objective = setup.dh.objective
-    wants = "preference" if objective.paired else "rollouts" if objective.name == "grpo" else None
+    wants = "preference" if objective.paired else {"grpo": "rollouts", "kto": "unpaired"}.get(objective.name)
     if data.format != wants and (wants or data.format in OBJECTIVE_DATA):
         if wants is None:
-            fix = "--objective dpo, ipo, simpo or orpo" if data.format == "preference" else "--objective grpo"
-            raise ValueError(f"--data holds {OBJECTIVE_DATA[data.format]}: choose their objective ({fix})")
+            fix = {"preference": "dpo, ipo, simpo or orpo", "unpaired": "kto", "rollouts": "grpo"}[data.format]
+            raise ValueError(f"--data holds {OBJECTIVE_DATA[data.format]}: choose their objective (--objective {fix})")
         raise ValueError(
             f"objective {objective.name!r} trains on {OBJECTIVE_DATA[wants]}; --data holds {data.format} records"
         )
-    if wants == "preference":
+    if wants in ("preference", "unpaired"):
         _check_pairs(args, objective, data, lora)
     elif wants == "rollouts":
         _check_rollouts(args, objective, data)
@@ -440,15 +443,16 @@ def _check_objective_data(args, setup, data, lora) -> None:
 def _check_pairs(args, objective, data, lora) -> None:
     if args.loss_average == "tokens":
         raise ValueError(
-            "--loss-average tokens with a preference objective: its loss is a mean over pairs (each "
-            "micro-batch holds the same number); drop the flag"
+            "--loss-average tokens with a preference objective: its loss is a mean over pairs (or KTO's "
+            "completions; each micro-batch holds the same number); drop the flag"
         )
     refs = "ref_logps" in data.train.fields
-    if objective.name in ("dpo", "ipo") and not refs and lora is None:
+    if objective.name in ("dpo", "ipo", "kto") and not refs and lora is None:
+        columns = "ref_logps / ref_KL_logps" if objective.name == "kto" else "ref_chosen_logps / ref_rejected_logps"
         raise ValueError(
             f"objective {objective.name!r} compares with the reference model, and a full fine-tune changes the "
-            f"only copy of its weights: give ref_chosen_logps / ref_rejected_logps in the data (as TRL "
-            f"precomputes them), or train LoRA (--lora: the reference is the model with the adapter off)"
+            f"only copy of its weights: give {columns} in the data (as TRL precomputes them), or train LoRA "
+            f"(--lora: the reference is the model with the adapter off)"
         )
     if refs and objective.name in ("simpo", "orpo"):
         raise ValueError(
@@ -598,7 +602,8 @@ def _data(args, setup, model_config, lora=None):
     if data.train is not None and len(data.train) < need:
         s = data.stats
         dropped = f", {s.dropped} left out as longer (--drop-long)" if s.dropped else ""
-        blocks = {"preference": "preference pairs", "rollouts": "completions"}.get(data.format, "blocks")
+        blocks = {"preference": "preference pairs", "unpaired": "completions", "rollouts": "completions"}
+        blocks = blocks.get(data.format, "blocks")
         raise ValueError(
             f"{args.data or 'the corpus'} has {s.tokens} tokens in {s.records} records{dropped}: "
             f"{len(data.train)} {blocks} of --seq-len {args.seq_len} (--packing {args.packing}), fewer than one micro-batch "

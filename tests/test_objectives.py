@@ -20,16 +20,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_dhelix.graph.objectives import GRPO_METRICS, METRICS
+from ds_dhelix.graph.objectives import GRPO_METRICS, KTO_METRICS, METRICS
 from ds_dhelix.runtime.spawn import run_ranks
 
 PAIRS, SEQ = 2, 16
 
 
-def pair_batches(vocab: int, num: int, pairs: int = PAIRS, seq: int = SEQ, seed: int = 5, ref: bool = True):
+def pair_batches(
+    vocab: int, num: int, pairs: int = PAIRS, seq: int = SEQ, seed: int = 5, ref: bool = True, kto: bool = False
+):
     """``num`` micro-batches of ``pairs`` preference pairs: rows [chosen x pairs; rejected x pairs],
     a shared prompt of 3-5 tokens (labels -100), completions of random lengths, right padding
-    (labels -100); ``ref``: a ``ref_logps`` column (as TRL precomputes it)."""
+    (labels -100); ``ref``: a ``ref_logps`` column (as TRL precomputes it); ``kto``: the rows read
+    as KTO's [completions; their KL rows] with a ``kto_label`` (desirable or not) per completion."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(num):
@@ -46,6 +49,10 @@ def pair_batches(vocab: int, num: int, pairs: int = PAIRS, seq: int = SEQ, seed:
         batch = {"input_ids": ids, "labels": labels}
         if ref:
             batch["ref_logps"] = -30 - 10 * torch.rand(2 * pairs, generator=g, dtype=torch.float32)
+        if kto:
+            label = (torch.rand(pairs, generator=g) < 0.5).float()
+            label[0], label[-1] = 1.0, 0.0  # (both kinds in every micro-batch)
+            batch["kto_label"] = torch.cat([label, label])
         out.append(batch)
     return out
 
@@ -66,6 +73,19 @@ def direct_loss(name: str, sums, counts, ref, beta: float, smoothing: float = 0.
     ac, ar = pc / nc, pr / nr
     odds = (ac - ar) - (torch.log1p(-torch.exp(ac)) - torch.log1p(-torch.exp(ar)))
     return -pc.sum() / nc.sum() - beta * F.logsigmoid(odds).mean()
+
+
+def direct_kto(sums, ref, label, beta: float, objective: dict):
+    """KTO's loss of one micro-batch ([completions; KL rows]), as TRL's ``_compute_loss`` forms it."""
+    p, p_kl = sums.chunk(2)
+    r, r_kl = ref.chunk(2)
+    z = (p_kl - r_kl).mean().detach().clamp(min=0)
+    lr = p - r
+    desirable = label.chunk(2)[0].bool()
+    w_d, w_u = objective.get("desirable_weight", 1.0), objective.get("undesirable_weight", 1.0)
+    chosen = w_d * (1 - torch.sigmoid(beta * (lr[desirable] - z)))
+    rejected = w_u * (1 - torch.sigmoid(beta * (z - lr[~desirable])))
+    return torch.cat([chosen, rejected]).mean()
 
 
 def row_sums(model, batch):
@@ -93,13 +113,15 @@ def direct_first_step(opts, step, objective: dict):
             total += loss.item()
             continue
         ref = b.get("ref_logps")
-        if ref is None and objective["name"] in ("dpo", "ipo"):
+        if ref is None and objective["name"] in ("dpo", "ipo", "kto"):
             with torch.no_grad(), model.disable_adapter():
                 ref = row_sums(model, b)[0]
         sums, counts = row_sums(model, b)
-        loss = direct_loss(objective["name"], sums, counts, ref, beta, objective.get("label_smoothing", 0.0)) / len(
-            step
-        )
+        if objective["name"] == "kto":
+            loss = direct_kto(sums, ref, b["kto_label"], beta, objective) / len(step)
+        else:
+            loss = direct_loss(objective["name"], sums, counts, ref, beta, objective.get("label_smoothing", 0.0))
+            loss = loss / len(step)
         loss.backward()
         total += loss.item()
     grads = {our_name(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -126,7 +148,7 @@ def _first_step_world(rank, world, cases):
         if objective["name"] == "grpo":
             steps = [rollout_batches(opts, opts.dp * opts.micro_batches, kl=bool(objective.get("beta")))]
         else:
-            steps = [pair_batches(512, opts.dp * opts.micro_batches, ref=ref)]
+            steps = [pair_batches(512, opts.dp * opts.micro_batches, ref=ref, kto=objective["name"] == "kto")]
         ours = first_step(opts, steps)
         direct = direct_first_step(opts, steps[0], objective) if rank == 0 else None
         out[name] = (ours, direct)
@@ -187,6 +209,8 @@ FIRST_STEP = {
     "orpo-tp2": ("tiny-llama", {"tp": 2}, {"name": "orpo", "beta": 0.2}, False),
     "dpo-ep2": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}, {"name": "dpo"}, True),
     "orpo-ep2": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}, {"name": "orpo"}, False),
+    "kto-tp2": ("tiny-llama", {"tp": 2}, {"name": "kto", "desirable_weight": 1.5}, True),
+    "kto-ep2": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}, {"name": "kto", "beta": 0.3}, True),
     "grpo-seq-kl-tp2": ("tiny-llama", {"tp": 2}, {"name": "grpo", "loss_type": "grpo", "beta": 0.04}, False),
     "grpo-dapo-clip-higher-tp2": (
         "tiny-llama",
@@ -246,7 +270,8 @@ def _engine_world(rank, world, cases):
         if objective["name"] == "grpo":
             steps = [rollout_batches(opts, opts.dp * opts.micro_batches, kl=True, seed=9 + k) for k in range(2)]
         else:
-            steps = [pair_batches(512, opts.dp * opts.micro_batches, ref=ref, seed=5 + k) for k in range(2)]
+            kto = objective["name"] == "kto"
+            steps = [pair_batches(512, opts.dp * opts.micro_batches, ref=ref, seed=5 + k, kto=kto) for k in range(2)]
         mine = [my_share(opts, s, rank % opts.dp) for s in steps]
         seq = _train(opts, "sequential", mine)
         si = _train(opts, "si", mine)
@@ -261,6 +286,7 @@ ENGINE = {
     "dpo-lora-tp2": ("tiny-llama", {"tp": 2, "lora": LORA}, {"name": "dpo"}, False),  # reference: adapter off
     "ipo-lora-ep2": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2, "lora": ATTN_LORA}, {"name": "ipo"}, False),
     "grpo-tp2": ("tiny-llama", {"tp": 2}, {"name": "grpo", "loss_type": "grpo", "beta": 0.04}, True),
+    "kto-lora-tp2": ("tiny-llama", {"tp": 2, "lora": LORA}, {"name": "kto"}, False),  # reference: adapter off
     "grpo-ep2": ("tiny-qwen3-moe", {"tp": 1, "dp": 2, "ep": 2}, {"name": "grpo", "beta": 0.04}, True),
 }
 
@@ -274,12 +300,12 @@ def test_si_equals_sequential_and_the_reference_pass():
             assert losses == si_losses, (name, rank, losses, si_losses)
             for n in params:
                 assert torch.equal(params[n], si_params[n]), (name, rank, n)
-            names = GRPO_METRICS if name.startswith("grpo") else METRICS
+            names = GRPO_METRICS if name.startswith("grpo") else KTO_METRICS if name.startswith("kto") else METRICS
             assert metrics == si_metrics and set(metrics[0]) == set(names), (name, metrics, si_metrics)
             m = metrics[0]
             if name.startswith("grpo"):
                 assert m["kl"] > 0 and 0 < m["clip_ratio/region"] < 1 and m["completions/length"] > 3, (name, m)
-            else:
+            elif not name.startswith("kto"):
                 assert abs(m["rewards/margins"] - (m["rewards/chosen"] - m["rewards/rejected"])) < 1e-6, (name, m)
             if direct is not None:  # LoRA: the engine's reference pass = PEFT's disable_adapter
                 assert abs(losses[0] - direct) < 1e-5, (name, losses[0], direct)

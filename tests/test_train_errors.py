@@ -82,6 +82,17 @@ def _pairs(tmp, refs=False) -> str:
     return _file(tmp, "pairs.jsonl", "\n".join(lines) + "\n")
 
 
+def _unpaired(tmp, refs=None, label=None) -> str:
+    """Eight KTO records (``refs`` "one": only ``ref_logps``; ``label``: every record's label)."""
+    lines = []
+    for k in range(8):
+        record = {"prompt": f"question {k}", "completion": "an answer", "label": k % 2 == 0 if label is None else label}
+        if refs == "one":
+            record["ref_logps"] = -10.0
+        lines.append(json.dumps(record))
+    return _file(tmp, "unpaired.jsonl", "\n".join(lines) + "\n")
+
+
 def _rollouts(tmp, ids=False, old_on_text=False) -> str:
     """Eight groups of two completions with rewards (``ids``: as token ids with the reference's
     per-token log-probabilities; ``old_on_text``: text completions with sampling log-probabilities)."""
@@ -455,6 +466,36 @@ CASES = [
         2,
         lambda t: ["--deepspeed", PP, "--objective", "orpo", "--data", _pairs(t)],
         ["'orpo'", "pipeline", "not supported yet"],
+    ),
+    (
+        "kto-on-preference-pairs",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "kto", "--data", _pairs(t)],
+        ["'kto'", "unpaired completions", "preference records"],
+    ),
+    (
+        "unpaired-with-cross-entropy",
+        2,
+        lambda t: ["--deepspeed", BASE, "--data", _unpaired(t)],
+        ["unpaired completions", "--objective kto"],
+    ),
+    (
+        "kto-full-fine-tune-without-references",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "kto", "--data", _unpaired(t)],
+        ["'kto'", "ref_logps / ref_KL_logps", "--lora"],
+    ),
+    (
+        "kto-one-reference-of-two",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "kto", "--data", _unpaired(t, refs="one")],
+        ["record 1", "both ref_logps and ref_KL_logps"],
+    ),
+    (
+        "kto-label-not-a-bool",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "kto", "--lora", "--data", _unpaired(t, label=1)],
+        ["record 1", "'label' must be true"],
     ),
     (
         "grpo-on-preference-pairs",

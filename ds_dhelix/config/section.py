@@ -269,11 +269,12 @@ class MoeConfig(_Section):
 
 
 PAIRED_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
-OBJECTIVES = ("cross_entropy", *PAIRED_OBJECTIVES, "grpo")
+OBJECTIVES = ("cross_entropy", *PAIRED_OBJECTIVES, "kto", "grpo")
 """Valid values of ``dhelix.objective.name`` (``ds_dhelix.graph.objectives``)."""
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 """How GRPO's per-token losses are averaged (``dhelix.objective.loss_type``)."""
 GRPO_KEYS = ("epsilon", "epsilon_high", "loss_type", "max_completion_length", "scale_rewards")
+KTO_KEYS = ("desirable_weight", "undesirable_weight")
 
 
 @dataclass(frozen=True)
@@ -292,13 +293,14 @@ class ObjectiveConfig(_Section):
     paired in each micro-batch (its first half the chosen completions, its second half the rejected
     ones, as TRL's DPOTrainer concatenates them): "dpo" (TRL's sigmoid loss), "ipo" (length-
     normalised log-ratios), "simpo" (no reference; length-normalised log-probabilities and a
-    margin), "orpo" (no reference; the chosen rows' NLL and an odds-ratio term); or "grpo", the
+    margin), "orpo" (no reference; the chosen rows' NLL and an odds-ratio term); "kto" (unpaired
+    completions labelled desirable or not, against the reference and a KL estimate); or "grpo", the
     policy-gradient update of GRPO on sampled completions with their advantages (the clipped
     surrogate, an optional KL term)."""
     beta: float | None = None
     """The objective's beta (DPO's temperature, IPO's tau, SimPO's and ORPO's weight, GRPO's KL
-    coefficient); null = TRL's default: 0.1 (dpo, ipo, orpo), 2.0 (simpo, as its paper), 0.0 (grpo:
-    no KL term)."""
+    coefficient); null = TRL's default: 0.1 (dpo, ipo, orpo, kto), 2.0 (simpo, as its paper), 0.0
+    (grpo: no KL term)."""
     label_smoothing: float = 0.0
     """dpo / simpo: the probability that a pair's preference is flipped (conservative DPO); 0 = none."""
     simpo_gamma: float = 0.5
@@ -316,6 +318,10 @@ class ObjectiveConfig(_Section):
     max_completion_length: int | None = None
     """grpo with loss_type "dr_grpo": the constant the summed loss is divided by, per completion;
     null = the sequence length."""
+    desirable_weight: float = 1.0
+    """kto: the weight of a desirable completion's loss."""
+    undesirable_weight: float = 1.0
+    """kto: the weight of an undesirable completion's loss."""
     scale_rewards: str = "group"
     """grpo, records with rewards (not advantages): each reward minus its group's mean, divided by the
     group's standard deviation + 1e-4 ("group", TRL's default) or not ("none", Dr. GRPO)."""
@@ -330,9 +336,12 @@ class ObjectiveConfig(_Section):
             self._positive("beta")
         elif self.beta is not None and self.beta < 0:
             raise self._fail("beta", "must be >= 0 (0: no KL term)")
-        for key in GRPO_KEYS:
-            if self.name != "grpo" and getattr(self, key) != ObjectiveConfig.__dataclass_fields__[key].default:
-                raise self._fail(key, f"applies to grpo; objective {self.name!r} has none")
+        for owner, keys in (("grpo", GRPO_KEYS), ("kto", KTO_KEYS)):
+            for key in keys:
+                if self.name != owner and getattr(self, key) != ObjectiveConfig.__dataclass_fields__[key].default:
+                    raise self._fail(key, f"applies to {owner}; objective {self.name!r} has none")
+        self._positive("desirable_weight")
+        self._positive("undesirable_weight")
         for key in ("epsilon", "epsilon_high", "max_completion_length"):
             self._positive(key)
         for key, choices in self.CHOICES.items():

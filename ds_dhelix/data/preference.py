@@ -21,6 +21,7 @@ import torch
 from .packing import PackStats
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
+UNPAIRED_FIELDS = ("prompt", "completion", "label")
 REFERENCE_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
@@ -98,8 +99,11 @@ class PairEncoder:
         return full, [0] * len(before) + [1] * (len(full) - len(before))
 
 
-def load_pairs(records, encoder: PairEncoder, seq_len: int, pad_id: int, drop_long: bool = False) -> PairDataset:
-    """Every record of ``records`` as a pair of rows (module docstring)."""
+def load_pairs(
+    records, encoder: PairEncoder, seq_len: int, pad_id: int, drop_long: bool = False, kept: list | None = None
+) -> PairDataset:
+    """Every record of ``records`` as a pair of rows (module docstring); ``kept`` gets the indices
+    of the records that became pairs."""
     stats = PackStats(seq_len=seq_len)
     ids, labels, refs = [], [], []
     with_refs = None
@@ -126,6 +130,8 @@ def load_pairs(records, encoder: PairEncoder, seq_len: int, pad_id: int, drop_lo
             continue
         stats.padding_tokens += sum(seq_len - min(len(r), seq_len) for r, _ in rows)
         ids.append(torch.stack([i for i, _ in pair]))
+        if kept is not None:
+            kept.append(k)
         labels.append(torch.stack([lab for _, lab in pair]))
         if with_refs:
             refs.append(torch.tensor(ref, dtype=torch.float32))
@@ -137,6 +143,45 @@ def load_pairs(records, encoder: PairEncoder, seq_len: int, pad_id: int, drop_lo
     stats.blocks = 2 * len(ids)
     stats.loss_tokens = int((fields["labels"] != -100).sum())
     return PairDataset(fields, stats)
+
+
+def load_unpaired(records, encoder: PairEncoder, seq_len: int, pad_id: int, drop_long: bool = False) -> PairDataset:
+    """KTO's unpaired records (``prompt``, ``completion``, ``label``: desirable or not; optional
+    ``ref_logps`` / ``ref_KL_logps`` as TRL precomputes them) as pairs of rows: the completion, then
+    its KL row, the prompt with the next record's completion (file order, the last with the first's),
+    so the KL row and its reference do not depend on how the records are batched. ``kto_label``
+    [N, 2] marks the desirable ones."""
+    records = list(records)
+    if len(records) < 2:
+        raise ValueError("KTO's KL rows pair each prompt with another record's completion: give at least 2 records")
+    pairs, labels = [], []
+    for k, r in enumerate(records):
+        where = f"record {k + 1}"
+        missing = [f for f in UNPAIRED_FIELDS if f not in r]
+        if missing:
+            raise ValueError(
+                f"{where}: an unpaired record needs {', '.join(UNPAIRED_FIELDS)}; it lacks {', '.join(missing)}"
+            )
+        if not isinstance(r["label"], bool):
+            raise ValueError(f"{where}: 'label' must be true (desirable) or false, got {r['label']!r:.40}")
+        pair = {
+            "prompt": r["prompt"],
+            "chosen": r["completion"],
+            "rejected": records[(k + 1) % len(records)]["completion"],
+        }
+        refs = (r.get("ref_logps"), r.get("ref_KL_logps"))
+        if (refs[0] is None) != (refs[1] is None):
+            raise ValueError(
+                f"{where}: give both ref_logps and ref_KL_logps (the completion's and its KL row's), or neither"
+            )
+        if refs[0] is not None:
+            pair.update(ref_chosen_logps=refs[0], ref_rejected_logps=refs[1])
+        pairs.append(pair)
+        labels.append(r["label"])
+    kept: list[int] = []
+    data = load_pairs(pairs, encoder, seq_len, pad_id, drop_long, kept)
+    data.fields["kto_label"] = torch.tensor([[labels[k]] * 2 for k in kept], dtype=torch.float32)
+    return data
 
 
 def _padded(ids: list[int], mask: list[int], seq_len: int, pad_id: int):

@@ -15,6 +15,8 @@ Formats:
   EOS appended; the loss on the completion and its EOS;
 - ``preference``: ``prompt``, ``chosen`` and ``rejected`` (TRL's preference data), pairs of rows
   for a preference objective (``preference.py``; not through ``RecordEncoder``);
+- ``unpaired``: ``prompt``, ``completion`` and ``label`` (TRL's unpaired preference data), rows for
+  KTO (``preference.py``);
 - ``rollouts``: a prompt's sampled ``completions`` with their rewards, rows for GRPO's update
   (``rollouts.py``).
 """
@@ -24,8 +26,8 @@ from __future__ import annotations
 import os
 import re
 
-FORMATS = ("text", "chat", "prompt-completion", "preference", "rollouts")
-ROW_FORMATS = ("preference", "rollouts")
+FORMATS = ("text", "chat", "prompt-completion", "preference", "unpaired", "rollouts")
+ROW_FORMATS = ("preference", "unpaired", "rollouts")
 """Formats whose records become padded rows of their own (an objective's data, never packed)."""
 LOSS_ON = ("all", "answers")
 DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -157,6 +159,7 @@ def first_record(records) -> dict:
 def detect_format(record: dict, where: str = "the data") -> str:
     """The format of a record by its fields: ``chosen`` + ``rejected`` -> preference (pairs,
     ``preference.py``), ``completions`` / ``completion_ids`` -> rollouts (GRPO, ``rollouts.py``),
+    ``completion`` + ``label`` -> unpaired (KTO, ``preference.py``),
     ``messages`` -> chat, ``prompt`` + ``completion`` -> prompt-completion,
     ``text`` -> text."""
     if not isinstance(record, dict):
@@ -165,6 +168,8 @@ def detect_format(record: dict, where: str = "the data") -> str:
         return "preference"
     if "completions" in record or "completion_ids" in record:
         return "rollouts"
+    if "completion" in record and "label" in record:
+        return "unpaired"
     if "messages" in record:
         return "chat"
     if "prompt" in record and "completion" in record:
@@ -173,8 +178,9 @@ def detect_format(record: dict, where: str = "the data") -> str:
         return "text"
     raise ValueError(
         f"{where}: cannot tell the format from the fields {sorted(record)}: give 'text', 'messages' "
-        f"(chat), 'prompt' and 'completion', 'prompt', 'chosen' and 'rejected' (preference pairs), or "
-        f"'prompt' and 'completions' (rollouts) (or force one with --data-format)"
+        f"(chat), 'prompt' and 'completion', 'prompt', 'chosen' and 'rejected' (preference pairs), 'prompt', "
+        f"'completion' and 'label' (unpaired), or 'prompt' and 'completions' (rollouts) (or force one with "
+        f"--data-format)"
     )
 
 

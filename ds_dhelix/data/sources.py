@@ -213,7 +213,7 @@ def load_data(options: DataOptions, tokenizer) -> TrainingData:
 def _row_data(records, options: DataOptions, tokenizer, t0: float, fmt: str) -> TrainingData:
     """Preference pairs (``preference.py``) or rollouts (``rollouts.py``), each padded to its own
     rows; no evaluation split yet."""
-    from .preference import PairEncoder, load_pairs
+    from .preference import PairEncoder, load_pairs, load_unpaired
     from .records import resolve_chat_template
     from .rollouts import RolloutEncoder, load_rollouts
 
@@ -230,6 +230,8 @@ def _row_data(records, options: DataOptions, tokenizer, t0: float, fmt: str) -> 
     try:
         if fmt == "preference":
             data.train = load_pairs(records, PairEncoder(tokenizer, template), o.seq_len, o.pad_id, o.drop_long)
+        elif fmt == "unpaired":
+            data.train = load_unpaired(records, PairEncoder(tokenizer, template), o.seq_len, o.pad_id, o.drop_long)
         else:
             encoder = RolloutEncoder(tokenizer, template, o.scale_rewards)
             data.train = load_rollouts(records, encoder, o.seq_len, o.pad_id, o.drop_long)

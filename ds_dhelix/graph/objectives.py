@@ -52,10 +52,13 @@ GRPO_METRICS = ("kl", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", 
 """What GRPO reports per step: means over the step's completion tokens (advantages, length: over
 its completions) on every replica; ``clip_ratio/*`` as TRL counts them (the share of tokens whose
 ratio was clipped below / above / either, where the advantage made the clip bite)."""
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "kl", "logps/chosen", "logps/rejected")
+"""What KTO reports per step: means over the step's desirable (chosen) / undesirable (rejected)
+completions, and over its micro-batches (the KL estimate)."""
 TOKEN_KEYS = ("old_logps", "ref_token_logps")
 """Batch columns with one value per token ([b, s], aligned with ``labels``: the value at position
 t is about token t): the sampling policy's log-probabilities and the reference's (GRPO)."""
-ROW_KEYS = (REFERENCE_KEY, "advantages")
+ROW_KEYS = (REFERENCE_KEY, "advantages", "kto_label")
 """Batch columns with one value per row ([b])."""
 
 
@@ -134,14 +137,7 @@ class PreferenceObjective:
         (pc, pr), (nc, nr) = rows[0].chunk(2), rows[1].clamp(min=1).chunk(2)
         beta = self.beta
         if self.needs_reference:
-            ref = side.get(REFERENCE_KEY)
-            if ref is None:
-                raise ValueError(
-                    f"dhelix.objective {self.name!r} compares with a reference model: give each row's "
-                    f"reference log-probability sum as the batch's {REFERENCE_KEY!r} [rows], or train LoRA "
-                    f"(the engine then computes it with the adapter off)"
-                )
-            rc, rr = ref.to(rows.dtype).chunk(2)
+            rc, rr = self.reference(side, rows).chunk(2)
             chosen, rejected = pc - rc, pr - rr
             if self.name == "dpo":
                 return self.smoothed(beta * (chosen - rejected)), (beta * chosen, beta * rejected)
@@ -153,6 +149,17 @@ class PreferenceObjective:
         odds = (ac - ar) - (_log1mexp(ac) - _log1mexp(ar))  # orpo
         nll = -pc.sum() / nc.sum()
         return nll - beta * F.logsigmoid(odds), (beta * ac, beta * ar)
+
+    def reference(self, side: dict, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's reference log-probability sum ([b], from the batch's ``ref_logps``)."""
+        ref = side.get(REFERENCE_KEY)
+        if ref is None:
+            raise ValueError(
+                f"dhelix.objective {self.name!r} compares with a reference model: give each row's "
+                f"reference log-probability sum as the batch's {REFERENCE_KEY!r} [rows], or train LoRA "
+                f"(the engine then computes it with the adapter off)"
+            )
+        return ref.to(rows.dtype)
 
     def smoothed(self, logits: torch.Tensor) -> torch.Tensor:
         loss = -F.logsigmoid(logits)
@@ -207,6 +214,51 @@ def sum_over_ranks(x: torch.Tensor, group) -> torch.Tensor:
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, stable on both sides of -log 2."""
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+class KtoObjective(PreferenceObjective):
+    """KTO (``dhelix.objective`` "kto", TRL's ``loss_type="kto"``) on unpaired completions labelled
+    desirable or not (``kto_label``). A micro-batch holds its completions, then their KL rows (each
+    prompt with another record's completion, ``data/preference.py``); with ``lr`` a completion's
+    log-ratio to the reference and ``z`` the micro-batch's KL estimate, ``mean(log p - ref log p)``
+    over its KL rows, clamped at 0 and not differentiated::
+
+        desirable     w_d (1 - sigmoid(beta (lr - z)))
+        undesirable   w_u (1 - sigmoid(beta (z - lr)))
+
+    averaged over the completions. (TRL also averages ``z`` over the data-parallel processes; here
+    each replica's micro-batch has its own.)"""
+
+    needs_reference = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.weights = (config.desirable_weight, config.undesirable_weight)
+        self.metrics = ObjectiveMetrics(KTO_METRICS, (0, 1, 2, 0, 1))
+
+    def pair_losses(self, side: dict, rows: torch.Tensor):
+        p, p_kl = rows[0].chunk(2)
+        ref, ref_kl = self.reference(side, rows).chunk(2)
+        if "kto_label" not in side:
+            raise ValueError("dhelix.objective 'kto' needs each completion's label: the batch's 'kto_label' [rows]")
+        desirable = side["kto_label"].chunk(2)[0].to(torch.bool)
+        z = (p_kl - ref_kl).mean().detach().clamp(min=0)
+        lr = p - ref
+        w_d, w_u = self.weights
+        losses = torch.where(
+            desirable, w_d * (1 - torch.sigmoid(self.beta * (lr - z))), w_u * (1 - torch.sigmoid(self.beta * (z - lr)))
+        )
+        return losses, (self.beta * lr, desirable, z)
+
+    def record(self, rows: torch.Tensor, rewards, pairs: int) -> None:
+        with torch.no_grad():
+            reward, desirable, z = rewards
+            d = desirable.to(reward.dtype)
+            p = rows[0].detach().chunk(2)[0]
+            r = reward.detach()
+            values = torch.stack([(r * d).sum(), (r * (1 - d)).sum(), z, (p * d).sum(), (p * (1 - d)).sum()])
+            counts = torch.stack([d.sum(), (1 - d).sum(), d.new_tensor(1.0)])
+            self.metrics.record(values * self.first, counts * self.first)
 
 
 class PolicyGradientObjective:
@@ -286,4 +338,6 @@ def make_objective(config):
     head's own path)."""
     if config.name == "grpo":
         return PolicyGradientObjective(config)
+    if config.name == "kto":
+        return KtoObjective(config)
     return PreferenceObjective(config) if config.paired else None

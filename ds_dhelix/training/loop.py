@@ -112,7 +112,7 @@ def train_loop(engine, data, options: LoopOptions, run_state: dict | None = None
     if loss_average(options.loss_average, data) == "tokens":
         batches = weighed_by_targets(batches, gas, dp_size, dp_group, engine.device)
     stop = StopRequest.install()
-    rows = micro * (2 if data.format == "preference" else 1)  # (a pair is two rows)
+    rows = micro * (2 if data.format in ("preference", "unpaired") else 1)  # (a pair is two rows; KTO: a KL row)
     log = TrainLog(start, rows * gas * data.options.seq_len * dp_size)
     log_data_fields(engine, data, start)
     bar = progress(total=options.steps, initial=start, desc="train", disable=dist.get_rank() != 0, dynamic_ncols=True)

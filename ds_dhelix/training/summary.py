@@ -119,6 +119,19 @@ def summarize(
     return summary
 
 
+SHOWN = (
+    "rewards/accuracies",
+    "rewards/margins",
+    "rewards/chosen",
+    "rewards/rejected",
+    "kl",
+    "clip_ratio/region",
+    "advantages",
+    "completions/length",
+)
+"""An objective's metrics the summary line shows (its first four of these)."""
+
+
 def _print_objective(metrics: list[dict], engine, summary: dict) -> None:
     """A preference objective's rewards, first -> last step (means over a tenth of the steps, as
     the loss), in the line and ``summary["objective"]`` (its per-step metrics too)."""
@@ -128,9 +141,7 @@ def _print_objective(metrics: list[dict], engine, summary: dict) -> None:
     first = {n: statistics.mean(m[n] for m in metrics[:k]) for n in metrics[0]}
     last = {n: statistics.mean(m[n] for m in metrics[-k:]) for n in metrics[0]}
     summary["objective"] = {"name": engine.dhelix.objective.name, "first": first, "last": last, "steps": metrics}
-    shown = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
-    if shown[0] not in first:  # grpo
-        shown = ("kl", "clip_ratio/region", "advantages", "completions/length")
+    shown = [n for n in SHOWN if n in first][:4]
     print(f"{engine.dhelix.objective.name}: " + ", ".join(f"{n} {first[n]:.3f} -> {last[n]:.3f}" for n in shown))
 
 
