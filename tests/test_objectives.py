@@ -342,9 +342,9 @@ def test_train_py_dpo_with_lora_learns_and_its_adapter_reproduces_the_probe(tmp_
     from tests.test_train_e2e import run_train
 
     data = preference_file(tmp_path / "pairs.jsonl")
-    summary, proc = run_train(tmp_path, steps=30, extra=("--data", data, "--objective", "dpo", "--lora"))
+    summary, proc = run_train(tmp_path, steps=50, extra=("--data", data, "--objective", "dpo", "--lora"))
     objective = summary["objective"]
-    assert objective["name"] == "dpo" and len(objective["steps"]) == 30
+    assert objective["name"] == "dpo" and len(objective["steps"]) == 50
     assert objective["last"]["rewards/accuracies"] > 0.8 > objective["first"]["rewards/accuracies"], objective
     assert objective["last"]["rewards/margins"] > 0.5, objective
     assert "dpo: rewards/accuracies" in proc.stdout
