@@ -435,18 +435,23 @@ def _check_objective_data(args, setup, data, lora) -> None:
             f"objective {objective.name!r} trains on {OBJECTIVE_DATA[wants]}; --data holds {data.format} records"
         )
     if wants in ("preference", "unpaired"):
-        _check_pairs(args, objective, data, lora)
+        _check_pairs(args, setup, objective, data, lora)
     elif wants == "rollouts":
         _check_rollouts(args, objective, data)
 
 
-def _check_pairs(args, objective, data, lora) -> None:
+def _check_pairs(args, setup, objective, data, lora) -> None:
     if args.loss_average == "tokens":
         raise ValueError(
             "--loss-average tokens with a preference objective: its loss is a mean over pairs (or KTO's "
             "completions; each micro-batch holds the same number); drop the flag"
         )
     refs = "ref_logps" in data.train.fields
+    if objective.name in ("dpo", "ipo", "kto") and not refs and setup.dims.pp > 1:
+        raise ValueError(
+            f"objective {objective.name!r} with a pipeline ({setup.dims.pp} stages) needs the reference "
+            f"log-probabilities in the data (the pass with the LoRA adapter off runs on one-stage layouts only)"
+        )
     if objective.name in ("dpo", "ipo", "kto") and not refs and lora is None:
         columns = "ref_logps / ref_KL_logps" if objective.name == "kto" else "ref_chosen_logps / ref_rejected_logps"
         raise ValueError(
@@ -491,8 +496,11 @@ def _default_packing(args) -> str:
         return "none" if args.data_format in ROW_FORMATS else "concat"
     if args.data is None:
         return "concat"
-    first = first_record(open_records(os.path.expanduser(args.data), streaming=True))
-    return "none" if detect_format(first, args.data) in ROW_FORMATS else "concat"
+    try:
+        first = first_record(open_records(os.path.expanduser(args.data), streaming=True))
+        return "none" if detect_format(first, args.data) in ROW_FORMATS else "concat"
+    except Exception:  # noqa: BLE001 - unreadable data: reading it whole later names the problem
+        return "concat"
 
 
 def lora_asked(args) -> bool:

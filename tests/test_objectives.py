@@ -11,7 +11,8 @@ SI = sequential         two engine steps of DPO, losses and trained parameters b
                         EP=2)
 learning                DPO steps on pairs whose chosen completion follows a pattern raise
                         rewards/accuracies well above 0.5
-refusals                the config's one-line errors
+pipeline                DPO (reference columns) and GRPO on the folded W pipeline (PP=2) equal PP=1
+                        sequential bitwise, losses, parameters and metrics
 """
 
 from __future__ import annotations
@@ -449,3 +450,33 @@ def test_rollouts_are_rows_with_their_advantages_and_aligned_log_probabilities()
         load_rollouts([{**record, "advantages": [0, 0, 0]}], RolloutEncoder(tok), 6, 0)
     with pytest.raises(ValueError, match="of its length"):
         load_rollouts([{**record, "old_logps": [[-1.0], [-3.0, -4.0, -5.0], [-6.0]]}], RolloutEncoder(tok), 6, 0)
+
+
+def _pipeline_world(rank, world, cases):
+    from ds_dhelix.verify import ParityOptions, train_pipeline, train_schedule
+
+    out = {}
+    for name, objective in cases.items():
+        common = dict(model="tiny-llama", tp=1, seq_len=SEQ, micro_batches=4, steps=2, clip=0.0, num_layers=4)
+        ref_opts = ParityOptions(**common, dp=2)  # PP=1 sequential as 2 replicas fed the same micro-batches
+        pp_opts = ParityOptions(**common, pp=2)
+        for opts in (ref_opts, pp_opts):
+            opts.micro_batch_size, opts.extra = 2 * PAIRS, {"objective": objective}
+        if objective["name"] == "grpo":
+            steps = [rollout_batches(pp_opts, 4, kl=True, seed=9 + k) for k in range(2)]
+        else:
+            steps = [pair_batches(512, 4, seed=5 + k) for k in range(2)]
+        ref = train_schedule(ref_opts, "sequential", [step + step for step in steps])
+        out[name] = (ref, train_pipeline(pp_opts, "w", steps))
+    return out if rank == 0 else None
+
+
+@pytest.mark.timeout(600)
+def test_objectives_on_the_folded_pipeline_equal_pp1_sequential():
+    results = run_ranks(
+        _pipeline_world, 2, args=({"dpo": {"name": "dpo"}, "grpo": {"name": "grpo", "beta": 0.04}},), timeout=580
+    )
+    for name, (ref, got) in results[0].items():
+        assert got["losses"] == ref["losses"], (name, got["losses"], ref["losses"])
+        for n, p in ref["params"].items():
+            assert torch.equal(got["params"][n], p), (name, n)

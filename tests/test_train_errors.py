@@ -462,10 +462,10 @@ CASES = [
         ["'orpo'", "'intra'", "schedule"],
     ),
     (
-        "objective-with-a-pipeline",
+        "reference-pass-with-a-pipeline",
         2,
-        lambda t: ["--deepspeed", PP, "--objective", "orpo", "--data", _pairs(t)],
-        ["'orpo'", "pipeline", "not supported yet"],
+        lambda t: ["--deepspeed", PP, "--objective", "dpo", "--lora", "--data", _pairs(t)],
+        ["'dpo'", "pipeline (2 stages)", "reference log-probabilities in the data"],
     ),
     (
         "kto-on-preference-pairs",

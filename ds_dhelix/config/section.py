@@ -667,7 +667,7 @@ class DhelixConfig(_Section):
 
     def _check_objective(self) -> None:
         """An objective other than cross-entropy takes each micro-batch whole (no halves: a pair's
-        rows, a micro-batch's averages) on one stage (no pipeline yet)."""
+        rows, a micro-batch's averages)."""
         name = self.objective.name
         if name == "cross_entropy":
             return
@@ -676,12 +676,6 @@ class DhelixConfig(_Section):
                 f"dhelix.objective {name!r} takes each micro-batch whole (its pairs, its averages), and schedule "
                 f"'intra' cuts each micro-batch in two along its rows; use \"schedule\": \"si\" (or drop 'intra' "
                 f"from auto_candidates)"
-            )
-        if self.pipeline.stages > 1:
-            raise ValueError(
-                f"dhelix.objective {name!r} with a pipeline ({self.pipeline.stages} stages) is not supported yet: "
-                f"objectives other than cross_entropy run on one-stage layouts (TP, EP, CP, DP); remove the "
-                f"pipeline section"
             )
 
     def _check_si_execution(self) -> None:

@@ -43,6 +43,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from hf_models.adapters import num_experts
 
+from ..graph.objectives import REFERENCE_KEY
 from ..runtime.interpreter import Interpreter
 from ..runtime.tasks import MicroBatch
 from ..schedule import instructions as S
@@ -156,6 +157,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the mean
         loss (over micro-batches and data-parallel replicas) on every rank."""
         batches = self.pull_batches(data_iter or self.data_iterator)
+        self._check_reference(batches)
         self.module.train()
         return self.guarded_step(
             batches,
@@ -168,6 +170,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         """Mean loss of one step's micro-batches (or ``num_microbatches``), forward only (the
         sequential fold's forwards); ``per_microbatch``: each one's loss on this replica."""
         batches = self.pull_batches(data_iter, num_microbatches)
+        self._check_reference(batches)
         order = S.forward_only(self._rank_schedule("sequential", len(batches)))
         self.module.eval()
         self.watchdog.resume(step=self.global_steps)
@@ -178,6 +181,17 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
             self.watchdog.pause()
             self.module.train()
         return self._pipeline_loss(mbs, per_microbatch)
+
+    def _check_reference(self, batches: list[dict]) -> None:
+        """An objective with a reference model needs its log-probabilities in the batches here: the
+        pass with the adapter switched off runs on one-stage engines only."""
+        objective = self.graph.meta.get("objective")
+        if objective is not None and objective.needs_reference and REFERENCE_KEY not in batches[0]:
+            raise ValueError(
+                f"dhelix.objective {objective.name!r} with a pipeline: give the reference log-probabilities as "
+                f"the batches' {REFERENCE_KEY!r} (the data's reference columns); the pass with the LoRA adapter "
+                f"switched off runs on one-stage layouts only"
+            )
 
     def _run(self, batches: list[dict], instructions: list) -> list[MicroBatch]:
         first = self.global_steps * len(batches)  # serials of this step's micro-batches
