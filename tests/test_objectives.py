@@ -1,18 +1,22 @@
-"""Preference objectives on the op graph's head (``ds_dhelix/graph/objectives.py``, ``dhelix.objective``).
+"""Objectives on the op graph's head (``ds_dhelix/graph/objectives.py``, ``dhelix.objective``).
 
 first step = direct     the sharded model's first-step loss and every full gradient (TP=2 dense
-                        through the vocabulary-parallel head, EP=2 MoE through the plain head,
-                        TP=2 with ``head_chunk``) equal a direct computation with the unsharded
-                        transformers model and the formulas written out here (TRL's definitions),
-                        within 1e-5: dpo (with label smoothing too), ipo, simpo, orpo; LoRA without
-                        reference columns (the engine's pass with the adapter off = PEFT's
-                        ``disable_adapter``)
-SI = sequential         two engine steps of DPO, losses and trained parameters bitwise equal (TP=2,
-                        EP=2)
-learning                DPO steps on pairs whose chosen completion follows a pattern raise
-                        rewards/accuracies well above 0.5
+                        through the vocabulary-parallel head, TP=2 with ``head_chunk``, EP=2 MoE
+                        through the plain head) equal a direct computation with the unsharded
+                        transformers model and TRL's formulas written out here, within 1e-5: dpo
+                        (with label smoothing too), ipo, simpo, orpo, kto, and grpo's four averages
+                        (sequence mean with its KL term, dapo with clip-higher, dr_grpo, bnpo)
+SI = sequential         two engine steps, losses, trained parameters and metrics bitwise equal:
+                        DPO (TP=2, EP=2), LoRA with the engine's reference pass (DPO TP=2, IPO EP=2,
+                        KTO TP=2: its first loss = the direct computation with PEFT's
+                        ``disable_adapter``), GRPO (TP=2, EP=2)
+train.py                DPO + LoRA: rewards/accuracies rise well above 0.5, TensorBoard has TRL's
+                        metrics, PEFT's model from the adapter reproduces the probe loss; GRPO on
+                        rollouts with rewards: the exported model prefers the rewarded completions
+records                 rollouts (TRL's reward normalisation, per-token alignment), conversational
+                        pairs (ChatML: the loss on the answer), KTO's unpaired records (KL rows)
 pipeline                DPO (reference columns) and GRPO on the folded W pipeline (PP=2) equal PP=1
-                        sequential bitwise, losses, parameters and metrics
+                        sequential bitwise, losses and parameters
 """
 
 from __future__ import annotations
@@ -480,3 +484,45 @@ def test_objectives_on_the_folded_pipeline_equal_pp1_sequential():
         assert got["losses"] == ref["losses"], (name, got["losses"], ref["losses"])
         for n, p in ref["params"].items():
             assert torch.equal(got["params"][n], p), (name, n)
+
+
+def test_preference_and_unpaired_records_become_rows():
+    """``preference.py``: a conversational pair rendered with ChatML, the loss on the assistant's
+    answer only; KTO's unpaired records, each with the next record's completion as its KL row, the
+    references and labels in place."""
+    from ds_dhelix.data.preference import PairEncoder, load_pairs, load_unpaired
+    from ds_dhelix.data.records import CHATML_TEMPLATE
+    from hf_models.registry import load_tokenizer_for
+
+    tok = load_tokenizer_for("tiny-llama")
+    chat = {
+        "prompt": [{"role": "user", "content": "hi there"}],
+        "chosen": [{"role": "assistant", "content": "hello"}],
+        "rejected": [{"role": "assistant", "content": "go away now"}],
+    }
+    pairs = load_pairs([chat], PairEncoder(tok, CHATML_TEMPLATE), seq_len=48, pad_id=0)
+    ids, labels = pairs.rows(torch.tensor([0]))["input_ids"], pairs.rows(torch.tensor([0]))["labels"]
+    prompt = tok.apply_chat_template(
+        chat["prompt"], chat_template=CHATML_TEMPLATE, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    for row, answer in ((0, "hello"), (1, "go away now")):
+        kept = labels[row][labels[row] != -100].tolist()
+        assert ids[row, : len(prompt)].tolist() == list(prompt) and (labels[row, : len(prompt)] == -100).all()
+        assert tok.decode(kept).startswith(answer) and "<|im_end|>" in tok.decode(kept), tok.decode(kept)
+    records = [
+        {
+            "prompt": f"q{k}",
+            "completion": f"answer {k}",
+            "label": k != 1,
+            "ref_logps": -float(k),
+            "ref_KL_logps": -10.0 - k,
+        }
+        for k in range(3)
+    ]
+    kto = load_unpaired(records, PairEncoder(tok), seq_len=16, pad_id=0)
+    rows = kto.rows(torch.arange(3))
+    decoded = [tok.decode(r[r != -100].tolist(), skip_special_tokens=True).strip() for r in rows["labels"]]
+    assert decoded == ["answer 0", "answer 1", "answer 2", "answer 1", "answer 2", "answer 0"], decoded
+    assert all(int(r[r != -100][-1]) == tok.eos_token_id for r in rows["labels"])  # (EOS appended, in the loss)
+    assert rows["kto_label"].tolist() == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    assert rows["ref_logps"].tolist() == [0.0, -1.0, -2.0, -10.0, -11.0, -12.0]
