@@ -17,7 +17,7 @@ from torch import nn
 
 from ds_dhelix.data.inputs import shifted_targets, valid_targets
 from ds_dhelix.graph.model_graph import comm, comp
-from ds_dhelix.graph.objectives import ROW_KEYS, TOKEN_KEYS
+from ds_dhelix.graph.objectives import ROW_KEYS, TOKEN_KEYS, loss_denominator
 from ds_dhelix.runtime.comm import ContextAllToAll, ReplicatedGrads, SeqAllGather, SeqReduceScatter
 from ds_dhelix.runtime.groups import ContextShards
 
@@ -203,13 +203,6 @@ class Dropout:
     def rng(self, device, side: dict, op: str):
         """The seeded stream of a kernel's own draws (sdpa's ``dropout_p``), while training."""
         return self.draws.rng(device, side, self.layer, op) if self.module.training else contextlib.nullcontext()
-
-
-def loss_denominator(side: dict):
-    """The divisor of a micro-batch's summed loss: ``loss_denominator`` when the batch gave one,
-    else its valid target count (at least 1)."""
-    given = side.get("loss_denominator")
-    return given if given is not None else max(side["num_valid"], 1)
 
 
 class CrossEntropy:

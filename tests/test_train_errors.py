@@ -468,6 +468,46 @@ CASES = [
         ["'dpo'", "pipeline (2 stages)", "reference log-probabilities in the data"],
     ),
     (
+        "chat-template-on-text-pairs",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "orpo", "--data", _pairs(t), "--chat-template", "chatml"],
+        ["--chat-template", "preference records' prompts are not chat messages"],
+    ),
+    (
+        "loss-on-with-pairs",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "orpo", "--data", _pairs(t), "--loss-on", "all"],
+        ["--loss-on", "loss is on the completions"],
+    ),
+    (
+        "data-workers-with-rollouts",
+        2,
+        lambda t: ["--deepspeed", BASE, "--objective", "grpo", "--data", _rollouts(t), "--data-workers", "2"],
+        ["--data-workers", "rollouts records", "one by one"],
+    ),
+    (
+        "simpo-gamma-on-dpo",
+        2,
+        lambda t: [
+            "--deepspeed",
+            _config(t, _setdh("objective", {"name": "dpo", "simpo_gamma": 1.0})),
+            "--data",
+            _pairs(t),
+        ],
+        ["dhelix.objective.simpo_gamma", "applies to simpo"],
+    ),
+    (
+        "max-completion-length-without-dr-grpo",
+        2,
+        lambda t: [
+            "--deepspeed",
+            _config(t, _setdh("objective", {"name": "grpo", "max_completion_length": 64})),
+            "--data",
+            _rollouts(t),
+        ],
+        ["max_completion_length", "'dr_grpo'"],
+    ),
+    (
         "kto-on-preference-pairs",
         2,
         lambda t: ["--deepspeed", BASE, "--objective", "kto", "--data", _pairs(t)],

@@ -185,6 +185,14 @@ class _Section:
     def _fail(self, name: str, why: str) -> ValueError:
         return ValueError(f"{self._path}.{name} = {getattr(self, name)!r} is invalid: {why}")
 
+    def _choose(self, name: str, choices) -> None:
+        """``name``'s value is one of ``choices``, else a ValueError listing them and a close match."""
+        value = getattr(self, name)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise self._fail(name, f"choose one of {', '.join(choices)}{hint}")
+
     def _at_least(self, name: str, lo: int | float) -> None:
         if getattr(self, name) < lo:
             raise self._fail(name, f"must be >= {lo}")
@@ -328,10 +336,8 @@ class ObjectiveConfig(_Section):
 
     def __post_init__(self):
         self._check_types()
-        if self.name not in OBJECTIVES:
-            close = difflib.get_close_matches(self.name, OBJECTIVES, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise self._fail("name", f"choose one of {', '.join(OBJECTIVES)}{hint}")
+        for key, choices in self.CHOICES.items():
+            self._choose(key, choices)
         if self.name != "grpo":
             self._positive("beta")
         elif self.beta is not None and self.beta < 0:
@@ -344,13 +350,14 @@ class ObjectiveConfig(_Section):
         self._positive("undesirable_weight")
         for key in ("epsilon", "epsilon_high", "max_completion_length"):
             self._positive(key)
-        for key, choices in self.CHOICES.items():
-            if getattr(self, key) not in choices:
-                raise self._fail(key, f"choose one of {', '.join(choices)}")
         if not 0 <= self.label_smoothing < 0.5:
             raise self._fail("label_smoothing", "must be in [0, 0.5)")
         if self.label_smoothing and self.name not in ("dpo", "simpo"):
             raise self._fail("label_smoothing", f"applies to dpo and simpo; objective {self.name!r} has none")
+        if self.simpo_gamma != 0.5 and self.name != "simpo":
+            raise self._fail("simpo_gamma", f"applies to simpo; objective {self.name!r} has none")
+        if self.max_completion_length is not None and self.loss_type != "dr_grpo":
+            raise self._fail("max_completion_length", f"applies to loss_type 'dr_grpo' (got {self.loss_type!r})")
         if self.name == "cross_entropy" and self.beta is not None:
             raise self._fail("beta", "applies to the preference objectives; cross_entropy has none")
 
@@ -616,10 +623,7 @@ class DhelixConfig(_Section):
 
     def __post_init__(self):
         self._check_types()
-        if self.schedule not in SCHEDULES:
-            close = difflib.get_close_matches(self.schedule, SCHEDULES, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise self._fail("schedule", f"choose one of {', '.join(SCHEDULES)}{hint}")
+        self._choose("schedule", SCHEDULES)
         self._check_si_execution()
         if self.planner.profile != "off" and self.si_execution != "plan":
             raise ValueError(
@@ -653,10 +657,7 @@ class DhelixConfig(_Section):
         self._at_least("auto_trials", 1)
         self._at_least("auto_recheck_steps", 0)
         self._at_least("head_chunk", 0)
-        if self.recompute not in RECOMPUTE_MODES:
-            close = difflib.get_close_matches(self.recompute, RECOMPUTE_MODES, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise self._fail("recompute", f"choose one of {', '.join(RECOMPUTE_MODES)}{hint}")
+        self._choose("recompute", RECOMPUTE_MODES)
         split = self.pipeline.split
         chunks = self.pipeline.num_chunks()
         if split is not None and len(split) != chunks:

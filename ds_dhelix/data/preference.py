@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .batches import BlockDataset
 from .packing import PackStats
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
@@ -25,25 +26,14 @@ UNPAIRED_FIELDS = ("prompt", "completion", "label")
 REFERENCE_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
-def is_preference(record: dict) -> bool:
-    return "chosen" in record and "rejected" in record
-
-
-class PairDataset:
-    """Pairs [N, 2, seq_len] with ``BlockDataset``'s interface: ``len`` counts pairs, ``rows(index)``
-    gives the micro-batch of those pairs (chosen rows, then rejected rows)."""
-
-    def __init__(self, fields: dict[str, torch.Tensor], stats: PackStats):
-        self.fields, self.stats = fields, stats
-        self.blocks = fields["input_ids"]
-
-    def __len__(self) -> int:
-        return self.blocks.shape[0]
+class PairDataset(BlockDataset):
+    """Pairs (fields [N, 2, ...]) as a ``BlockDataset``: ``len`` counts pairs, ``rows(index)`` gives
+    the micro-batch of those pairs (their first rows, then their second rows)."""
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return self.rows(torch.tensor([i]))
 
-    def rows(self, index: torch.Tensor, squeeze: bool = False) -> dict[str, torch.Tensor]:
+    def rows(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: v[index].transpose(0, 1).reshape(-1, *v.shape[2:]).clone() for k, v in self.fields.items()}
 
 

@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import torch
 
+from .batches import BlockDataset
 from .packing import PackStats
 
 SCALE_REWARDS = ("group", "none")
-
-
-def is_rollout(record: dict) -> bool:
-    return "completions" in record or "completion_ids" in record
 
 
 class RolloutEncoder:
@@ -124,8 +121,6 @@ class RolloutEncoder:
 
 def load_rollouts(records, encoder: RolloutEncoder, seq_len: int, pad_id: int, drop_long: bool = False):
     """Every completion of ``records`` as a row (module docstring): a ``BlockDataset``."""
-    from .batches import BlockDataset
-
     stats = PackStats(seq_len=seq_len)
     rows, seen = [], None
     for k, record in enumerate(records):

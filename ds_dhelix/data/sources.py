@@ -224,6 +224,10 @@ def _row_data(records, options: DataOptions, tokenizer, t0: float, fmt: str) -> 
             )
     first = first_record(records)
     chat = "prompt" in first and not isinstance(first["prompt"], str)
+    if options.chat_template is not None and not chat:
+        raise ValueError(
+            f"--chat-template renders conversational records; these {fmt} records' prompts are not chat messages"
+        )
     template = resolve_chat_template(tokenizer, options.chat_template) if chat else None
     data = TrainingData(fmt, "completions", options)
     o = options
@@ -247,8 +251,15 @@ def _check_applies(options: DataOptions, fmt: str, streaming: bool) -> None:
         what = "streamed (larger than --stream-above)" if streaming else f"packed (--packing {options.packing})"
         fix = "raise --stream-above" if streaming else "give --packing none"
         raise ValueError(f"{fmt} records are padded rows, each record whole; they cannot be {what}: {fix}")
-    if options.chat_template is not None and fmt != "chat":
+    if options.chat_template is not None and fmt not in ("chat", *ROW_FORMATS):  # (row formats: _row_data)
         raise ValueError(f"--chat-template renders chat records; these are {fmt} records")
+    if fmt in ROW_FORMATS:
+        for flag, given, why in (
+            ("--loss-on", options.loss_on, "their loss is on the completions"),
+            ("--data-workers", options.workers > 1, "they are encoded one by one, in the training process"),
+        ):
+            if given:
+                raise ValueError(f"{flag} with {fmt} records: {why}; drop {flag}")
     if options.drop_long and fmt not in ROW_FORMATS and (fmt == "text" or options.packing == "concat"):
         raise ValueError(
             f"--drop-long leaves out chat / prompt-completion records longer than --seq-len under "

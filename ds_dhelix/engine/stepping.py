@@ -314,14 +314,13 @@ class DhelixStepMixin:
         return self.monitor.enabled and self.global_rank == 0 and self.global_steps % self.dhelix.log_interval == 0
 
     def _reduce_objective_metrics(self) -> None:
-        """An objective's step metrics (``objectives.METRICS`` / ``GRPO_METRICS``): summed over the
+        """An objective's step metrics (``objectives.METRICS`` / ``KTO_METRICS`` / ``GRPO_METRICS``): summed over the
         ranks of a sequence and the replicas (every rank), then means: ``self.objective_metrics``."""
         objective = self.graph.meta.get("objective")
         self.objective_metrics = None
         if objective is None or objective.metrics.sums is None:
             return
-        sums = objective.metrics.sums.clone()
-        objective.metrics.reset()
+        sums = objective.metrics.sums  # (summed in place: ``begin_step`` starts the next step's afresh)
         if objective.ranks > 1:
             dist.all_reduce(sums, group=objective.group)
         if self.groups.dp_size > 1:

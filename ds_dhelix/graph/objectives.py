@@ -4,13 +4,14 @@ into its loss (``dhelix.objective``; guide: post-training).
 The head (``hf_models.common.head_ops``, ``hf_models.vocab.head_ops``) ends in each token's
 log-probability of its label, ``log p(target) = target logit - log-sum-exp`` over the vocabulary
 (``[n, b]``: this rank's sequence shard, 0 where the label is -100). Next-token cross-entropy keeps
-its own exact path; a preference objective gets those log-probabilities here:
+its own exact path; every other objective gets those log-probabilities here. The preference
+objectives (and KTO, whose rows are its completions then their KL rows):
 
     rows = sum over the sequence shards (TP x CP ranks) of [log p, label count]   # [2, b]
     chosen, rejected = first half of the rows, second half   (as TRL's DPOTrainer concatenates)
     loss = sum over pairs of the objective's per-pair loss / denominator
 
-The row sums are one differentiable all-reduce on the ranks of a sequence (``reduce``); every
+The row sums are one differentiable all-reduce on the ranks of a sequence (``sum_over_ranks``); every
 rank then holds the whole micro-batch's loss and returns ``1 / ranks`` of it, so the shares sum to
 the loss, as the cross-entropy's do, and the all-reduce's backward sums the ranks' gradients of the
 row sums back into each rank's tokens. The denominator is the micro-batch's pair count, or the
@@ -27,7 +28,8 @@ reference's, ``n*`` their label counts; TRL's definitions and defaults):
             NLL(chosen) = -sum of the chosen rows' log p / their labels (the micro-batch's)
 
 Rewards as TRL logs them (``ObjectiveMetrics``): ``beta x (p - r)`` with a reference, ``beta x p``
-(length-normalised for simpo / orpo) without; accuracy: chosen reward > rejected reward.
+(length-normalised for simpo / orpo) without; accuracy: chosen reward > rejected reward. KTO and
+GRPO's update: ``KtoObjective``, ``PolicyGradientObjective``.
 """
 
 from __future__ import annotations
@@ -86,6 +88,13 @@ class ObjectiveMetrics:
         return {name: values[k] / counts[self.over[k]] for k, name in enumerate(self.names)}
 
 
+def loss_denominator(side: dict):
+    """The divisor of a micro-batch's summed loss: ``loss_denominator`` when the batch gave one,
+    else its valid target count (at least 1)."""
+    given = side.get("loss_denominator")
+    return given if given is not None else max(side["num_valid"], 1)
+
+
 class PreferenceObjective:
     """A paired objective of ``dhelix.objective`` (``ObjectiveConfig``), bound to the ranks of one
     sequence by ``bind``; called by the head as ``objective(side, logps)`` -> this rank's share."""
@@ -99,7 +108,7 @@ class PreferenceObjective:
 
     @property
     def needs_reference(self) -> bool:
-        return self.name in ("dpo", "ipo")
+        return self.name in ("dpo", "ipo", "kto")
 
     def bind(self, ranks: int, group):
         """The ``ranks`` ranks (``group``) holding shards of one sequence (TP x CP; 1: no sum)."""
@@ -229,8 +238,6 @@ class KtoObjective(PreferenceObjective):
     averaged over the completions. (TRL also averages ``z`` over the data-parallel processes; here
     each replica's micro-batch has its own.)"""
 
-    needs_reference = True
-
     def __init__(self, config):
         super().__init__(config)
         self.weights = (config.desirable_weight, config.undesirable_weight)
@@ -279,7 +286,7 @@ class PolicyGradientObjective:
         self.low, self.high = config.epsilon, config.epsilon_high or config.epsilon
         self.max_length = config.max_completion_length
         self.metrics = ObjectiveMetrics(GRPO_METRICS, (0, 0, 0, 0, 1, 1))
-        self.ranks, self.group, self.first, self.capture = 1, None, True, None
+        self.ranks, self.group, self.first = 1, None, True
 
     bind = PreferenceObjective.bind
 
@@ -318,17 +325,15 @@ class PolicyGradientObjective:
             return per_token.sum() / (rows * (self.max_length or side["seq_len"]))
         # bnpo / dapo: over the micro-batch's completion tokens, or the count the caller gives (train.py
         # gives dapo the step's on every replica)
-        given = side.get("loss_denominator")
-        return per_token.sum() / (given if given is not None else max(side["num_valid"], 1))
+        return per_token.sum() / loss_denominator(side)
 
     def record(self, valid, ratio, adv, kl) -> None:
         with torch.no_grad():
             f = valid.to(ratio.dtype)
             low = ((ratio < 1 - self.low) & (adv < 0)).to(f.dtype) * f
             high = ((ratio > 1 + self.high) & (adv > 0)).to(f.dtype) * f
-            zero = f.new_zeros(())
             rows = adv.sum() * self.first, adv.new_tensor(adv.numel() * self.first)
-            kl = (kl * f).sum() if kl is not None else zero
+            kl = (kl * f).sum() if kl is not None else f.new_zeros(())
             values = torch.stack([kl, low.sum(), high.sum(), (low + high).sum(), rows[0], f.sum()])
             self.metrics.record(values, torch.stack([f.sum(), rows[1]]))
 

@@ -55,10 +55,6 @@ def _depth(t: Task) -> int:
     return t.depth
 
 
-def _no_side(side):
-    return contextlib.nullcontext()
-
-
 class Executor(Collectives):
     """Runs forward/backward of ``graph`` ops for micro-batches.
 
@@ -132,7 +128,7 @@ class Executor(Collectives):
         self._budget: float | None = None  # live activation bytes SI pairs stay within (``within_budget``)
         # modules an op calls that draw per micro-batch without being given the side (LoRA dropout)
         # read it from ``draws.current_side``: set around each op only where the graph has them
-        self._op_side = op_side if graph.meta.get("needs_side") else _no_side
+        self._op_side = op_side if graph.meta.get("needs_side") else contextlib.nullcontext
 
     @property
     def reacts_to_completions(self) -> bool:
