@@ -192,9 +192,16 @@ def _rank_initialize(rank, world, out_dir):
         not torch.equal(p.detach(), trained_before[n]) for n, p in engine.module.named_parameters() if p.requires_grad
     )
     engine.destroy()
-    # a PEFT model: adapter and merged exports of what it trained
-    peft_model = with_lora(build_model("tiny-llama", seed=3, num_layers=2)[0], lora(ALL_LLAMA), seed=3)
+    # a PEFT model: adapter and merged exports of what it trained. Each rank draws its own factors and
+    # norm (as a script without a seed would): initialize makes the TP-replicated copies rank 0's
+    peft_model = with_lora(build_model("tiny-llama", seed=3, num_layers=2)[0], lora(ALL_LLAMA), seed=3 + rank)
+    with torch.no_grad():
+        peft_model.base_model.model.model.norm.weight.add_(rank)
     engine, *_ = ds_dhelix.initialize(model=peft_model, config=opts.ds_config("si"))
+    replicated = [p.detach().clone() for p in engine.graph.replicated.params]
+    copies = [None] * world
+    torch.distributed.all_gather_object(copies, replicated)
+    tp_copies_equal = all(torch.equal(a, b) for a, b in zip(*copies))
     for step in batches:
         engine.train_batch(iter(step))
     probe = {"input_ids": batches[0][0]["input_ids"], "labels": batches[0][0]["labels"]}
@@ -207,6 +214,7 @@ def _rank_initialize(rank, world, out_dir):
             "frozen_same": frozen_same,
             "frozen": len(frozen),
             "trained_moved": trained_moved,
+            "tp_copies_equal": (tp_copies_equal, len(replicated)),
             "loss": loss,
             "probe": probe["input_ids"],
         }
@@ -219,6 +227,7 @@ def _rank_initialize(rank, world, out_dir):
 def test_initialize_idiom_frozen_parameters_and_both_exports(tmp_path):
     out = run_ranks(_rank_initialize, 2, args=(str(tmp_path),), timeout=580)[0]
     assert out["frozen"] > 0 and out["frozen_same"] and out["trained_moved"], out
+    assert out["tp_copies_equal"][0] and out["tp_copies_equal"][1] > 10, out["tp_copies_equal"]
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -403,7 +403,7 @@ def build_engine(
     _warn_ignored_by_pipeline(config, setup)
     groups = ProcessGroups.create(setup.dims)
     model.dhelix_lora = lora
-    graph = shard_model(model, setup.dh, setup.dims, groups)
+    graph = model.dhelix_graph = shard_model(model, setup.dh, setup.dims, groups)
     model_parameters = trained_parameters(model, named)
     ds_config = deepspeed_view(config, setup, model, len(graph.blocks))
     extra = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "config": ds_config}

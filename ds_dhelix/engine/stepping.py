@@ -82,6 +82,15 @@ class DhelixStepMixin:
     load_report = None
     """``build.LoadReport`` when the build read this rank's shards from a checkpoint, else None."""
 
+    def _broadcast_model(self) -> None:
+        """DeepSpeed's broadcast over data-parallel ranks, then the TP-replicated weights made the
+        first TP rank's (``ReplicatedGrads.equalize``). DeepSpeed's ``__init__`` calls it once the
+        model is on its device, before the optimizer copies the parameters."""
+        super()._broadcast_model()
+        graph = getattr(self.module, "graph", None) or getattr(self.module, "dhelix_graph", None)
+        if graph is not None and graph.replicated is not None:
+            graph.replicated.equalize(among={id(p) for p in self.module.parameters()})
+
     def setup_strands(self, dhelix, groups, graph, plan, **executor_options) -> None:
         """Everything a step needs; call after the DeepSpeed engine's own ``__init__``."""
         self.dhelix, self.groups, self.graph, self.plan = dhelix, groups, graph, plan

@@ -450,6 +450,37 @@ class ReplicatedGrads:
             self.params.append(p)
         self.group = group
 
+    def equalize(self, among=None) -> None:
+        """Make every rank's copy its group's first holder's (TP rank 0; for a replicated kv head, the
+        first rank of its replica group): DeepSpeed broadcasts the model over data-parallel ranks only,
+        and weights drawn per process (a PEFT adapter made without a seed, a model built from its
+        config) would otherwise train a different copy on each TP rank. ``among``: ids of the
+        parameters this rank holds (a pipeline stage's), default all."""
+        first = dist.get_rank(self.group) == 0
+        by_dtype: dict = {}
+        for p in self.params:
+            if among is None or id(p) in among:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        for params in by_dtype.values():
+            parts = []
+            for p in params:
+                slot = getattr(p, "tp_replica_slot", None)
+                mine = p.tensor_model_parallel if slot else first  # the holder whose copy every rank takes
+                data = p.data.reshape(-1) if mine else torch.zeros_like(p.data).reshape(-1)
+                if slot:
+                    data = _in_slot(data, slot).reshape(-1)
+                parts.append(data)
+            flat = torch.cat(parts)
+            dist.all_reduce(flat, group=self.group)  # one holder's copy plus zeros: that copy, exactly
+            offset = 0
+            for p in params:
+                slot = getattr(p, "tp_replica_slot", None)
+                size = p.numel() * (slot[1] if slot else 1)
+                part = flat[offset : offset + size]
+                with torch.no_grad():
+                    p.copy_((part.view(slot[1], -1)[slot[0]] if slot else part).view_as(p))
+                offset += size
+
     def all_reduce(self) -> int:
         """Sum the accumulated gradients over the group in place; returns the bytes reduced."""
         by_dtype: dict = {}
@@ -476,8 +507,13 @@ def _slotted(p) -> torch.Tensor:
     slot = getattr(p, "tp_replica_slot", None)
     if slot is None:
         return p.grad
-    buf = p.grad.new_zeros(slot[1], p.grad.numel())
-    buf[slot[0]] = p.grad.reshape(-1)
+    return _in_slot(p.grad.reshape(-1), slot)
+
+
+def _in_slot(flat: torch.Tensor, slot: tuple) -> torch.Tensor:
+    """``flat`` in row ``slot[0]`` of a zero buffer of ``slot[1]`` rows."""
+    buf = flat.new_zeros(slot[1], flat.numel())
+    buf[slot[0]] = flat
     return buf
 
 
