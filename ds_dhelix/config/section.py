@@ -574,6 +574,12 @@ class DhelixConfig(_Section):
     false: the whole reduction after the last backward. One-stage engines; the folded pipeline
     reduces after its last backward either way (an explicit true is warned about). Results do not depend on it at 2 data-parallel
     ranks; with more, gloo may sum other buckets in another order (last-bit differences)."""
+    zero3_prefetch: int = 1
+    """ZeRO-3 (``zero_optimization.stage`` 3): how many blocks ahead of the one a strand runs have
+    their parameters gathered (forward: the next layers, backward: the previous ones). Each
+    strand then holds at most 1 + this many blocks gathered, both strands about twice that; 0
+    gathers a block only when a strand reaches it (its gather is hidden only by the other
+    strand). Results do not depend on it."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     """Tensor/sequence parallelism."""
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
@@ -654,6 +660,7 @@ class DhelixConfig(_Section):
         self._check_objective()
         self._positive("watchdog_s")
         self._at_least("log_interval", 1)
+        self._at_least("zero3_prefetch", 0)
         self._at_least("auto_trials", 1)
         self._at_least("auto_recheck_steps", 0)
         self._at_least("head_chunk", 0)

@@ -143,7 +143,7 @@ def check_model_settings(model) -> None:
         )
 
 
-ZERO_STAGES_WITH_DHELIX = (0, 1, 2)
+ZERO_STAGES_WITH_DHELIX = (0, 1, 2, 3)
 SECTIONS = ("fp16", "bf16", "zero_optimization", "activation_checkpointing", "scheduler", "optimizer")
 UNSUPPORTED_KEYS = {
     "sequence_parallel_size": "DeepSpeed-Ulysses sequence parallelism",

@@ -23,12 +23,18 @@ from hf_models.common import gather_param
 def full_state_dict(model, tp_group=None, tp_size: int = 1) -> dict[str, torch.Tensor]:
     """Every parameter as its full HF tensor (collective over the TP group when sharded; expert
     shards are gathered over their EP group by global expert id)."""
-    from ..moe.experts import gather_expert_param, is_expert_param
+    return {name: whole_tensor(p, tp_group, tp_size) for name, p in model.named_parameters()}
 
-    return {
-        name: gather_expert_param(p) if is_expert_param(p) else gather_param(p, tp_group, tp_size)
-        for name, p in model.named_parameters()
-    }
+
+def whole_tensor(p, tp_group=None, tp_size: int = 1) -> torch.Tensor:
+    """``p`` as its full HF tensor: gathered over ZeRO-3's partition group (a copy of its own),
+    then over the TP group or its experts' EP group; collective."""
+    from ..moe.experts import gather_expert_param, is_expert_param
+    from .zero3 import gathered
+
+    with gathered(p) as partitioned:
+        full = gather_expert_param(p) if is_expert_param(p) else gather_param(p, tp_group, tp_size)
+        return full.clone() if partitioned else full
 
 
 def full_grads(model, groups) -> dict[str, torch.Tensor]:
@@ -290,11 +296,9 @@ def hf_tensors(model, tp_group=None, tp_size: int = 1, only=None):
     holds more than one full tensor."""
     from hf_models.loading import persistent_buffers
 
-    from ..moe.experts import gather_expert_param, is_expert_param
-
     for name, p in model.named_parameters():
         if only is None or only(name):
-            yield name, gather_expert_param(p) if is_expert_param(p) else gather_param(p, tp_group, tp_size)
+            yield name, whole_tensor(p, tp_group, tp_size)
     for name, buf in persistent_buffers(model):  # whole on every rank (e_score_correction_bias)
         if only is None or only(name):
             yield name, buf.detach().clone()

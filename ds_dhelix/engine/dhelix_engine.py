@@ -68,18 +68,34 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
     ):
         super().__init__(**kwargs)
         self.load_report = load_report
+        self.zero3 = self._take_over_zero3(graph, dhelix) if self.zero_optimization_stage() == 3 else None
         self.setup_strands(
             dhelix,
             groups,
             graph,
             plan if dhelix.schedule in ("si", "auto") else None,
-            defer_weight_grads=None if dhelix.defer_weight_grads else False,  # None: where useful
+            # None: where useful; ZeRO-3 reduces a block's gradients right after its backward
+            defer_weight_grads=None if dhelix.defer_weight_grads and self.zero3 is None else False,
             react=dhelix.react_to_completions,
             recompute=dhelix.recompute,
         )
         self.interpreter = Interpreter(self.executor)
         self._warned_few = False
         self._overlap = self._make_overlap()
+
+    def _take_over_zero3(self, graph, dhelix):
+        """ZeRO-3: DeepSpeed's module and gradient hooks off, the op graph's blocks given their
+        gathers and reduce-scatters (``zero3.py``)."""
+        from .zero3 import Zero3Blocks, add_zero3_ops, block_parameters
+
+        opt = self.optimizer
+        opt.parameter_offload._remove_module_hooks()
+        for hook in opt._grad_acc_hooks + opt._leaf_module_hooks:
+            hook.remove()
+        opt._grad_acc_hooks, opt._leaf_module_hooks = [], []
+        blocks = Zero3Blocks(opt, block_parameters(self.module, graph), prefetch=dhelix.zero3_prefetch)
+        add_zero3_ops(graph, blocks)
+        return blocks
 
     def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """Write an HF checkpoint (shards gathered) from global rank 0; collective on all ranks."""
@@ -115,7 +131,7 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         return self._overlap is not None
 
     def _make_overlap(self):
-        if not self.dhelix.overlap_grad_reduction or self.dp_world_size < 2:
+        if not self.dhelix.overlap_grad_reduction or self.dp_world_size < 2 or self.zero3 is not None:
             return None
         from .grad_reduction import OverlappedReduction
 
@@ -126,6 +142,13 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         """The step's data-parallel reduction; yields what ``ReduceGrads`` calls to finish it (it
         returns the reduction's seconds and the part the step waited for)."""
         replicated = lambda: self.executor.reduce_replicated_grads(mbs[-1].index)  # noqa: E731
+        if self.zero3 is not None:  # every block's reduce-scatter ran in the backward
+            self.zero3.begin_step()
+            try:
+                yield self._finish_zero3
+            finally:
+                self.zero3.release_all()
+            return
         if self._overlap is not None:
             self._overlap.begin(len(mbs))
             try:
@@ -150,6 +173,21 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
                 return waited, waited
 
             yield finish
+
+    def _finish_zero3(self) -> tuple[float, float]:
+        """ZeRO-3's end of the reduction: partitions of trained parameters no micro-batch reached
+        zeroed, DeepSpeed's epilogue (its averaged gradients)."""
+        t0 = time.perf_counter()
+        self.zero3.release_all()
+        unreached = self.zero3.unreduced()
+        if unreached:
+            self.optimizer.micro_step_id = 0
+            self.optimizer.partition_grads(unreached, [torch.zeros_like(p.ds_tensor) for p in unreached])
+        if self.graph.replicated is not None:  # TP-replicated weights: their partitions summed over TP
+            self.graph.replicated.all_reduce(self.zero3.grad_partition)
+        self.optimizer.independent_gradient_partition_epilogue()
+        waited = time.perf_counter() - t0
+        return waited, waited
 
     def destroy(self):
         if self._overlap is not None:

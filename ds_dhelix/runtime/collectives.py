@@ -28,10 +28,10 @@ class Collectives:
         self._before_forward(t)
         op, mb = t.op, t.mb
         with self._label(op.name), self._collective(t):
-            if t.backward:
-                pending = op.comm.backward(mb.grads.pop(op.outputs[0]), mb.side, t.channel)
+            if t.backward:  # (a COMM op without tensors, ZeRO-3's gathers, gets None)
+                pending = op.comm.backward(mb.grads.pop(op.outputs[0]) if op.outputs else None, mb.side, t.channel)
             else:
-                pending = op.comm.forward(mb.env[op.inputs[0]], mb.side, t.channel)
+                pending = op.comm.forward(mb.env[op.inputs[0]] if op.inputs else None, mb.side, t.channel)
         self.stats.num_comms += 1
         if pending.device_events is not None:
             self._cuda = True
@@ -68,9 +68,9 @@ class Collectives:
             group = "B" if t.channel else "F"  # lane of the strand group: one comm in flight each
             lane = f"{getattr(t.op.comm, 'lane', 'comm:tp')}:{group}"
             self.recorder.add_span(lane, t.op.name, pending.launched_at, end, self._args(t))
-        if t.backward:
+        if t.backward and t.op.inputs:
             accumulate(t.mb.grads, t.op.inputs[0], out)
-        else:
+        elif not t.backward and t.op.outputs:
             t.mb.env[t.op.outputs[0]] = out
 
     def _wait_first(self, rnd: P.Round, strands: tuple[int, ...]) -> int:

@@ -481,33 +481,35 @@ class ReplicatedGrads:
                     p.copy_((part.view(slot[1], -1)[slot[0]] if slot else part).view_as(p))
                 offset += size
 
-    def all_reduce(self) -> int:
-        """Sum the accumulated gradients over the group in place; returns the bytes reduced."""
+    def all_reduce(self, grad_of=None) -> int:
+        """Sum the accumulated gradients over the group in place; returns the bytes reduced.
+        ``grad_of(p)``: where ``p``'s gradient is (default ``p.grad``; ZeRO-3: its partition)."""
+        grad_of = grad_of or (lambda p: p.grad)
         by_dtype: dict = {}
         for p in self.params:
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p)
+            if (g := grad_of(p)) is not None:
+                by_dtype.setdefault(g.dtype, []).append((p, g))
         total = 0
-        for params in by_dtype.values():
-            flat = torch.cat([_slotted(p).reshape(-1) for p in params])
+        for pairs in by_dtype.values():
+            flat = torch.cat([_slotted(p, g).reshape(-1) for p, g in pairs])
             dist.all_reduce(flat, group=self.group)
             offset = 0
-            for p in params:
+            for p, g in pairs:
                 slot = getattr(p, "tp_replica_slot", None)
-                size = p.grad.numel() * (slot[1] if slot else 1)
+                size = g.numel() * (slot[1] if slot else 1)
                 part = flat[offset : offset + size]
-                p.grad.copy_((part.view(slot[1], -1)[slot[0]] if slot else part).view_as(p.grad))
+                g.copy_((part.view(slot[1], -1)[slot[0]] if slot else part).view_as(g))
                 offset += size
             total += flat.numel() * flat.element_size()
         return total
 
 
-def _slotted(p) -> torch.Tensor:
-    """``p.grad``, or for a replicated kv head its gradient in its slot of a zero buffer."""
+def _slotted(p, grad: torch.Tensor) -> torch.Tensor:
+    """``grad``, or for a replicated kv head ``p`` its gradient in its slot of a zero buffer."""
     slot = getattr(p, "tp_replica_slot", None)
     if slot is None:
-        return p.grad
-    return _in_slot(p.grad.reshape(-1), slot)
+        return grad
+    return _in_slot(grad.reshape(-1), slot)
 
 
 def _in_slot(flat: torch.Tensor, slot: tuple) -> torch.Tensor:

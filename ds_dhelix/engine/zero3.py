@@ -1,0 +1,335 @@
+"""ZeRO-3 under the op graph: each block's parameter gathers and gradient reduce-scatters as COMM ops.
+
+DeepSpeed's ZeRO-3 gathers a module's parameters in forward / backward module hooks and reduces
+their gradients in hooks on the parameters. The op graph calls weights directly, from its own
+ops, and runs two micro-batches' strands interleaved, so those hooks would fire in an order its
+prefetcher never saw (or never fire). Here DeepSpeed stays the owner of the partitioned
+parameters (``ds_tensor``, ``ds_status``, ``partition()``), of the gradient partitions
+(``partition_grads``), of the optimizer state and the checkpoint format; its module and gradient
+hooks are removed, and every block of the op graph gains two COMM ops that carry no tensor::
+
+    block b:  [z3.in] op op ... op [z3.out]
+
+    op       forward                              backward (the block's ops reversed)
+    z3.in    gather b's parameters                reduce-scatter b's gradients of this
+             (prefetch b+1's)                     micro-batch; release b
+    z3.out   release b (kept while recomputing)   gather b's parameters (prefetch b-1's)
+
+The executor launches them like TP's collectives, so SI pairs one strand's gathers and
+reduce-scatters with the other strand's compute. A parameter is gathered while any (block,
+micro-batch) holds it and released when the last lets go: the two strands share one gathered
+copy. Live gathered blocks: at most two per strand (the held one and ``prefetch`` ahead), i.e.
+about four blocks' parameters beside the partitions (``Zero3Blocks.peak_gathered``).
+
+Gradients: each micro-batch's block gradients are averaged over the partition group and
+reduce-scattered, in one collective per block, into DeepSpeed's partitions (copied the first time a
+parameter is reduced in a step, added after), the way its own hooks do per bucket. Bitwise SI =
+sequential follows: the gathers copy, the reduction of one parameter's micro-batches keeps their
+order, and every rank launches the same collectives in the same order (the bodies are not
+strand-safe, so the executor never reorders the strands by timing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ..graph.model_graph import Op
+from ..graph.ops import OpKind
+from ..runtime.comm import Pending, all_gather_seq, reduce_scatter_seq
+
+IN, OUT = "z3.in", "z3.out"
+
+
+@contextlib.contextmanager
+def gathered(p):
+    """Inside: ZeRO-3 parameter ``p`` whole (DeepSpeed's ``GatheredParameters``, read-only); yields
+    whether it was partitioned. Any other parameter as it is."""
+    if getattr(p, "ds_id", None) is None or _available(p):
+        yield False
+        return
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    with GatheredParameters([p]):
+        yield True
+
+
+def _available(p) -> bool:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return p.ds_status == ZeroParamStatus.AVAILABLE
+
+
+class _Gather:
+    """One in-flight gather of parameters of one partition group; ``wait()`` sets their data."""
+
+    def __init__(self, params: list, group):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        self.params, self.world = params, dist.get_world_size(group)
+        flat = torch.cat([p.ds_tensor.reshape(-1) for p in params])
+        self.pending = all_gather_seq(flat, group, self.world)
+        for p in params:
+            p.ds_status = ZeroParamStatus.INFLIGHT
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done or self.pending.work is None or self.pending.work.is_completed()
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        rows = self.pending.wait().view(self.world, -1)
+        offset = 0
+        for p in self.params:
+            part = p.ds_tensor.numel()
+            full = rows[:, offset : offset + part].reshape(-1)[: p.ds_numel]
+            p.data = full.view(p.ds_shape)
+            p.ds_status = ZeroParamStatus.AVAILABLE
+            offset += part
+        self.done = True
+
+
+class _Join:
+    """The work a gather op's ``Pending`` waits on: every gather its block's parameters are in."""
+
+    def __init__(self, gathers: list):
+        self.gathers = gathers
+
+    def is_completed(self) -> bool:
+        return all(g.is_completed() for g in self.gathers)
+
+    def wait(self) -> None:
+        for g in self.gathers:
+            g.wait()
+
+
+class Zero3Blocks:
+    """Which parameters each op-graph block uses, who holds them gathered, and the launches.
+
+    ``gathered[b]``: the parameters block ``b``'s ops read (every one, frozen too); ``reduced[b]``:
+    the trained ones whose gradients are final after block ``b``'s backward (a parameter two blocks
+    use, a tied embedding, is reduced after the lower block, the last its backward reaches)."""
+
+    def __init__(self, optimizer, gathered: list[list], prefetch: int = 1):
+        self.optimizer, self.gathered, self.prefetch = optimizer, gathered, prefetch
+        owner: dict = {}  # id(param) -> the lowest block using it
+        for b in range(len(gathered) - 1, -1, -1):
+            for p in gathered[b]:
+                owner[id(p)] = b
+        self.reduced = [[p for p in params if p.requires_grad and owner[id(p)] == b] for b, params in enumerate(gathered)]
+        self._holds: set = set()  # (block, holder)
+        self._count: dict = {}  # id(param) -> holds
+        self._inflight: dict = {}  # id(param) -> _Gather
+        self._reduced_this_step: set = set()
+        self._live = 0  # parameter elements gathered or in flight now (persistent ones not counted)
+        self.peak_gathered = 0  # the most at once
+
+    # ------------------------------------------------------------------ gathers
+    def acquire(self, block: int, holder, direction: int) -> Pending:
+        """Hold ``block``'s parameters for ``holder``; the Pending completes when they are in.
+        ``direction`` +1 forward, -1 backward: the block prefetched next."""
+        gathers = []
+        if (block, holder) not in self._holds:
+            self._holds.add((block, holder))
+            for p in self.gathered[block]:
+                self._count[id(p)] = self._count.get(id(p), 0) + 1
+            gathers = self._launch(self.gathered[block])
+        for k in range(1, self.prefetch + 1):
+            if 0 <= block + direction * k < len(self.gathered):
+                self._launch(self.gathered[block + direction * k])
+        out = self._marker()
+        return Pending(_Join(gathers) if gathers else None, out)
+
+    def _launch(self, params) -> list:
+        """Gathers for ``params``: in flight already, or launched now (per partition group)."""
+        gathers, todo = [], {}
+        for p in params:
+            g = self._inflight.get(id(p))
+            if g is not None and not g.done:
+                gathers.append(g)
+            elif not _available(p) and id(p) not in self._inflight:
+                todo.setdefault(id(p.ds_process_group), []).append(p)
+        for params_of_group in todo.values():
+            params_of_group.sort(key=lambda p: p.ds_id)
+            g = _Gather(params_of_group, params_of_group[0].ds_process_group)
+            for p in params_of_group:
+                self._inflight[id(p)] = g
+            gathers.append(g)
+            self._live += sum(p.ds_numel for p in params_of_group if not p.ds_persist)
+        self.peak_gathered = max(self.peak_gathered, self._live)
+        return list({id(g): g for g in gathers}.values())
+
+    def release(self, block: int, holder) -> None:
+        """``holder`` lets go of ``block``; parameters nobody holds are partitioned again."""
+        if (block, holder) not in self._holds:
+            return
+        self._holds.discard((block, holder))
+        free = []
+        for p in self.gathered[block]:
+            self._count[id(p)] -= 1
+            if self._count[id(p)] == 0:
+                free.append(p)
+        self._free(free)
+
+    def _free(self, params) -> None:
+        for p in params:
+            g = self._inflight.pop(id(p), None)
+            if g is not None:
+                g.wait()  # (a prefetch nobody claimed yet)
+            if not p.ds_persist and _available(p):
+                p.partition()
+                self._live -= p.ds_numel
+
+    def release_all(self) -> None:
+        """Partition every parameter still gathered (prefetches nobody claimed, an aborted step)."""
+        self._holds.clear()
+        self._count.clear()
+        self._free([p for params in self.gathered for p in params])
+
+    def _marker(self) -> torch.Tensor:
+        device = next((p.ds_tensor.device for params in self.gathered for p in params), torch.device("cpu"))
+        return torch.empty(0, device=device)
+
+    # ------------------------------------------------------------------ gradients
+    def reduce(self, block: int) -> Pending:
+        """Launch the reduce-scatter of ``block``'s gradients of the micro-batch whose backward just
+        ran it (per partition group); waiting puts them into DeepSpeed's partitions."""
+        by_group: dict = {}
+        for p in self.reduced[block]:
+            by_group.setdefault(id(p.ds_process_group), []).append(p)
+        works = [_Reduce(self, sorted(ps, key=lambda p: p.ds_id)) for ps in by_group.values()]
+        return Pending(_Join(works) if works else None, self._marker())
+
+    def grad_partition(self, p):
+        """This rank's partition of ``p``'s step gradient in DeepSpeed's buffers (None: not trained)."""
+        if not p.requires_grad:
+            return None
+        return self.optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition[p.ds_id]
+
+    def begin_step(self) -> None:
+        self._reduced_this_step.clear()
+
+    def unreduced(self) -> list:
+        """Trained parameters no micro-batch of this step reduced (an expert no token reached)."""
+        return [p for params in self.reduced for p in params if id(p) not in self._reduced_this_step]
+
+
+class _Reduce:
+    """One block's gradients of one partition group, averaged and reduce-scattered; ``wait()``
+    hands each rank's partitions to DeepSpeed (``partition_grads``)."""
+
+    def __init__(self, owner: Zero3Blocks, params: list):
+        self.owner, self.params = owner, params
+        group = params[0].ds_process_group
+        self.world = dist.get_world_size(group)
+        rows = []
+        for p in params:
+            part = p.ds_tensor.numel()
+            g = p.grad if p.grad is not None else torch.zeros(p.ds_shape, dtype=p.dtype, device=p.ds_tensor.device)
+            flat = torch.zeros(self.world * part, dtype=g.dtype, device=g.device)
+            flat[: p.ds_numel] = g.reshape(-1)
+            rows.append(flat.view(self.world, part))
+            p.grad = None
+        buf = torch.cat(rows, dim=1)
+        buf.div_(owner.optimizer._gradient_averaging_world_size(params, self.world))
+        self.pending = reduce_scatter_seq(buf.reshape(-1), group, self.world)
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done or self.pending.work is None or self.pending.work.is_completed()
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        mine = self.pending.wait()
+        opt, seen = self.owner.optimizer, self.owner._reduced_this_step
+        parts, offset = [], 0
+        for p in self.params:
+            n = p.ds_tensor.numel()
+            parts.append(mine[offset : offset + n].to(opt.gradient_accumulation_dtype))
+            offset += n
+        first = [i for i, p in enumerate(self.params) if id(p) not in seen]
+        again = [i for i, p in enumerate(self.params) if id(p) in seen]
+        for ids, step in ((first, 0), (again, 1)):  # copy into the partition, or add to it
+            if ids:
+                opt.micro_step_id = step
+                opt.partition_grads([self.params[i] for i in ids], [parts[i] for i in ids])
+        seen.update(id(p) for p in self.params)
+        self.done = True
+
+
+class _Body:
+    """COMM body of ``z3.in`` (``first``) or ``z3.out`` of one block: see the module docstring."""
+
+    strand_safe = False  # one partition group for both strands: the launch order is the plan's
+    lane = "comm:zero3"
+
+    def __init__(self, blocks: Zero3Blocks, block: int, first: bool):
+        self.blocks, self.block, self.first = blocks, block, first
+
+    def forward(self, x, side, channel: int = 0) -> Pending:
+        holder = id(side)
+        if self.first:
+            return self.blocks.acquire(self.block, holder, +1)
+        if not side.get("recomputing"):  # a recomputed block stays gathered for its backward
+            self.blocks.release(self.block, holder)
+        return Pending(None, self.blocks._marker())
+
+    def backward(self, grad, side, channel: int = 1) -> Pending:
+        holder = id(side)
+        if not self.first:
+            return self.blocks.acquire(self.block, holder, -1)
+        pending = self.blocks.reduce(self.block)
+        self.blocks.release(self.block, holder)
+        return pending
+
+
+def add_zero3_ops(graph, blocks: Zero3Blocks) -> None:
+    """Put ``z3.in`` / ``z3.out`` around every block of ``graph`` (in place)."""
+    for b, ops in enumerate(graph.blocks):
+        if ops and ops[0].name == IN:
+            continue
+        graph.blocks[b] = [
+            Op(IN, OpKind.COMM, (), (), comm=_Body(blocks, b, True)),
+            *ops,
+            Op(OUT, OpKind.COMM, (), (), comm=_Body(blocks, b, False)),
+        ]
+
+
+def block_parameters(model, graph) -> list[list]:
+    """The parameters each block of ``graph`` reads: block 0 the input embeddings (and any other
+    embedding outside the decoder layers), block i+1 decoder layer i, the last block everything
+    else (final norm, head; a tied head's weight is the embedding's)."""
+    layers = _decoder_layers(model, graph.num_layers)
+    in_layer = {id(p): i + 1 for i, layer in enumerate(layers) for p in layer.parameters()}
+    embeds = {id(p) for p in model.get_input_embeddings().parameters()}
+    blocks: list[list] = [[] for _ in graph.blocks]
+    for name, p in model.named_parameters():
+        if id(p) in in_layer:
+            blocks[in_layer[id(p)]].append(p)
+        elif id(p) in embeds or "emb" in name.rsplit(".", 2)[-2] or ".wpe." in f".{name}":
+            blocks[0].append(p)
+        else:
+            blocks[-1].append(p)
+    head = model.get_output_embeddings()
+    for p in head.parameters() if head is not None else ():
+        if id(p) not in {id(q) for q in blocks[-1]}:
+            blocks[-1].append(p)
+    return blocks
+
+
+def _decoder_layers(model, num_layers: int):
+    best = None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            size = sum(p.numel() for p in module.parameters())
+            if best is None or size > best[0]:
+                best = (size, module)
+    if best is None:
+        raise ValueError(f"ZeRO-3: no list of {num_layers} decoder layers in {type(model).__name__}")
+    return best[1]
