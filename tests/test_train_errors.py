@@ -308,10 +308,24 @@ CASES = [
         ["zero_optimization.stage = 1", '"optimizer"'],
     ),
     (
-        "zero-3",
+        "zero-3-offload",
         2,
-        lambda t: ["--deepspeed", _config(t, _set("zero_optimization", {"stage": 3}))],
-        ["zero_optimization.stage = 3", "supported stages are [0, 1, 2]"],
+        lambda t: [
+            "--deepspeed",
+            _config(t, _set("zero_optimization", {"stage": 3, "offload_param": {"device": "cpu"}})),
+        ],
+        ["zero_optimization.offload_param = {'device': 'cpu'}", "not supported yet"],
+    ),
+    (
+        "zero-3-expert-parallel",
+        2,
+        lambda t: [
+            "--deepspeed",
+            _config(t, _set("zero_optimization", {"stage": 3}), base=os.path.join(ROOT, "ds_configs", "phimoe_ep2.json")),
+            "--model",
+            "tiny-phimoe",
+        ],
+        ["zero_optimization.stage = 3 with dhelix.expert_parallel.size = 2", "use stage 2"],
     ),
     (
         "grad-accum-dtype",

@@ -181,17 +181,30 @@ def _check_zero(ds_config: dict, dh, client_optimizer: bool) -> None:
     if dh.enabled and stage not in ZERO_STAGES_WITH_DHELIX:
         raise ValueError(
             f"zero_optimization.stage = {stage!r} with dhelix: supported stages are "
-            f"{list(ZERO_STAGES_WITH_DHELIX)}. ZeRO-3 gathers each parameter in module hooks "
-            f"that the op graph never calls, so the ops would see empty partitions; use stage "
-            f"2 (gradients and optimizer state partitioned) or 1"
+            f"{list(ZERO_STAGES_WITH_DHELIX)}"
         )
     _check_grad_accum_dtype(ds_config, stage)
+    if dh.enabled and stage == 3:
+        from .zero3 import check_zero3
+
+        for warning in check_zero3(ds_config, dh):
+            _warn_once(warning)
     if stage >= 1 and "optimizer" not in ds_config and not client_optimizer:
         raise ValueError(
             f"zero_optimization.stage = {stage} partitions the optimizer state but the ds_config "
             f'has no "optimizer" section; add one (e.g. {{"type": "AdamW", "params": '
             f'{{"lr": 1e-4}}}}) or pass optimizer= to ds_dhelix.initialize'
         )
+
+
+_WARNED: set = set()
+
+
+def _warn_once(text: str) -> None:
+    """A harmless setting's warning, once per process (rank 0)."""
+    if text not in _WARNED and (not dist.is_initialized() or dist.get_rank() == 0):
+        _WARNED.add(text)
+        logger.warning(text)
 
 
 def _check_grad_accum_dtype(ds_config: dict, stage: int) -> None:

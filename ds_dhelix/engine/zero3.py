@@ -327,9 +327,68 @@ def _decoder_layers(model, num_layers: int):
     best = None
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
-            size = sum(p.numel() for p in module.parameters())
+            size = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
             if best is None or size > best[0]:
                 best = (size, module)
     if best is None:
         raise ValueError(f"ZeRO-3: no list of {num_layers} decoder layers in {type(model).__name__}")
     return best[1]
+
+
+NOT_YET = {
+    "offload_param": "parameter offload (the gathers read each partition where the model runs)",
+    "offload_optimizer": "optimizer offload",
+    "zero_hpz_partition_size": "ZeRO++'s secondary partitions",
+    "zero_quantized_weights": "ZeRO++'s quantized gathers",
+    "zero_quantized_nontrainable_weights": "ZeRO++'s quantized gathers",
+    "zero_quantized_gradients": "ZeRO++'s quantized reduce-scatters",
+}
+"""Stage-3 keys the op graph's gathers and reduce-scatters do not carry out yet: refused when on."""
+
+OWN_SCHEDULE_KEYS = (
+    "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "reduce_bucket_size",
+    "overlap_comm",
+)
+"""DeepSpeed's stage-3 prefetch and bucket keys: under dhelix every block's gathers and reduce-scatters
+are op-graph collectives (``dhelix.zero3_prefetch``), so these do nothing; said once."""
+
+
+def _on(value) -> bool:
+    if isinstance(value, dict):
+        return value.get("device", "none") not in (None, "none")
+    return value not in (None, False, 0, 1) if not isinstance(value, bool) else value
+
+
+def check_zero3(ds_config: dict, dh) -> list[str]:
+    """What a ds_config at ``zero_optimization.stage`` 3 with dhelix cannot have (``ValueError``
+    naming the key and the fix), and the warnings for keys that do nothing here."""
+    zero = ds_config.get("zero_optimization") or {}
+    if dh.pipeline.stages > 1:
+        raise ValueError(
+            f"zero_optimization.stage = 3 with dhelix.pipeline.stages = {dh.pipeline.stages}: the folded "
+            f"pipeline does not gather ZeRO-3 partitions yet; use stage 1 or 2 (each stage holds only its "
+            f"layers already), or one stage"
+        )
+    if dh.expert_parallel.size > 1:
+        raise ValueError(
+            f"zero_optimization.stage = 3 with dhelix.expert_parallel.size = {dh.expert_parallel.size}: "
+            f"expert shards are not partitioned over their expert-data-parallel group yet; use stage 2 "
+            f"with expert parallelism, or expert_parallel.size 1 (experts partitioned like every weight)"
+        )
+    for key, what in NOT_YET.items():
+        if _on(zero.get(key)):
+            raise ValueError(
+                f"zero_optimization.{key} = {zero[key]!r} ({what}) with dhelix at stage 3 is not supported "
+                f"yet; remove it (or use stage 2)"
+            )
+    given = [k for k in OWN_SCHEDULE_KEYS if k in zero]
+    if not given:
+        return []
+    return [
+        f"ds_dhelix: zero_optimization.{', '.join(given)} do nothing with dhelix at stage 3: each block's "
+        f"gathers and reduce-scatters are op-graph collectives, prefetched dhelix.zero3_prefetch blocks "
+        f"ahead ({dh.zero3_prefetch}), one reduce-scatter per block and micro-batch"
+    ]

@@ -55,8 +55,12 @@ def memory_marks(engine, marks: dict | None = None) -> list[dict]:
         **(
             {
                 "optimizer_state_bytes": engine.optimizer_state_bytes(),
-                "trainable_parameters": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
-                "parameters": sum(p.numel() for p in engine.module.parameters()),
+                "trainable_parameters": sum(_numel(p) for p in engine.module.parameters() if p.requires_grad),
+                "parameters": sum(_numel(p) for p in engine.module.parameters()),
+                # what the rank holds: under ZeRO-3 its partitions (1/DP of each parameter)
+                "held_parameters": sum(
+                    p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.module.parameters()
+                ),
             }
             if hasattr(engine, "optimizer_state_bytes")
             else {}
@@ -65,6 +69,11 @@ def memory_marks(engine, marks: dict | None = None) -> list[dict]:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return out
+
+
+def _numel(p) -> int:
+    """A parameter's elements on this rank's model (its TP shard), a ZeRO-3 partitioned one's too."""
+    return getattr(p, "ds_numel", p.numel())
 
 
 def summarize(
@@ -217,6 +226,9 @@ def _print_memory(memory: list[dict] | None) -> None:
             f"optimizer state per rank: {per_rank} MiB; trained parameters on rank 0: {m['trainable_parameters']:,} "
             f"of {m['parameters']:,} ({m['trainable_parameters'] / max(m['parameters'], 1):.1%})"
         )
+    if memory and memory[0].get("held_parameters", 0) < memory[0].get("parameters", 0):
+        held = ", ".join(f"{m['held_parameters']:,}" for m in memory)
+        print(f"parameters held per rank (ZeRO-3 partitions): {held} of {memory[0]['parameters']:,}")
 
 
 def flush_tensorboard(engine) -> None:

@@ -21,6 +21,7 @@ class ParityOptions:
     micro_batch_size: int = 2
     seq_len: int = 64
     zero_stage: int = 1
+    zero: dict = field(default_factory=dict)  # more zero_optimization keys (stage3_param_persistence_threshold, ...)
     lr: float = 1e-3
     seed: int = 1234
     num_layers: int | None = None  # shrink the preset (faster tests)
@@ -60,7 +61,7 @@ class ParityOptions:
             "gradient_clipping": self.clip,
             "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.01, "torch_adam": True}},
-            "zero_optimization": {"stage": self.zero_stage},
+            "zero_optimization": {"stage": self.zero_stage, **self.zero},
             "dhelix": {
                 "enabled": True,
                 "schedule": schedule,
