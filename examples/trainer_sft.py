@@ -349,6 +349,12 @@ def main(argv=None) -> int:
         "cp_size": groups.dims.cp if groups else 1,
         "cp_comm": groups.dims.cp_comm if groups else None,
         "schedule": engine.dhelix.schedule if hasattr(engine, "dhelix") else "plain",
+        "zero_stage": engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None,
+        # parameter elements this rank holds (ZeRO-3: its partitions) and the model's on this rank
+        "held_parameters": sum(
+            p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.module.parameters()
+        ),
+        "parameters": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
         "losses": getattr(trainer, "step_losses", None) or [loss for _, loss in losses.losses],
         "logged_losses": [loss for _, loss in losses.losses],
         "eval_loss": metrics.get("eval_loss"),

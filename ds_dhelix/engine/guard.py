@@ -69,31 +69,67 @@ def _guard_engine_class(module) -> None:
     engine.__init__ = __init__
 
 
+HF_CONFIG_MODULE = "accelerate.utils.deepspeed"
+
+
+def _own_zero3(module) -> None:
+    """With an enabled dhelix section, HF's DeepSpeed config answers ``is_zero3()`` False: a model
+    built after ``TrainingArguments(deepspeed=...)`` is then built whole (not inside DeepSpeed's
+    ``zero.Init``), so ds_dhelix can shard it for TP / EP and read only its shards; its engine
+    partitions it for ZeRO-3 itself (``zero3.py``), and HF's own ZeRO-3 paths (gathering for a
+    resize, for a save) stay out of the way of a model whose partitions are ds_dhelix's."""
+    cls = module.HfDeepSpeedConfig
+    if getattr(cls.is_zero3, "_dhelix_guarded", False):
+        return
+    original = cls.is_zero3
+
+    @functools.wraps(original)
+    def is_zero3(self):
+        return original(self) and not enabled_dhelix_section(getattr(self, "config", None))
+
+    is_zero3._dhelix_guarded = True
+    cls.is_zero3 = is_zero3
+
+
+GUARDED = {ENGINE_MODULE: _guard_engine_class, HF_CONFIG_MODULE: _own_zero3}
+"""Modules patched right after they are first executed (or at ``install`` when imported already)."""
+
+
 class _GuardOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Adds the check right after ``deepspeed.runtime.engine`` is executed (then steps aside)."""
+    """Patches a module of ``GUARDED`` right after it is executed (then steps aside for it)."""
+
+    def __init__(self):
+        self.waiting = set(GUARDED)
+        self._loaders: dict = {}  # module name -> its own loader
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != ENGINE_MODULE:
+        if fullname not in self.waiting:
             return None
-        sys.meta_path.remove(self)
+        self.waiting.discard(fullname)
+        if not self.waiting:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return None
-        self._loader = spec.loader
+        self._loaders[fullname] = spec.loader
         spec.loader = self
         return spec
 
     def create_module(self, spec):
-        return self._loader.create_module(spec)
+        return self._loaders[spec.name].create_module(spec)
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
-        _guard_engine_class(module)
+        self._loaders.pop(module.__name__).exec_module(module)
+        GUARDED[module.__name__](module)
 
 
 def install() -> None:
-    """Guard DeepSpeedEngine now (deepspeed imported) or on its first import; idempotent."""
-    if ENGINE_MODULE in sys.modules:
-        _guard_engine_class(sys.modules[ENGINE_MODULE])
-    elif not any(isinstance(f, _GuardOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _GuardOnImport())
+    """Guard DeepSpeedEngine and HF's DeepSpeed config now (imported already) or on their first
+    import; idempotent."""
+    hook = _GuardOnImport()
+    for name, patch in GUARDED.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+            hook.waiting.discard(name)
+    if hook.waiting and not any(isinstance(f, _GuardOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, hook)
