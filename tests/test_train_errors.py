@@ -321,7 +321,9 @@ CASES = [
         2,
         lambda t: [
             "--deepspeed",
-            _config(t, _set("zero_optimization", {"stage": 3}), base=os.path.join(ROOT, "ds_configs", "phimoe_ep2.json")),
+            _config(
+                t, _set("zero_optimization", {"stage": 3}), base=os.path.join(ROOT, "ds_configs", "phimoe_ep2.json")
+            ),
             "--model",
             "tiny-phimoe",
         ],

@@ -180,8 +180,7 @@ def _check_zero(ds_config: dict, dh, client_optimizer: bool) -> None:
     stage = zero_stage(ds_config)
     if dh.enabled and stage not in ZERO_STAGES_WITH_DHELIX:
         raise ValueError(
-            f"zero_optimization.stage = {stage!r} with dhelix: supported stages are "
-            f"{list(ZERO_STAGES_WITH_DHELIX)}"
+            f"zero_optimization.stage = {stage!r} with dhelix: supported stages are {list(ZERO_STAGES_WITH_DHELIX)}"
         )
     _check_grad_accum_dtype(ds_config, stage)
     if dh.enabled and stage == 3:

@@ -79,6 +79,8 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
             react=dhelix.react_to_completions,
             recompute=dhelix.recompute,
         )
+        if self.zero3 is not None:
+            self.meter.gathered = self.zero3.storages
         self.interpreter = Interpreter(self.executor)
         self._warned_few = False
         self._overlap = self._make_overlap()

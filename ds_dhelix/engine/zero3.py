@@ -65,10 +65,10 @@ def _available(p) -> bool:
 class _Gather:
     """One in-flight gather of parameters of one partition group; ``wait()`` sets their data."""
 
-    def __init__(self, params: list, group):
+    def __init__(self, params: list, group, storages: dict):
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-        self.params, self.world = params, dist.get_world_size(group)
+        self.params, self.world, self.storages = params, dist.get_world_size(group), storages
         flat = torch.cat([p.ds_tensor.reshape(-1) for p in params])
         self.pending = all_gather_seq(flat, group, self.world)
         for p in params:
@@ -90,6 +90,8 @@ class _Gather:
             full = rows[:, offset : offset + part].reshape(-1)[: p.ds_numel]
             p.data = full.view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
+            if not p.ds_persist:  # (a persistent one stays whole; DeepSpeed gathers it anew after each step)
+                self.storages[p.data.untyped_storage().data_ptr()] = p
             offset += part
         self.done = True
 
@@ -121,11 +123,16 @@ class Zero3Blocks:
         for b in range(len(gathered) - 1, -1, -1):
             for p in gathered[b]:
                 owner[id(p)] = b
-        self.reduced = [[p for p in params if p.requires_grad and owner[id(p)] == b] for b, params in enumerate(gathered)]
+        self.reduced = [
+            [p for p in params if p.requires_grad and owner[id(p)] == b] for b, params in enumerate(gathered)
+        ]
         self._holds: set = set()  # (block, holder)
         self._count: dict = {}  # id(param) -> holds
         self._inflight: dict = {}  # id(param) -> _Gather
         self._reduced_this_step: set = set()
+        # storage of each gathered copy -> its parameter: the activation meter keeps saved views of
+        # them as layouts, so a released block's copy is freed (``memory._Regathered``)
+        self.storages: dict = {}
         self._live = 0  # parameter elements gathered or in flight now (persistent ones not counted)
         self.peak_gathered = 0  # the most at once
 
@@ -156,7 +163,7 @@ class Zero3Blocks:
                 todo.setdefault(id(p.ds_process_group), []).append(p)
         for params_of_group in todo.values():
             params_of_group.sort(key=lambda p: p.ds_id)
-            g = _Gather(params_of_group, params_of_group[0].ds_process_group)
+            g = _Gather(params_of_group, params_of_group[0].ds_process_group, self.storages)
             for p in params_of_group:
                 self._inflight[id(p)] = g
             gathers.append(g)
@@ -182,6 +189,7 @@ class Zero3Blocks:
             if g is not None:
                 g.wait()  # (a prefetch nobody claimed yet)
             if not p.ds_persist and _available(p):
+                self.storages.pop(p.data.untyped_storage().data_ptr(), None)
                 p.partition()
                 self._live -= p.ds_numel
 

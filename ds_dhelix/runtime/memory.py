@@ -32,9 +32,33 @@ class _Saved:
             self.meter._release(self.key)
 
 
+class _Regathered:
+    """A saved view of a ZeRO-3 parameter's gathered copy, kept as its layout only: at unpack the
+    same view of the parameter's data, gathered again by then (its block's ``z3.out`` backward), so
+    a forward does not keep the gathered copy alive until its backward."""
+
+    __slots__ = ("param", "size", "stride", "offset")
+
+    def __init__(self, param, t: torch.Tensor):
+        self.param, self.size, self.stride, self.offset = param, t.size(), t.stride(), t.storage_offset()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        data = self.param.data
+        if data.numel() == 0:
+            raise RuntimeError(
+                f"ZeRO-3 parameter {tuple(getattr(self.param, 'ds_shape', ()))} is not gathered at its op's "
+                f"backward: its block's gather did not run (a backward outside the op graph's order)"
+            )
+        return data.as_strided(self.size, self.stride, self.offset)
+
+
 class ActivationMeter:
     def __init__(self, params=()):
         self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        # ZeRO-3: storage of a gathered copy -> its parameter (``engine.zero3``); saved views of them
+        # are kept as layouts (``_Regathered``), not counted
+        self.gathered: dict = {}
         self.live: dict[int, list] = {}  # storage ptr -> [bytes, refcount]
         self.current = 0
         self.peak = 0
@@ -50,6 +74,8 @@ class ActivationMeter:
         t = t.detach()
         storage = t.untyped_storage()
         key = storage.data_ptr()
+        if key in self.gathered:
+            return _Regathered(self.gathered[key], t)
         if key in self.param_storages or storage.nbytes() == 0:
             return _Saved(t, self, None)
         entry = self.live.get(key)
