@@ -171,6 +171,14 @@ def test_train_py_stop_and_resume_is_exact(tmp_path):
     first = _launch("train.py", cfg, tmp_path / "a", "--steps", "8", "--stop-after", "4", "--ds-checkpoint", ck)
     second = _launch("train.py", cfg, tmp_path / "b", "--steps", "8", "--resume", "auto", "--ds-checkpoint", ck)
     assert first["losses"] + second["losses"] == straight["losses"], (first["losses"], second["losses"])
+    # the checkpoint on another ZeRO stage: refused in one line, not read wrong
+    other = _train_config(tmp_path, {"stage": 2})
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    cmd += [os.path.join(ROOT, "train.py"), "--deepspeed", other, "--seq-len", "32", "--steps", "8"]
+    cmd += ["--resume", "auto", "--ds-checkpoint", ck, "--allow-resume-change"]  # past the settings check
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "from or to ZeRO-3 is not supported yet" in proc.stdout + proc.stderr
 
 
 # ---------------------------------------------------------------------------------- DhelixTrainer
@@ -239,3 +247,41 @@ def test_a_stock_stage3_config_through_the_trainer(tmp_path):
     assert saved.keys() == other.keys()
     assert max(float((saved[k].float() - other[k].float()).abs().max()) for k in saved) < TRAINER_WEIGHT_TOLERANCE
     assert all(torch.equal(p.detach(), saved[n]) for n, p in model.named_parameters() if n in saved)
+
+
+# ---------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    "zero, dhelix, words",
+    [
+        ({"offload_optimizer": {"device": "cpu"}}, {}, ["zero_optimization.offload_optimizer", "not supported yet"]),
+        ({"zero_hpz_partition_size": 2}, {}, ["zero_hpz_partition_size = 2", "ZeRO++"]),
+        ({"zero_quantized_weights": True}, {}, ["zero_quantized_weights = True"]),
+        ({}, {"pipeline": {"stages": 2}}, ["dhelix.pipeline.stages = 2", "use stage 1 or 2"]),
+        ({}, {"expert_parallel": {"size": 2}}, ["expert_parallel.size = 2", "expert-data-parallel group"]),
+    ],
+)
+def test_what_stage3_cannot_take_is_refused_in_one_line(zero, dhelix, words):
+    from ds_dhelix.config.section import DhelixConfig
+    from ds_dhelix.engine.zero3 import check_zero3
+
+    cfg = {"zero_optimization": {"stage": 3, **zero}, "dhelix": {"enabled": True, **dhelix}}
+    with pytest.raises(ValueError) as err:
+        check_zero3(cfg, DhelixConfig.from_ds_config(cfg))
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_keys_that_do_nothing_are_said_and_a_partitioned_model_is_refused():
+    from ds_dhelix.config.section import DhelixConfig
+    from ds_dhelix.engine.build import check_model_settings
+    from ds_dhelix.engine.zero3 import check_zero3
+    from hf_models.registry import build_model
+
+    zero = {"stage": 3, "stage3_max_live_parameters": 1e9, "stage3_gather_16bit_weights_on_model_save": False}
+    cfg = {"zero_optimization": zero, "dhelix": {"enabled": True}}
+    said = check_zero3(cfg, DhelixConfig.from_ds_config(cfg))
+    assert len(said) == 2 and "stage3_max_live_parameters do nothing" in said[0] and "one tensor at a" in said[1]
+    assert check_zero3({"zero_optimization": {"stage": 3}}, DhelixConfig.from_ds_config(cfg)) == []
+    model = build_model("tiny-llama", seed=1, num_layers=1)[0]
+    next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves on a parameter
+    with pytest.raises(ValueError, match="partitioned already"):
+        check_model_settings(model)

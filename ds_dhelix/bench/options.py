@@ -166,10 +166,11 @@ class BenchOptions:
     repeats: int = 5
     """Timed steps per mode; modes alternate step by step, the median is reported."""
     zero_stage: int = 0
+    """ZeRO stage of every mode (3: plain DeepSpeed gathers in its module hooks with its own prefetch,
+    the ds_dhelix modes as op-graph collectives)."""
     lora_r: int = 0
     """> 0: every mode trains a PEFT LoRA adapter of this rank (alpha 2 x rank) on the attention and
     MLP projections of a frozen model, as ``train.py --lora-r`` does; 0: a full fine-tune."""
-    """ZeRO stage of every mode."""
     seed: int = 1234
     timeout: float = 900.0
     """Seconds one link rate may take before its world is killed."""
@@ -211,8 +212,10 @@ class BenchOptions:
         ParallelDims(self.tp * self.cp, tp=self.tp, cp=self.cp, cp_comm=self.cp_comm).check_seq_len(
             self.seq_len, "seq-len"
         )
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero stage {self.zero_stage} not supported here; use 0, 1 or 2")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero stage {self.zero_stage} not supported here; use 0, 1, 2 or 3")
+        if self.zero_stage == 3 and self.pp > 1:
+            raise ValueError("--zero 3 with --pp: the folded pipeline does not take ZeRO-3 yet; use one stage")
         if self.lora_r < 0:
             raise ValueError(f"lora-r must be >= 1 (or 0: full fine-tune), got {self.lora_r}")
         if self.moe_kernels not in ("torch", "tutel"):

@@ -62,7 +62,7 @@ def _add_run_flags(p, d: BenchOptions) -> None:
     """How each mode runs (steps, ZeRO, LoRA, MoE kernels) and where the report goes."""
     p.add_argument("--warmup", type=int, default=None, help=f"untimed steps per mode (default {d.warmup})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed steps per mode (default {d.repeats})")
-    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2], help="ZeRO stage (default 0)")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage (default 0)")
     p.add_argument(
         "--lora-r",
         type=int,

@@ -85,9 +85,10 @@ def _add_training_flags(p) -> None:
     p.add_argument(
         "--zero-stage",
         type=int,
-        choices=(0, 1, 2),
+        choices=(0, 1, 2, 3),
         default=0,
-        help="ZeRO stage: 1 and 2 split the optimizer's update over the data-parallel ranks (default 0)",
+        help="ZeRO stage: 1 and 2 split the optimizer's update over the data-parallel ranks; 3 adds each "
+        "block's parameter gathers and gradient reduce-scatters on the data-parallel group (default 0)",
     )
     p.add_argument(
         "--dp-end",
@@ -119,6 +120,11 @@ def check_args(args) -> None:
         raise ValueError(
             "--table and --link-gbps feed --hardware cpu; a GPU system's links come from --hardware "
             "(and --intra-link, --network, --nics-per-node)"
+        )
+    if cpu and args.zero_stage == 3:
+        raise ValueError(
+            "--zero-stage 3 with --hardware cpu: the overlap table holds no gather times; project ZeRO-3 on a GPU "
+            "system (--hardware), or measure it here with dhelix bench --zero 3"
         )
     if cpu and args.dtype not in (None, "fp32"):
         raise ValueError(f"--dtype {args.dtype} with --hardware cpu: the CPU world runs fp32")

@@ -135,6 +135,13 @@ def check_model_settings(model) -> None:
         if hasattr(type(model), "is_activation_checkpointing")
         else "is_gradient_checkpointing"
     )
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError(
+            "the model's parameters are partitioned already (built inside deepspeed.zero.Init, e.g. by "
+            "from_pretrained after TrainingArguments with a stage-3 config and no dhelix section): ds_dhelix "
+            "shards the whole model for TP / EP and partitions it for ZeRO-3 itself; build it outside "
+            "zero.Init (import ds_dhelix before building it under a dhelix config)"
+        )
     if getattr(model, name, False):
         raise ValueError(
             "the model has HF gradient checkpointing enabled (gradient_checkpointing_enable()), which "

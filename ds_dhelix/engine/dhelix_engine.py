@@ -189,6 +189,8 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
             self.graph.replicated.all_reduce(self.zero3.grad_partition)
         self.optimizer.independent_gradient_partition_epilogue()
         waited = time.perf_counter() - t0
+        stats = self.executor.stats  # the gathers' and reductions' time, once each
+        stats.comm_s, stats.exposed_s = stats.comm_s + self.zero3.comm_s(), stats.exposed_s + self.zero3.waited_s
         return waited, waited
 
     def destroy(self):

@@ -111,6 +111,15 @@ def records_differ(engine, tag_dir: str) -> bool:
     return bool(flag.item())
 
 
+def _saved_zero_stage(tag_dir: str) -> int | None:
+    """The ZeRO stage the checkpoint's records name (None without records)."""
+    found = sorted(glob.glob(os.path.join(tag_dir, "dhelix_layout_rank*.json")))
+    if not found:
+        return None
+    with open(found[0], encoding="utf-8") as f:
+        return json.load(f).get("zero_stage")
+
+
 def is_converted(tag_dir: str) -> bool:
     """A tag written by ``dhelix convert-checkpoint``: the universal folder, no DeepSpeed files."""
     return has_universal(tag_dir) and not glob.glob(os.path.join(tag_dir, "*model_states.pt"))
@@ -165,6 +174,12 @@ def check_reshard(saved: dict, current: dict) -> None:
             f"LR schedule count steps of that batch)"
         )
     zero = (current.get("precision") or {}).get("zero_stage")
+    if 3 in (zero, (saved.get("precision") or {}).get("zero_stage")):
+        raise ValueError(
+            f"a resume on another layout or ZeRO stage from or to ZeRO-3 is not supported yet (checkpoint: stage "
+            f"{(saved.get('precision') or {}).get('zero_stage')}, layout {a}; this run: stage {zero}, layout {b}); "
+            f"resume on the checkpoint's own layout and stage"
+        )
     if zero == 0 and b.get("ep", 1) > 1:
         raise ValueError(
             "a resume on another layout at ZeRO stage 0 with expert parallelism is not supported; use ZeRO stage 1 or 2"
@@ -382,6 +397,12 @@ def load_if_resharded(engine, root: str, tag: str) -> dict | None:
     converted = is_converted(tag_dir)
     if not converted and not records_differ(engine, tag_dir):
         return None
+    if engine.zero_optimization_stage() == 3 or _saved_zero_stage(tag_dir) == 3:
+        raise ValueError(
+            f"{tag_dir} was written at another layout, ZeRO stage or precision than this run, and one of the two is "
+            f"ZeRO-3: a resume that reshards from or to ZeRO-3 is not supported yet; resume on the checkpoint's own "
+            f"layout and stage"
+        )
     if not converted:
         convert_for_resume(root, tag)
     return load_universal(engine, tag_dir)

@@ -32,6 +32,8 @@ strand-safe, so the executor never reorders the strands by timing).
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -65,10 +67,11 @@ def _available(p) -> bool:
 class _Gather:
     """One in-flight gather of parameters of one partition group; ``wait()`` sets their data."""
 
-    def __init__(self, params: list, group, storages: dict):
+    def __init__(self, params: list, group, storages: dict, on_done=None):
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         self.params, self.world, self.storages = params, dist.get_world_size(group), storages
+        self.launched_at, self.seen_done_at, self.on_done = time.perf_counter(), None, on_done
         flat = torch.cat([p.ds_tensor.reshape(-1) for p in params])
         self.pending = all_gather_seq(flat, group, self.world)
         for p in params:
@@ -76,7 +79,10 @@ class _Gather:
         self.done = False
 
     def is_completed(self) -> bool:
-        return self.done or self.pending.work is None or self.pending.work.is_completed()
+        done = self.done or self.pending.work is None or self.pending.work.is_completed()
+        if done and self.seen_done_at is None:
+            self.seen_done_at = time.perf_counter()
+        return done
 
     def wait(self) -> None:
         if self.done:
@@ -84,6 +90,8 @@ class _Gather:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         rows = self.pending.wait().view(self.world, -1)
+        if self.on_done is not None:  # its time once, launch to completion (first seen), prefetch or not
+            self.on_done(self.launched_at, self.seen_done_at or time.perf_counter())
         offset = 0
         for p in self.params:
             part = p.ds_tensor.numel()
@@ -117,6 +125,8 @@ class Zero3Blocks:
     the trained ones whose gradients are final after block ``b``'s backward (a parameter two blocks
     use, a tied embedding, is reduced after the lower block, the last its backward reaches)."""
 
+    IN_FLIGHT_REDUCES = 2  # block reductions a strand leaves behind it (each holds a block's gradients)
+
     def __init__(self, optimizer, gathered: list[list], prefetch: int = 1):
         self.optimizer, self.gathered, self.prefetch = optimizer, gathered, prefetch
         owner: dict = {}  # id(param) -> the lowest block using it
@@ -133,6 +143,11 @@ class Zero3Blocks:
         # storage of each gathered copy -> its parameter: the activation meter keeps saved views of
         # them as layouts, so a released block's copy is freed (``memory._Regathered``)
         self.storages: dict = {}
+        self._reducing: deque = deque()  # reductions in flight, in launch order
+        # each gather's and reduction's (launch, first seen complete); the z3 ops' own Pendings count
+        # only their waits (``times_itself``): ``comm_s`` is the time any of them was in flight
+        self._spans: list = []
+        self.waited_s = 0.0  # the step's waits on reductions joined outside a z3 op
         self._live = 0  # parameter elements gathered or in flight now (persistent ones not counted)
         self.peak_gathered = 0  # the most at once
 
@@ -149,8 +164,9 @@ class Zero3Blocks:
         for k in range(1, self.prefetch + 1):
             if 0 <= block + direction * k < len(self.gathered):
                 self._launch(self.gathered[block + direction * k])
-        out = self._marker()
-        return Pending(_Join(gathers) if gathers else None, out)
+        if not gathers:
+            return Pending(None, self._marker())
+        return Pending(_Join(gathers), self._marker())
 
     def _launch(self, params) -> list:
         """Gathers for ``params``: in flight already, or launched now (per partition group)."""
@@ -163,7 +179,7 @@ class Zero3Blocks:
                 todo.setdefault(id(p.ds_process_group), []).append(p)
         for params_of_group in todo.values():
             params_of_group.sort(key=lambda p: p.ds_id)
-            g = _Gather(params_of_group, params_of_group[0].ds_process_group, self.storages)
+            g = _Gather(params_of_group, params_of_group[0].ds_process_group, self.storages, self._gathered)
             for p in params_of_group:
                 self._inflight[id(p)] = g
             gathers.append(g)
@@ -194,7 +210,9 @@ class Zero3Blocks:
                 self._live -= p.ds_numel
 
     def release_all(self) -> None:
-        """Partition every parameter still gathered (prefetches nobody claimed, an aborted step)."""
+        """Partition every parameter still gathered (prefetches nobody claimed, an aborted step);
+        reductions still in flight are joined first."""
+        self.drain()
         self._holds.clear()
         self._count.clear()
         self._free([p for params in self.gathered for p in params])
@@ -206,12 +224,39 @@ class Zero3Blocks:
     # ------------------------------------------------------------------ gradients
     def reduce(self, block: int) -> Pending:
         """Launch the reduce-scatter of ``block``'s gradients of the micro-batch whose backward just
-        ran it (per partition group); waiting puts them into DeepSpeed's partitions."""
+        ran it (per partition group). The strand goes on at once: the reduction is joined later, in
+        launch order (so each parameter's micro-batches reach DeepSpeed's partitions in order), when
+        more than ``IN_FLIGHT_REDUCES`` are in flight or at the step's end (``drain``)."""
         by_group: dict = {}
         for p in self.reduced[block]:
             by_group.setdefault(id(p.ds_process_group), []).append(p)
-        works = [_Reduce(self, sorted(ps, key=lambda p: p.ds_id)) for ps in by_group.values()]
-        return Pending(_Join(works) if works else None, self._marker())
+        self._reducing.extend(_Reduce(self, sorted(ps, key=lambda p: p.ds_id)) for ps in by_group.values())
+        while len(self._reducing) > self.IN_FLIGHT_REDUCES:
+            self._join(self._reducing.popleft())
+        return Pending(None, self._marker())
+
+    def _gathered(self, launched: float, done: float) -> None:
+        self._spans.append((launched, done))
+
+    def drain(self) -> None:
+        """Join every reduction still in flight (the step's end)."""
+        while self._reducing:
+            self._join(self._reducing.popleft())
+
+    def _join(self, work: _Reduce) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        done = time.perf_counter()
+        self._spans.append((work.launched_at, work.seen_done_at or done))
+        self.waited_s += done - t0
+
+    def poll(self) -> None:
+        """Note which collectives in flight have completed (their time ends there); each z3 op
+        calls it, so a reduction joined later is not timed up to its join."""
+        for work in self._reducing:
+            work.is_completed()
+        for g in self._inflight.values():
+            g.is_completed()
 
     def grad_partition(self, p):
         """This rank's partition of ``p``'s step gradient in DeepSpeed's buffers (None: not trained)."""
@@ -221,6 +266,17 @@ class Zero3Blocks:
 
     def begin_step(self) -> None:
         self._reduced_this_step.clear()
+        self._spans, self.waited_s = [], 0.0
+
+    def comm_s(self) -> float:
+        """The step's ZeRO-3 communication time: how long any of its collectives was in flight (one
+        link carries them in order, so their own intervals overlap)."""
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(self._spans):
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total
 
     def unreduced(self) -> list:
         """Trained parameters no micro-batch of this step reduced (an expert no token reached)."""
@@ -233,6 +289,7 @@ class _Reduce:
 
     def __init__(self, owner: Zero3Blocks, params: list):
         self.owner, self.params = owner, params
+        self.launched_at, self.seen_done_at = time.perf_counter(), None
         group = params[0].ds_process_group
         self.world = dist.get_world_size(group)
         rows = []
@@ -249,7 +306,10 @@ class _Reduce:
         self.done = False
 
     def is_completed(self) -> bool:
-        return self.done or self.pending.work is None or self.pending.work.is_completed()
+        done = self.done or self.pending.work is None or self.pending.work.is_completed()
+        if done and self.seen_done_at is None:
+            self.seen_done_at = time.perf_counter()
+        return done
 
     def wait(self) -> None:
         if self.done:
@@ -276,11 +336,13 @@ class _Body:
 
     strand_safe = False  # one partition group for both strands: the launch order is the plan's
     lane = "comm:zero3"
+    times_itself = True  # a gather may serve several ops (prefetched, shared): ``Zero3Blocks.comm_s`` times it
 
     def __init__(self, blocks: Zero3Blocks, block: int, first: bool):
         self.blocks, self.block, self.first = blocks, block, first
 
     def forward(self, x, side, channel: int = 0) -> Pending:
+        self.blocks.poll()
         holder = id(side)
         if self.first:
             return self.blocks.acquire(self.block, holder, +1)
@@ -289,6 +351,7 @@ class _Body:
         return Pending(None, self.blocks._marker())
 
     def backward(self, grad, side, channel: int = 1) -> Pending:
+        self.blocks.poll()
         holder = id(side)
         if not self.first:
             return self.blocks.acquire(self.block, holder, -1)
@@ -392,11 +455,18 @@ def check_zero3(ds_config: dict, dh) -> list[str]:
                 f"zero_optimization.{key} = {zero[key]!r} ({what}) with dhelix at stage 3 is not supported "
                 f"yet; remove it (or use stage 2)"
             )
+    warnings = []
     given = [k for k in OWN_SCHEDULE_KEYS if k in zero]
-    if not given:
-        return []
-    return [
-        f"ds_dhelix: zero_optimization.{', '.join(given)} do nothing with dhelix at stage 3: each block's "
-        f"gathers and reduce-scatters are op-graph collectives, prefetched dhelix.zero3_prefetch blocks "
-        f"ahead ({dh.zero3_prefetch}), one reduce-scatter per block and micro-batch"
-    ]
+    if given:
+        warnings.append(
+            f"ds_dhelix: zero_optimization.{', '.join(given)} do nothing with dhelix at stage 3: each block's "
+            f"gathers and reduce-scatters are op-graph collectives, prefetched dhelix.zero3_prefetch blocks "
+            f"ahead ({dh.zero3_prefetch}), one reduce-scatter per block and micro-batch"
+        )
+    if zero.get("stage3_gather_16bit_weights_on_model_save") is False:
+        warnings.append(
+            "ds_dhelix: zero_optimization.stage3_gather_16bit_weights_on_model_save = false: the HF export "
+            "(train.py's output, DhelixTrainer.save_model) still writes the weights, gathered one tensor at a "
+            "time (never more than one whole tensor in memory); DeepSpeed's checkpoints hold the partitions"
+        )
+    return warnings

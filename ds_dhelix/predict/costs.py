@@ -99,7 +99,11 @@ def roofline_times(outline: ModelOutline, shape: ModelShape, layout: RunLayout, 
     for b, ops in enumerate(outline.blocks):
         ctx = block_context(shape, layout, outline, b)
         blocks.append(tuple(_op_time(hw, op, op_work(op.name, ctx), places, layout.dtype) for op in ops))
-    tail, notes = overlap_dp_grads(step_tail(hw, shape, outline, layout, places), blocks, shape, outline, layout)
+    tail = step_tail(hw, shape, outline, layout, places)
+    if layout.zero_stage == 3:  # each block's gathers and reduce-scatters are ops of the block
+        blocks = zero3_blocks(hw, blocks, shape, outline, layout, places["replica"])
+        tail = {**tail, "dp_grads": 0.0}
+    tail, notes = overlap_dp_grads(tail, blocks, shape, outline, layout)
     p2p = (
         collective_ms(hw, places["pp"], "p2p", BlockContext(shape, layout).n_loc * shape.hidden * layout.bytes)
         if layout.dims.pp > 1
@@ -216,3 +220,24 @@ def overlap_dp_grads(tail: dict, blocks, shape: ModelShape, outline: ModelOutlin
         done = max(done, clock) + whole * params[b] / total
     exposed = done + whole * params[-1] / total - clock  # (done >= clock: the embedding's share starts at the end)
     return {**tail, "dp_grads": exposed}, {"dp_grads_ms": {"whole": whole, "exposed": exposed}}
+
+
+def zero3_blocks(hw: Hardware, blocks: list, shape: ModelShape, outline: ModelOutline, layout: RunLayout, replica):
+    """ZeRO-3 (``engine/zero3.py``): every block between ``z3.in`` (forward: gather the block's
+    parameters; backward: reduce-scatter its gradients) and ``z3.out`` (backward: gather again), on
+    the data-parallel group. Projected without the engine's prefetch (``dhelix.zero3_prefetch`` 0):
+    a strand's gather waits at its block, hidden only by the other strand."""
+    per_block = block_params(shape, outline, layout)
+    counts = per_block[:-1]
+    counts[-1] += per_block[-1]  # (TP-replicated weights: counted with the head, a small share)
+    out = []
+    for b, ops in enumerate(blocks):
+        nbytes = counts[b] * layout.bytes
+        gather = collective_ms(hw, replica, "all_gather", nbytes)
+        link = f"replica:{'net' if replica.crosses_nodes else hw.intra_link.kind}"
+        z_in = OpTime(
+            "z3.in", True, gather, collective_ms(hw, replica, "reduce_scatter", nbytes), group="replica", link=link
+        )
+        z_out = OpTime("z3.out", True, 0.0, gather, group="replica", link=link)
+        out.append((z_in, *ops, z_out))
+    return out

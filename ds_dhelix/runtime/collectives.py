@@ -60,9 +60,10 @@ class Collectives:
         if pending.device_events is not None:
             self._device_events.append(pending.device_events)
         self.stats.exposed_s += pending.waited_s
-        self.stats.comm_s += (
-            done - pending.launched_at if pending.done_at is None else pending.done_at - pending.launched_at
-        )
+        if not getattr(t.op.comm, "times_itself", False):  # (ZeRO-3's gathers report their own time)
+            self.stats.comm_s += (
+                done - pending.launched_at if pending.done_at is None else pending.done_at - pending.launched_at
+            )
         if self.recorder is not None:
             end = pending.done_at or done
             group = "B" if t.channel else "F"  # lane of the strand group: one comm in flight each
