@@ -511,3 +511,41 @@ def test_dp_reduction_during_the_last_backward_against_after_it(capsys):
         done = max(done, clock) + 100.0 * params[b] / sum(params)
     assert tail["dp_grads"] == pytest.approx(done + 100.0 * params[-1] / sum(params) - clock)
     assert notes["dp_grads_ms"]["whole"] == 100.0
+
+
+def test_zero3_gathers_and_reduce_scatters_every_block(capsys):
+    """``--zero-stage 3``: every block gains ``z3.in`` / ``z3.out`` (forward: a gather of the
+    block's parameters; backward: a reduce-scatter and a gather), the dense ones on the
+    data-parallel group, the expert shards on their expert-data-parallel group (by hand below);
+    the step has no data-parallel reduction of its own, and costs more than stage 2."""
+    from ds_dhelix.predict.costs import _layer_params, block_params, zero3_blocks
+    from hf_models.outline import config_of, model_outline
+
+    argv = ["--model", "tiny-qwen3-moe", "--dp", "8", "--ep", "2", "--seq-len", "128", "--hardware", "A10"]
+    runs = {}
+    for stage in ("2", "3"):
+        code, out, _ = _predict(capsys, *argv, "--network", "eth25", "--zero-stage", stage, "--json")
+        assert code == 0, out
+        runs[stage] = json.loads(out)
+    two, three = runs["2"], runs["3"]
+    assert three["per_step"]["tail_s"]["dp_grads"] == 0 < two["per_step"]["tail_s"]["dp_grads"]
+    assert three["modes"]["sequential"]["step_time_s"] > two["modes"]["sequential"]["step_time_s"]
+    assert three["modes"]["si"]["step_time_s"] < three["modes"]["sequential"]["step_time_s"]
+
+    hw = load_hardware("A10", network="eth25")
+    config = config_of("tiny-qwen3-moe")
+    layout = RunLayout(ParallelDims(8, ep=2), seq_len=128, micro_batch_size=1, micro_batches=4, zero_stage=3)
+    outline, shape = model_outline(config, layout.dims), model_shape(config)
+    places = {k: placement(layout.dims, k, hw.gpus_per_node) for k in ("replica", "edp")}
+    blocks = [(OpTime("x", False, 1.0, 1.0),)] * len(outline.blocks)
+    out = zero3_blocks(hw, blocks, shape, outline, layout, places)
+    assert [len(b) for b in out] == [3] * len(blocks) and [b[0].name for b in out] == ["z3.in"] * len(blocks)
+    params = block_params(shape, outline, layout)
+    experts = _layer_params(shape, outline.blocks[1], 1)[2] / 2  # layer 0's expert shards of one EP rank
+    dense = (params[1] - experts) * layout.bytes
+    z_in, z_out = out[1][0], out[1][-1]
+    for kind, got in (("all_gather", z_in.fwd_ms), ("reduce_scatter", z_in.bwd_ms), ("all_gather", z_out.bwd_ms)):
+        by_hand = collective_ms(hw, places["replica"], kind, dense)
+        by_hand += collective_ms(hw, places["edp"], kind, experts * layout.bytes)
+        assert got == pytest.approx(by_hand) and experts > 0
+    assert z_out.fwd_ms == 0.0

@@ -4,14 +4,17 @@ gathers and reduce-scatters run as COMM ops of the executor.
 parity, 2 ranks    TP=1 x DP=2, every parameter partitioned (persistence threshold 0): SI equals
                    sequential bitwise (losses, every parameter after 3 steps) and is close to the
                    unsharded HF model, for tiny-llama, tiny-qwen3-moe (its experts partitioned like
-                   every weight), full recompute, bf16 and LoRA; the same tiny-llama run at stage 2
-                   gives the same losses within rounding
+                   every weight; at EP=2 each rank's expert shards over their expert-data-parallel
+                   group of one), full recompute, bf16 and LoRA; the same tiny-llama and EP=2 runs at
+                   stage 2 give the same losses within rounding
 parity, 4 ranks    TP=2 x DP=2 (ZeRO-3 inside the data-parallel group; the TP-replicated weights'
-                   partitions summed over TP): tiny-llama and tiny-qwen3-moe, SI == sequential
+                   partitions summed over TP): tiny-llama and tiny-qwen3-moe (EP 1 and 2), and
+                   tiny-qwen3-moe at DP=4 x EP=2 (experts partitioned over 2 ranks): SI == sequential
 memory             each rank holds its partitions (1/DP of every parameter, padding aside); the
                    gathered-parameter plus activation peak of SI against sequential
-train.py           stopped after 4 of 8 steps and resumed == the straight run, bit for bit; the
-                   summary prints the parameters held per rank
+train.py           tiny-qwen3-moe at EP 2 stopped after 4 of 8 steps and resumed == the straight
+                   run, bit for bit; the summary prints the parameters held per rank; the
+                   checkpoint resumed at stage 2 is refused
 DhelixTrainer      a stock HF stage-3 ds_config ("auto" values, DeepSpeed's prefetch keys) trains,
                    its HF checkpoint loads in plain transformers and gives the run's weights; the same
                    config at stage 2 gives the same losses within rounding
@@ -33,7 +36,8 @@ from tests.conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
-ALL = {"stage3_param_persistence_threshold": 0}  # partition every parameter (tiny ones too)
+ALL = {"stage3_param_persistence_threshold": 0}
+EP2 = {"expert_parallel": {"size": 2}}  # partition every parameter (tiny ones too)
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 # ZeRO-3 averages and reduce-scatters each micro-batch's gradient and adds the partitions; stage 2
 # sums the micro-batches locally and averages once per step: the same sums in another order, a few
@@ -55,11 +59,14 @@ def _opts(**kw):
 TWO_RANKS = {
     "llama": dict(zero_stage=3, zero=ALL),
     "qwen3-moe": dict(model="tiny-qwen3-moe", zero_stage=3, zero=ALL),
+    "qwen3-moe-ep2": dict(model="tiny-qwen3-moe", zero_stage=3, zero=ALL, extra=EP2),
     "recompute-full": dict(zero_stage=3, zero=ALL, recompute="full"),
     "bf16": dict(zero_stage=3, zero=ALL, dtype="bf16"),
     "lora": dict(zero_stage=3, zero=ALL, lora=LORA),
     "llama-stage2": dict(zero_stage=2),
+    "qwen3-moe-ep2-stage2": dict(model="tiny-qwen3-moe", zero_stage=2, extra=EP2),
 }
+STAGE2 = {"llama": "llama-stage2", "qwen3-moe-ep2": "qwen3-moe-ep2-stage2"}
 
 
 @functools.cache
@@ -70,7 +77,7 @@ def two_ranks() -> dict:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", [n for n in TWO_RANKS if n != "llama-stage2"])
+@pytest.mark.parametrize("name", [n for n in TWO_RANKS if n not in STAGE2.values()])
 def test_zero3_si_equals_sequential_and_hf(name):
     r = two_ranks()[name]
     assert r["bitwise_equal"] and r["max_abs_diff_vs_sequential"] == 0.0, r["max_abs_diff_vs_sequential"]
@@ -80,8 +87,9 @@ def test_zero3_si_equals_sequential_and_hf(name):
 
 
 @pytest.mark.timeout(900)
-def test_zero3_gives_stage2_losses():
-    zero3, zero2 = two_ranks()["llama"]["losses"]["si"], two_ranks()["llama-stage2"]["losses"]["si"]
+@pytest.mark.parametrize("name", list(STAGE2))
+def test_zero3_gives_stage2_losses(name):
+    zero3, zero2 = two_ranks()[name]["losses"]["si"], two_ranks()[STAGE2[name]]["losses"]["si"]
     assert max(abs(a - b) for a, b in zip(zero3, zero2)) < STAGE2_LOSS_TOLERANCE, (zero3, zero2)
 
 
@@ -91,9 +99,34 @@ def test_zero3_inside_tensor_parallel_groups():
     from ds_dhelix.verify import run_parities
 
     sets = [_opts(tp=2, zero_stage=3, zero=ALL), _opts(model="tiny-qwen3-moe", tp=2, zero_stage=3, zero=ALL)]
+    # experts partitioned over an expert-data-parallel group of 2 (DP 4, EP 2), and EP inside TP groups
+    sets += [_opts(model="tiny-qwen3-moe", dp=4, zero_stage=3, zero=ALL, extra=EP2)]
+    sets += [_opts(model="tiny-qwen3-moe", tp=2, zero_stage=3, zero=ALL, extra=EP2)]
     for r in run_parities(sets, timeout=840):
         assert r["bitwise_equal"] and r["losses"]["si"] == r["losses"]["sequential"], r["losses"]
         assert r["ok"] and r["hf_close"], (r["max_abs_diff_vs_hf"], r["losses"])
+    for r in run_ranks(_expert_partitions, 4, timeout=580):  # what the DP=4 x EP=2 set partitioned
+        assert r["expert_groups"] == {2} and r["dense_groups"] == {4}, r
+        assert r["expert_held"] * 2 == r["expert_whole"] and r["expert_whole"] > 0, r
+
+
+def _expert_partitions(rank, world):
+    import ds_dhelix
+    from ds_dhelix.moe.experts import is_expert_param
+    from ds_dhelix.verify import build
+
+    opts = _opts(model="tiny-qwen3-moe", dp=4, zero_stage=3, zero=ALL, extra=EP2)
+    engine, *_ = ds_dhelix.initialize(model=build(opts), config=opts.ds_config("si"))
+    experts = [p for p in engine.module.parameters() if is_expert_param(p)]
+    dense = [p for p in engine.module.parameters() if not is_expert_param(p)]
+    out = {
+        "expert_groups": {torch.distributed.get_world_size(p.ds_process_group) for p in experts},
+        "dense_groups": {torch.distributed.get_world_size(p.ds_process_group) for p in dense},
+        "expert_held": sum(p.ds_tensor.numel() for p in experts),
+        "expert_whole": sum(p.ds_numel for p in experts),
+    }
+    engine.destroy()
+    return out
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -150,11 +183,11 @@ def _launch(script: str, cfg: str, out, *extra, launcher="deepspeed", timeout=40
         return {**json.load(f), "stdout": proc.stdout + proc.stderr}
 
 
-def _train_config(tmp, zero: dict) -> str:
+def _train_config(tmp, zero: dict, **dhelix) -> str:
     with open(os.path.join(ROOT, "ds_configs", "tiny_llama_cpu.json")) as f:
         cfg = json.load(f)
     cfg["zero_optimization"] = zero
-    cfg["dhelix"]["tensor_parallel"] = {"size": 1}
+    cfg["dhelix"].update(tensor_parallel={"size": 1}, **dhelix)
     cfg.pop("tensorboard")
     path = tmp / "zero3.json"
     path.write_text(json.dumps(cfg))
@@ -164,17 +197,20 @@ def _train_config(tmp, zero: dict) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_train_py_stop_and_resume_is_exact(tmp_path):
-    cfg = _train_config(tmp_path, {"stage": 3, **ALL})
-    straight = _launch("train.py", cfg, tmp_path / "s", "--steps", "8", "--output-dir", str(tmp_path / "s"))
+    """tiny-qwen3-moe at EP 2: attention and router weights partitioned over DP, each rank's experts
+    over their expert-data-parallel group (of one: whole); DeepSpeed's checkpoint holds them all."""
+    cfg = _train_config(tmp_path, {"stage": 3, **ALL}, expert_parallel=EP2["expert_parallel"])
+    moe = ("--model", "tiny-qwen3-moe")
+    straight = _launch("train.py", cfg, tmp_path / "s", *moe, "--steps", "8", "--output-dir", str(tmp_path / "s"))
     assert "parameters held per rank (ZeRO-3 partitions)" in straight["stdout"]
     ck = str(tmp_path / "ck")
-    first = _launch("train.py", cfg, tmp_path / "a", "--steps", "8", "--stop-after", "4", "--ds-checkpoint", ck)
-    second = _launch("train.py", cfg, tmp_path / "b", "--steps", "8", "--resume", "auto", "--ds-checkpoint", ck)
+    first = _launch("train.py", cfg, tmp_path / "a", *moe, "--steps", "8", "--stop-after", "4", "--ds-checkpoint", ck)
+    second = _launch("train.py", cfg, tmp_path / "b", *moe, "--steps", "8", "--resume", "auto", "--ds-checkpoint", ck)
     assert first["losses"] + second["losses"] == straight["losses"], (first["losses"], second["losses"])
     # the checkpoint on another ZeRO stage: refused in one line, not read wrong
-    other = _train_config(tmp_path, {"stage": 2})
+    other = _train_config(tmp_path, {"stage": 2}, expert_parallel=EP2["expert_parallel"])
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += [os.path.join(ROOT, "train.py"), "--deepspeed", other, "--seq-len", "32", "--steps", "8"]
+    cmd += [os.path.join(ROOT, "train.py"), "--deepspeed", other, *moe, "--seq-len", "32", "--steps", "8"]
     cmd += ["--resume", "auto", "--ds-checkpoint", ck, "--allow-resume-change"]  # past the settings check
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -257,7 +293,6 @@ def test_a_stock_stage3_config_through_the_trainer(tmp_path):
         ({"zero_hpz_partition_size": 2}, {}, ["zero_hpz_partition_size = 2", "ZeRO++"]),
         ({"zero_quantized_weights": True}, {}, ["zero_quantized_weights = True"]),
         ({}, {"pipeline": {"stages": 2}}, ["dhelix.pipeline.stages = 2", "use stage 1 or 2"]),
-        ({}, {"expert_parallel": {"size": 2}}, ["expert_parallel.size = 2", "expert-data-parallel group"]),
     ],
 )
 def test_what_stage3_cannot_take_is_refused_in_one_line(zero, dhelix, words):

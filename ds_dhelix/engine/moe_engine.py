@@ -33,7 +33,9 @@ class ExpertShardsMixin:
     """Tells DeepSpeed a model has MoE layers when trained parameters are marked as expert shards
     (``allreduce = False``, ``group_name``), before it builds the optimizer and broadcasts the
     model: each EP rank keeps its own experts, their gradients reduced over the expert-data-parallel
-    group. (DeepSpeed itself only recognises its own ``MoE`` module class.)"""
+    group. (DeepSpeed itself only recognises its own ``MoE`` module class.) At ZeRO stage 3 the
+    shards are placed as DeepSpeed places AutoEP's experts (``ds_zero_placement_family``):
+    partitioned over their expert-data-parallel group."""
 
     def _configure_distributed_model(self, model):
         if any(is_moe_param(p) and p.requires_grad for p in model.parameters()):  # trained experts, sharded
@@ -41,7 +43,16 @@ class ExpertShardsMixin:
             from hf_models.adapters import num_experts
 
             self.num_experts.append(num_experts(model.config))
+            if self.zero_optimization_stage() == 3:
+                for p in model.parameters():
+                    if is_moe_param(p):
+                        p.ds_zero_placement_family, p.ds_zero_partition_group_name = "autoep_expert", p.group_name
         super()._configure_distributed_model(model)
+
+    def _validate_zero3_moe_compatibility(self):
+        """DeepSpeed asks its own ``MoE`` or AutoEP layer classes of a stage-3 MoE model; ours are HF
+        modules with marked shards, and what stage 3 cannot take with them is refused from the
+        config before the model is built (``zero3.check_zero3``)."""
 
 
 class DeepSpeedExpertEngine(ExpertShardsMixin, DeepSpeedEngine):
@@ -81,10 +92,11 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint + one file of expert shards per EP rank (DeepSpeed's model-state
-        file holds only DP rank 0's experts, which every rank would load)."""
+        file holds only DP rank 0's experts, which every rank would load). At stage 3 each rank's
+        optimizer-state file holds its partitions of its experts: nothing more to write."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         out = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-        if self.has_moe_layers:
+        if self.has_moe_layers and self.zero_optimization_stage() < 3:  # (stage 3: every rank saves its partitions)
             lay = self.groups
             if lay.tp_rank == 0 and lay.cp_rank == 0 and lay.dp_rank < lay.ep_size:  # one writer per EP rank
                 shards = {
@@ -106,7 +118,7 @@ class DhelixMoeEngine(ExpertShardsMixin, DhelixEngine):
                 with open(latest) as f:
                     tag = f.read().strip()
         out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
-        if self.has_moe_layers and tag is not None and not self.loaded_resharded:  # (resharded: experts read)
+        if self.has_moe_layers and tag is not None and not self.loaded_resharded and self.zero_optimization_stage() < 3:
             self._load_expert_shards(load_dir, str(tag))
         return out
 

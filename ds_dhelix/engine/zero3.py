@@ -21,8 +21,12 @@ micro-batch) holds it and released when the last lets go: the two strands share 
 copy. Live gathered blocks: at most two per strand (the held one and ``prefetch`` ahead), i.e.
 about four blocks' parameters beside the partitions (``Zero3Blocks.peak_gathered``).
 
-Gradients: each micro-batch's block gradients are averaged over the partition group and
-reduce-scattered, in one collective per block, into DeepSpeed's partitions (copied the first time a
+Expert shards (expert parallelism) are partitioned over their expert-data-parallel group, the
+rest over the data-parallel group (DeepSpeed's placement: ``ds_zero_placement_family``); gathers
+and reduce-scatters go per partition group.
+
+Gradients: each micro-batch's block gradients are averaged (experts' by the whole data-parallel
+size, DeepSpeed's convention) and reduce-scattered, in one collective per block, into DeepSpeed's partitions (copied the first time a
 parameter is reduced in a step, added after), the way its own hooks do per bucket. Bitwise SI =
 sequential follows: the gathers copy, the reduction of one parameter's micro-batches keeps their
 order, and every rank launches the same collectives in the same order (the bodies are not
@@ -73,7 +77,7 @@ class _Gather:
         self.params, self.world, self.storages = params, dist.get_world_size(group), storages
         self.launched_at, self.seen_done_at, self.on_done = time.perf_counter(), None, on_done
         flat = torch.cat([p.ds_tensor.reshape(-1) for p in params])
-        self.pending = all_gather_seq(flat, group, self.world)
+        self.pending = all_gather_seq(flat, group, self.world) if self.world > 1 else Pending(None, flat)
         for p in params:
             p.ds_status = ZeroParamStatus.INFLIGHT
         self.done = False
@@ -302,7 +306,8 @@ class _Reduce:
             p.grad = None
         buf = torch.cat(rows, dim=1)
         buf.div_(owner.optimizer._gradient_averaging_world_size(params, self.world))
-        self.pending = reduce_scatter_seq(buf.reshape(-1), group, self.world)
+        flat = buf.reshape(-1)
+        self.pending = reduce_scatter_seq(flat, group, self.world) if self.world > 1 else Pending(None, flat)
         self.done = False
 
     def is_completed(self) -> bool:
@@ -442,12 +447,6 @@ def check_zero3(ds_config: dict, dh) -> list[str]:
             f"zero_optimization.stage = 3 with dhelix.pipeline.stages = {dh.pipeline.stages}: the folded "
             f"pipeline does not gather ZeRO-3 partitions yet; use stage 1 or 2 (each stage holds only its "
             f"layers already), or one stage"
-        )
-    if dh.expert_parallel.size > 1:
-        raise ValueError(
-            f"zero_optimization.stage = 3 with dhelix.expert_parallel.size = {dh.expert_parallel.size}: "
-            f"expert shards are not partitioned over their expert-data-parallel group yet; use stage 2 "
-            f"with expert parallelism, or expert_parallel.size 1 (experts partitioned like every weight)"
         )
     for key, what in NOT_YET.items():
         if _on(zero.get(key)):

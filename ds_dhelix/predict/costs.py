@@ -101,7 +101,7 @@ def roofline_times(outline: ModelOutline, shape: ModelShape, layout: RunLayout, 
         blocks.append(tuple(_op_time(hw, op, op_work(op.name, ctx), places, layout.dtype) for op in ops))
     tail = step_tail(hw, shape, outline, layout, places)
     if layout.zero_stage == 3:  # each block's gathers and reduce-scatters are ops of the block
-        blocks = zero3_blocks(hw, blocks, shape, outline, layout, places["replica"])
+        blocks = zero3_blocks(hw, blocks, shape, outline, layout, places)
         tail = {**tail, "dp_grads": 0.0}
     tail, notes = overlap_dp_grads(tail, blocks, shape, outline, layout)
     p2p = (
@@ -222,22 +222,29 @@ def overlap_dp_grads(tail: dict, blocks, shape: ModelShape, outline: ModelOutlin
     return {**tail, "dp_grads": exposed}, {"dp_grads_ms": {"whole": whole, "exposed": exposed}}
 
 
-def zero3_blocks(hw: Hardware, blocks: list, shape: ModelShape, outline: ModelOutline, layout: RunLayout, replica):
+def zero3_blocks(hw: Hardware, blocks: list, shape: ModelShape, outline: ModelOutline, layout: RunLayout, places):
     """ZeRO-3 (``engine/zero3.py``): every block between ``z3.in`` (forward: gather the block's
     parameters; backward: reduce-scatter its gradients) and ``z3.out`` (backward: gather again), on
-    the data-parallel group. Projected without the engine's prefetch (``dhelix.zero3_prefetch`` 0):
-    a strand's gather waits at its block, hidden only by the other strand."""
+    the data-parallel group (expert shards on their expert-data-parallel group, one after the
+    other). Projected without the engine's prefetch (``dhelix.zero3_prefetch`` 0): a strand's
+    gather waits at its block, hidden only by the other strand."""
+    dims, replica, edp = layout.dims, places["replica"], places["edp"]
     per_block = block_params(shape, outline, layout)
     counts = per_block[:-1]
     counts[-1] += per_block[-1]  # (TP-replicated weights: counted with the head, a small share)
+    experts = [0.0] * len(counts)
+    for layer in range(shape.num_layers):
+        experts[layer + 1] = _layer_params(shape, outline.blocks[layer + 1], dims.tp)[2] / dims.ep
+
+    def both(kind: str, b: int) -> float:
+        dense, shards = (counts[b] - experts[b]) * layout.bytes, experts[b] * layout.bytes
+        return collective_ms(hw, replica, kind, dense) + (collective_ms(hw, edp, kind, shards) if shards else 0.0)
+
     out = []
     for b, ops in enumerate(blocks):
-        nbytes = counts[b] * layout.bytes
-        gather = collective_ms(hw, replica, "all_gather", nbytes)
+        gather = both("all_gather", b)
         link = f"replica:{'net' if replica.crosses_nodes else hw.intra_link.kind}"
-        z_in = OpTime(
-            "z3.in", True, gather, collective_ms(hw, replica, "reduce_scatter", nbytes), group="replica", link=link
-        )
+        z_in = OpTime("z3.in", True, gather, both("reduce_scatter", b), group="replica", link=link)
         z_out = OpTime("z3.out", True, 0.0, gather, group="replica", link=link)
         out.append((z_in, *ops, z_out))
     return out

@@ -160,8 +160,8 @@ class RunLayout:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero stage {self.zero_stage}: ds_dhelix runs ZeRO 0, 1, 2 or 3")
-        if self.zero_stage == 3 and (self.dims.pp > 1 or self.dims.ep > 1):
-            raise ValueError("zero stage 3 with a pipeline or expert parallelism: ds_dhelix does not run it yet")
+        if self.zero_stage == 3 and self.dims.pp > 1:
+            raise ValueError("zero stage 3 with a pipeline: ds_dhelix does not run it yet")
         self.dims.check_seq_len(self.seq_len, "--seq-len")
 
     @property
