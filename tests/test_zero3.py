@@ -130,12 +130,12 @@ def _expert_partitions(rank, world):
 
 
 # ---------------------------------------------------------------------------------- memory
-def _rank_memory(rank, world, schedule: str):
+def _rank_memory(rank, world, schedule: str, zero: dict | None = None):
     import ds_dhelix
     from ds_dhelix.verify import build, make_batches
     from ds_dhelix.verify.options import my_share
 
-    opts = _opts(num_layers=8, seq_len=128, steps=2, zero_stage=3, zero=ALL)
+    opts = _opts(num_layers=8, seq_len=128, steps=2, zero_stage=3, zero={**ALL, **(zero or {})})
     engine, *_ = ds_dhelix.initialize(model=build(opts), config=opts.ds_config(schedule))
     for step in make_batches(opts, 2048):
         engine.train_batch(iter(my_share(opts, step, rank)))
@@ -146,6 +146,8 @@ def _rank_memory(rank, world, schedule: str):
         "gathered_bytes": engine.zero3.peak_gathered * params[0].element_size(),
         "activation_bytes": engine.last_stats.peak_activation_bytes,
         "still_gathered": [n for n, p in engine.module.named_parameters() if p.numel()],
+        "largest_block": max(sum(p.ds_numel for p in ps if not p.ds_persist) for ps in engine.zero3.gathered),
+        "peak_elements": engine.zero3.peak_gathered,
     }
     engine.destroy()
     return out
@@ -165,6 +167,9 @@ def test_parameters_per_rank_and_the_si_peak():
     # the activations are equal: 1.076x at these shapes (tiny-llama, 8 layers, 2 x 128 tokens,
     # prefetch 1), less where a layer's activations outweigh its weights more (longer sequences)
     assert ratio <= 1.10, (ratio, seq[0], si[0])
+    # stage3_max_live_parameters honoured: no prefetch passes it, the block a strand runs still gathers
+    capped = run_ranks(_rank_memory, 2, args=("sequential", {"stage3_max_live_parameters": 1}), timeout=580)
+    assert capped[0]["peak_elements"] == capped[0]["largest_block"] < seq[0]["peak_elements"], (capped[0], seq[0])
 
 
 # ---------------------------------------------------------------------------------- train.py
@@ -311,10 +316,12 @@ def test_keys_that_do_nothing_are_said_and_a_partitioned_model_is_refused():
     from ds_dhelix.engine.zero3 import check_zero3
     from hf_models.registry import build_model
 
-    zero = {"stage": 3, "stage3_max_live_parameters": 1e9, "stage3_gather_16bit_weights_on_model_save": False}
+    zero = {"stage": 3, "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": False}
     cfg = {"zero_optimization": zero, "dhelix": {"enabled": True}}
     said = check_zero3(cfg, DhelixConfig.from_ds_config(cfg))
-    assert len(said) == 2 and "stage3_max_live_parameters do nothing" in said[0] and "one tensor at a" in said[1]
+    assert len(said) == 2 and "stage3_max_reuse_distance do nothing" in said[0] and "one tensor at a" in said[1]
+    honoured = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}, "dhelix": {"enabled": True}}
+    assert check_zero3(honoured, DhelixConfig.from_ds_config(honoured)) == []
     assert check_zero3({"zero_optimization": {"stage": 3}}, DhelixConfig.from_ds_config(cfg)) == []
     model = build_model("tiny-llama", seed=1, num_layers=1)[0]
     next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves on a parameter

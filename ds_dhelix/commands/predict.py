@@ -55,7 +55,9 @@ def register(sub) -> None:
         default=None,
         help="replace the system's link inside a node (nvlink3, nvlink4, nvlink-a800, pcie4, pcie5)",
     )
-    p.add_argument("--network", default=None, help="replace the system's network (ib100, ib200, ib400, eth25, eth50, eth100)")
+    p.add_argument(
+        "--network", default=None, help="replace the system's network (ib100, ib200, ib400, eth25, eth50, eth100)"
+    )
     p.add_argument("--nics-per-node", type=int, default=None, help="replace the system's network ports per node")
     p.add_argument("--gpus-per-node", type=int, default=None, help="replace the system's GPUs per node")
     p.add_argument(

@@ -95,7 +95,8 @@ class DhelixEngine(DhelixStepMixin, DeepSpeedEngine):
         for hook in opt._grad_acc_hooks + opt._leaf_module_hooks:
             hook.remove()
         opt._grad_acc_hooks, opt._leaf_module_hooks = [], []
-        blocks = Zero3Blocks(opt, block_parameters(self.module, graph), prefetch=dhelix.zero3_prefetch)
+        max_live = self._config.zero_config.max_live_parameters  # (stage3_max_live_parameters)
+        blocks = Zero3Blocks(opt, block_parameters(self.module, graph), dhelix.zero3_prefetch, max_live)
         add_zero3_ops(graph, blocks)
         return blocks
 

@@ -18,8 +18,10 @@ hooks are removed, and every block of the op graph gains two COMM ops that carry
 The executor launches them like TP's collectives, so SI pairs one strand's gathers and
 reduce-scatters with the other strand's compute. A parameter is gathered while any (block,
 micro-batch) holds it and released when the last lets go: the two strands share one gathered
-copy. Live gathered blocks: at most two per strand (the held one and ``prefetch`` ahead), i.e.
-about four blocks' parameters beside the partitions (``Zero3Blocks.peak_gathered``).
+copy. Live gathered blocks: the held one and ``prefetch`` ahead per strand, i.e. about four
+blocks' parameters beside the partitions at the default prefetch 1 (``Zero3Blocks.peak_gathered``);
+a prefetch is skipped where it would take the gathered elements past ``max_live`` (DeepSpeed's
+``stage3_max_live_parameters``; the blocks a strand runs are always gathered).
 
 Expert shards (expert parallelism) are partitioned over their expert-data-parallel group, the
 rest over the data-parallel group (DeepSpeed's placement: ``ds_zero_placement_family``); gathers
@@ -131,8 +133,8 @@ class Zero3Blocks:
 
     IN_FLIGHT_REDUCES = 2  # block reductions a strand leaves behind it (each holds a block's gradients)
 
-    def __init__(self, optimizer, gathered: list[list], prefetch: int = 1):
-        self.optimizer, self.gathered, self.prefetch = optimizer, gathered, prefetch
+    def __init__(self, optimizer, gathered: list[list], prefetch: int = 1, max_live: float = float("inf")):
+        self.optimizer, self.gathered, self.prefetch, self.max_live = optimizer, gathered, prefetch, max_live
         owner: dict = {}  # id(param) -> the lowest block using it
         for b in range(len(gathered) - 1, -1, -1):
             for p in gathered[b]:
@@ -165,12 +167,19 @@ class Zero3Blocks:
             for p in self.gathered[block]:
                 self._count[id(p)] = self._count.get(id(p), 0) + 1
             gathers = self._launch(self.gathered[block])
-        for k in range(1, self.prefetch + 1):
-            if 0 <= block + direction * k < len(self.gathered):
-                self._launch(self.gathered[block + direction * k])
+        for k in range(1, self.prefetch + 1):  # ahead, while the gathered elements stay within max_live
+            ahead = block + direction * k
+            if not 0 <= ahead < len(self.gathered) or self._live + self._missing(ahead) > self.max_live:
+                break
+            self._launch(self.gathered[ahead])
         if not gathers:
             return Pending(None, self._marker())
         return Pending(_Join(gathers), self._marker())
+
+    def _missing(self, block: int) -> int:
+        """Elements a gather of ``block`` would add (its partitioned parameters not whole or in flight)."""
+        params = self.gathered[block]
+        return sum(p.ds_numel for p in params if not p.ds_persist and not _available(p) and id(p) not in self._inflight)
 
     def _launch(self, params) -> list:
         """Gathers for ``params``: in flight already, or launched now (per partition group)."""
@@ -423,7 +432,6 @@ NOT_YET = {
 
 OWN_SCHEDULE_KEYS = (
     "stage3_prefetch_bucket_size",
-    "stage3_max_live_parameters",
     "stage3_max_reuse_distance",
     "reduce_bucket_size",
     "overlap_comm",
