@@ -422,7 +422,6 @@ def _decoder_layers(model, num_layers: int):
 
 NOT_YET = {
     "offload_param": "parameter offload (the gathers read each partition where the model runs)",
-    "offload_optimizer": "optimizer offload",
     "zero_hpz_partition_size": "ZeRO++'s secondary partitions",
     "zero_quantized_weights": "ZeRO++'s quantized gathers",
     "zero_quantized_nontrainable_weights": "ZeRO++'s quantized gathers",
@@ -462,6 +461,12 @@ def check_zero3(ds_config: dict, dh) -> list[str]:
                 f"zero_optimization.{key} = {zero[key]!r} ({what}) with dhelix at stage 3 is not supported "
                 f"yet; remove it (or use stage 2)"
             )
+    device = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if device not in (None, "none", "cpu"):
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.device = {device!r} with dhelix at stage 3 is not supported yet; "
+            f'use "cpu" (or no offload)'
+        )
     warnings = []
     given = [k for k in OWN_SCHEDULE_KEYS if k in zero]
     if given:

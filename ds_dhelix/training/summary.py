@@ -55,6 +55,7 @@ def memory_marks(engine, marks: dict | None = None) -> list[dict]:
         **(
             {
                 "optimizer_state_bytes": engine.optimizer_state_bytes(),
+                "optimizer": type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__,
                 "trainable_parameters": sum(_numel(p) for p in engine.module.parameters() if p.requires_grad),
                 "parameters": sum(_numel(p) for p in engine.module.parameters()),
                 # what the rank holds: under ZeRO-3 its partitions (1/DP of each parameter)
