@@ -183,6 +183,34 @@ def test_parameters_per_rank_and_the_si_peak():
     assert capped[0]["peak_elements"] == capped[0]["largest_block"] < seq[0]["peak_elements"], (capped[0], seq[0])
 
 
+def _save_16bit(rank, world, folder: str, gather: bool):
+    import ds_dhelix
+    from ds_dhelix.engine.checkpoint import whole_tensor
+    from ds_dhelix.verify import build, make_batches
+    from ds_dhelix.verify.options import my_share
+
+    opts = _opts(steps=1, zero_stage=3, zero={**ALL, "stage3_gather_16bit_weights_on_model_save": gather})
+    engine, *_ = ds_dhelix.initialize(model=build(opts), config=opts.ds_config("si"))
+    for step in make_batches(opts, 2048):
+        engine.train_batch(iter(my_share(opts, step, rank)))
+    saved = engine.save_16bit_model(folder)
+    whole = {n: whole_tensor(p) for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return saved, whole if rank == 0 else None
+
+
+@pytest.mark.timeout(600)
+def test_deepspeeds_own_16bit_save_gathers_the_trained_weights(tmp_path):
+    """``engine.save_16bit_model`` (DeepSpeed's, what plain DeepSpeed scripts call) gathers the
+    partitions after a step of the op graph's ZeRO-3; ``stage3_gather_16bit_weights_on_model_save``
+    false: it writes nothing and says so (DeepSpeed's own behaviour, kept)."""
+    saved, whole = run_ranks(_save_16bit, 2, args=(str(tmp_path / "on"), True), timeout=580)[0]
+    state = torch.load(tmp_path / "on" / "pytorch_model.bin", weights_only=True)
+    assert saved and state.keys() == whole.keys() and all(torch.equal(state[n], whole[n]) for n in whole)
+    saved, _ = run_ranks(_save_16bit, 2, args=(str(tmp_path / "off"), False), timeout=580)[0]
+    assert not saved and not (tmp_path / "off" / "pytorch_model.bin").exists()
+
+
 # ---------------------------------------------------------------------------------- train.py
 def _launch(script: str, cfg: str, out, *extra, launcher="deepspeed", timeout=400) -> dict:
     summary = f"{out}.json"
