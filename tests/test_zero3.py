@@ -6,7 +6,7 @@ parity, 2 ranks    TP=1 x DP=2, every parameter partitioned (persistence thresho
                    unsharded HF model, for tiny-llama, tiny-qwen3-moe (its experts partitioned like
                    every weight; at EP=2 each rank's expert shards over their expert-data-parallel
                    group of one), full and selective recompute, bf16, fp16 (its loss scaler), the
-                   optimizer offloaded to the CPU, and LoRA; the same tiny-llama (fp32, fp16) and
+                   optimizer, and the optimizer and parameters, offloaded to the CPU, and LoRA; the same tiny-llama (fp32, fp16) and
                    EP=2 runs at stage 2 give the same losses within rounding
 parity, 4 ranks    TP=2 x DP=2 (ZeRO-3 inside the data-parallel group; the TP-replicated weights'
                    partitions summed over TP): tiny-llama and tiny-qwen3-moe (EP 1 and 2), and
@@ -40,7 +40,11 @@ from tests.conftest import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 ALL = {"stage3_param_persistence_threshold": 0}
-EP2 = {"expert_parallel": {"size": 2}}  # partition every parameter (tiny ones too)
+EP2 = {"expert_parallel": {"size": 2}}
+OFFLOAD_BOTH = {
+    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "offload_param": {"device": "cpu"},
+}  # partition every parameter (tiny ones too)
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 # ZeRO-3 averages and reduce-scatters each micro-batch's gradient and adds the partitions; stage 2
 # sums the micro-batches locally and averages once per step: the same sums in another order, a few
@@ -72,6 +76,7 @@ TWO_RANKS = {
     "bf16": dict(zero_stage=3, zero=ALL, dtype="bf16"),
     "lora": dict(zero_stage=3, zero=ALL, lora=LORA),
     "offload-optimizer": dict(zero_stage=3, zero={**ALL, "offload_optimizer": {"device": "cpu"}}),
+    "offload-both": dict(zero_stage=3, zero={**ALL, **OFFLOAD_BOTH}),
     "llama-stage2": dict(zero_stage=2),
     "qwen3-moe-ep2-stage2": dict(model="tiny-qwen3-moe", zero_stage=2, extra=EP2),
     "fp16-stage2": dict(zero_stage=2, dtype="fp16"),
@@ -350,7 +355,7 @@ def test_a_stock_stage3_config_through_the_trainer(tmp_path):
 @pytest.mark.parametrize(
     "zero, dhelix, words",
     [
-        ({"offload_param": {"device": "cpu"}}, {}, ["zero_optimization.offload_param", "not supported yet"]),
+        ({"offload_param": {"device": "nvme"}}, {}, ["offload_param.device = 'nvme'", "not supported yet"]),
         ({"offload_optimizer": {"device": "nvme"}}, {}, ["offload_optimizer.device = 'nvme'", 'use "cpu"']),
         ({"zero_hpz_partition_size": 2}, {}, ["zero_hpz_partition_size = 2", "ZeRO++"]),
         ({"zero_quantized_weights": True}, {}, ["zero_quantized_weights = True"]),

@@ -73,12 +73,13 @@ def _available(p) -> bool:
 class _Gather:
     """One in-flight gather of parameters of one partition group; ``wait()`` sets their data."""
 
-    def __init__(self, params: list, group, storages: dict, on_done=None):
+    def __init__(self, params: list, group, storages: dict, device, on_done=None):
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         self.params, self.world, self.storages = params, dist.get_world_size(group), storages
         self.launched_at, self.seen_done_at, self.on_done = time.perf_counter(), None, on_done
-        flat = torch.cat([p.ds_tensor.reshape(-1) for p in params])
+        # (an offloaded partition is on the host: copied to the device the model runs on first)
+        flat = torch.cat([p.ds_tensor.reshape(-1) for p in params]).to(device, non_blocking=True)
         self.pending = all_gather_seq(flat, group, self.world) if self.world > 1 else Pending(None, flat)
         for p in params:
             p.ds_status = ZeroParamStatus.INFLIGHT
@@ -135,6 +136,9 @@ class Zero3Blocks:
 
     def __init__(self, optimizer, gathered: list[list], prefetch: int = 1, max_live: float = float("inf")):
         self.optimizer, self.gathered, self.prefetch, self.max_live = optimizer, gathered, prefetch, max_live
+        from deepspeed.accelerator import get_accelerator
+
+        self.device = torch.device(get_accelerator().current_device_name())  # where the model runs
         owner: dict = {}  # id(param) -> the lowest block using it
         for b in range(len(gathered) - 1, -1, -1):
             for p in gathered[b]:
@@ -192,7 +196,8 @@ class Zero3Blocks:
                 todo.setdefault(id(p.ds_process_group), []).append(p)
         for params_of_group in todo.values():
             params_of_group.sort(key=lambda p: p.ds_id)
-            g = _Gather(params_of_group, params_of_group[0].ds_process_group, self.storages, self._gathered)
+            group = params_of_group[0].ds_process_group
+            g = _Gather(params_of_group, group, self.storages, self.device, self._gathered)
             for p in params_of_group:
                 self._inflight[id(p)] = g
             gathers.append(g)
@@ -231,8 +236,7 @@ class Zero3Blocks:
         self._free([p for params in self.gathered for p in params])
 
     def _marker(self) -> torch.Tensor:
-        device = next((p.ds_tensor.device for params in self.gathered for p in params), torch.device("cpu"))
-        return torch.empty(0, device=device)
+        return torch.empty(0, device=self.device)
 
     # ------------------------------------------------------------------ gradients
     def reduce(self, block: int) -> Pending:
@@ -308,7 +312,7 @@ class _Reduce:
         rows = []
         for p in params:
             part = p.ds_tensor.numel()
-            g = p.grad if p.grad is not None else torch.zeros(p.ds_shape, dtype=p.dtype, device=p.ds_tensor.device)
+            g = p.grad if p.grad is not None else torch.zeros(p.ds_shape, dtype=p.dtype, device=owner.device)
             flat = torch.zeros(self.world * part, dtype=g.dtype, device=g.device)
             flat[: p.ds_numel] = g.reshape(-1)
             rows.append(flat.view(self.world, part))
@@ -421,7 +425,6 @@ def _decoder_layers(model, num_layers: int):
 
 
 NOT_YET = {
-    "offload_param": "parameter offload (the gathers read each partition where the model runs)",
     "zero_hpz_partition_size": "ZeRO++'s secondary partitions",
     "zero_quantized_weights": "ZeRO++'s quantized gathers",
     "zero_quantized_nontrainable_weights": "ZeRO++'s quantized gathers",
@@ -461,12 +464,13 @@ def check_zero3(ds_config: dict, dh) -> list[str]:
                 f"zero_optimization.{key} = {zero[key]!r} ({what}) with dhelix at stage 3 is not supported "
                 f"yet; remove it (or use stage 2)"
             )
-    device = (zero.get("offload_optimizer") or {}).get("device", "none")
-    if device not in (None, "none", "cpu"):
-        raise ValueError(
-            f"zero_optimization.offload_optimizer.device = {device!r} with dhelix at stage 3 is not supported yet; "
-            f'use "cpu" (or no offload)'
-        )
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none", "cpu"):
+            raise ValueError(
+                f"zero_optimization.{key}.device = {device!r} with dhelix at stage 3 is not supported yet; "
+                f'use "cpu" (or no offload)'
+            )
     warnings = []
     given = [k for k in OWN_SCHEDULE_KEYS if k in zero]
     if given:
