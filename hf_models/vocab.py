@@ -128,13 +128,14 @@ def trim_padding(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 def real_shape(p: torch.Tensor) -> list[int]:
     """``p``'s shape without the vocabulary padding rows."""
-    shard = getattr(p, "vocab_shard", None)
-    return list(p.shape) if shard is None else [shard.real, *p.shape[1:]]
+    shard, shape = getattr(p, "vocab_shard", None), getattr(p, "ds_shape", p.shape)  # (ZeRO-3: partitioned)
+    return list(shape) if shard is None else [shard.real, *shape[1:]]
 
 
 def pad_rows(p: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     """``data`` (the real rows of ``p`` read from a checkpoint) with ``p``'s padding rows appended."""
-    extra = p.shape[0] - data.shape[0] if getattr(p, "vocab_shard", None) is not None else 0
+    rows = getattr(p, "ds_shape", p.shape)[0]  # (ZeRO-3: a partitioned parameter's own shape)
+    extra = rows - data.shape[0] if getattr(p, "vocab_shard", None) is not None else 0
     if extra <= 0:
         return data
     return torch.cat([data, data.new_zeros((extra, *data.shape[1:]))])

@@ -107,6 +107,7 @@ def _load_world(rank, world, model, layout, tag_dir, converted):
     )
 
 
+ZERO3 = {"zero_stage": 3, "zero": {"stage3_param_persistence_threshold": 0}}
 FOUR = {"num_layers": 4, "micro_batches": 4}  # (the W fold over 2 stages: a layer per chunk, 3+ micro-batches)
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}
 
@@ -133,6 +134,17 @@ CASES = {
     "pp2-to-dp2": ("tiny-llama", {"tp": 1, "dp": 1, "pp": 2, **FOUR}, {"tp": 1, "dp": 2, **FOUR}),
     "tp2-to-pp2": ("tiny-llama", {"tp": 2, "dp": 1, **FOUR}, {"tp": 1, "dp": 1, "pp": 2, **FOUR}),
     "lora-tp2-to-dp2": ("tiny-llama", {"tp": 2, "dp": 1, "lora": LORA}, {"tp": 1, "dp": 2, "lora": LORA}),
+    # ZeRO-3 (every parameter partitioned): its partitions out to TP=2, and EP=2 shards into ZeRO-3 partitions
+    "zero3-to-tp2-bf16": (
+        "tiny-llama",
+        {"tp": 1, "dp": 2, **ZERO3, "dtype": "bf16"},
+        {"tp": 2, "dp": 1, "dtype": "bf16"},
+    ),
+    "ep2-zero2-to-zero3": (
+        "tiny-qwen3-moe",
+        {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 2},
+        {"tp": 1, "dp": 2, "ep": 2, **ZERO3},
+    ),
 }
 
 

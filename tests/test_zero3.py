@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -232,14 +233,14 @@ def _launch(script: str, cfg: str, out, *extra, launcher="deepspeed", timeout=40
         return {**json.load(f), "stdout": proc.stdout + proc.stderr}
 
 
-def _train_config(tmp, zero: dict, torch_adam: bool = True, **dhelix) -> str:
+def _train_config(tmp, zero: dict, torch_adam: bool = True, name: str = "zero3.json", **dhelix) -> str:
     with open(os.path.join(ROOT, "ds_configs", "tiny_llama_cpu.json")) as f:
         cfg = json.load(f)
     cfg["zero_optimization"] = zero
     cfg["optimizer"]["params"]["torch_adam"] = torch_adam
     cfg["dhelix"].update(tensor_parallel={"size": 1}, **dhelix)
     cfg.pop("tensorboard")
-    path = tmp / "zero3.json"
+    path = tmp / name
     path.write_text(json.dumps(cfg))
     return str(path)
 
@@ -255,16 +256,20 @@ def test_train_py_stop_and_resume_is_exact(tmp_path):
     assert "parameters held per rank (ZeRO-3 partitions)" in straight["stdout"]
     ck = str(tmp_path / "ck")
     first = _launch("train.py", cfg, tmp_path / "a", *moe, "--steps", "8", "--stop-after", "4", "--ds-checkpoint", ck)
+    ck2, ck3 = str(tmp_path / "ck2"), str(tmp_path / "ck3")
+    shutil.copytree(ck, ck3)
     second = _launch("train.py", cfg, tmp_path / "b", *moe, "--steps", "8", "--resume", "auto", "--ds-checkpoint", ck)
     assert first["losses"] + second["losses"] == straight["losses"], (first["losses"], second["losses"])
-    # the checkpoint on another ZeRO stage: refused in one line, not read wrong
-    other = _train_config(tmp_path, {"stage": 2}, expert_parallel=EP2["expert_parallel"])
-    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += [os.path.join(ROOT, "train.py"), "--deepspeed", other, *moe, "--seq-len", "32", "--steps", "8"]
-    cmd += ["--resume", "auto", "--ds-checkpoint", ck, "--allow-resume-change"]  # past the settings check
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "from or to ZeRO-3 is not supported yet" in proc.stdout + proc.stderr
+    # resumed at the other stage (the checkpoint resharded: stage 3 -> 2, and a stage-2 one -> 3): the
+    # run goes on within rounding of the straight stage-3 run (STAGE2_LOSS_TOLERANCE's reason)
+    two = _train_config(tmp_path, {"stage": 2}, name="zero2.json", expert_parallel=EP2["expert_parallel"])
+    change = ("--steps", "8", "--resume", "auto", "--allow-resume-change")  # (past the settings check)
+    first2 = _launch("train.py", two, tmp_path / "c", *moe, "--steps", "8", "--stop-after", "4", "--ds-checkpoint", ck2)
+    to3 = _launch("train.py", cfg, tmp_path / "d", *moe, *change, "--ds-checkpoint", ck2)
+    to2 = _launch("train.py", two, tmp_path / "e", *moe, *change, "--ds-checkpoint", ck3)
+    assert "resharded" in to3["stdout"] and "resharded" in to2["stdout"], to3["stdout"][-2000:]
+    for losses in (first["losses"] + to2["losses"], first2["losses"] + to3["losses"]):
+        assert max(abs(a - b) for a, b in zip(losses, straight["losses"])) < STAGE2_LOSS_TOLERANCE, losses
 
 
 @pytest.mark.slow

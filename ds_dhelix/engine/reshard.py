@@ -58,6 +58,34 @@ def _partitioned(opt) -> bool:
     return hasattr(opt, "real_dp_process_group")
 
 
+def _zero3(opt) -> bool:
+    """ZeRO-3: each parameter's partition in a sub-group's flat fp32 partition (``grad_position``)."""
+    return hasattr(opt, "fp32_partitioned_groups_flat")
+
+
+def _z3_place(opt, p) -> tuple[int, int, int, int, int]:
+    """Where ZeRO-3 keeps this rank's partition of ``p``: (sub-group, offset in its flat fp32
+    partition, partition size, partition rank, ``p``'s elements); the partition holds elements
+    ``rank * size`` on of ``p`` flattened, padding past its end."""
+    group, offset, size = opt.grad_position[opt.get_param_id(p)]
+    return int(group), int(offset), int(size), dist.get_rank(p.ds_process_group), int(p.ds_numel)
+
+
+def _z3_real(place) -> int:
+    """Elements of a ZeRO-3 partition that are the parameter's (not padding)."""
+    _, _, size, rank, numel = place
+    return max(0, min(size, numel - rank * size))
+
+
+def _z3_state_index(opt) -> list[int]:
+    """Each sub-group's index in its optimizer's ``state_dict()`` (the fp32 flats, by param group)."""
+    order = sorted(range(len(opt.fp16_groups)), key=lambda i: (opt.sub_group_to_group_id[i], i))
+    index = [0] * len(order)
+    for k, i in enumerate(order):
+        index[i] = k
+    return index
+
+
 def layout_record(engine) -> dict:
     """What a conversion needs to know of this rank's part of a checkpoint (see the module doc)."""
     opt = engine.optimizer
@@ -68,13 +96,18 @@ def layout_record(engine) -> dict:
             params[name] = {
                 "key": hf_name(name),
                 "selection": _selection_json(getattr(p, "hf_selection", None)),
-                "shape": list(p.shape),
+                "shape": list(getattr(p, "ds_shape", p.shape)),
                 "real_rows": shard.real if shard is not None else None,
             }
     dtypes = sorted({str(p.dtype) for p in engine.module.parameters() if p.requires_grad})
     record = {"format": _FORMAT, "rank": dist.get_rank(), "world": dist.get_world_size(), "dtypes": dtypes,
               "zero_stage": int(engine.zero_optimization_stage()), "params": params}  # fmt: skip
-    if _partitioned(opt):
+    if _zero3(opt):
+        record["optimizer"] = "zero3"
+        record["file"] = os.path.basename(engine._get_zero_ckpt_name("", ""))
+        record["zero3"] = {n: _z3_place(opt, p) for n, p in engine.module.named_parameters() if p.requires_grad}
+        record["state_index"] = _z3_state_index(opt)
+    elif _partitioned(opt):
         record["optimizer"] = "partitioned"
         record["file"] = os.path.basename(engine._get_zero_ckpt_name("", ""))
         record["partition_ranks"] = [dist.get_rank(g) for g in opt.real_dp_process_group]
@@ -109,15 +142,6 @@ def records_differ(engine, tag_dir: str) -> bool:
     flag = torch.tensor([float(differs)], device=engine.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
-
-
-def _saved_zero_stage(tag_dir: str) -> int | None:
-    """The ZeRO stage the checkpoint's records name (None without records)."""
-    found = sorted(glob.glob(os.path.join(tag_dir, "dhelix_layout_rank*.json")))
-    if not found:
-        return None
-    with open(found[0], encoding="utf-8") as f:
-        return json.load(f).get("zero_stage")
 
 
 def is_converted(tag_dir: str) -> bool:
@@ -174,12 +198,6 @@ def check_reshard(saved: dict, current: dict) -> None:
             f"LR schedule count steps of that batch)"
         )
     zero = (current.get("precision") or {}).get("zero_stage")
-    if 3 in (zero, (saved.get("precision") or {}).get("zero_stage")):
-        raise ValueError(
-            f"a resume on another layout or ZeRO stage from or to ZeRO-3 is not supported yet (checkpoint: stage "
-            f"{(saved.get('precision') or {}).get('zero_stage')}, layout {a}; this run: stage {zero}, layout {b}); "
-            f"resume on the checkpoint's own layout and stage"
-        )
     if zero == 0 and b.get("ep", 1) > 1:
         raise ValueError(
             "a resume on another layout at ZeRO stage 0 with expert parallelism is not supported; use ZeRO stage 1 or 2"
@@ -278,6 +296,8 @@ def _kinds(records: list[dict], tag_dir: str) -> list[str]:
     sd = _load(os.path.join(tag_dir, rec["file"]))
     if rec["optimizer"] == "partitioned":
         state = sd["optimizer_state_dict"]["base_optimizer_state"]["state"]
+    elif rec["optimizer"] == "zero3":
+        state = sd["optimizer_state_dict"]["optimizer_state_dict"]["state"]
     else:
         state = (sd.get("optimizer") or {}).get("state") or {}
     first = next(iter(state.values()), {})
@@ -298,7 +318,9 @@ def _collect(records: list[dict], tag_dir: str, kind: str) -> tuple[_Pieces, obj
         if rec["optimizer"] == "per-parameter" and not os.path.isfile(path):
             continue  # ZeRO-0: only the first DP rank of each model-parallel rank writes its file
         sd = _load(path)
-        if rec["optimizer"] == "partitioned":
+        if rec["optimizer"] == "zero3":
+            step = _collect_zero3(pieces, rec, sd["optimizer_state_dict"], kind, step)
+        elif rec["optimizer"] == "partitioned":
             osd = sd["optimizer_state_dict"]
             flats = osd["single_partition_of_fp32_groups"]
             states = osd["base_optimizer_state"]["state"]
@@ -321,6 +343,19 @@ def _collect(records: list[dict], tag_dir: str, kind: str) -> tuple[_Pieces, obj
                 step = state[i].get("step", step)
                 e["parts"].setdefault(0, value.float().flatten().clone())
     return pieces, step
+
+
+def _collect_zero3(pieces: _Pieces, rec: dict, osd: dict, kind: str, step):
+    """One ZeRO-3 rank's partitions of ``kind`` into ``pieces`` (padding left out); the step."""
+    states = osd["optimizer_state_dict"]["state"]
+    for name, place in rec["zero3"].items():
+        group, offset, _, rank, _ = place
+        state = states.get(rec["state_index"][group], {})
+        step = state.get("step", step)
+        flat = osd["fp32_flat_groups"][group] if kind == "fp32" else state[kind]
+        e = pieces.entry(rec["params"][name]["key"], rec["params"][name])
+        e["parts"].setdefault(rank, flat.narrow(0, offset, _z3_real(place)).float().clone())
+    return step
 
 
 def to_universal(root: str, tag: str, out_tag_dir: str | None = None, progress=None) -> str:
@@ -370,6 +405,7 @@ def to_universal(root: str, tag: str, out_tag_dir: str | None = None, progress=N
 
 def _counters(tag_dir: str, records: list[dict], step, kinds: list[str]) -> dict:
     names = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    names = names or sorted(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")))  # (ZeRO-3's)
     if not names:
         raise ValueError(f"{tag_dir}: no DeepSpeed model-state file; the checkpoint is incomplete")
     sd = _load(names[0])
@@ -397,12 +433,6 @@ def load_if_resharded(engine, root: str, tag: str) -> dict | None:
     converted = is_converted(tag_dir)
     if not converted and not records_differ(engine, tag_dir):
         return None
-    if engine.zero_optimization_stage() == 3 or _saved_zero_stage(tag_dir) == 3:
-        raise ValueError(
-            f"{tag_dir} was written at another layout, ZeRO stage or precision than this run, and one of the two is "
-            f"ZeRO-3: a resume that reshards from or to ZeRO-3 is not supported yet; resume on the checkpoint's own "
-            f"layout and stage"
-        )
     if not converted:
         convert_for_resume(root, tag)
     return load_universal(engine, tag_dir)
@@ -458,7 +488,11 @@ def load_universal(engine, tag_dir: str) -> dict:
                 )
             sel = getattr(p, "hf_selection", None) or {}
             _check_shape(files["fp32"], name, sel, p, tag_dir)
-            values = {k: pad_rows(p, f.read(Key(name), sel).float()).reshape(p.shape) for k, f in files.items()}
+            shape = getattr(p, "ds_shape", p.shape)
+            values = {k: pad_rows(p, f.read(Key(name), sel).float()).reshape(shape) for k, f in files.items()}
+            if _zero3(opt):
+                _set_zero3_state(opt, p, values, meta["optimizer_step"])
+                continue
             p.data.copy_(values["fp32"].to(p.dtype))
             _set_state(opt, p, values, meta["optimizer_step"])
     _set_counters(engine, meta)
@@ -503,6 +537,25 @@ def _set_state(opt, p, values: dict, step) -> None:
     for kind, value in values.items():
         if kind != "fp32":
             state[kind] = value.to(p.device).clone()
+    state["step"] = _step_like(step)
+
+
+def _set_zero3_state(opt, p, values: dict, step) -> None:
+    """``p``'s ZeRO-3 partition: its low-precision partition (``ds_tensor``; a persistent
+    parameter's whole copy too), its fp32 partition and optimizer state."""
+    place = _z3_place(opt, p)
+    group, offset, size, rank, _ = place
+    real = _z3_real(place)
+    part = {k: v.flatten().narrow(0, min(rank * size, v.numel()), real) for k, v in values.items()}
+    p.ds_tensor.view(-1).narrow(0, 0, real).copy_(part["fp32"].to(p.ds_tensor.dtype))
+    if p.data.numel() == p.ds_numel:  # (persistent: whole on every rank)
+        p.data.copy_(values["fp32"].to(p.dtype))
+    flat = opt.fp32_partitioned_groups_flat[group]
+    flat.data.narrow(0, offset, real).copy_(part["fp32"].to(flat.device))
+    state = _base(opt).state[flat]
+    for kind, value in part.items():
+        if kind != "fp32":
+            state.setdefault(kind, torch.zeros_like(flat)).narrow(0, offset, real).copy_(value.to(flat.device))
     state["step"] = _step_like(step)
 
 
@@ -557,6 +610,15 @@ def gather_universal(engine, kinds=("fp32", "exp_avg", "exp_avg_sq")) -> dict[st
 def _local_state(opt, p, kind: str) -> torch.Tensor:
     """This rank's shard of ``p``'s fp32 master or optimizer state ``kind``, whole over ZeRO's
     partitions (collective over the partitioning group)."""
+    if _zero3(opt):
+        place = _z3_place(opt, p)
+        group, offset, size, rank, numel = place
+        flat = opt.fp32_partitioned_groups_flat[group]
+        source = flat if kind == "fp32" else _base(opt).state[flat][kind]
+        full = torch.zeros(numel, dtype=torch.float32, device=p.ds_tensor.device)
+        full.narrow(0, rank * size, _z3_real(place)).copy_(source.narrow(0, offset, _z3_real(place)))
+        dist.all_reduce(full, group=p.ds_process_group)
+        return full.view(p.ds_shape)
     if not _partitioned(opt):
         return p.detach().float() if kind == "fp32" else _base(opt).state[p][kind]
     full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
