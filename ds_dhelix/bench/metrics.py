@@ -141,6 +141,9 @@ def _timing(opts, steps, seq_med, ideal, mode, peak_flops, flops_per_token, core
         "peak_activation_bytes": max(
             (s["peak_activation_bytes"] for s in steps if s.get("peak_activation_bytes") is not None), default=None
         ),
+        "peak_gathered_bytes": max(
+            (s["peak_gathered_bytes"] for s in steps if s.get("peak_gathered_bytes") is not None), default=None
+        ),
         "hidden_of_hideable": None,
         "hidden_of_comm": None,
         "ideal_speedup": ideal,

@@ -112,6 +112,7 @@ class DhelixRunner(_Settling):
             "loss": float(loss),
             "num_comms": s.num_comms,
             "peak_activation_bytes": s.peak_activation_bytes,
+            "peak_gathered_bytes": _gathered_bytes(self.engine),
             "dp_reduce_s": s.dp_reduce_s,  # (None with one data-parallel rank)
             "dp_exposed_s": s.dp_exposed_s,
         }
@@ -225,6 +226,14 @@ class PipeRunner(_Settling):
 
     def close(self) -> None:
         self.engine.destroy()
+
+
+def _gathered_bytes(engine) -> int | None:
+    """ZeRO-3: the most parameter bytes gathered at once so far (None below stage 3)."""
+    zero3 = getattr(engine, "zero3", None)
+    if zero3 is None:
+        return None
+    return zero3.peak_gathered * next(engine.module.parameters()).element_size()
 
 
 def _deepspeed_config(opts: BenchOptions, mode: str, model) -> dict:

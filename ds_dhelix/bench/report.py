@@ -36,6 +36,7 @@ CSV_COLUMNS = (
     "hidden_of_hideable",
     "hidden_of_comm",
     "peak_activation_bytes",
+    "peak_gathered_bytes",
     "mfu",
     "cpu_s",
     "other_threads_cpu_s",
@@ -57,6 +58,14 @@ def _fmt(value, spec: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     return format(value, spec)
+
+
+def _peak(r: dict) -> str:
+    """The activation peak (MiB); under ZeRO-3 with the op graph, ``+ N gathered``: the most
+    parameter MiB gathered at once (plain DeepSpeed's saved gathered weights count as activations)."""
+    act = _fmt(None if r["peak_activation_bytes"] is None else r["peak_activation_bytes"] / 2**20, ".1f")
+    gathered = r.get("peak_gathered_bytes")
+    return act if gathered is None else f"{act} + {gathered / 2**20:.1f} gathered"
 
 
 def markdown_table(report: dict) -> str:
@@ -85,7 +94,7 @@ def markdown_table(report: dict) -> str:
             f"{ms(r['compute_s'])} | {ms(r['comm_s'])} | "
             f"{ms(r['exposed_comm_s'])} | {_fmt(r['hidden_of_hideable'], '.0%')} | {dp} | "
             f"{ms(r.get('other_threads_cpu_s'))} | "
-            f"{_fmt(None if r['peak_activation_bytes'] is None else r['peak_activation_bytes'] / 2**20, '.1f')} |"
+            f"{_peak(r)} |"
         )
     ratio = report.get("comm_comp_ratio") or {}
     if ratio.get("value") is not None:

@@ -154,6 +154,9 @@ def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
             "peak_activation_bytes": max(peaks, default=None),
             "loss": recs[0].get("loss"),
         }
+        gathered = [r["peak_gathered_bytes"] for r in recs if r.get("peak_gathered_bytes") is not None]
+        if gathered:  # (ZeRO-3 under the op graph)
+            step["peak_gathered_bytes"] = max(gathered)
         for key in ("compute_s", "comm_s", "exposed_s", "cpu_s", "main_thread_cpu_s", "dp_reduce_s", "dp_exposed_s"):
             values = [r.get(key) for r in recs]
             if key in recs[0]:
