@@ -308,26 +308,26 @@ CASES = [
         ["zero_optimization.stage = 1", '"optimizer"'],
     ),
     (
-        "zero-3-offload",
+        "zero-3-nvme-offload",
         2,
         lambda t: [
             "--deepspeed",
-            _config(t, _set("zero_optimization", {"stage": 3, "offload_param": {"device": "cpu"}})),
+            _config(t, _set("zero_optimization", {"stage": 3, "offload_param": {"device": "nvme"}})),
         ],
-        ["zero_optimization.offload_param = {'device': 'cpu'}", "not supported yet"],
+        ["zero_optimization.offload_param.device = 'nvme'", "not supported yet"],
     ),
     (
-        "zero-3-expert-parallel",
+        "zero-3-pipeline",
         2,
         lambda t: [
             "--deepspeed",
             _config(
-                t, _set("zero_optimization", {"stage": 3}), base=os.path.join(ROOT, "ds_configs", "phimoe_ep2.json")
+                t,
+                _set("zero_optimization", {"stage": 3}),
+                base=os.path.join(ROOT, "ds_configs", "tiny_llama_pp2_w.json"),
             ),
-            "--model",
-            "tiny-phimoe",
         ],
-        ["zero_optimization.stage = 3 with dhelix.expert_parallel.size = 2", "use stage 2"],
+        ["zero_optimization.stage = 3 with dhelix.pipeline.stages = 2", "use stage 1 or 2"],
     ),
     (
         "grad-accum-dtype",
