@@ -344,7 +344,7 @@ def test_a_stock_stage3_config_through_the_trainer(tmp_path):
         )
     three, two = runs[3], runs[2]
     assert three["zero_stage"] == 3 and three["held_parameters"] <= three["parameters"] / 2 + 64 * 2
-    assert "stage3_prefetch_bucket_size, stage3_max_live_parameters" in three["stdout"]  # said to do nothing
+    assert "stage3_prefetch_bucket_size, stage3_max_reuse_distance" in three["stdout"]  # said to do nothing
     assert max(abs(a - b) for a, b in zip(three["losses"], two["losses"])) < TRAINER_LOSS_TOLERANCE
     assert three["losses"][:3] == two["losses"][:3]  # (the first update runs at lr 0: bitwise until then)
     final = three["hf_checkpoint"]
