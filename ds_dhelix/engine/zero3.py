@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ..graph.model_graph import Op
 from ..graph.ops import OpKind
-from ..runtime.comm import Pending, all_gather_seq, reduce_scatter_seq
+from ..runtime.comm import Pending, Works, all_gather_seq, reduce_scatter_seq
 
 IN, OUT = "z3.in", "z3.out"
 
@@ -70,20 +70,19 @@ def _available(p) -> bool:
     return p.ds_status == ZeroParamStatus.AVAILABLE
 
 
-class _Gather:
-    """One in-flight gather of parameters of one partition group; ``wait()`` sets their data."""
+class _InFlight:
+    """A ZeRO-3 collective of one partition group in flight (a group of one rank launches none).
+    ``is_completed`` notes when it was first seen done (``Zero3Blocks.poll``); ``wait()`` joins it
+    once, adds its span (launch to first seen done) to ``spans``, and ``_land`` hands the result on."""
 
-    def __init__(self, params: list, group, storages: dict, device, on_done=None):
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    def __init__(self, params: list, spans: list):
+        self.params, self.spans, self.done = params, spans, False
+        self.world = dist.get_world_size(params[0].ds_process_group)
+        self.launched_at, self.seen_done_at = time.perf_counter(), None
 
-        self.params, self.world, self.storages = params, dist.get_world_size(group), storages
-        self.launched_at, self.seen_done_at, self.on_done = time.perf_counter(), None, on_done
-        # (an offloaded partition is on the host: copied to the device the model runs on first)
-        flat = torch.cat([p.ds_tensor.reshape(-1) for p in params]).to(device, non_blocking=True)
-        self.pending = all_gather_seq(flat, group, self.world) if self.world > 1 else Pending(None, flat)
-        for p in params:
-            p.ds_status = ZeroParamStatus.INFLIGHT
-        self.done = False
+    def _launch(self, collective, flat: torch.Tensor) -> None:
+        group = self.params[0].ds_process_group
+        self.pending = collective(flat, group, self.world) if self.world > 1 else Pending(None, flat)
 
     def is_completed(self) -> bool:
         done = self.done or self.pending.work is None or self.pending.work.is_completed()
@@ -94,12 +93,32 @@ class _Gather:
     def wait(self) -> None:
         if self.done:
             return
+        out = self.pending.wait()
+        self.spans.append((self.launched_at, self.seen_done_at or time.perf_counter()))
+        self._land(out)
+        self.done = True
+
+    def _land(self, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class _Gather(_InFlight):
+    """A gather of parameters of one partition group; ``wait()`` sets their data."""
+
+    def __init__(self, params: list, spans: list, storages: dict, device):
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-        rows = self.pending.wait().view(self.world, -1)
-        if self.on_done is not None:  # its time once, launch to completion (first seen), prefetch or not
-            self.on_done(self.launched_at, self.seen_done_at or time.perf_counter())
-        offset = 0
+        super().__init__(params, spans)
+        self.storages = storages
+        # (an offloaded partition is on the host: copied to the device the model runs on first)
+        self._launch(all_gather_seq, torch.cat([p.ds_tensor.reshape(-1) for p in params]).to(device, non_blocking=True))
+        for p in params:
+            p.ds_status = ZeroParamStatus.INFLIGHT
+
+    def _land(self, out: torch.Tensor) -> None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        rows, offset = out.view(self.world, -1), 0
         for p in self.params:
             part = p.ds_tensor.numel()
             full = rows[:, offset : offset + part].reshape(-1)[: p.ds_numel]
@@ -108,21 +127,6 @@ class _Gather:
             if not p.ds_persist:  # (a persistent one stays whole; DeepSpeed gathers it anew after each step)
                 self.storages[p.data.untyped_storage().data_ptr()] = p
             offset += part
-        self.done = True
-
-
-class _Join:
-    """The work a gather op's ``Pending`` waits on: every gather its block's parameters are in."""
-
-    def __init__(self, gathers: list):
-        self.gathers = gathers
-
-    def is_completed(self) -> bool:
-        return all(g.is_completed() for g in self.gathers)
-
-    def wait(self) -> None:
-        for g in self.gathers:
-            g.wait()
 
 
 class Zero3Blocks:
@@ -178,7 +182,7 @@ class Zero3Blocks:
             self._launch(self.gathered[ahead])
         if not gathers:
             return Pending(None, self._marker())
-        return Pending(_Join(gathers), self._marker())
+        return Pending(Works(gathers), self._marker())  # (every gather the block's parameters are in)
 
     def _missing(self, block: int) -> int:
         """Elements a gather of ``block`` would add (its partitioned parameters not whole or in flight)."""
@@ -196,8 +200,7 @@ class Zero3Blocks:
                 todo.setdefault(id(p.ds_process_group), []).append(p)
         for params_of_group in todo.values():
             params_of_group.sort(key=lambda p: p.ds_id)
-            group = params_of_group[0].ds_process_group
-            g = _Gather(params_of_group, group, self.storages, self.device, self._gathered)
+            g = _Gather(params_of_group, self._spans, self.storages, self.device)
             for p in params_of_group:
                 self._inflight[id(p)] = g
             gathers.append(g)
@@ -252,9 +255,6 @@ class Zero3Blocks:
             self._join(self._reducing.popleft())
         return Pending(None, self._marker())
 
-    def _gathered(self, launched: float, done: float) -> None:
-        self._spans.append((launched, done))
-
     def drain(self) -> None:
         """Join every reduction still in flight (the step's end)."""
         while self._reducing:
@@ -263,9 +263,7 @@ class Zero3Blocks:
     def _join(self, work: _Reduce) -> None:
         t0 = time.perf_counter()
         work.wait()
-        done = time.perf_counter()
-        self._spans.append((work.launched_at, work.seen_done_at or done))
-        self.waited_s += done - t0
+        self.waited_s += time.perf_counter() - t0
 
     def poll(self) -> None:
         """Note which collectives in flight have completed (their time ends there); each z3 op
@@ -283,7 +281,8 @@ class Zero3Blocks:
 
     def begin_step(self) -> None:
         self._reduced_this_step.clear()
-        self._spans, self.waited_s = [], 0.0
+        self._spans.clear()  # (in place: the collectives in flight hold the list)
+        self.waited_s = 0.0
 
     def comm_s(self) -> float:
         """The step's ZeRO-3 communication time: how long any of its collectives was in flight (one
@@ -300,15 +299,13 @@ class Zero3Blocks:
         return [p for params in self.reduced for p in params if id(p) not in self._reduced_this_step]
 
 
-class _Reduce:
+class _Reduce(_InFlight):
     """One block's gradients of one partition group, averaged and reduce-scattered; ``wait()``
     hands each rank's partitions to DeepSpeed (``partition_grads``)."""
 
     def __init__(self, owner: Zero3Blocks, params: list):
-        self.owner, self.params = owner, params
-        self.launched_at, self.seen_done_at = time.perf_counter(), None
-        group = params[0].ds_process_group
-        self.world = dist.get_world_size(group)
+        super().__init__(params, owner._spans)
+        self.owner = owner
         rows = []
         for p in params:
             part = p.ds_tensor.numel()
@@ -319,20 +316,9 @@ class _Reduce:
             p.grad = None
         buf = torch.cat(rows, dim=1)
         buf.div_(owner.optimizer._gradient_averaging_world_size(params, self.world))
-        flat = buf.reshape(-1)
-        self.pending = reduce_scatter_seq(flat, group, self.world) if self.world > 1 else Pending(None, flat)
-        self.done = False
+        self._launch(reduce_scatter_seq, buf.reshape(-1))
 
-    def is_completed(self) -> bool:
-        done = self.done or self.pending.work is None or self.pending.work.is_completed()
-        if done and self.seen_done_at is None:
-            self.seen_done_at = time.perf_counter()
-        return done
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        mine = self.pending.wait()
+    def _land(self, mine: torch.Tensor) -> None:
         opt, seen = self.owner.optimizer, self.owner._reduced_this_step
         parts, offset = [], 0
         for p in self.params:
@@ -346,7 +332,6 @@ class _Reduce:
                 opt.micro_step_id = step
                 opt.partition_grads([self.params[i] for i in ids], [parts[i] for i in ids])
         seen.update(id(p) for p in self.params)
-        self.done = True
 
 
 class _Body:

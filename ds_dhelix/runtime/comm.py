@@ -344,8 +344,8 @@ class RingPass(SeqAllGather):
         return ring_exchange(grad, self.groups.channel(channel), self.world, -1)
 
 
-class _Works:
-    """Several in-flight works (a send and a receive) as one."""
+class Works:
+    """Several in-flight works as one (a send and a receive; the gathers a ZeRO-3 block waits for)."""
 
     def __init__(self, works):
         self.works = works
@@ -366,7 +366,7 @@ def ring_exchange(x: torch.Tensor, group, world: int, direction: int) -> Pending
     out = torch.empty_like(x)
     # one batch: NCCL needs a send and a receive with the same peer (CP = 2) issued together
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, out, frm, group)])
-    return Pending(_Works(works), out)
+    return Pending(Works(works), out)
 
 
 def all_to_all_chunks(x: torch.Tensor, group, world: int) -> Pending:
