@@ -2,23 +2,31 @@
 to beside a GPU's time per layer.
 
 One process, no collectives (TP = 1), a model of tiny widths (``--hidden 8``: the matmuls take
-almost nothing, so what is timed is Python, dispatch and autograd's bookkeeping). Three ways to run
-the same micro-batches:
+almost nothing, so what is timed is Python, dispatch and autograd's bookkeeping). The same
+micro-batches run:
 
-    hf            model(...).loss.backward() per micro-batch
-    sequential    the executor, one micro-batch after another
-    si            the executor's reactive SI, linear ops' weight gradients deferred (forced on:
-                  with TP = 1 there is no collective to fill, so the engine would not defer)
+    hf                   model(...).loss.backward() per micro-batch
+    sequential           the executor, one micro-batch after another, on the fused graph
+                         (``dhelix.fuse_ops``, the default: the COMP ops between two collectives
+                         as one op; with TP = 1 a block is one op)
+    si                   the executor's reactive SI on the fused graph, linear ops' weight gradients
+                         deferred (forced on: with TP = 1 there is no collective to fill, so the
+                         engine would not defer)
+    sequential-unfused,  the same on the adapter's op graph, every op on its own
+    si-unfused           (``"fuse_ops": false``)
 
-Reported per op of the op graph (its COMP ops; a micro-batch runs each once forward and once
-backward): host µs forward, backward and both (SI interleaves the two: both only), autograd engine
-calls per op backward (``torch.autograd.backward`` / ``Tensor.backward`` reaching the engine) and
-deferred weight-gradient passes. Medians over ``--repeats`` steps (min and max beside them).
+Reported per op of the adapter's op graph (its COMP ops; a micro-batch runs each once forward and
+once backward, fused or not): host µs forward, backward and both (SI interleaves the two: both
+only), autograd engine calls per op backward (``torch.autograd.backward`` / ``Tensor.backward``
+reaching the engine) and deferred weight-gradient passes. Medians over ``--repeats`` steps (min and
+max beside them).
 
-The projection multiplies the executor's µs per op by a decoder layer's ops (COMM ops counted as
-one host op each: a launch and a wait) and sets it beside ``dhelix predict``'s roofline time of
-that layer's forward + backward on H100, for Llama-3-8B at TP = 8 and Qwen3-30B-A3B at EP = 8
-(seq 4096, bf16). This CPU's host is slower than a GPU server's, so the share is an upper bound.
+The projection prices one decoder layer's host time at what this run measured: each op at HF's
+µs per op, plus each unit the executor runs (a fused run of COMP ops, or an op; each COMM op one
+more: a launch and a wait) at the executor's overhead per unit above HF; and sets it beside ``dhelix
+predict``'s roofline time of that layer's forward + backward on H100, for Llama-3-8B at TP = 8 and
+Qwen3-30B-A3B at EP = 8 (seq 4096, bf16). HF's own row is there too: this CPU's host is slower
+than a GPU server's, so every share is an upper bound.
 
     python benchmarks/host_overhead.py [--model tiny-llama] [--repeats 20] [--json out.json]
 """
@@ -39,6 +47,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from ds_dhelix.graph.fuse import fuse  # noqa: E402
 from ds_dhelix.runtime import executor as executor_module  # noqa: E402
 from ds_dhelix.runtime.executor import Executor  # noqa: E402
 from ds_dhelix.verify import random_batches  # noqa: E402
@@ -50,6 +59,7 @@ LAYOUTS = {  # name: (config, predict flags)
     "llama3-8b-tp8-H100": ("llama-3-8b.json", {"tp": 8, "ep": 1}),
     "qwen3-30b-a3b-ep8-H100": ("qwen3-30b-a3b.json", {"tp": 1, "ep": 8}),
 }
+MODES = ("hf", "sequential", "si", "sequential-unfused", "si-unfused")
 
 
 @contextmanager
@@ -134,11 +144,13 @@ def measure(model_name: str, hidden: int, layers: int, micro_batches: int, seq: 
     comp_ops = sum(1 for block in graph.blocks for op in block if not op.is_comm)
     per_step = comp_ops * micro_batches
     out = {"ops_per_microbatch": comp_ops, "micro_batches": micro_batches}
-    for mode in ("hf", "sequential", "si"):
+    for mode in MODES:
         model = copy.deepcopy(ref)
-        executor = None
+        executor, schedule = None, mode.split("-")[0]
         if mode != "hf":
-            executor = Executor(adapter_for(model.config).build_graph(model), None, defer_weight_grads=mode == "si")
+            graph = adapter_for(model.config).build_graph(model)
+            graph = graph if mode.endswith("-unfused") else fuse(graph)
+            executor = Executor(graph, None, defer_weight_grads=schedule == "si")
         totals, fwds, bwds = [], [], []
         for r in range(repeats + 2):  # two warm-ups
             _zero(model)
@@ -147,7 +159,7 @@ def measure(model_name: str, hidden: int, layers: int, micro_batches: int, seq: 
             if mode == "hf":
                 _hf_step(model, batches, split)
             else:
-                _executor_step(executor, batches, mode, split)
+                _executor_step(executor, batches, schedule, split)
             if r >= 2:
                 totals.append(time.perf_counter() - t0)
                 fwds.append(split["fwd"])
@@ -157,7 +169,7 @@ def measure(model_name: str, hidden: int, layers: int, micro_batches: int, seq: 
             if mode == "hf":
                 _hf_step(model, batches, {"fwd": 0.0, "bwd": 0.0})
             else:
-                _executor_step(executor, batches, mode, {"fwd": 0.0, "bwd": 0.0})
+                _executor_step(executor, batches, schedule, {"fwd": 0.0, "bwd": 0.0})
 
         def us(xs):
             return {
@@ -167,7 +179,9 @@ def measure(model_name: str, hidden: int, layers: int, micro_batches: int, seq: 
             }
 
         row = {"us_per_op": us(totals)}
-        if mode != "si":
+        if executor is not None:
+            row["units_per_microbatch"] = sum(1 for block in executor.graph.blocks for op in block if not op.is_comm)
+        if schedule != "si":
             row |= {"us_per_op_forward": us(fwds), "us_per_op_backward": us(bwds)}
         backwards = counts["op_backward"] if mode != "hf" else micro_batches
         row |= {
@@ -177,13 +191,21 @@ def measure(model_name: str, hidden: int, layers: int, micro_batches: int, seq: 
             "deferred_passes": counts["deferred"],
         }
         out[mode] = row
-    for mode in ("sequential", "si"):
+    for mode in MODES[1:]:
         out[f"{mode}_vs_hf"] = round(out[mode]["us_per_op"]["median"] / out["hf"]["us_per_op"]["median"], 3)
     return out
 
 
-def layer_projection(us_per_op: float) -> dict:
-    """Host time of one decoder layer at ``us_per_op`` against predict's H100 time of that layer."""
+def unit_overhead_us(r: dict, mode: str) -> float:
+    """The executor's host µs per unit it runs (a fused op, or an op), above HF's for the same ops."""
+    ops = r["ops_per_microbatch"]
+    extra = (r[mode]["us_per_op"]["median"] - r["hf"]["us_per_op"]["median"]) * ops
+    return extra / r[mode]["units_per_microbatch"]
+
+
+def layer_projection(hf_us_per_op: float, unit_us: float | None, fused: bool) -> dict:
+    """Host time of one decoder layer (each op at ``hf_us_per_op``, each unit the executor runs at
+    ``unit_us`` more; None: HF alone) against predict's H100 time of that layer."""
     from ds_dhelix.config.dims import ParallelDims
     from ds_dhelix.predict.costs import roofline_times
     from ds_dhelix.predict.hardware import load_hardware
@@ -200,11 +222,15 @@ def layer_projection(us_per_op: float) -> dict:
         times = roofline_times(outline, model_shape(config), layout, hw)
         layer = times.blocks[1]
         gpu_ms = sum(o.fwd_ms + o.bwd_ms + o.wgrad_ms for o in layer if not o.comm)
-        host_ops = sum(2 for _ in layer)  # each op once forward, once backward
-        host_ms = host_ops * us_per_op / 2 / 1e3  # us_per_op covers forward + backward of one op
+        # fused: each COMM op, and each stretch of COMP ops between two, is one unit
+        runs = sum(1 for i, o in enumerate(layer) if o.comm or i == 0 or layer[i - 1].comm)
+        units = runs if fused else len(layer)
+        # every op (a COMM op too: its launch and wait) at HF's cost, and the executor's per unit
+        host_ms = (len(layer) * hf_us_per_op + units * (unit_us or 0.0)) / 1e3  # forward + backward
         out[name] = {
             "ops_per_layer": len(layer),
             "comm_ops_per_layer": sum(o.comm for o in layer),
+            "units_per_layer": units if unit_us is not None else None,
             "gpu_compute_ms_per_layer": round(gpu_ms, 3),
             "host_ms_per_layer": round(host_ms, 3),
             "host_share_of_gpu": round(host_ms / gpu_ms, 3),
@@ -214,21 +240,21 @@ def layer_projection(us_per_op: float) -> dict:
 
 def summary(r: dict) -> str:
     """The result as a table: one row per mode, then the projection."""
-    lines = ["mode        us/op (min-max)        fwd    bwd   engine calls/op bwd  deferred  vs hf"]
-    for mode in ("hf", "sequential", "si"):
+    lines = ["mode                us/op (min-max)        fwd    bwd   engine calls/op bwd  deferred  vs hf"]
+    for mode in MODES:
         row, u = r[mode], r[mode]["us_per_op"]
         fwd = row.get("us_per_op_forward", {}).get("median", "-")
         bwd = row.get("us_per_op_backward", {}).get("median", "-")
         calls = row["engine_calls_per_op_backward"]
         ratio = r.get(f"{mode}_vs_hf", 1.0)
         lines.append(
-            f"{mode:<11} {u['median']:>6} ({u['min']}-{u['max']})  {fwd:>6} {bwd:>6}  "
+            f"{mode:<19} {u['median']:>6} ({u['min']}-{u['max']})  {fwd:>6} {bwd:>6}  "
             f"{'-' if calls is None else calls:>18}  {row['deferred_passes']:>8}  {ratio:>5}"
         )
     for mode, layouts in r["projection"].items():
         for name, p in layouts.items():
             lines.append(
-                f"{mode:<11} {name}: host {p['host_ms_per_layer']} ms/layer vs GPU {p['gpu_compute_ms_per_layer']} ms "
+                f"{mode:<19} {name}: host {p['host_ms_per_layer']} ms/layer vs GPU {p['gpu_compute_ms_per_layer']} ms "
                 f"({p['host_share_of_gpu']:.0%})"
             )
     return "\n".join(lines)
@@ -254,8 +280,10 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         **measure(args.model, args.hidden, args.layers, args.micro_batches, args.seq_len, args.repeats),
     }
-    result["projection"] = {
-        mode: layer_projection(result[mode]["us_per_op"]["median"]) for mode in ("sequential", "si")
+    hf_us = result["hf"]["us_per_op"]["median"]
+    result["projection"] = {"hf": layer_projection(hf_us, None, False)} | {
+        mode: layer_projection(hf_us, unit_overhead_us(result, mode), not mode.endswith("-unfused"))
+        for mode in MODES[1:]
     }
     text = json.dumps(result, indent=1)
     print(summary(result))

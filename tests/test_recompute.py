@@ -11,7 +11,9 @@
     all-off section is accepted
 
 Recomputed values are the same ops on the same inputs (dropout masks seeded by micro-batch, layer
-and op), so every comparison here is exact.
+and op), so every comparison here is exact. Fused runs (``dhelix.fuse_ops``, the default) cut a
+layer where selective recompute keeps its ops apart; where that moves an op boundary (the PP=2 case,
+TP=1) selective agrees with none to rounding only, so that case runs unfused.
 """
 
 from __future__ import annotations
@@ -54,7 +56,12 @@ CASES = {
         ),
         ("sequential", "si"),
     ),
-    "pp2": (ParityOptions(model="tiny-llama", tp=1, pp=2, seq_len=32, steps=2), ("w", "dualpipev")),
+    # unfused: at TP = 1 "none" runs a whole layer as one fused op where "selective" runs its
+    # selective ops apart (``graph/fuse.py``), and other op boundaries may round otherwise
+    "pp2": (
+        ParityOptions(model="tiny-llama", tp=1, pp=2, seq_len=32, steps=2, extra={"fuse_ops": False}),
+        ("w", "dualpipev"),
+    ),
 }
 
 

@@ -608,6 +608,12 @@ class DhelixConfig(_Section):
     recompute right before their backward) or "full" (each decoder layer keeps only its inputs and
     recomputes its forward, collectives included, as its backward starts); losses and parameters do
     not change; works with every schedule and MoE."""
+    fuse_ops: bool = True
+    """Run each block's COMP ops between two collectives as one op (one autograd graph, one engine
+    call in the backward, the executor's bookkeeping once): the host work per layer a GPU needs,
+    with SI's pairing unchanged (it happens at the collectives). Op names in traces, plans and
+    profiles are then the runs' (``attn.norm+attn.qkv``); false runs every op of the adapter on its
+    own (finer traces; losses agree to rounding: ``graph/fuse.py``)."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The loss the head computes: next-token cross-entropy, or a preference objective."""
     head_chunk: int = 0

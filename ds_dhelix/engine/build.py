@@ -35,6 +35,7 @@ from ..config.section import (
     derive_batch,
     load_ds_config,
 )
+from ..graph.fuse import fuse
 from ..graph.objectives import make_objective
 from ..graph.ops import backward_order
 from ..moe.kernels import check_kernels
@@ -304,7 +305,7 @@ def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGrou
         graph.replicated = ReplicatedGrads(
             list(graph.replicated.params if graph.replicated else []) + whole, groups.tp_grad_group
         )
-    return graph
+    return fuse(graph, dh.recompute) if dh.fuse_ops else graph
 
 
 def parameter_names(model, model_parameters):

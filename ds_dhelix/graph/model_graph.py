@@ -29,6 +29,7 @@ class Op:
     comm: object | None = None  # COMM only: body with forward / backward(x, side, channel) -> Pending
     linear: bool = False  # COMP: linear on the way to its weights (matmuls, views, row selection)
     selective: bool = False  # COMP: recomputed under recompute "selective" (much to save, cheap to redo)
+    members: tuple = ()  # COMP: the ops a fused op runs in order (``fuse.py``); () for an op of its own
 
     @property
     def is_comm(self) -> bool:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from ..graph.draws import op_side
+from ..graph.fuse import around_linear_members
 from ..graph.model_graph import ModelGraph
 from ..graph.recompute import Kept, RecomputePolicy, keep
 from ..planning.plan import SIPlan
@@ -261,16 +262,20 @@ class Executor(Collectives):
         op, mb = t.op, t.mb
         leaves = [inputs[k].detach().requires_grad_(inputs[k].is_floating_point()) for k in op.inputs]
         hooks = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
-        linears = self._linears if self._deferring and op.linear else None
-        with torch.enable_grad(), hooks, linears or contextlib.nullcontext(), self._op_side(mb.side):
+        linears = self._linears.begin() if self._deferring and op.linear else None
+        routing = (
+            contextlib.nullcontext() if linears is None else around_linear_members(linears) if op.members else linears
+        )
+        with torch.enable_grad(), hooks, routing, self._op_side(mb.side):
             outs = op.fn(mb.side, *leaves)
         key = (t.block, t.op_index)
         way = (*key, linears is not None)
         if way not in self._weighed:  # once per op and way: what its backward adds to
             in_graph = op_weights(op, [o for o in outs if o.requires_grad], leaves)
             # matrices a deferring op reaches through autograd (not routed: a gpt-oss expert bias,
-            # a grouped GEMM) keep a second pass for their part (``_comp_backward``)
-            self._weighed[way] = in_graph.params if in_graph.deferrable else ()
+            # a grouped GEMM) keep a second pass for their part (``_comp_backward``); a fused op's
+            # get theirs in its one engine call (a second pass over a run would redo most of it)
+            self._weighed[way] = in_graph.params if in_graph.deferrable and not op.members else ()
             routed = linears.params if linears is not None else ()
             before = self._op_weights.get(key, NO_WEIGHTS)
             self._op_weights[key] = with_params(op, with_params(op, before, in_graph.params), routed)
@@ -329,9 +334,10 @@ class Executor(Collectives):
             t0 = time.perf_counter()
             for grad in pending:
                 grad.run()
-            if second is not None:
+            if second is not None:  # linears it passes through again added theirs already
                 tensors, grads, params = second
-                torch.autograd.backward(tensors, grads, inputs=list(params))
+                with self._wgrad.collecting():
+                    torch.autograd.backward(tensors, grads, inputs=list(params))
             t1 = time.perf_counter()
         self.stats.compute_s += t1 - t0
         self.stats.num_deferred += 1

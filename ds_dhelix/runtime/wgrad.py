@@ -159,15 +159,16 @@ class _Linear(torch.autograd.Function):
 class _Intercept(TorchFunctionMode):
     """Routes the linears of an op's forward through ``_Linear``; ``params``: the parameters whose
     gradients it routed since it was last entered (whole parameters, for a slot its parameter).
-    One instance serves every op: entering it starts a fresh ``params``."""
+    One instance serves every op: ``begin()`` starts a fresh ``params`` (a fused op enters it once
+    per linear member, ``graph.fuse.around_linear_members``)."""
 
     def __init__(self, store: WeightGradStore):
         super().__init__()
         self.store, self._params = store, {}
 
-    def __enter__(self):
+    def begin(self) -> _Intercept:
         self._params = {}
-        return super().__enter__()
+        return self
 
     @property
     def params(self) -> list:

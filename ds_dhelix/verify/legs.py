@@ -23,8 +23,15 @@ def train_leg(opts: ParityOptions, schedule: str, batches, gather) -> dict:
     params = gather(engine)
     if engine.groups.rank != 0:  # (the gather is collective; rank 0 alone compares)
         params = None
+    ops = [op.name for block in engine.graph.blocks for op in block]  # what the executor ran (fused or not)
     engine.destroy()
-    return {"losses": losses, "params": params, "peak_activation_bytes": max(peaks), "rank": engine.groups.rank}
+    return {
+        "losses": losses,
+        "params": params,
+        "peak_activation_bytes": max(peaks),
+        "rank": engine.groups.rank,
+        "ops": ops,
+    }
 
 
 def train_schedule(opts: ParityOptions, schedule: str, batches) -> dict:
