@@ -196,16 +196,23 @@ def measure(model_name: str, hidden: int, layers: int, micro_batches: int, seq: 
     return out
 
 
-def unit_overhead_us(r: dict, mode: str) -> float:
-    """The executor's host µs per unit it runs (a fused op, or an op), above HF's for the same ops."""
-    ops = r["ops_per_microbatch"]
-    extra = (r[mode]["us_per_op"]["median"] - r["hf"]["us_per_op"]["median"]) * ops
-    return extra / r[mode]["units_per_microbatch"]
+def overheads_us(r: dict, schedule: str) -> tuple[float, float]:
+    """The executor's host µs above HF's, per unit it runs (a fused op, or an op: autograd's engine
+    call, the leaves, the round) and per op (what scales with the ops whatever their grouping: SI's
+    deferred weight gradients): from its fused and unfused rows, which run the same ops in
+    ``units_per_microbatch`` units and in one unit per op."""
+    ops, hf = r["ops_per_microbatch"], r["hf"]["us_per_op"]["median"]
+    fused, unfused = r[schedule], r[f"{schedule}-unfused"]
+    extra_fused = (fused["us_per_op"]["median"] - hf) * ops
+    extra_unfused = (unfused["us_per_op"]["median"] - hf) * ops
+    per_unit = (extra_unfused - extra_fused) / (ops - fused["units_per_microbatch"])
+    return per_unit, (extra_fused - fused["units_per_microbatch"] * per_unit) / ops
 
 
-def layer_projection(hf_us_per_op: float, unit_us: float | None, fused: bool) -> dict:
-    """Host time of one decoder layer (each op at ``hf_us_per_op``, each unit the executor runs at
-    ``unit_us`` more; None: HF alone) against predict's H100 time of that layer."""
+def layer_projection(hf_us_per_op: float, overheads: tuple[float, float] | None, fused: bool) -> dict:
+    """Host time of one decoder layer (each op at ``hf_us_per_op``, plus the executor's
+    ``overheads`` per unit and per op; None: HF alone) against predict's H100 time of that layer."""
+    unit_us, op_us = overheads or (0.0, 0.0)
     from ds_dhelix.config.dims import ParallelDims
     from ds_dhelix.predict.costs import roofline_times
     from ds_dhelix.predict.hardware import load_hardware
@@ -226,11 +233,11 @@ def layer_projection(hf_us_per_op: float, unit_us: float | None, fused: bool) ->
         runs = sum(1 for i, o in enumerate(layer) if o.comm or i == 0 or layer[i - 1].comm)
         units = runs if fused else len(layer)
         # every op (a COMM op too: its launch and wait) at HF's cost, and the executor's per unit
-        host_ms = (len(layer) * hf_us_per_op + units * (unit_us or 0.0)) / 1e3  # forward + backward
+        host_ms = (len(layer) * (hf_us_per_op + op_us) + units * unit_us) / 1e3  # forward + backward
         out[name] = {
             "ops_per_layer": len(layer),
             "comm_ops_per_layer": sum(o.comm for o in layer),
-            "units_per_layer": units if unit_us is not None else None,
+            "units_per_layer": units if overheads is not None else None,
             "gpu_compute_ms_per_layer": round(gpu_ms, 3),
             "host_ms_per_layer": round(host_ms, 3),
             "host_share_of_gpu": round(host_ms / gpu_ms, 3),
@@ -251,6 +258,8 @@ def summary(r: dict) -> str:
             f"{mode:<19} {u['median']:>6} ({u['min']}-{u['max']})  {fwd:>6} {bwd:>6}  "
             f"{'-' if calls is None else calls:>18}  {row['deferred_passes']:>8}  {ratio:>5}"
         )
+    for schedule, o in r["overheads_us"].items():
+        lines.append(f"{schedule:<19} executor above HF: {o['per_unit']:.1f} us per unit, {o['per_op']:.1f} us per op")
     for mode, layouts in r["projection"].items():
         for name, p in layouts.items():
             lines.append(
@@ -281,8 +290,11 @@ def main(argv=None) -> int:
         **measure(args.model, args.hidden, args.layers, args.micro_batches, args.seq_len, args.repeats),
     }
     hf_us = result["hf"]["us_per_op"]["median"]
+    result["overheads_us"] = {
+        s: dict(zip(("per_unit", "per_op"), overheads_us(result, s))) for s in ("sequential", "si")
+    }
     result["projection"] = {"hf": layer_projection(hf_us, None, False)} | {
-        mode: layer_projection(hf_us, unit_overhead_us(result, mode), not mode.endswith("-unfused"))
+        mode: layer_projection(hf_us, overheads_us(result, mode.split("-")[0]), not mode.endswith("-unfused"))
         for mode in MODES[1:]
     }
     text = json.dumps(result, indent=1)

@@ -8,13 +8,14 @@ directly, on one device, so there are no collectives. Each check prints one JSON
 go to ``<out>/gpu_checks.json``.
 
 1. ``env``: torch, device name.
-2. ``parity``: tiny-llama (TP=1) through the executor, sequential vs reactive SI (deferred weight
-   gradients) vs SI with ``pair_ends``: losses and every gradient bitwise equal or not, max abs
-   difference (on CUDA, kernels must be deterministic for bitwise: cuBLAS is; this reports).
+2. ``parity``: tiny-llama (TP=1) through the executor on the fused graph the engine runs
+   (``fuse_ops``), sequential vs reactive SI (deferred weight gradients) vs SI with ``pair_ends``:
+   losses and every gradient bitwise equal or not, max abs difference (on CUDA, kernels must be
+   deterministic for bitwise: cuBLAS is; this reports).
 3. ``step_time``: median step of the executor's sequential and SI schedules against plain HF
    forward/backward on the same micro-batches: the executor's own cost where kernels run
-   asynchronously (on CPU every op is synchronous); also both schedules with autograd's
-   multithreading off (``*_1thread``: no hand-off to the device thread per backward call).
+   asynchronously (on CPU every op is synchronous); on the fused graph and on the adapter's ops
+   each on its own (``*_unfused``).
 4. ``profiler``: one SI step under ``torch.profiler`` with a trace recorder: every op span of the
    executor must be a profiler range of the same name; the profiler's own Chrome trace goes to
    ``<out>/profiler_trace.json.gz``. On CUDA the table is the kernel time under each range; the
@@ -76,6 +77,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from ds_dhelix.graph.fuse import fuse  # noqa: E402
 from ds_dhelix.moe.kernels import tutel_missing  # noqa: E402
 from ds_dhelix.runtime.comm import cuda_connections_warning  # noqa: E402
 from ds_dhelix.runtime.executor import Executor  # noqa: E402
@@ -97,7 +99,7 @@ def make_batches(vocab: int, num: int, size: int, seq: int, device) -> list[dict
 
 
 def _executor_step(model, batches, schedule: str) -> tuple[list, dict]:
-    graph = adapter_for(model.config).build_graph(model)
+    graph = fuse(adapter_for(model.config).build_graph(model))  # what the engine runs (fuse_ops)
     mbs = Executor(graph, None).run_microbatches(list(batches), schedule, 1 / len(batches))
     return [mb.loss.detach() for mb in mbs], {n: p.grad for n, p in model.named_parameters()}
 
@@ -115,30 +117,34 @@ def check_step_time(ref, batches, steps: int, device) -> dict:
             (model(input_ids=b["input_ids"], labels=b["labels"]).loss / len(batches)).backward()
 
     timings = {}
-    # "_1thread": autograd runs backward on the calling thread (on CUDA it otherwise hands every
-    # backward call to its device thread and waits: the executor makes one call per op)
-    names = ("hf", "sequential", "si", "sequential_1thread", "si_1thread")
+    # the engine's graph (fused runs, "fuse_ops") and the adapter's ops each on its own ("_unfused");
+    # a step runs with autograd's device threads off either way (the interpreter turns them off)
+    names = ("hf", "sequential", "si", "sequential_unfused", "si_unfused")
     models = {k: copy.deepcopy(ref) for k in names}
-    executors = {k: Executor(adapter_for(m.config).build_graph(m), None) for k, m in models.items() if k != "hf"}
+
+    def graph_of(name, m):
+        graph = adapter_for(m.config).build_graph(m)
+        return graph if name.endswith("_unfused") else fuse(graph)
+
+    executors = {k: Executor(graph_of(k, m), None) for k, m in models.items() if k != "hf"}
     for name in names:
-        schedule, _, threads = name.partition("_")
+        schedule = name.partition("_")[0]
         times = []
-        with torch.autograd.set_multithreading_enabled(threads != "1thread"):
-            for _ in range(steps + 1):  # the first is a warm-up
-                for p in models[name].parameters():
-                    p.grad = None
-                _sync(device)
-                t0 = time.perf_counter()
-                if name == "hf":
-                    hf_step(models[name])
-                else:
-                    executors[name].run_microbatches(list(batches), schedule, 1 / len(batches))
-                _sync(device)
-                times.append(time.perf_counter() - t0)
+        for _ in range(steps + 1):  # the first is a warm-up
+            for p in models[name].parameters():
+                p.grad = None
+            _sync(device)
+            t0 = time.perf_counter()
+            if name == "hf":
+                hf_step(models[name])
+            else:
+                executors[name].run_microbatches(list(batches), schedule, 1 / len(batches))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
         timings[name] = statistics.median(times[1:]) * 1e3
     return {f"{k}_ms": round(v, 2) for k, v in timings.items()} | {
         "executor_vs_hf": round(timings["sequential"] / timings["hf"], 3),
-        "executor_1thread_vs_hf": round(timings["sequential_1thread"] / timings["hf"], 3),
+        "executor_unfused_vs_hf": round(timings["sequential_unfused"] / timings["hf"], 3),
         "si_vs_sequential": round(timings["sequential"] / timings["si"], 3),
     }
 
@@ -147,7 +153,7 @@ def check_profiler(ref, batches, device, out_dir: str | None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     model = copy.deepcopy(ref)
-    graph = adapter_for(model.config).build_graph(model)
+    graph = fuse(adapter_for(model.config).build_graph(model))
     Executor(graph, None, recorder=TraceRecorder(0, record_function=True)).run_microbatches(
         list(batches), "si", 1 / len(batches)
     )  # warm-up

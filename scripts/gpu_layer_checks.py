@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from ds_dhelix.graph.fuse import fuse
 from ds_dhelix.graph.model_graph import ModelGraph, comm
 from ds_dhelix.runtime.comm import Pending
 from ds_dhelix.runtime.executor import Executor
@@ -237,7 +238,9 @@ def _layer_row(spec: dict, device, steps: int, micro_batches: int) -> dict:
     graph = adapter_for(model.config).build_graph(model)
     per_ms = cycles_per_ms(device)
     lengths = predicted_comm_ms(*spec["predict"])
-    fake_graph = with_fakes(graph, spec["fakes"], lengths, device, per_ms)
+    # fused runs, as the engine runs them (``fuse_ops``); the fakes are collectives, so they cut runs
+    fake_graph = fuse(with_fakes(graph, spec["fakes"], lengths, device, per_ms))
+    graph = fuse(graph)
     for mode in ("sequential", "si"):
         for name, g in ((mode, graph), (f"{mode}+fakes", fake_graph)):
             ex = Executor(g, None, defer_weight_grads=mode == "si")
@@ -333,7 +336,7 @@ def _two_rank_case(rank, world, preset: str, tp: int, ep: int, device_type: str)
     for schedule in ("sequential", "si"):
         model = copy.deepcopy(ref).to(device)
         extra = {"ep_groups": lay.expert_groups()} if ep > 1 else {}
-        graph = adapter_for(model.config).build_graph(model, tp, lay.tp_rank, lay.tp, lay.tp_grad_group, **extra)
+        graph = fuse(adapter_for(model.config).build_graph(model, tp, lay.tp_rank, lay.tp, lay.tp_grad_group, **extra))
         batches = random_batches(model.config.vocab_size, 4, 1, 32, seed=1 + rank // tp, device=device)
         t0 = time.perf_counter()
         mbs = Executor(graph).run_microbatches(batches, schedule, 1 / len(batches))

@@ -216,9 +216,12 @@ def test_recompute_modes_side_by_side():
     from ds_dhelix.cli import build_parser
     from ds_dhelix.commands.bench import options_from_args
 
-    opts = BenchOptions(modes=("sequential", "si", "si+full", "si-plan+selective"))
+    opts = BenchOptions(modes=("sequential", "si", "si+full", "si-plan+selective", "si+full+unfused"))
     assert "recompute" not in opts.dhelix_ds_config("si")["dhelix"]
     assert opts.dhelix_ds_config("si+full")["dhelix"]["recompute"] == "full"
+    assert "fuse_ops" not in opts.dhelix_ds_config("si")["dhelix"]  # the default: fused
+    unfused = opts.dhelix_ds_config("si+full+unfused")["dhelix"]
+    assert (unfused["recompute"], unfused["fuse_ops"]) == ("full", False)
     plan = opts.dhelix_ds_config("si-plan+selective")["dhelix"]
     assert plan["recompute"] == "selective" and plan["si_execution"] == "plan"
     args = build_parser().parse_args(["bench", "--pp", "2", "--tp", "1", "--modes", "sequential", "w+full"])

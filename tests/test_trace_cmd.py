@@ -17,11 +17,14 @@ from ds_dhelix.runtime.trace import validate_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYER_OPS = {"attn.norm", "attn.qkv", "attn.core", "attn.out", "mlp.norm", "mlp.up", "mlp.down", "mlp.add"}
+# fused runs (dhelix.fuse_ops, the default): the COMP ops between two collectives are one span
+FUSED_LAYER_OPS = {"attn.norm", "attn.qkv+attn.core+attn.out", "mlp.norm", "mlp.up+mlp.down", "mlp.add"}
 COMM_OPS = {"attn.ag", "attn.rs", "mlp.ag", "mlp.rs"}
 BLOCK_COMM_OPS = {"embed.rs", "head.ag", "head.lse_a2a"}  # the vocabulary split over TP (hf_models/vocab.py)
 
 
-def test_trace_of_si_steps(tmp_path):
+@pytest.mark.parametrize("unfused", [False, True], ids=["fused", "unfused"])
+def test_trace_of_si_steps(tmp_path, unfused):
     out = tmp_path / "trace.json"
     # behind an emulated link where this machine can (root + iproute2), else on plain loopback
     link = ["--link-gbps", "5"] if link_emulation_available()[0] else []
@@ -50,6 +53,7 @@ def test_trace_of_si_steps(tmp_path):
         "150",
         "--json",
         *link,
+        *(["--unfused"] if unfused else []),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
@@ -70,7 +74,9 @@ def test_trace_of_si_steps(tmp_path):
         by_lane.setdefault((e["pid"], lanes[(e["pid"], e["tid"])]), []).append(e)
     for rank in (0, 1):
         compute = by_lane[(rank, "compute")]
-        assert LAYER_OPS <= {e["name"] for e in compute}
+        names = {e["name"] for e in compute}
+        assert (LAYER_OPS if unfused else FUSED_LAYER_OPS) <= names
+        assert not (names & (FUSED_LAYER_OPS - LAYER_OPS if unfused else LAYER_OPS - FUSED_LAYER_OPS))
         for strand in ("F", "B"):
             comm = by_lane[(rank, f"comm:tp:{strand}")]
             assert {e["name"] for e in comm} == COMM_OPS | BLOCK_COMM_OPS

@@ -32,7 +32,8 @@ Modes, all on the same model, the same world and the same tokens per optimizer s
 A ds_dhelix mode may name its activation recompute after a ``+``: ``si+full``, ``sequential+selective``
 (``dhelix.recompute``; plain ``si`` is ``si+none``), so the modes' step times sit side by side; and
 ``+dp-end`` reduces the data-parallel gradients after the last backward instead of during it
-(``"overlap_grad_reduction": false``): ``si+dp-end``, ``sequential+full+dp-end``.
+(``"overlap_grad_reduction": false``): ``si+dp-end``, ``sequential+full+dp-end``; ``+unfused`` runs
+every op of the adapter on its own (``"fuse_ops": false``): ``si+unfused``.
 
 With ``pp > 1`` (folded pipeline over ``pp`` stages of ``tp`` ranks each) the modes are ``PP_MODES``::
 
@@ -80,7 +81,7 @@ PP_DEFAULT_MODES = tuple(m for m in PP_MODES if m != "auto")
 """Modes of a pipeline run unless ``--modes`` says otherwise (``auto`` is asked for by name)."""
 
 
-MODE_FLAGS = {"dp-end": {"overlap_grad_reduction": False}}
+MODE_FLAGS = {"dp-end": {"overlap_grad_reduction": False}, "unfused": {"fuse_ops": False}}
 """A ds_dhelix mode's ``+`` flags other than a recompute mode: the "dhelix" keys each sets."""
 
 

@@ -26,9 +26,12 @@ from ..runtime.profiler import LayerProbe, profile_layer, robust_spread, run_met
 from ..runtime.spawn import run_ranks
 
 
-def build_sharded(model_name: str, tp: int, seed: int = 1234, ep: int = 1, cp: int = 1, cp_comm: str = "ulysses"):
+def build_sharded(
+    model_name: str, tp: int, seed: int = 1234, ep: int = 1, cp: int = 1, cp_comm: str = "ulysses", fused: bool = True
+):
     """On a running world of tp x cp x ep ranks: the preset/checkpoint model, sharded for this rank
-    (TP slices, CP sequence shards; experts over the EP group for MoE models), and its graph."""
+    (TP slices, CP sequence shards; experts over the EP group for MoE models), and its graph (its
+    ops as fused runs unless ``fused`` is False, as ``dhelix.fuse_ops``)."""
     from hf_models.registry import build_model
 
     model, _ = build_model(model_name, seed=seed)
@@ -38,6 +41,7 @@ def build_sharded(model_name: str, tp: int, seed: int = 1234, ep: int = 1, cp: i
             "tensor_parallel": {"size": tp},
             "expert_parallel": {"size": ep},
             "context_parallel": {"size": cp, "comm": cp_comm},
+            "fuse_ops": fused,
         }
     )
     dims = ParallelDims(dist.get_world_size(), tp=tp, ep=ep, cp=cp, cp_comm=cp_comm)
@@ -52,8 +56,9 @@ def example_batch(vocab: int, micro: int, seq_len: int, seed: int = 0) -> dict:
 
 
 def _profile_rank(rank, world, o: dict):
+    fused = not o.get("unfused", False)
     model, graph, _ = build_sharded(
-        o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1), cp_comm=o.get("cp_comm", "ulysses")
+        o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1), cp_comm=o.get("cp_comm", "ulysses"), fused=fused
     )
     batch = example_batch(
         model.config.vocab_size, o["micro_batch_size"], o["seq_len"], seed=rank // (o["tp"] * o.get("cp", 1))
@@ -68,6 +73,7 @@ def _profile_rank(rank, world, o: dict):
         ep=o.get("ep", 1),
         cp=o.get("cp", 1),
         cp_comm=o.get("cp_comm", "ulysses"),
+        fused=fused,
     )
     t0 = time.perf_counter()
     table = profile_layer(graph, batch, meta, list(model.parameters()), o["warmup"], o["repeats"])
@@ -84,7 +90,12 @@ def profile_world(o: dict, timeout: float = 900.0):
 def _validate_rank(rank, world, o: dict):
     table = OverlapTable.from_dict(o["table"])
     model, graph, _ = build_sharded(
-        o["model"], o["tp"], ep=o.get("ep", 1), cp=o.get("cp", 1), cp_comm=o.get("cp_comm", "ulysses")
+        o["model"],
+        o["tp"],
+        ep=o.get("ep", 1),
+        cp=o.get("cp", 1),
+        cp_comm=o.get("cp_comm", "ulysses"),
+        fused=table.fused,  # the ops the table timed
     )
     specs = graph.layer_specs()
     table.check_matches({}, specs, backward_order(specs))

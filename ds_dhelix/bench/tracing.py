@@ -34,6 +34,8 @@ class TraceOptions:
     """SI with the planner's plan (``planner.profile = "auto"``) instead of the default plan."""
     planner_cache: str | None = None
     """Overlap-table cache of the planner (None: its default, ~/.cache/ds_dhelix)."""
+    unfused: bool = False
+    """Every op of the adapter on its own (``"fuse_ops": false``): a span per op instead of per run."""
     steps: int = 3
     micro_batches: int = BenchOptions.micro_batches
     micro_batch_size: int = BenchOptions.micro_batch_size
@@ -81,7 +83,7 @@ def _rank_main(rank: int, world: int, opts: TraceOptions) -> dict:
 
     bench = opts.bench_options()
     trace = {"enabled": True, "path": os.path.abspath(opts.out), "steps": opts.steps}
-    extra = {"trace": trace}
+    extra = {"trace": trace, **({"fuse_ops": False} if opts.unfused else {})}
     if opts.planner_cache:
         extra["planner"] = {"cache_dir": os.path.abspath(opts.planner_cache)}
     bench = replace(bench, extra_dhelix=extra)

@@ -52,7 +52,8 @@ def register(sub) -> None:
         metavar="MODE",
         help=f"modes to measure, of {' '.join(MODES)} (default: {' '.join(DEFAULT_MODES)}); with "
         f"--pp: {' '.join(PP_MODES)} (default: all but auto). A ds_dhelix mode takes its activation recompute after "
-        f"'+': si+full, sequential+selective",
+        f"'+': si+full, sequential+selective; and flags: +dp-end (data-parallel reduction after the last "
+        f"backward), +unfused (every op on its own, fuse_ops false): si+unfused",
     )
     _add_run_flags(p, d)
     p.set_defaults(func=run)

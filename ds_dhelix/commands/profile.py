@@ -22,6 +22,12 @@ def register(sub) -> None:
         default=5,
         help="timed runs per table entry (median and robust spread kept; noisy entries get more)",
     )
+    p.add_argument(
+        "--unfused",
+        action="store_true",
+        help="time the adapter's ops one by one (fuse_ops false), as dhelix predict --hardware cpu reads them; "
+        "by default the layer's ops run as the engine runs them, fused between collectives",
+    )
     p.add_argument("--out", required=True, help="where to write the table (JSON)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the world is killed")
     p.set_defaults(func=run)
@@ -48,6 +54,7 @@ def options(args) -> dict:
         "ep": args.ep,
         "cp": args.cp,
         "cp_comm": args.cp_comm,
+        "unfused": args.unfused,
     }
 
 

@@ -46,6 +46,12 @@ def register(sub) -> None:
         metavar="DIR",
         help="overlap-table cache for --planned (default: the planner's, ~/.cache/ds_dhelix)",
     )
+    p.add_argument(
+        "--unfused",
+        action="store_true",
+        help="run every op of the adapter on its own (fuse_ops false): a span per op (attn.core) instead of "
+        "per run of ops between two collectives (attn.qkv+attn.core+attn.out)",
+    )
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to trace")
     add_layout_flags(p, ("micro_batches", "micro_batch_size", "seq_len", "num_layers", "link_gbps", "link_burst_kb"))
     p.add_argument("--out", default="trace.json", help="trace file to write")
@@ -68,6 +74,7 @@ def run(args) -> int:
         schedule=args.schedule,
         planned=args.planned,
         planner_cache=args.planner_cache,
+        unfused=args.unfused,
         steps=args.steps,
         micro_batches=args.micro_batches,
         micro_batch_size=args.micro_batch_size,

@@ -624,6 +624,7 @@ def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, e
         ep=groups.ep_size,
         cp=groups.cp_size,
         cp_comm=groups.dims.cp_comm,
+        fused=dh.fuse_ops,
     )
     log = (lambda msg: logger.info(msg)) if groups.rank == 0 else (lambda msg: None)
     example_batch = _on_run_device(model, example_batch, ds_config, log)

@@ -61,7 +61,6 @@ def fuse(graph: ModelGraph, recompute: str = "none") -> ModelGraph:
             start = end
         fused.append(out)
     graph.blocks[:] = fused
-    graph.meta["fused"] = True
     return graph
 
 

@@ -160,6 +160,11 @@ class OverlapTable:
         spread, n = self.spread_ms.get(key), self.samples.get(key)
         return MEDIAN_SE * spread / math.sqrt(n) if spread and n else 0.0
 
+    @property
+    def fused(self) -> bool:
+        """Whether its ops ran as fused runs (``dhelix.fuse_ops``): ``meta["op_graph"]`` says so."""
+        return str(self.meta.get("op_graph", "")).endswith("+fused")
+
     def check_matches(
         self, expected_meta: dict, fwd_ops: Sequence[OpSpec] | None = None, bwd_ops: Sequence[OpSpec] | None = None
     ) -> None:

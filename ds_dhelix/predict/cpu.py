@@ -54,6 +54,8 @@ def check_table(table: OverlapTable, outline: ModelOutline, layout: RunLayout, l
     diffs = [f"{k}: table {have[k]!r}, prediction {expect[k]!r}" for k in expect if have[k] != expect[k]]
     if layout.dtype != "fp32":
         diffs.append(f"dtype: the CPU check runs fp32, got --dtype {layout.dtype}")
+    if table.fused:
+        diffs.append("ops: the table timed fused runs (dhelix.fuse_ops), predict prices the ops one by one")
     layers = {tuple(op.name for op in ops) for ops in outline.blocks[1:-1]}
     if layers != {tuple(op.name for op in table.fwd_ops)}:
         diffs.append(f"layer ops: table {[o.name for o in table.fwd_ops]}, model {sorted(layers)}")
@@ -69,7 +71,7 @@ def check_table(table: OverlapTable, outline: ModelOutline, layout: RunLayout, l
             "overlap table does not fit this prediction: "
             + "; ".join(diffs)
             + f". Profile it with dhelix profile --model ... --tp {d.tp} --ep {d.ep} --micro-batch-size "
-            f"{layout.micro_batch_size} --seq-len {layout.seq_len}"
+            f"{layout.micro_batch_size} --seq-len {layout.seq_len} --unfused"
         )
 
 

@@ -53,6 +53,13 @@ OP_GRAPH_REVISION = 2
 change, so tables cached before no longer apply."""
 
 
+def op_graph_key(fused: bool):
+    """A table's ``op_graph``: the revision, with ``+fused`` when its ops ran as fused runs
+    (``dhelix.fuse_ops``: other op names, other times; ``OverlapTable.fused``); tables of either
+    kind stay valid."""
+    return f"{OP_GRAPH_REVISION}+fused" if fused else OP_GRAPH_REVISION
+
+
 def run_meta(
     model_config,
     tp: int,
@@ -63,9 +70,10 @@ def run_meta(
     ep: int = 1,
     cp: int = 1,
     cp_comm: str = "ulysses",
+    fused: bool = True,
 ) -> dict:
     """What a table is keyed by: device, model shape, dtype, parallel layout, batch shape, link,
-    op-graph revision."""
+    op-graph revision (and whether its ops ran fused)."""
     c = model_config
     shape = {
         k: getattr(c, k, None)
@@ -90,7 +98,7 @@ def run_meta(
         + (",ring" if cp > 1 and cp_comm == "ring" else ""),
         "batch_shape": list(batch_shape),
         "link_gbps": link_gbps,
-        "op_graph": OP_GRAPH_REVISION,
+        "op_graph": op_graph_key(fused),
     }
 
 

@@ -176,6 +176,8 @@ class _Intercept(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _ROUTABLE:  # (every torch call inside comes here: the views, the norms)
+            return func(*args, **kwargs)
         routed = self._route(func, args, kwargs)
         if routed is None:
             return func(*args, **kwargs)
@@ -211,6 +213,9 @@ class _Intercept(TorchFunctionMode):
         if not any(t is not None and t.requires_grad for t in targets):
             return None
         return x, weight, bias, targets, rows_out
+
+
+_ROUTABLE = frozenset((_LINEAR, torch.addmm, torch.matmul))
 
 
 def _linear_args(input, weight, bias=None):
