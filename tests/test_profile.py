@@ -41,7 +41,13 @@ def test_profile_covers_every_candidate(table):
     assert table.fused and table.meta["op_graph"].endswith("+fused")
     assert "attn.qkv+attn.core+attn.out" in [op.name for op in table.fwd_ops]
     assert table.block_ops["pre"]["ops"] == ["embed", "embed.rs"]
-    assert table.block_ops["post"]["ops"] == ["head.norm", "head.ag", "head.logits+head.lse", "head.lse_a2a", "head.loss"]
+    assert table.block_ops["post"]["ops"] == [
+        "head.norm",
+        "head.ag",
+        "head.logits+head.lse",
+        "head.lse_a2a",
+        "head.loss",
+    ]
     assert all(ms > 0 for b in table.block_ops.values() for ms in b["fwd_ms"] + b["bwd_ms"])
     # and each collective's CPU time beside the main thread (None for compute ops)
     for direction, ops in (("fwd", table.fwd_ops), ("bwd", table.bwd_ops)):
