@@ -174,7 +174,10 @@ def _rank_moe(rank, world):
 
     from ds_dhelix.engine.build import build_engine
 
-    opts = ParityOptions(model="tiny-phimoe", tp=1, pp=2, seq_len=32, micro_batches=3, steps=1)
+    # unfused: the routers are watched as ops of their own (fused, each sits inside its layer's run)
+    opts = ParityOptions(
+        model="tiny-phimoe", tp=1, pp=2, seq_len=32, micro_batches=3, steps=1, extra={"fuse_ops": False}
+    )
     engine = build_engine(build(opts), opts.ds_config("w"))
     pieces, grads = {}, {}
 
