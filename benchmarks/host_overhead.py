@@ -18,8 +18,8 @@ micro-batches run:
 Reported per op of the adapter's op graph (its COMP ops; a micro-batch runs each once forward and
 once backward, fused or not): host µs forward, backward and both (SI interleaves the two: both
 only), autograd engine calls per op backward (``torch.autograd.backward`` / ``Tensor.backward``
-reaching the engine) and deferred weight-gradient passes. Medians over ``--repeats`` steps (min and
-max beside them).
+reaching the engine) and deferred weight-gradient passes. Medians over ``--repeats`` steps, the
+modes taking turns step by step (min and max beside them).
 
 The projection prices one decoder layer's host time at what this run measured: each op at HF's
 µs per op, plus each unit the executor runs (a fused run of COMP ops, or an op; each COMM op one
@@ -131,7 +131,41 @@ def _executor_step(executor, batches, schedule: str, split: dict) -> None:
         del executor.forward, executor.backward
 
 
+def _runner(ref, mode: str):
+    """(model, step(split)) of ``mode`` on a copy of ``ref``."""
+    model = copy.deepcopy(ref)
+    schedule = mode.split("-")[0]
+    if mode == "hf":
+        return model, None, lambda batches, split: _hf_step(model, batches, split)
+    graph = adapter_for(model.config).build_graph(model)
+    graph = graph if mode.endswith("-unfused") else fuse(graph)
+    executor = Executor(graph, None, defer_weight_grads=schedule == "si")
+    return model, executor, lambda batches, split: _executor_step(executor, batches, schedule, split)
+
+
+def _row(times: dict, counts: dict, executor, per_step: int, micro_batches: int, mode: str) -> dict:
+    def us(xs):
+        return {
+            "median": round(statistics.median(xs) / per_step * 1e6, 1),
+            "min": round(min(xs) / per_step * 1e6, 1),
+            "max": round(max(xs) / per_step * 1e6, 1),
+        }
+
+    row = {"us_per_op": us(times["total"])}
+    if executor is not None:
+        row["units_per_microbatch"] = sum(1 for block in executor.graph.blocks for op in block if not op.is_comm)
+    if not mode.startswith("si"):
+        row |= {"us_per_op_forward": us(times["fwd"]), "us_per_op_backward": us(times["bwd"])}
+    return row | {
+        "engine_calls": counts["engine"],
+        "engine_calls_per_op_backward": round(counts["engine"] / per_step, 3) if executor is not None else None,
+        "op_backwards": counts["op_backward"] if executor is not None else None,
+        "deferred_passes": counts["deferred"],
+    }
+
+
 def measure(model_name: str, hidden: int, layers: int, micro_batches: int, seq: int, repeats: int) -> dict:
+    """Every mode's host time per op; the modes take turns step by step (this VM's speed drifts)."""
     torch.manual_seed(0)
     ref, _ = build_model(
         model_name,
@@ -143,54 +177,24 @@ def measure(model_name: str, hidden: int, layers: int, micro_batches: int, seq: 
     graph = adapter_for(ref.config).build_graph(ref)
     comp_ops = sum(1 for block in graph.blocks for op in block if not op.is_comm)
     per_step = comp_ops * micro_batches
-    out = {"ops_per_microbatch": comp_ops, "micro_batches": micro_batches}
-    for mode in MODES:
-        model = copy.deepcopy(ref)
-        executor, schedule = None, mode.split("-")[0]
-        if mode != "hf":
-            graph = adapter_for(model.config).build_graph(model)
-            graph = graph if mode.endswith("-unfused") else fuse(graph)
-            executor = Executor(graph, None, defer_weight_grads=schedule == "si")
-        totals, fwds, bwds = [], [], []
-        for r in range(repeats + 2):  # two warm-ups
+    runners = {mode: _runner(ref, mode) for mode in MODES}
+    times = {mode: {"total": [], "fwd": [], "bwd": []} for mode in MODES}
+    for r in range(repeats + 2):  # two warm-ups
+        for mode, (model, _, step) in runners.items():
             _zero(model)
             split = {"fwd": 0.0, "bwd": 0.0}
             t0 = time.perf_counter()
-            if mode == "hf":
-                _hf_step(model, batches, split)
-            else:
-                _executor_step(executor, batches, schedule, split)
+            step(batches, split)
             if r >= 2:
-                totals.append(time.perf_counter() - t0)
-                fwds.append(split["fwd"])
-                bwds.append(split["bwd"])
+                times[mode]["total"].append(time.perf_counter() - t0)
+                times[mode]["fwd"].append(split["fwd"])
+                times[mode]["bwd"].append(split["bwd"])
+    out = {"ops_per_microbatch": comp_ops, "micro_batches": micro_batches}
+    for mode, (model, executor, step) in runners.items():
         _zero(model)
         with counting() as counts:
-            if mode == "hf":
-                _hf_step(model, batches, {"fwd": 0.0, "bwd": 0.0})
-            else:
-                _executor_step(executor, batches, schedule, {"fwd": 0.0, "bwd": 0.0})
-
-        def us(xs):
-            return {
-                "median": round(statistics.median(xs) / per_step * 1e6, 1),
-                "min": round(min(xs) / per_step * 1e6, 1),
-                "max": round(max(xs) / per_step * 1e6, 1),
-            }
-
-        row = {"us_per_op": us(totals)}
-        if executor is not None:
-            row["units_per_microbatch"] = sum(1 for block in executor.graph.blocks for op in block if not op.is_comm)
-        if schedule != "si":
-            row |= {"us_per_op_forward": us(fwds), "us_per_op_backward": us(bwds)}
-        backwards = counts["op_backward"] if mode != "hf" else micro_batches
-        row |= {
-            "engine_calls": counts["engine"],
-            "engine_calls_per_op_backward": round(counts["engine"] / per_step, 3) if mode != "hf" else None,
-            "op_backwards": backwards if mode != "hf" else None,
-            "deferred_passes": counts["deferred"],
-        }
-        out[mode] = row
+            step(batches, {"fwd": 0.0, "bwd": 0.0})
+        out[mode] = _row(times[mode], counts, executor, per_step, micro_batches, mode)
     for mode in MODES[1:]:
         out[f"{mode}_vs_hf"] = round(out[mode]["us_per_op"]["median"] / out["hf"]["us_per_op"]["median"], 3)
     return out
