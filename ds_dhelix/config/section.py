@@ -610,10 +610,11 @@ class DhelixConfig(_Section):
     not change; works with every schedule and MoE."""
     fuse_ops: bool = True
     """Run each block's COMP ops between two collectives as one op (one autograd graph, one engine
-    call in the backward, the executor's bookkeeping once): the host work per layer a GPU needs,
-    with SI's pairing unchanged (it happens at the collectives). Op names in traces, plans and
-    profiles are then the runs' (``attn.norm+attn.qkv``); false runs every op of the adapter on its
-    own (finer traces; losses agree to rounding: ``graph/fuse.py``)."""
+    call in the backward, the executor's bookkeeping once): the host work per layer a GPU needs.
+    SI still pairs the strands at the collectives, but the other strand can take over only between
+    runs (reactive SI on CPU then reacts less finely: docs, limitations). Op names in traces, plans
+    and profiles are the runs' (``attn.qkv+attn.core+attn.out``); false runs every op of the
+    adapter on its own (finer traces and reactions; losses agree to rounding: ``graph/fuse.py``)."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The loss the head computes: next-token cross-entropy, or a preference objective."""
     head_chunk: int = 0

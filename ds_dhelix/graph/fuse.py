@@ -8,16 +8,18 @@ nothing of the other strand can usefully run in between (the pairing of SI happe
 collectives), so they can be one op. ``fuse`` rewrites each block's runs of consecutive COMP ops as
 one COMP op:
 
-    [attn.norm] [attn.qkv] (attn.ag) [attn.core] [attn.out] (attn.rs) [mlp.norm] [mlp.up] ...
- -> [attn.norm+attn.qkv] (attn.ag) [attn.core+attn.out] (attn.rs) [mlp.norm+mlp.up+...] ...
+    [attn.norm] (attn.ag) [attn.qkv] [attn.core] [attn.out] (attn.rs) [mlp.norm] (mlp.ag) [mlp.up] ...
+ -> [attn.norm] (attn.ag) [attn.qkv+attn.core+attn.out] (attn.rs) [mlp.norm] (mlp.ag) [mlp.up+...] ...
 
 A fused op reads what its members read before writing it, and writes what later ops (of any
 block) read before writing it again, or what no op reads (the loss); names only its members share
 stay inside. Its forward runs the members in order on one autograd graph, its backward is one
 engine call; it is ``linear`` (may defer its linears' weight gradients) when a member is. The math
-is the members', op for op: only where a tensor feeds three or more members may autograd's sum of
-its gradients take another order than the executor's (an ulp), so fused and unfused runs agree to
-rounding, and SI and sequential over the same fused graph agree bitwise.
+is the members', op for op; what an op boundary changes is the memory layout in which the next
+op's backward receives its gradient (a leaf's accumulated ``.grad`` against autograd's own buffer),
+and a matmul over another layout may round otherwise: fused and unfused runs agree to rounding
+(fused tiny-llama gives HF's gradients bit for bit), and SI and sequential over the same fused
+graph agree bitwise.
 
 Kept apart: under ``recompute: "selective"`` the ``selective`` ops (each recomputes alone).
 """
@@ -96,6 +98,7 @@ def _reads_after(blocks: list[list[Op]]) -> list[list[set]]:
 
 
 def _fused(run: list[Op], live: set, read_anywhere: set) -> Op:
+    """One COMP op running ``run``'s ops in order; ``live``: the names read after it."""
     inputs, written = [], set()
     for op in run:
         inputs += [k for k in op.inputs if k not in written and k not in inputs]
