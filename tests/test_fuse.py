@@ -5,8 +5,8 @@ collectives run as one op.
     gives (written out by hand for tiny-llama at TP = 2); selective recompute keeps its ops apart;
     what crosses a pipeline boundary does not change
     fused tiny-llama (TP = 1) gives HF's gradients bit for bit; SI with deferred weight gradients is
-    sequential bit for bit on the fused graph (dense, MoE, MLA, gpt-oss's expert biases, GPT-2),
-    in one engine call per fused op; fused and unfused agree to rounding
+    sequential bit for bit on the fused graph, in one engine call per fused op, fused and unfused
+    agreeing to rounding: ``tests/test_wgrad.py`` (its SI test runs both graphs)
     through the engine (TP = 2, gloo): fused by default, ``"fuse_ops": false`` runs the adapter's
     ops, SI = sequential bitwise either way, fused ~ unfused
 """
@@ -21,16 +21,11 @@ import torch
 
 from ds_dhelix.engine.pipe_engine import live_keys
 from ds_dhelix.graph.fuse import fuse
-from ds_dhelix.runtime.executor import Executor
 from ds_dhelix.verify import ParityOptions, random_batches
 from hf_models.adapters import adapter_for
 from hf_models.registry import build_model
 from tests.conftest import run_ranks
-
-# fused vs unfused: the same kernels on the same values, but an op boundary hands the next op's
-# backward its gradient in the layout the leaf's accumulator gave it (a fused run: autograd's own),
-# and a matmul over another layout may round its sums otherwise: an ulp or so of values ~1e-2
-FUSED_VS_UNFUSED_ATOL = 1e-6
+from tests.test_wgrad import FUSED_VS_UNFUSED_ATOL, _step
 
 
 def _names(graph):
@@ -95,17 +90,6 @@ def test_pipeline_boundaries_carry_what_they_carried():
         assert live_keys(fused, block) == live_keys(plain, block)
 
 
-def _step(model, batches, schedule, fused):
-    from benchmarks.host_overhead import counting
-
-    graph = adapter_for(model.config).build_graph(model)
-    ex = Executor(fuse(graph) if fused else graph, None, defer_weight_grads=schedule == "si")
-    with counting() as calls:
-        mbs = ex.run_microbatches(list(batches), schedule, 1 / len(batches))
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return [mb.loss for mb in mbs], grads, calls, ex
-
-
 def test_fused_llama_gives_hfs_gradients_bitwise():
     ref, _ = build_model("tiny-llama", seed=0, num_layers=2)
     batches = random_batches(ref.config.vocab_size, 2, 1, 16)
@@ -115,30 +99,11 @@ def test_fused_llama_gives_hfs_gradients_bitwise():
         loss = hf(input_ids=b["input_ids"], labels=b["labels"]).loss / len(batches)
         loss.backward()
         hf_losses.append(loss.detach() * len(batches))
-    losses, grads, _, _ = _step(copy.deepcopy(ref), batches, "sequential", True)
+    losses, grads, _, _ = _step(copy.deepcopy(ref), batches, "sequential", False, fused=True)
+    grads = {n: g for n, g in grads.items() if g is not None}
     assert all(torch.equal(a, b) for a, b in zip(losses, hf_losses))
     assert set(grads) == {n for n, p in hf.named_parameters() if p.grad is not None}
     assert [n for n, p in hf.named_parameters() if p.grad is not None and not torch.equal(grads[n], p.grad)] == []
-
-
-@pytest.mark.parametrize(
-    "model_name", ["tiny-llama", "tiny-gpt2", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"]
-)
-def test_fused_si_with_deferred_weight_grads_is_sequential_bitwise(model_name):
-    ref, _ = build_model(model_name, seed=0, num_layers=2)
-    batches = random_batches(ref.config.vocab_size, 4, 1, 16)
-    seq_losses, seq_grads, _, _ = _step(copy.deepcopy(ref), batches, "sequential", True)
-    losses, grads, calls, ex = _step(copy.deepcopy(ref), batches, "si", True)
-    assert all(torch.equal(a, b) for a, b in zip(losses, seq_losses))
-    assert [k for k in seq_grads if not torch.equal(grads[k], seq_grads[k])] == []
-    assert ex.stats.num_deferred > 0
-    # one engine call per fused op's backward, a second pass nowhere (gpt-oss's expert biases are
-    # added in the run's one call); GPT-2's gelu_new recomputes under a nested pass, once per layer
-    units = sum(1 for block in ex.graph.blocks for op in block if not op.is_comm)
-    nested = 2 * len(batches) if model_name == "tiny-gpt2" else 0
-    assert calls["op_backward"] == units * len(batches) and calls["engine"] == calls["op_backward"] + nested, calls
-    _, plain, _, _ = _step(copy.deepcopy(ref), batches, "sequential", False)
-    assert max((plain[k] - seq_grads[k]).abs().max().item() for k in plain) <= FUSED_VS_UNFUSED_ATOL
 
 
 def _legs(rank, world, opts: ParityOptions, batches_of):
