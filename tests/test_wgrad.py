@@ -18,12 +18,14 @@ from ds_dhelix.verify import random_batches
 from hf_models.adapters import adapter_for
 from hf_models.registry import build_model
 
-SHAPES = [(37, 64), (2, 16, 64), (2, 3, 5, 64), "transposed"]
+SHAPES = [(37, 64), (2, 16, 64), (2, 3, 5, 64), "transposed", "unit-stride"]
 
 
 def _input(shape, dtype):
     if shape == "transposed":  # a non-contiguous input
         return torch.randn(16, 2, 64, dtype=dtype).transpose(0, 1)
+    if shape == "unit-stride":  # (16, 1, 64) whose size-1 dim has a long stride: a batch to matmul
+        return torch.randn(1, 16, 64, dtype=dtype).transpose(0, 1)  # unless the weight requires grad
     return torch.randn(*shape, dtype=dtype)
 
 
@@ -125,6 +127,39 @@ def test_frozen_weight_leaves_nothing_pending():
     with store.collecting() as pending:
         y.sum().backward()
     assert pending == [] and x.grad is not None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_in_place_op_on_the_output_keeps_the_weight_gradient(bias):
+    """An op modifying the linear's output in place (a view of the product: autograd rebases it)
+    still hands the product's gradient to the pending weight gradient."""
+    torch.manual_seed(0)
+    x, g = torch.randn(2, 16, 64), torch.randn(2, 16, 96)
+    w, b = torch.randn(96, 64), torch.randn(96) if bias else None
+
+    def run(store):
+        xx, ww = x.detach().requires_grad_(), torch.nn.Parameter(w.clone())
+        with intercept_linears(store) if store is not None else contextlib.nullcontext():
+            y = F.linear(xx, ww, b)
+        y.mul_(0.5)
+        with store.collecting() if store is not None else contextlib.nullcontext() as pending:
+            y.backward(g)
+        for grad in pending or ():
+            grad.run()
+        return xx.grad, ww.grad
+
+    plain, mine = run(None), run(WeightGradStore())
+    assert mine[1] is not None and all(torch.equal(a, c) for a, c in zip(plain, mine))
+
+
+def test_input_modified_in_place_after_the_linear_is_refused():
+    x = torch.randn(3, 4, requires_grad=True).clone()
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    with intercept_linears(WeightGradStore()):
+        y = F.linear(x, w)
+    x.mul_(2)  # autograd would refuse it too (the saved input changed)
+    with pytest.raises(RuntimeError, match="modified in place after the linear"):
+        y.sum().backward()
 
 
 def _step(model, batches, schedule, defer, fused=False):

@@ -1,17 +1,19 @@
 """Weight gradients left for later without a second autograd pass.
 
 Inside an op the executor may defer (marked ``linear`` by its adapter, in a schedule that defers),
-``intercept_linears`` routes every ``F.linear`` whose weight or bias is trained through
-``_Linear``: the same forward kernel, and a backward that computes the input gradient and adds the
-weight and bias gradients itself, or, while ``WeightGradStore.collecting``, leaves them to a
-``PendingGrad``. The op's backward is then one autograd engine call, and the deferred
-part is two plain matmuls run later by the executor (``PendingGrad.run``): no retained graph and
-no second engine pass (DualPipe's weight-gradient store works the same way).
+``intercept_linears`` runs every ``F.linear`` whose weight or bias is trained on the detached weight
+and bias (``_linear_deferring``: the same forward kernel; autograd then computes the input's
+gradient alone, as for a frozen weight) and hangs a ``PendingGrad`` on its output's autograd node
+as a prehook. Handed the output's gradient inside the op's one engine call, it adds the weight and
+bias gradients at once or, while ``WeightGradStore.collecting``, leaves them waiting: two plain
+matmuls the executor runs later (``PendingGrad.run``); no retained graph, no second engine pass, no
+autograd Function (DualPipe's weight-gradient store works the same way). Against plain autograd a
+routed linear costs a prehook, a few µs of host time (``benchmarks/host_overhead.py``).
 
 An expert's projection on its row of a fused expert weight (``F.linear(x, W[e])``, ``x @ W[e]``) is
-routed too, its gradient added into that row (``Slot``). The gradients are the matmuls autograd's
-own ``linear`` backward runs, on the same operands:
-``dX = g.mm(W)``, ``dW = g.t().mm(x)``, ``db = g.sum(0)`` with ``g`` and ``x`` flattened to 2-D,
+routed too, its gradient added into that row (``Slot``). The weight gradients are the matmuls
+autograd's own ``linear`` backward runs, on the same operands:
+``dW = g.t().mm(x)``, ``db = g.sum(0)`` with ``g`` and ``x`` flattened to 2-D,
 bitwise equal to plain autograd for 2-D to 4-D inputs, contiguous or not (``tests/test_wgrad.py``).
 A gradient is added to ``param.grad`` as autograd's accumulator adds it (the first one taken as is,
 later ones added in place). Added inside the op's engine call, the parameter's post-accumulate hooks
@@ -19,7 +21,8 @@ run after it, as the engine runs them; a deferred one is added outside any backw
 not run (DeepSpeed's ZeRO-1/2 hooks refuse to, and do nothing inside the engines' coalesced
 reduction, which reads ``param.grad`` after the last backward). A weight used twice inside one op would add its two gradients
 one after the other where autograd sums them first (an ulp apart); no op of ours does, and the
-SI-vs-sequential bitwise tests would see it.
+SI-vs-sequential bitwise tests would see it. An input modified in place after a routed linear read
+it is refused when the gradient comes (autograd's saved-tensor check, kept by hand).
 """
 
 from __future__ import annotations
@@ -36,14 +39,34 @@ _ENGINE = Variable._execution_engine
 
 
 class PendingGrad:
-    """One linear's weight (and bias) gradient waiting: ``run()`` computes and accumulates it.
-    ``x`` and ``g`` are the linear's input and output gradient as 2-D matrices; ``rows_out``: the
-    weight is stored (out, in) as ``nn.Linear``'s (else (in, out), as GPT-2's ``Conv1D``)."""
+    """One routed linear's weight (and bias) gradient: the prehook of the linear's output node
+    (``__call__``, given the output's gradient), then, waiting or not, ``run()`` computes and
+    accumulates it. ``x``: the linear's input (a 2-D matrix once the gradient came), ``g``: its
+    output's gradient as a 2-D matrix; ``weight`` / ``bias``: where their gradients go (None: not
+    trained); ``rows_out``: the weight is stored (out, in) as ``nn.Linear``'s (else (in, out), as
+    GPT-2's ``Conv1D``)."""
 
-    __slots__ = ("x", "g", "weight", "bias", "rows_out")
+    __slots__ = ("x", "g", "weight", "bias", "rows_out", "store", "version")
 
-    def __init__(self, x, g: torch.Tensor, weight, bias, rows_out: bool):
-        self.x, self.g, self.weight, self.bias, self.rows_out = x, g, weight, bias, rows_out
+    def __init__(self, x: torch.Tensor, weight, bias, rows_out: bool, store: WeightGradStore):
+        self.x, self.g, self.weight, self.bias, self.rows_out = x, None, weight, bias, rows_out
+        self.store, self.version = store, x._version
+
+    def __call__(self, grad_outputs):
+        """The output node's prehook, inside the op's engine call: keep (or, when the store does
+        not collect, run) the weight gradient; the input's is autograd's own."""
+        x, g = self.x, grad_outputs[0]
+        if x._version != self.version:
+            raise RuntimeError(
+                "dhelix: a deferred linear's input was modified in place after the linear used it "
+                f"(version {self.version} -> {x._version}); its weight gradient would be wrong. "
+                "Run this op without deferral (`dhelix.defer_weight_grads: false`)."
+            )
+        self.g = g.reshape(-1, g.shape[-1])
+        self.x = x.reshape(-1, x.shape[-1]) if self.weight is not None else None
+        store, self.store = self.store, None
+        if not store.take(self):
+            self.run(hooks=True)
 
     def run(self, hooks: bool = False) -> None:
         """Compute and add the gradients; ``hooks``: run the parameters' post-accumulate hooks
@@ -103,7 +126,7 @@ def _target(t: torch.Tensor | None):
 
 
 class WeightGradStore:
-    """Where ``_Linear``'s backward leaves its weight gradients while ``collecting``."""
+    """Where routed linears leave their weight gradients (``PendingGrad``) while ``collecting``."""
 
     def __init__(self):
         self._into: list | None = None
@@ -124,40 +147,51 @@ class WeightGradStore:
         return True
 
 
-class _Linear(torch.autograd.Function):
-    """A linear whose parameters are not inputs of the autograd graph: its backward adds their
-    gradients itself (``PendingGrad.run``), now or, while the store collects, later. (Were they
-    inputs, autograd would visit their accumulators, and run their hooks, even when given none.)
-    ``params``: the weight and bias as computed with; ``targets``: where their gradients go (the
-    parameters, or ``Slot`` rows of one). ``rows_out``: ``F.linear(x, weight, bias)``; else
-    ``Conv1D``'s ``addmm(bias, x, weight)`` / ``matmul(x, weight)``."""
+def _one_matrix(x: torch.Tensor) -> bool:
+    """Whether ``x``'s strides make it one matrix (each leading dim's stride its successor's stride
+    times size, size-1 dims included): then matmul multiplies it as one whether or not the weight
+    requires grad."""
+    st, sz = x.stride(), x.shape
+    return all(st[i] == st[i + 1] * sz[i + 1] for i in range(len(sz) - 2))
 
-    @staticmethod
-    def forward(ctx, x, store, params, targets, rows_out):
-        ctx.save_for_backward(x)
-        ctx.store, ctx.params, ctx.targets, ctx.rows_out = store, params, targets, rows_out
-        weight, bias = params
-        if rows_out:
-            return _LINEAR(x, weight, bias)
-        return torch.matmul(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        weight, _ = ctx.params
-        w_to, b_to = ctx.targets
-        g2 = g.reshape(-1, g.shape[-1])
-        dx = (g2.mm(weight) if ctx.rows_out else g2.mm(weight.t())).view(x.shape)
-        need_w, need_b = w_to.requires_grad, b_to is not None and b_to.requires_grad
-        x2 = x.reshape(-1, x.shape[-1]) if need_w else None
-        pending = PendingGrad(x2, g2, w_to if need_w else None, b_to if need_b else None, ctx.rows_out)
-        if not ctx.store.take(pending):
-            pending.run(hooks=True)
-        return dx, None, None, None, None
+def _linear_deferring(x, weight, bias, targets, rows_out: bool, store: WeightGradStore) -> torch.Tensor:
+    """The linear's forward on its detached weight and bias (the same kernel; autograd then
+    computes the input's gradient alone, as it does for a frozen weight), with a ``PendingGrad``
+    as its output node's prehook for the weight's. (Parameters left in the graph would have
+    autograd visit their accumulators, and run their hooks, even when given no gradient.)"""
+    w, b = weight.detach(), None if bias is None else bias.detach()
+    if (
+        x.dim() > 2
+        and weight.requires_grad
+        and not (rows_out and b is not None and x.is_contiguous())
+        and not _one_matrix(x)
+    ):
+        # autograd's matmul takes an input of 3+ dims as one matrix when the weight requires grad,
+        # else only when its strides make it one (a batch otherwise: another rounding): one matrix
+        # here too
+        y2 = x.reshape(-1, x.shape[-1]).mm(w.t() if rows_out else w)
+        node, y = y2.grad_fn, y2.view(*x.shape[:-1], y2.shape[-1])
+        y = y if b is None else y + b
+    else:
+        y = _LINEAR(x, w, b) if rows_out else torch.matmul(x, w) if b is None else torch.addmm(b, x, w)
+        node = (y if y._base is None else y._base).grad_fn
+    # the node making the product (a view's base: an in-place op on the view rebases it, the base's
+    # node still gets the gradient)
+    w_to, b_to = targets
+    pending = PendingGrad(
+        x,
+        w_to if w_to.requires_grad else None,
+        b_to if b_to is not None and b_to.requires_grad else None,
+        rows_out,
+        store,
+    )
+    node.register_prehook(pending)
+    return y
 
 
 class _Intercept(TorchFunctionMode):
-    """Routes the linears of an op's forward through ``_Linear``; ``params``: the parameters whose
+    """Routes the linears of an op's forward through ``_linear_deferring``; ``params``: the parameters whose
     gradients it routed since it was last entered (whole parameters, for a slot its parameter).
     One instance serves every op: ``begin()`` starts a fresh ``params`` (a fused op enters it once
     per linear member, ``graph.fuse.around_linear_members``)."""
@@ -186,7 +220,7 @@ class _Intercept(TorchFunctionMode):
             if t is not None and t.requires_grad:
                 p = t.param if isinstance(t, Slot) else t
                 self._params[id(p)] = p
-        return _Linear.apply(x, self.store, (weight, bias), targets, rows_out)
+        return _linear_deferring(x, weight, bias, targets, rows_out, self.store)
 
     @staticmethod
     def _route(func, args, kwargs):
@@ -230,6 +264,6 @@ def run_backward(tensors: list, grads: list) -> None:
 
 def intercept_linears(store: WeightGradStore):
     """A mode (re-enterable, one op at a time) inside which ``F.linear`` with a trained weight or
-    bias runs as ``_Linear`` (see the module docstring), whose backward hands its weight gradient
-    to ``store`` while it collects."""
+    bias runs on its detached parameters with a ``PendingGrad`` prehook (see the module docstring),
+    which hands its weight gradient to ``store`` while it collects."""
     return _Intercept(store)
