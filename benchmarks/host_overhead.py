@@ -14,6 +14,8 @@ micro-batches run:
                          engine would not defer)
     sequential-unfused,  the same on the adapter's op graph, every op on its own
     si-unfused           (``"fuse_ops": false``)
+    si-nodefer           SI on the fused graph without deferred weight gradients
+                         (``"defer_weight_grads": false``): si minus this is what deferring costs
 
 Reported per op of the adapter's op graph (its COMP ops; a micro-batch runs each once forward and
 once backward, fused or not): host µs forward, backward and both (SI interleaves the two: both
@@ -59,7 +61,8 @@ LAYOUTS = {  # name: (config, predict flags)
     "llama3-8b-tp8-H100": ("llama-3-8b.json", {"tp": 8, "ep": 1}),
     "qwen3-30b-a3b-ep8-H100": ("qwen3-30b-a3b.json", {"tp": 1, "ep": 8}),
 }
-MODES = ("hf", "sequential", "si", "sequential-unfused", "si-unfused")
+MODES = ("hf", "sequential", "si", "sequential-unfused", "si-unfused", "si-nodefer")
+PROJECTED = MODES[1:5]  # si-nodefer: what deferring costs (``deferral_us_per_op``), not a layout
 
 
 @contextmanager
@@ -139,7 +142,7 @@ def _runner(ref, mode: str):
         return model, None, lambda batches, split: _hf_step(model, batches, split)
     graph = adapter_for(model.config).build_graph(model)
     graph = graph if mode.endswith("-unfused") else fuse(graph)
-    executor = Executor(graph, None, defer_weight_grads=schedule == "si")
+    executor = Executor(graph, None, defer_weight_grads=schedule == "si" and mode != "si-nodefer")
     return model, executor, lambda batches, split: _executor_step(executor, batches, schedule, split)
 
 
@@ -264,6 +267,7 @@ def summary(r: dict) -> str:
         )
     for schedule, o in r["overheads_us"].items():
         lines.append(f"{schedule:<19} executor above HF: {o['per_unit']:.1f} us per unit, {o['per_op']:.1f} us per op")
+    lines.append(f"{'si':<19} deferred weight gradients: {r['deferral_us_per_op']} us per op (si - si-nodefer)")
     for mode, layouts in r["projection"].items():
         for name, p in layouts.items():
             lines.append(
@@ -299,8 +303,11 @@ def main(argv=None) -> int:
     }
     result["projection"] = {"hf": layer_projection(hf_us, None, False)} | {
         mode: layer_projection(hf_us, overheads_us(result, mode.split("-")[0]), not mode.endswith("-unfused"))
-        for mode in MODES[1:]
+        for mode in PROJECTED
     }
+    result["deferral_us_per_op"] = round(
+        result["si"]["us_per_op"]["median"] - result["si-nodefer"]["us_per_op"]["median"], 1
+    )
     text = json.dumps(result, indent=1)
     print(summary(result))
     if args.json:
