@@ -22,7 +22,7 @@ from ds_dhelix.runtime.comm import ContextAllToAll, ReplicatedGrads, SeqAllGathe
 from ds_dhelix.runtime.groups import ContextShards
 
 from . import vocab as vp
-from .lora import has_lora, shard_factors
+from .lora import has_lora, project, shard_factors
 from .ring import AttentionCore
 
 
@@ -263,7 +263,7 @@ def head_ops(
 
     return [
         comp("head.norm", ("h",), ("y",), lambda side, h: (norm(h),)),
-        comp("head.logits", ("y",), ("logits",), lambda side, y: (lm_head(y),), linear=True),
+        comp("head.logits", ("y",), ("logits",), lambda side, y: (project(lm_head, y),), linear=True),
         comp("head.loss", ("logits", *loss.keys), ("loss",), loss_fn),
     ]
 
@@ -605,7 +605,7 @@ def qkv_projections(attn_module):
 
     def fn(side, xf):
         s, b, _ = xf.shape
-        return tuple(proj(xf).view(s, b, -1, hd).permute(1, 2, 0, 3) for proj in projs)
+        return tuple(project(proj, xf).view(s, b, -1, hd).permute(1, 2, 0, 3) for proj in projs)
 
     return fn
 

@@ -302,7 +302,7 @@ def qkv_fn(family: DenseFamily, at, config, tp: int):
 
     def fn(side, xf):
         s, b, _ = xf.shape
-        return tuple(p.view(s, b, -1, hd).permute(1, 2, 0, 3) for p in at.qkv_proj(xf).split(sizes, dim=-1))
+        return tuple(p.view(s, b, -1, hd).permute(1, 2, 0, 3) for p in project(at.qkv_proj, xf).split(sizes, dim=-1))
 
     return fn
 
@@ -312,11 +312,11 @@ def mlp_fns(family: DenseFamily, mlp):
     if family.fused_gate_up:
 
         def up(side, x):
-            return tuple(mlp.gate_up_proj(x).chunk(2, dim=-1))
+            return tuple(project(mlp.gate_up_proj, x).chunk(2, dim=-1))
     else:
 
         def up(side, x):
-            return mlp.gate_proj(x), mlp.up_proj(x)
+            return project(mlp.gate_proj, x), project(mlp.up_proj, x)
 
     act = getattr(mlp, "act_fn", None) or mlp.activation_fn
 

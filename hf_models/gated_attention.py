@@ -30,8 +30,8 @@ def qkv_fn(at):
 
     def fn(side, xf):
         s, b, _ = xf.shape
-        q, gate = at.q_proj(xf).view(s, b, -1, 2 * hd).chunk(2, dim=-1)
-        k, v = (proj(xf).view(s, b, -1, hd) for proj in (at.k_proj, at.v_proj))
+        q, gate = project(at.q_proj, xf).view(s, b, -1, 2 * hd).chunk(2, dim=-1)
+        k, v = (project(proj, xf).view(s, b, -1, hd) for proj in (at.k_proj, at.v_proj))
         return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), gate.reshape(s, b, -1)
 
     return fn

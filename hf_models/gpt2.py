@@ -129,7 +129,7 @@ def layer_ops(index: int, block, config, tp: int, tp_group, draws, cp=None):
 
     def qkv(side, xf):
         s, b, _ = xf.shape
-        parts = at.c_attn(xf).split(at.c_attn.nf // 3, dim=2)
+        parts = project(at.c_attn, xf).split(at.c_attn.nf // 3, dim=2)
         return tuple(p.view(s, b, -1, hd).permute(1, 2, 0, 3) for p in parts)  # [b, n/t, s, d]
 
     return dense_layer_ops(
@@ -144,7 +144,7 @@ def layer_ops(index: int, block, config, tp: int, tp_group, draws, cp=None):
         residual=sequential_residual(
             block.ln_2, at.c_proj.bias, mlp.c_proj.bias, Dropout.make(draws, config.resid_pdrop, index, block)
         ),
-        mlp_up=lambda side, x: (mlp.c_fc(x),),
+        mlp_up=lambda side, x: (project(mlp.c_fc, x),),
         mlp_down=lambda side, a: (project(mlp.c_proj, lean_act(mlp.act, a), bias=False),),
     )
 

@@ -109,7 +109,7 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws, cp=None):
 
     def qkv(side, xf):
         s, b, _ = xf.shape
-        fused = at.query_key_value(xf).view(s, b, -1, 3 * hd).permute(1, 2, 0, 3)  # [b, n/t, s, 3d]
+        fused = project(at.query_key_value, xf).view(s, b, -1, 3 * hd).permute(1, 2, 0, 3)  # [b, n/t, s, 3d]
         return fused.chunk(3, dim=-1)
 
     return dense_layer_ops(
@@ -128,7 +128,7 @@ def layer_ops(index: int, layer, config, tp: int, tp_group, draws, cp=None):
         ),
         attn_out=lambda side, o: (project(at.dense, o, bias=False),),
         residual=residual(layer, Dropout.make(draws, config.hidden_dropout, index, layer)),
-        mlp_up=lambda side, x: (mlp.dense_h_to_4h(x),),
+        mlp_up=lambda side, x: (project(mlp.dense_h_to_4h, x),),
         mlp_down=lambda side, a: (project(mlp.dense_4h_to_h, lean_act(mlp.act, a), bias=False),),
     )
 

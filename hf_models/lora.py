@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_dhelix.runtime import wgrad
+
 from .expert_lora import check_wrapper, expert_factors, is_expert_factor, is_wrapper, peft_tensor, take_wrappers
 from .expert_lora import merged as expert_merged
 
@@ -78,7 +80,7 @@ def lora_term(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     drop = getattr(module, "lora_drop", None)
     if drop is not None and module.training:
         x = dropped(module, x, drop)
-    return F.linear(F.linear(x, module.lora_A), module.lora_B) * module.lora_scaling
+    return wgrad.linear(wgrad.linear(x, module.lora_A), module.lora_B) * module.lora_scaling
 
 
 @dataclass(frozen=True)
@@ -130,12 +132,22 @@ def dropped(module: nn.Module, x: torch.Tensor, drop: LoraDrop) -> torch.Tensor:
 
 
 def project(module: nn.Module, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-    """``module``'s projection of ``x`` (nn.Linear or Conv1D), its LoRA term added when it has one;
-    ``bias=False``: without the bias (a row-parallel bias is added once, after the reduce-scatter)."""
-    if bias:
+    """``module``'s projection of ``x`` (nn.Linear or Conv1D: their forward's own calls, through
+    ``wgrad``'s routing, so a deferring op needs no mode for them; another module: called), its
+    LoRA term added when it has one; ``bias=False``: without the bias (a row-parallel bias is added
+    once, after the reduce-scatter)."""
+    b = module.bias if bias else None
+    if is_conv1d(module):
+        if b is None:
+            base = wgrad.matmul(x, module.weight)
+        else:
+            base = wgrad.addmm(b, x.view(-1, x.size(-1)), module.weight).view(x.size()[:-1] + (module.nf,))
+    elif (type(module).__mro__[1] if has_lora(module) else type(module)) is nn.Linear:  # (not a subclass's own forward)
+        base = wgrad.linear(x, module.weight, b)
+    elif bias:
         base = type(module).__mro__[1].forward(module, x) if has_lora(module) else module(x)
     else:
-        base = torch.matmul(x, module.weight) if is_conv1d(module) else F.linear(x, module.weight)
+        base = F.linear(x, module.weight)
     return base + lora_term(module, x) if has_lora(module) else base
 
 

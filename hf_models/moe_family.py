@@ -569,12 +569,18 @@ def dense_mlp_ops(layer) -> list:
     mlp = layer.mlp
 
     return [
-        comp("mlp.up", ("x2",), ("gate", "up"), lambda side, x: (mlp.gate_proj(x), mlp.up_proj(x)), linear=True),
+        comp(
+            "mlp.up",
+            ("x2",),
+            ("gate", "up"),
+            lambda side, x: (project(mlp.gate_proj, x), project(mlp.up_proj, x)),
+            linear=True,
+        ),
         comp(
             "mlp.down",
             ("gate", "up"),
             ("mo",),
-            lambda side, g, u: (mlp.down_proj(lean_glu(mlp.act_fn, g, u)),),
+            lambda side, g, u: (project(mlp.down_proj, lean_glu(mlp.act_fn, g, u)),),
             linear=True,
             selective=True,
         ),

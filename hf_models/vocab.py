@@ -35,6 +35,8 @@ from ds_dhelix.graph.model_graph import comm, comp
 from ds_dhelix.graph.shards import select
 from ds_dhelix.runtime.comm import ContextAllToAll, SeqAllGather, SeqReduceScatter
 
+from .lora import project
+
 
 @dataclass(frozen=True)
 class VocabShard:
@@ -214,7 +216,7 @@ def head_ops(
         ops.append(comp("head.logits", (x,), ("st",), chunked))
     else:
         ops += [
-            comp("head.logits", (x,), ("logits",), lambda side, y: (lm_head(y),), linear=True),
+            comp("head.logits", (x,), ("logits",), lambda side, y: (project(lm_head, y),), linear=True),
             comp("head.lse", ("logits",), ("st",), stats),
         ]
     if tp > 1:

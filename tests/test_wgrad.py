@@ -195,6 +195,18 @@ def test_si_with_deferred_linears_is_sequential_bitwise_in_one_engine_call_per_o
         k for k in seq_grads if not torch.equal(grads[k], seq_grads[k])
     ]
     assert ex.stats.num_deferred > 0
+    # the projections come through wgrad.linear (hf_models' ``project``): no op of a dense family
+    # needs the TorchFunctionMode; the experts' rows of fused weights do (they are routed by it)
+    routing = ex._linears
+    kept_mode = {
+        m.name
+        for block in ex.graph.blocks
+        for op in block
+        for m in op.members or (op,)
+        if routing._explicit.get(id(m)) is False
+    }
+    experts_by_mode = model_name in ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3")  # x @ W[e]
+    assert kept_mode == ({"moe.experts.up", "moe.experts.down"} if experts_by_mode else set()), kept_mode
     if fused:
         # one engine call per fused op's backward, a second pass nowhere (gpt-oss's expert biases
         # are added in the run's one call); GPT-2's gelu_new recomputes under a nested pass per layer

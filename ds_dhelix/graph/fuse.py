@@ -37,9 +37,9 @@ _AROUND: contextvars.ContextVar = contextvars.ContextVar("dhelix_linear_members"
 
 @contextlib.contextmanager
 def around_linear_members(scope):
-    """Inside, a fused op runs each of its ``linear`` members inside ``scope`` (a re-enterable
-    context manager: the executor's linear routing where it defers weight gradients), the others
-    without it, as they would run unfused."""
+    """Inside, a fused op runs each of its ``linear`` members inside ``scope(member)`` (a context
+    manager: the executor's linear routing where it defers weight gradients), the others without
+    it, as they would run unfused."""
     token = _AROUND.set(scope)
     try:
         yield
@@ -112,7 +112,7 @@ def _fused(run: list[Op], live: set, read_anywhere: set) -> Op:
         env, scope = dict(zip(inputs, args)), _AROUND.get()
         for op in members:
             if scope is not None and op.linear:
-                with scope:
+                with scope(op):
                     outs = op.fn(side, *(env[k] for k in op.inputs))
             else:
                 outs = op.fn(side, *(env[k] for k in op.inputs))

@@ -264,7 +264,11 @@ class Executor(Collectives):
         hooks = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
         linears = self._linears.begin() if self._deferring and op.linear else None
         routing = (
-            contextlib.nullcontext() if linears is None else around_linear_members(linears) if op.members else linears
+            contextlib.nullcontext()
+            if linears is None
+            else around_linear_members(linears.around)
+            if op.members
+            else linears.around(op)
         )
         with torch.enable_grad(), hooks, routing, self._op_side(mb.side):
             outs = op.fn(mb.side, *leaves)

@@ -1,10 +1,13 @@
 """Weight gradients left for later without a second autograd pass.
 
 Inside an op the executor may defer (marked ``linear`` by its adapter, in a schedule that defers),
-``intercept_linears`` runs every ``F.linear`` whose weight or bias is trained on the detached weight
-and bias (``_linear_deferring``: the same forward kernel; autograd then computes the input's
-gradient alone, as for a frozen weight) and hangs a ``PendingGrad`` on its output's autograd node
-as a prehook. Handed the output's gradient inside the op's one engine call, it adds the weight and
+every linear whose weight or bias is trained runs on the detached weight and bias
+(``_linear_deferring``: the same forward kernel; autograd then computes the input's gradient alone,
+as for a frozen weight) with a ``PendingGrad`` hung on its output's autograd node as a prehook.
+The adapters' projections reach it explicitly (``linear`` / ``addmm`` / ``matmul``, called by
+``hf_models.lora.project``); any other linear of the op (an expert's ``x @ W[e]``) through the
+``TorchFunctionMode`` of ``intercept_linears``, which the executor keeps only around the ops that
+have one (``_Intercept.around``): a mode sends every torch call of the op through Python. Handed the output's gradient inside the op's one engine call, it adds the weight and
 bias gradients at once or, while ``WeightGradStore.collecting``, leaves them waiting: two plain
 matmuls the executor runs later (``PendingGrad.run``); no retained graph, no second engine pass, no
 autograd Function (DualPipe's weight-gradient store works the same way). Against plain autograd a
@@ -28,6 +31,7 @@ it is refused when the gradient comes (autograd's saved-tensor check, kept by ha
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -190,15 +194,70 @@ def _linear_deferring(x, weight, bias, targets, rows_out: bool, store: WeightGra
     return y
 
 
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("dhelix_linear_routing", default=None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, routed (``_linear_deferring``) inside a deferring op's linear routing: what
+    the adapters' projections call, so that an op whose linears all come here needs no
+    ``TorchFunctionMode`` (which would send every other torch call of the op through Python too)."""
+    router = _ACTIVE.get()
+    return _LINEAR(x, weight, bias) if router is None else router.route(_LINEAR, (x, weight, bias))
+
+
+def addmm(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.addmm(bias, x, weight)`` (GPT-2's ``Conv1D``), routed as ``linear`` is."""
+    router = _ACTIVE.get()
+    return torch.addmm(bias, x, weight) if router is None else router.route(torch.addmm, (bias, x, weight))
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(x, weight)`` (``Conv1D`` without its bias), routed as ``linear`` is."""
+    router = _ACTIVE.get()
+    return torch.matmul(x, weight) if router is None else router.route(torch.matmul, (x, weight))
+
+
+class _Routing:
+    """Entered: ``linear`` / ``addmm`` / ``matmul`` route through ``router``; ``mode``: the router
+    is entered as a ``TorchFunctionMode`` too (every linear of the op is routed, however called)."""
+
+    __slots__ = ("router", "mode", "token")
+
+    def __init__(self, router: _Intercept, mode: bool):
+        self.router, self.mode, self.token = router, mode, None
+
+    def __enter__(self):
+        self.token = _ACTIVE.set(self.router)
+        if self.mode:
+            self.router.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode:
+            self.router.__exit__(*exc)
+        _ACTIVE.reset(self.token)
+        return False
+
+
 class _Intercept(TorchFunctionMode):
     """Routes the linears of an op's forward through ``_linear_deferring``; ``params``: the parameters whose
     gradients it routed since it was last entered (whole parameters, for a slot its parameter).
     One instance serves every op: ``begin()`` starts a fresh ``params`` (a fused op enters it once
-    per linear member, ``graph.fuse.around_linear_members``)."""
+    per linear member, ``graph.fuse.around_linear_members``).
+
+    ``around(op)`` routes the linears of one op's forward: the adapters' projections come through
+    ``linear`` (explicit routing, no mode); the first time an op runs the mode watches too, and an
+    op in which the mode then routes nothing (every linear came explicitly) runs without it after
+    that. An op with a linear the mode routes keeps the mode: nothing is left unrouted that was
+    routed before. (An op whose only linears are data-dependent and did not run that first time,
+    e.g. experts that got no token, would compute those weight gradients inside its engine call:
+    the same gradients, not deferred.)"""
 
     def __init__(self, store: WeightGradStore):
         super().__init__()
         self.store, self._params = store, {}
+        self._explicit: dict[int, bool] = {}  # id(op) -> every linear of it came explicitly
+        self._by_mode = 0  # linears the mode routed
 
     def begin(self) -> _Intercept:
         self._params = {}
@@ -208,14 +267,39 @@ class _Intercept(TorchFunctionMode):
     def params(self) -> list:
         return list(self._params.values())
 
+    def around(self, op):
+        """The routing to enter around ``op``'s forward (see the class docstring)."""
+        explicit = self._explicit.get(id(op))
+        if explicit is None:
+            return self._watching(op)
+        return _Routing(self, not explicit)
+
+    @contextlib.contextmanager
+    def _watching(self, op):
+        before = self._by_mode
+        with _Routing(self, True):
+            yield
+        self._explicit[id(op)] = self._by_mode == before
+
+    def route(self, func, args: tuple):
+        """``func(*args)`` (positional), a linear routed when it is one to route."""
+        routed = self._route(func, args)
+        return func(*args) if routed is None else self._deferring(*routed)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func not in _ROUTABLE:  # (every torch call inside comes here: the views, the norms)
-            return func(*args, **kwargs)
-        routed = self._route(func, args, kwargs)
+            return func(*args, **(kwargs or {}))
+        if kwargs:
+            if func is not _LINEAR:
+                return func(*args, **kwargs)
+            args = _linear_args(*args, **kwargs)
+        routed = self._route(func, args)
         if routed is None:
-            return func(*args, **kwargs)
-        x, weight, bias, targets, rows_out = routed
+            return func(*args)
+        self._by_mode += 1
+        return self._deferring(*routed)
+
+    def _deferring(self, x, weight, bias, targets, rows_out):
         for t in targets:
             if t is not None and t.requires_grad:
                 p = t.param if isinstance(t, Slot) else t
@@ -223,19 +307,17 @@ class _Intercept(TorchFunctionMode):
         return _linear_deferring(x, weight, bias, targets, rows_out, self.store)
 
     @staticmethod
-    def _route(func, args, kwargs):
-        """(x, weight, bias, targets, rows_out) of a linear to route, or None."""
-        if kwargs and func is not _LINEAR:
-            return None
+    def _route(func, args: tuple):
+        """(x, weight, bias, targets, rows_out) of a linear to route (positional ``args``), or None."""
         if func is _LINEAR:
-            x, weight, bias = _linear_args(*args, **kwargs)
+            x, weight, bias = _linear_args(*args)
             rows_out = True
         elif func is torch.addmm and len(args) == 3:  # Conv1D: addmm(bias, x2d, weight)
             bias, x, weight = args
             rows_out = False
             if x.dim() != 2 or bias.dim() != 1:
                 return None
-        elif func is torch.matmul and len(args) == 2 and isinstance(args[1], torch.Tensor):
+        elif func in _MATMULS and len(args) == 2 and isinstance(args[1], torch.Tensor):
             (x, weight), bias, rows_out = args, None, False  # Conv1D without its bias; x @ W[e]
         else:
             return None
@@ -249,7 +331,8 @@ class _Intercept(TorchFunctionMode):
         return x, weight, bias, targets, rows_out
 
 
-_ROUTABLE = frozenset((_LINEAR, torch.addmm, torch.matmul))
+_MATMULS = (torch.matmul, torch.Tensor.matmul)  # ``x @ w`` comes to a mode as the method
+_ROUTABLE = frozenset((_LINEAR, torch.addmm, *_MATMULS))
 
 
 def _linear_args(input, weight, bias=None):
