@@ -135,20 +135,22 @@ def project(module: nn.Module, x: torch.Tensor, bias: bool = True) -> torch.Tens
     """``module``'s projection of ``x`` (nn.Linear or Conv1D: their forward's own calls, through
     ``wgrad``'s routing, so a deferring op needs no mode for them; another module: called), its
     LoRA term added when it has one; ``bias=False``: without the bias (a row-parallel bias is added
-    once, after the reduce-scatter)."""
+    once, after the reduce-scatter). (Called per projection per micro-batch: kept lean.)"""
+    lora = module._parameters.get("lora_A") is not None  # has_lora, without a failing getattr
+    cls = type(module).__mro__[1] if lora else type(module)  # a wrapped module's own class
     b = module.bias if bias else None
-    if is_conv1d(module):
+    if cls is nn.Linear:  # (not a subclass: it may have its own forward)
+        base = wgrad.linear(x, module.weight, b)
+    elif cls.__name__.endswith("Conv1D"):
         if b is None:
             base = wgrad.matmul(x, module.weight)
         else:
             base = wgrad.addmm(b, x.view(-1, x.size(-1)), module.weight).view(x.size()[:-1] + (module.nf,))
-    elif (type(module).__mro__[1] if has_lora(module) else type(module)) is nn.Linear:  # (not a subclass's own forward)
-        base = wgrad.linear(x, module.weight, b)
     elif bias:
-        base = type(module).__mro__[1].forward(module, x) if has_lora(module) else module(x)
+        base = cls.forward(module, x) if lora else module(x)
     else:
         base = F.linear(x, module.weight)
-    return base + lora_term(module, x) if has_lora(module) else base
+    return base + lora_term(module, x) if lora else base
 
 
 _CLASSES: dict[type, type] = {}
