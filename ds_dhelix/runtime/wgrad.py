@@ -151,11 +151,16 @@ class WeightGradStore:
         return True
 
 
-def _one_matrix(x: torch.Tensor) -> bool:
-    """Whether ``x``'s strides make it one matrix (each leading dim's stride its successor's stride
-    times size, size-1 dims included): then matmul multiplies it as one whether or not the weight
-    requires grad."""
+def _folds_anyway(x: torch.Tensor, flat_with_bias: bool) -> bool:
+    """Whether ``F.linear`` / ``matmul`` multiply ``x`` (3+ dims) as one matrix whether or not the
+    weight requires grad: ``F.linear`` with a bias on a contiguous input flattens it itself
+    (``flat_with_bias``), else matmul does when the strides make ``x`` one matrix (each leading
+    dim's stride its successor's stride times size, size-1 dims included)."""
+    if flat_with_bias and x.is_contiguous():
+        return True
     st, sz = x.stride(), x.shape
+    if len(sz) == 3:
+        return st[0] == st[1] * sz[1]
     return all(st[i] == st[i + 1] * sz[i + 1] for i in range(len(sz) - 2))
 
 
@@ -165,12 +170,7 @@ def _linear_deferring(x, weight, bias, targets, rows_out: bool, store: WeightGra
     as its output node's prehook for the weight's. (Parameters left in the graph would have
     autograd visit their accumulators, and run their hooks, even when given no gradient.)"""
     w, b = weight.detach(), None if bias is None else bias.detach()
-    if (
-        x.dim() > 2
-        and weight.requires_grad
-        and not (rows_out and b is not None and x.is_contiguous())
-        and not _one_matrix(x)
-    ):
+    if x.dim() > 2 and weight.requires_grad and not _folds_anyway(x, rows_out and b is not None):
         # autograd's matmul takes an input of 3+ dims as one matrix when the weight requires grad,
         # else only when its strides make it one (a batch otherwise: another rounding): one matrix
         # here too
