@@ -7,11 +7,13 @@ as for a frozen weight) with a ``PendingGrad`` hung on its output's autograd nod
 The adapters' projections reach it explicitly (``linear`` / ``addmm`` / ``matmul``, called by
 ``hf_models.lora.project``); any other linear of the op (an expert's ``x @ W[e]``) through the
 ``TorchFunctionMode`` of ``intercept_linears``, which the executor keeps only around the ops that
-have one (``_Intercept.around``): a mode sends every torch call of the op through Python. Handed the output's gradient inside the op's one engine call, it adds the weight and
-bias gradients at once or, while ``WeightGradStore.collecting``, leaves them waiting: two plain
-matmuls the executor runs later (``PendingGrad.run``); no retained graph, no second engine pass, no
+have one (``_Intercept.around``): a mode sends every torch call of the op through Python.
+
+Handed the output's gradient inside the op's one engine call, the prehook adds the weight and bias
+gradients at once or, while ``WeightGradStore.collecting``, leaves them waiting: two plain matmuls
+the executor runs later (``PendingGrad.run``); no retained graph, no second engine pass, no
 autograd Function (DualPipe's weight-gradient store works the same way). Against plain autograd a
-routed linear costs a prehook, a few µs of host time (``benchmarks/host_overhead.py``).
+routed linear costs a prehook and the store, a few µs of host time (``benchmarks/host_overhead.py``).
 
 An expert's projection on its row of a fused expert weight (``F.linear(x, W[e])``, ``x @ W[e]``) is
 routed too, its gradient added into that row (``Slot``). The weight gradients are the matmuls
