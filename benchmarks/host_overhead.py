@@ -146,7 +146,7 @@ def _runner(ref, mode: str):
     return model, executor, lambda batches, split: _executor_step(executor, batches, schedule, split)
 
 
-def _row(times: dict, counts: dict, executor, per_step: int, micro_batches: int, mode: str) -> dict:
+def _row(times: dict, counts: dict, executor, per_step: int, mode: str) -> dict:
     def us(xs):
         return {
             "median": round(statistics.median(xs) / per_step * 1e6, 1),
@@ -197,7 +197,7 @@ def measure(model_name: str, hidden: int, layers: int, micro_batches: int, seq: 
         _zero(model)
         with counting() as counts:
             step(batches, {"fwd": 0.0, "bwd": 0.0})
-        out[mode] = _row(times[mode], counts, executor, per_step, micro_batches, mode)
+        out[mode] = _row(times[mode], counts, executor, per_step, mode)
     for mode in MODES[1:]:
         out[f"{mode}_vs_hf"] = round(out[mode]["us_per_op"]["median"] / out["hf"]["us_per_op"]["median"], 3)
     return out

@@ -141,7 +141,7 @@ def project(module: nn.Module, x: torch.Tensor, bias: bool = True) -> torch.Tens
     b = module.bias if bias else None
     if cls is nn.Linear:  # (not a subclass: it may have its own forward)
         base = wgrad.linear(x, module.weight, b)
-    elif cls.__name__.endswith("Conv1D"):
+    elif is_conv1d(module):
         if b is None:
             base = wgrad.matmul(x, module.weight)
         else:
