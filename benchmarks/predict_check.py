@@ -20,11 +20,14 @@ MODES = ("sequential", "si")
 
 
 def predict_link(folder: str, options: dict, gbps) -> dict:
-    """``dhelix predict``'s result for the bench's model and layout at ``gbps`` (None: unshaped)."""
+    """``dhelix predict``'s result for the bench's model and layout at ``gbps`` (None: unshaped),
+    its ops fused or one by one as the table timed them."""
     from ds_dhelix.cli import build_parser
     from ds_dhelix.commands.predict import predict
+    from ds_dhelix.planning.planner import OverlapTable
 
     dp = options.get("data_parallel") or options["ep"]
+    table = os.path.join(folder, "table-unshaped.json")
     argv = [
         "predict",
         "--model",
@@ -48,11 +51,12 @@ def predict_link(folder: str, options: dict, gbps) -> dict:
         "--hardware",
         "cpu",
         "--table",
-        os.path.join(folder, "table-unshaped.json"),
+        table,
         "--link-gbps",
         "unshaped" if gbps is None else f"{gbps:g}",
         "--schedule",
         *MODES,
+        *(() if OverlapTable.load(table).fused else ("--unfused",)),
     ]
     return predict(build_parser().parse_args(argv))
 

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ds_dhelix.graph.fuse import fuse
 from ds_dhelix.predict.shapes import ModelOutline, OpLine
 from ds_dhelix.runtime.groups import ContextShards, ExpertGroups
 
@@ -48,9 +49,14 @@ def _windows(model) -> tuple[int | None, ...]:
     return tuple(layer_window(layer.self_attn, model.config) or None for layer in layers)
 
 
-def model_outline(config, dims) -> ModelOutline:
+def _line(op) -> OpLine:
+    return OpLine(op.name, op.is_comm, op.linear, tuple(_line(m) for m in op.members))
+
+
+def model_outline(config, dims, fused: bool = False) -> ModelOutline:
     """The op lists of ``config``'s graph on one rank of ``dims`` (a ``ParallelDims``; its checks
-    run first: ValueError before anything is built)."""
+    run first: ValueError before anything is built); ``fused``: the COMP ops between two
+    collectives as one op each, as the engine runs them (``dhelix.fuse_ops``, ``graph.fuse``)."""
     adapter = check_model(dims, config)
     options = {}
     if hasattr(adapter, "check_ep"):
@@ -59,5 +65,7 @@ def model_outline(config, dims) -> ModelOutline:
         options["cp"] = ContextShards(size=dims.cp, rank=0, groups=None, comm=dims.cp_comm)
     model = meta_model(config)
     graph = adapter.build_graph(model, dims.tp, 0, None, None, seed=0, **options)
-    blocks = tuple(tuple(OpLine(op.name, op.is_comm, op.linear) for op in block) for block in graph.blocks)
+    if fused:
+        fuse(graph)
+    blocks = tuple(tuple(_line(op) for op in block) for block in graph.blocks)
     return ModelOutline(blocks, _windows(model))

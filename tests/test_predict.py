@@ -387,10 +387,10 @@ def test_cpu_projection_against_a_small_bench(tmp_path):
         "warmup": 1,
         "repeats": 2,
         "link_gbps": None,
-        "unfused": True,  # predict prices the adapter's ops one by one
+        "unfused": False,  # fused runs, as the bench's engine runs them and predict prices them
     }
     table, _ = profile_world(opts, timeout=300)
-    assert not table.fused
+    assert table.fused
     table.save(str(tmp_path / "table-unshaped.json"))
     bench = BenchOptions(
         model="tiny-llama",
@@ -472,9 +472,60 @@ def test_cpu_times_come_from_the_table():
     assert 0 < slow.slowdown < unshaped.slowdown == pytest.approx(0.3 / 0.7)
     with pytest.raises(ValueError, match="batch_shape"):
         table_times(table, outline, shape, RunLayout(dims, 128, 4, 16, "fp32"), None)
+    with pytest.raises(ValueError, match=r"the ops one by one \(--unfused\), predict prices fused runs"):
+        table_times(table, model_outline(config, dims, fused=True), shape, layout, None)
     table.meta["link_gbps"] = 2.0
     with pytest.raises(ValueError, match="profile unshaped"):
         table_times(table, outline, shape, layout, 1.0)
+
+
+def _runs_of(ops):
+    """``ops`` (``OpTime``) cut as the engine fuses them: each collective alone, the COMP ops between two together."""
+    runs = []
+    for o in ops:
+        if o.comm or not runs or runs[-1][-1].comm:
+            runs.append([o])
+        else:
+            runs[-1].append(o)
+    return runs
+
+
+def test_fused_runs_priced_as_the_engine_runs_them(capsys):
+    """By default predict prices the engine's fused runs (``fuse_ops``): each run of COMP ops
+    between two collectives is one op whose forward, backward and deferrable weight gradient are
+    its members' (a member that is not linear keeps its weight gradient in the backward), the
+    names the engine gives it; what a step adds once is read from the members (the router, the
+    gathers) and does not change; ``--unfused`` prices the ops one by one."""
+    from ds_dhelix.predict.costs import roofline_times
+    from hf_models.outline import config_of, model_outline
+
+    config, dims = config_of("tiny-qwen3-moe"), ParallelDims(4, tp=2, ep=2)
+    layout, hw = RunLayout(dims, seq_len=128, micro_batch_size=1, micro_batches=4), load_hardware("H100")
+    one, fused = (
+        roofline_times(model_outline(config, dims, fused=f), model_shape(config), layout, hw) for f in (False, True)
+    )
+    assert fused.tail == pytest.approx(one.tail) and fused.compute_ms() == pytest.approx(one.compute_ms())
+    mixed = 0
+    for ops, got in zip(one.blocks, fused.blocks):
+        runs = _runs_of(ops)
+        assert [o.name for o in got] == ["+".join(o.name for o in run) for run in runs]
+        for run, o in zip(runs, got):
+            assert o.fwd_ms == pytest.approx(sum(m.fwd_ms for m in run))
+            assert o.wgrad_ms == pytest.approx(sum(m.wgrad_ms for m in run))  # non-linear members: 0 there
+            assert o.bwd_ms == pytest.approx(sum(m.bwd_ms for m in run))
+            assert o.linear == any(m.linear for m in run)
+            mixed += o.linear and not all(m.linear for m in run)
+    assert mixed and len(fused.blocks[1]) < len(one.blocks[1])  # e.g. attn.qkv + attn.core + attn.out
+
+    argv = ["--model", "tiny-qwen3-moe", "--tp", "2", "--ep", "2", "--seq-len", "128", "--hardware", "H100", "--json"]
+    runs = {}
+    for flags in ((), ("--unfused",)):
+        code, out, _ = _predict(capsys, *argv, *flags)
+        assert code == 0, out
+        runs[flags] = json.loads(out)
+    assert runs[()]["layout"]["fuse_ops"] and not runs[("--unfused",)]["layout"]["fuse_ops"]
+    seq = [r["modes"]["sequential"]["step_time_s"] for r in runs.values()]
+    assert seq[0] == pytest.approx(seq[1])  # one strand: the same work in the same order
 
 
 def test_dp_reduction_during_the_last_backward_against_after_it(capsys):

@@ -98,6 +98,12 @@ def _add_training_flags(p) -> None:
         help="the data-parallel gradient reduction after the last backward, as with "
         '"overlap_grad_reduction": false (default: during it, as the engine runs it on one stage)',
     )
+    p.add_argument(
+        "--unfused",
+        action="store_true",
+        help='price every op on its own, as with "fuse_ops": false (default: the COMP ops between two '
+        "collectives as one op, as the engine runs them); with --hardware cpu the table must be timed the same way",
+    )
 
 
 def check_args(args) -> None:
@@ -193,7 +199,7 @@ def predict(args) -> dict:
     check_args(args)
     config = config_of(args.model)
     layout = layout_of(args, config)
-    outline, shape = model_outline(config, layout.dims), model_shape(config)
+    outline, shape = model_outline(config, layout.dims, fused=not args.unfused), model_shape(config)
     times_of, hardware, plans = times_source(args, outline, shape, layout)
     modes, skipped = choose_modes(args.schedule, layout, half_times=args.hardware != "cpu")
     result = project(shape, layout, times_of, modes, plans)
@@ -213,6 +219,7 @@ def predict(args) -> dict:
             "dtype": layout.dtype,
             "zero_stage": args.zero_stage,
             "overlap_grad_reduction": layout.overlap_grad_reduction,
+            "fuse_ops": not args.unfused,
             "tokens_per_step": layout.tokens_per_step,
         },
         "hardware": hardware,
@@ -256,7 +263,7 @@ def print_text(r: dict) -> None:
     print(
         f"{r['model']['name']}: world {lay['world']} = tp {lay['tp']} x cp {lay['cp']} x pp {lay['pp']} x dp "
         f"{lay['dp']} (ep {lay['ep']}), {lay['micro_batches']} x {lay['micro_batch_size']} x {lay['seq_len']} "
-        f"tokens per data-parallel group, {lay['dtype']}; {where}"
+        f"tokens per data-parallel group, {lay['dtype']}{'' if lay['fuse_ops'] else ', unfused'}; {where}"
     )
     print(f"{'mode':<14}{'step ms':>11}{'exposed comm ms':>17}{'tokens/s':>14}{'vs sequential':>15}")
     for mode, m in r["modes"].items():

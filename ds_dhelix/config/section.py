@@ -612,9 +612,11 @@ class DhelixConfig(_Section):
     """Run each block's COMP ops between two collectives as one op (one autograd graph, one engine
     call in the backward, the executor's bookkeeping once): the host work per layer a GPU needs.
     SI still pairs the strands at the collectives, but the other strand can take over only between
-    runs (reactive SI on CPU then reacts less finely: docs, limitations). Op names in traces, plans
-    and profiles are the runs' (``attn.qkv+attn.core+attn.out``); false runs every op of the
-    adapter on its own (finer traces and reactions; losses agree to rounding: ``graph/fuse.py``)."""
+    runs (reactive SI on CPU then reacts less finely), and plan-mode SI's planner pairs whole runs
+    (on a dense TP layer it then finds little beyond the default plan: ``dhelix predict --unfused``
+    shows what it gives up; docs, limitations). Op names in traces, plans and profiles are the
+    runs' (``attn.qkv+attn.core+attn.out``); false runs every op of the adapter on its own (finer
+    traces, reactions and plans; losses agree to rounding: ``graph/fuse.py``)."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """The loss the head computes: next-token cross-entropy, or a preference objective."""
     head_chunk: int = 0

@@ -4,8 +4,9 @@ The executor's unit is an op: each COMP op's forward is recorded from detached i
 backward is one autograd engine call, plus the executor's bookkeeping around it. On a GPU that host
 work is paid per op whatever the op's size, so a decoder layer cut into a dozen small ops can leave
 the GPU waiting on Python. Between two collectives, though, a strand's ops only follow one another:
-nothing of the other strand can usefully run in between (the pairing of SI happens at the
-collectives), so they can be one op. ``fuse`` rewrites each block's runs of consecutive COMP ops as
+reactive SI pairs the strands at the collectives, so they can be one op (a plan's rounds then
+pair whole runs: the planner gives up cutting a run between two collectives of the other strand,
+e.g. a dense layer's MLP projections; ``"fuse_ops": false`` keeps that choice). ``fuse`` rewrites each block's runs of consecutive COMP ops as
 one COMP op:
 
     [attn.norm] (attn.ag) [attn.qkv] [attn.core] [attn.out] (attn.rs) [mlp.norm] (mlp.ag) [mlp.up] ...

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from ..schedule.folding import fold_layers
 from .hardware import Hardware
 from .links import collective_ms, placement
-from .roofline import BlockContext, Kernel, OpWork, op_work
-from .shapes import ModelOutline, ModelShape, RunLayout
+from .roofline import BlockContext, Kernel, OpWork, line_work
+from .shapes import ModelOutline, ModelShape, RunLayout, op_names
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _sum(hw: Hardware, kernels, dtype: str) -> float:
 
 
 def block_context(shape: ModelShape, layout: RunLayout, outline: ModelOutline, b: int) -> BlockContext:
-    names = {op.name for op in outline.blocks[b]}
+    names = op_names(outline.blocks[b])
     layer = 0 < b < len(outline.blocks) - 1
     tp1 = layout.dims.tp == 1
     return BlockContext(
@@ -98,7 +98,7 @@ def roofline_times(outline: ModelOutline, shape: ModelShape, layout: RunLayout, 
     blocks = []
     for b, ops in enumerate(outline.blocks):
         ctx = block_context(shape, layout, outline, b)
-        blocks.append(tuple(_op_time(hw, op, op_work(op.name, ctx), places, layout.dtype) for op in ops))
+        blocks.append(tuple(_op_time(hw, op, line_work(op, ctx), places, layout.dtype) for op in ops))
     tail = step_tail(hw, shape, outline, layout, places)
     if layout.zero_stage == 3:  # each block's gathers and reduce-scatters are ops of the block
         blocks = zero3_blocks(hw, blocks, shape, outline, layout, places)
@@ -142,7 +142,7 @@ class RankParams:
 
 
 def _layer_params(shape: ModelShape, ops, tp: int) -> tuple[float, float, float]:
-    h, names = shape.hidden, {op.name for op in ops}
+    h, names = shape.hidden, op_names(ops)
     if shape.mla:
         q_rep = h * shape.q_lora_rank if shape.q_lora_rank else 0.0
         q_cut = (shape.q_lora_rank or h) * shape.heads * shape.qk_dim

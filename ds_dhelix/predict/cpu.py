@@ -25,7 +25,7 @@ import statistics
 from ..planning.planner import OverlapTable
 from .costs import OpTime, StepTimes, block_context, overlap_dp_grads, rank_params
 from .hardware import presets
-from .roofline import OpWork, op_work
+from .roofline import OpWork, line_work
 from .shapes import ModelOutline, ModelShape, RunLayout
 
 CPU_STREAM_GBS = 5.0
@@ -54,8 +54,16 @@ def check_table(table: OverlapTable, outline: ModelOutline, layout: RunLayout, l
     diffs = [f"{k}: table {have[k]!r}, prediction {expect[k]!r}" for k in expect if have[k] != expect[k]]
     if layout.dtype != "fp32":
         diffs.append(f"dtype: the CPU check runs fp32, got --dtype {layout.dtype}")
-    if table.fused:
-        diffs.append("ops: the table timed fused runs (dhelix.fuse_ops), predict prices the ops one by one")
+    fused = any(op.members for ops in outline.blocks for op in ops)
+    if table.fused != fused:
+        diffs.append(
+            "ops: the table timed "
+            + (
+                "fused runs (dhelix.fuse_ops), predict was asked for the ops one by one (--unfused)"
+                if table.fused
+                else "the ops one by one (--unfused), predict prices fused runs (add --unfused)"
+            )
+        )
     layers = {tuple(op.name for op in ops) for ops in outline.blocks[1:-1]}
     if layers != {tuple(op.name for op in table.fwd_ops)}:
         diffs.append(f"layer ops: table {[o.name for o in table.fwd_ops]}, model {sorted(layers)}")
@@ -71,7 +79,7 @@ def check_table(table: OverlapTable, outline: ModelOutline, layout: RunLayout, l
             "overlap table does not fit this prediction: "
             + "; ".join(diffs)
             + f". Profile it with dhelix profile --model ... --tp {d.tp} --ep {d.ep} --micro-batch-size "
-            f"{layout.micro_batch_size} --seq-len {layout.seq_len} --unfused"
+            f"{layout.micro_batch_size} --seq-len {layout.seq_len}" + (" --unfused" if not fused else "")
         )
 
 
@@ -154,7 +162,7 @@ def table_times(
     ``table`` (see the module docstring)."""
     check_table(table, outline, layout, link_gbps)
     main = 1
-    works = [op_work(op.name, block_context(shape, layout, outline, main)) for op in outline.blocks[main]]
+    works = [line_work(op, block_context(shape, layout, outline, main)) for op in outline.blocks[main]]
     link = _Link(link_gbps, _unshaped_bps(table, works, layout), layout.dims.world)
     blocks, shaped, count = [], 0.0, 0
     for b, ops in enumerate(outline.blocks):
@@ -162,7 +170,7 @@ def table_times(
         fwd, bwd = _block_ms(table, outline, b)
         row = []
         for op, f_ms, b_ms in zip(ops, fwd, bwd):
-            work = op_work(op.name, ctx)
+            work = line_work(op, ctx)
             if work.comm is not None:
                 c, n = work.comm, _group_size(layout, work.comm.group)
                 f2, b2 = link.op_ms(f_ms, c.fwd, n, c.nbytes), link.op_ms(b_ms, c.bwd, n, c.nbytes)

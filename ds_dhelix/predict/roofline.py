@@ -322,6 +322,21 @@ OPS = {
 """Op name -> its work. An op of the outline with no entry here is refused (``op_work``)."""
 
 
+def line_work(line, ctx: BlockContext) -> OpWork:
+    """The work of op line ``line`` (a ``shapes.OpLine``) at ``ctx``; a fused run's is its members'
+    kernels in order, a member that is not ``linear`` having its weight gradient in the backward
+    (only a linear member's is deferrable)."""
+    if not line.members:
+        return op_work(line.name, ctx)
+    fwd, bwd, wgrad = [], [], []
+    for m in line.members:
+        w = op_work(m.name, ctx)
+        fwd += w.fwd
+        bwd += w.bwd if m.linear else (*w.bwd, *w.wgrad)
+        wgrad += w.wgrad if m.linear else ()
+    return OpWork(tuple(fwd), tuple(bwd), tuple(wgrad))
+
+
 def op_work(name: str, ctx: BlockContext) -> OpWork:
     """The work of op ``name`` in a block priced at ``ctx``; ValueError for an op the model lacks."""
     if name not in OPS:

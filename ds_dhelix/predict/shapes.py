@@ -20,11 +20,18 @@ NON_GATED = ("gpt2", "gpt_neox")
 @dataclass(frozen=True)
 class OpLine:
     """One op of a block as the predictor sees it: name, COMM or not, linear on the way to its
-    weights (its weight gradient may be deferred)."""
+    weights (its weight gradient may be deferred); ``members``: a fused run's ops (``fuse_ops``:
+    the COMP ops between two collectives run as one op), () for an op of its own."""
 
     name: str
     comm: bool
     linear: bool = False
+    members: tuple[OpLine, ...] = ()
+
+
+def op_names(ops) -> set[str]:
+    """The names of ``ops`` (``OpLine``), a fused run's members' in its place."""
+    return {name for op in ops for name in (op_names(op.members) if op.members else (op.name,))}
 
 
 @dataclass(frozen=True)
