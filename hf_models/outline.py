@@ -68,4 +68,4 @@ def model_outline(config, dims, fused: bool = False) -> ModelOutline:
     if fused:
         fuse(graph)
     blocks = tuple(tuple(_line(op) for op in block) for block in graph.blocks)
-    return ModelOutline(blocks, _windows(model))
+    return ModelOutline(blocks, _windows(model), fused)

@@ -6,8 +6,8 @@ work is paid per op whatever the op's size, so a decoder layer cut into a dozen 
 the GPU waiting on Python. Between two collectives, though, a strand's ops only follow one another:
 reactive SI pairs the strands at the collectives, so they can be one op (a plan's rounds then
 pair whole runs: the planner gives up cutting a run between two collectives of the other strand,
-e.g. a dense layer's MLP projections; ``"fuse_ops": false`` keeps that choice). ``fuse`` rewrites each block's runs of consecutive COMP ops as
-one COMP op:
+e.g. a dense layer's MLP projections; ``"fuse_ops": false`` keeps that choice). ``fuse`` rewrites
+each block's runs of consecutive COMP ops as one COMP op:
 
     [attn.norm] (attn.ag) [attn.qkv] [attn.core] [attn.out] (attn.rs) [mlp.norm] (mlp.ag) [mlp.up] ...
  -> [attn.norm] (attn.ag) [attn.qkv+attn.core+attn.out] (attn.rs) [mlp.norm] (mlp.ag) [mlp.up+...] ...

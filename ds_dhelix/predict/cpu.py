@@ -54,7 +54,7 @@ def check_table(table: OverlapTable, outline: ModelOutline, layout: RunLayout, l
     diffs = [f"{k}: table {have[k]!r}, prediction {expect[k]!r}" for k in expect if have[k] != expect[k]]
     if layout.dtype != "fp32":
         diffs.append(f"dtype: the CPU check runs fp32, got --dtype {layout.dtype}")
-    fused = any(op.members for ops in outline.blocks for op in ops)
+    fused = outline.fused
     if table.fused != fused:
         diffs.append(
             "ops: the table timed "

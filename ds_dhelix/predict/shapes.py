@@ -37,10 +37,12 @@ def op_names(ops) -> set[str]:
 @dataclass(frozen=True)
 class ModelOutline:
     """The blocks ``[pre, layer 0 .. layer L-1, post]`` of the op graph the engine would build for
-    this layout, and each layer's sliding window (None: full attention)."""
+    this layout, each layer's sliding window (None: full attention), and whether its COMP ops
+    between two collectives are fused runs (``fuse_ops``)."""
 
     blocks: tuple[tuple[OpLine, ...], ...]
     windows: tuple[int | None, ...]
+    fused: bool = False
 
     def __post_init__(self):
         if len(self.windows) != len(self.blocks) - 2:
