@@ -25,8 +25,8 @@ def register(sub) -> None:
     p.add_argument(
         "--unfused",
         action="store_true",
-        help="time the adapter's ops one by one (fuse_ops false), as dhelix predict --hardware cpu reads them; "
-        "by default the layer's ops run as the engine runs them, fused between collectives",
+        help="time the adapter's ops one by one (fuse_ops false; dhelix predict --hardware cpu then takes "
+        "--unfused too); by default the layer's ops run as the engine runs them, fused between collectives",
     )
     p.add_argument("--out", required=True, help="where to write the table (JSON)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the world is killed")
