@@ -629,8 +629,9 @@ def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, e
     log = (lambda msg: logger.info(msg)) if groups.rank == 0 else (lambda msg: None)
     example_batch = _on_run_device(model, example_batch, ds_config, log)
     plan, table = resolve_plan(dh.planner, graph, meta, example_batch, list(model.parameters()), log)
+    fused = " over fused runs (fuse_ops: false lets the planner cut a run)" if dh.fuse_ops else ""
     log(
-        f"ds_dhelix: SI plan '{plan.source}' (predicted {predict_ms(table, plan):.2f} ms per layer pair; "
+        f"ds_dhelix: SI plan '{plan.source}'{fused} (predicted {predict_ms(table, plan):.2f} ms per layer pair; "
         f"default plan {predict_ms(table, fallback):.2f} ms)\n{plan.render_text()}"
     )
     return plan
