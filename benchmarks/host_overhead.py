@@ -221,9 +221,11 @@ def layer_projection(hf_us_per_op: float, overheads: tuple[float, float] | None,
     ``overheads`` per unit and per op; None: HF alone) against predict's H100 time of that layer."""
     unit_us, op_us = overheads or (0.0, 0.0)
     from ds_dhelix.config.dims import ParallelDims
+    from ds_dhelix.graph.ops import comm_runs
     from ds_dhelix.predict.costs import roofline_times
     from ds_dhelix.predict.hardware import load_hardware
     from ds_dhelix.predict.shapes import RunLayout, model_shape
+    from ds_dhelix.predict.step import specs_of
     from hf_models.outline import config_of, model_outline
 
     hw = load_hardware("H100")
@@ -236,9 +238,7 @@ def layer_projection(hf_us_per_op: float, overheads: tuple[float, float] | None,
         times = roofline_times(outline, model_shape(config), layout, hw)
         layer = times.blocks[1]
         gpu_ms = sum(o.fwd_ms + o.bwd_ms + o.wgrad_ms for o in layer if not o.comm)
-        # fused: each COMM op, and each stretch of COMP ops between two, is one unit
-        runs = sum(1 for i, o in enumerate(layer) if o.comm or i == 0 or layer[i - 1].comm)
-        units = runs if fused else len(layer)
+        units = len(comm_runs(specs_of(times, 1))) if fused else len(layer)  # fused: runs between collectives
         # every op (a COMM op too: its launch and wait) at HF's cost, and the executor's per unit
         host_ms = (len(layer) * (hf_us_per_op + op_us) + units * unit_us) / 1e3  # forward + backward
         out[name] = {

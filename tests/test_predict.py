@@ -479,35 +479,34 @@ def test_cpu_times_come_from_the_table():
         table_times(table, outline, shape, layout, 1.0)
 
 
-def _runs_of(ops):
-    """``ops`` (``OpTime``) cut as the engine fuses them: each collective alone, the COMP ops between two together."""
-    runs = []
-    for o in ops:
-        if o.comm or not runs or runs[-1][-1].comm:
-            runs.append([o])
-        else:
-            runs[-1].append(o)
-    return runs
-
-
 def test_fused_runs_priced_as_the_engine_runs_them(capsys):
     """By default predict prices the engine's fused runs (``fuse_ops``): each run of COMP ops
     between two collectives is one op whose forward, backward and deferrable weight gradient are
     its members' (a member that is not linear keeps its weight gradient in the backward), the
     names the engine gives it; what a step adds once is read from the members (the router, the
     gathers) and does not change; ``--unfused`` prices the ops one by one."""
-    from ds_dhelix.predict.costs import roofline_times
+    from ds_dhelix.graph.ops import comm_runs
+    from ds_dhelix.predict.costs import block_context, kernel_ms, roofline_times
+    from ds_dhelix.predict.roofline import op_work
     from hf_models.outline import config_of, model_outline
 
     config, dims = config_of("tiny-qwen3-moe"), ParallelDims(4, tp=2, ep=2)
     layout, hw = RunLayout(dims, seq_len=128, micro_batch_size=1, micro_batches=4), load_hardware("H100")
-    one, fused = (
-        roofline_times(model_outline(config, dims, fused=f), model_shape(config), layout, hw) for f in (False, True)
-    )
+    outline, shape = model_outline(config, dims), model_shape(config)
+    one, fused = (roofline_times(o, shape, layout, hw) for o in (outline, model_outline(config, dims, fused=True)))
+    folded = 0  # ops not linear whose weight gradient (a norm's) is priced in their backward, not deferred
+    for b, ops in enumerate(one.blocks):
+        for o in ops:
+            w = op_work(o.name, block_context(shape, layout, outline, b))
+            if not (o.comm or o.linear):
+                assert o.wgrad_ms == 0.0
+                assert o.bwd_ms == pytest.approx(sum(kernel_ms(hw, k, layout.dtype) for k in w.bwd + w.wgrad))
+                folded += bool(w.wgrad)
+    assert folded
     assert fused.tail == pytest.approx(one.tail) and fused.compute_ms() == pytest.approx(one.compute_ms())
     mixed = 0
-    for ops, got in zip(one.blocks, fused.blocks):
-        runs = _runs_of(ops)
+    for b, (ops, got) in enumerate(zip(one.blocks, fused.blocks)):
+        runs = [ops[lo:hi] for lo, hi in comm_runs(S.specs_of(one, b))]  # each collective alone, the COMP ops between
         assert [o.name for o in got] == ["+".join(o.name for o in run) for run in runs]
         for run, o in zip(runs, got):
             assert o.fwd_ms == pytest.approx(sum(m.fwd_ms for m in run))

@@ -113,6 +113,8 @@ def roofline_times(outline: ModelOutline, shape: ModelShape, layout: RunLayout, 
 
 
 def _op_time(hw: Hardware, op, work: OpWork, places: dict, dtype: str) -> OpTime:
+    """``op``'s times from its ``work`` (``line_work``: a weight gradient that is not deferrable is
+    in the backward already)."""
     if work.comm is not None:
         c, p = work.comm, places[work.comm.group]
         link = f"{c.group}:{'net' if p.crosses_nodes else hw.intra_link.kind}"
@@ -125,8 +127,6 @@ def _op_time(hw: Hardware, op, work: OpWork, places: dict, dtype: str) -> OpTime
             link=link,
         )
     fwd, bwd, wgrad = (_sum(hw, ks, dtype) for ks in (work.fwd, work.bwd, work.wgrad))
-    if not op.linear:  # not deferrable: the weight gradient is part of the backward
-        bwd, wgrad = bwd + wgrad, 0.0
     return OpTime(op.name, False, fwd, bwd, wgrad, linear=op.linear)
 
 

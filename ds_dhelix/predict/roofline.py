@@ -323,18 +323,17 @@ OPS = {
 
 
 def line_work(line, ctx: BlockContext) -> OpWork:
-    """The work of op line ``line`` (a ``shapes.OpLine``) at ``ctx``; a fused run's is its members'
-    kernels in order, a member that is not ``linear`` having its weight gradient in the backward
-    (only a linear member's is deferrable)."""
-    if not line.members:
-        return op_work(line.name, ctx)
-    fwd, bwd, wgrad = [], [], []
-    for m in line.members:
-        w = op_work(m.name, ctx)
-        fwd += w.fwd
-        bwd += w.bwd if m.linear else (*w.bwd, *w.wgrad)
-        wgrad += w.wgrad if m.linear else ()
-    return OpWork(tuple(fwd), tuple(bwd), tuple(wgrad))
+    """The work of op line ``line`` (a ``shapes.OpLine``) at ``ctx`` as the executor runs it: the
+    weight gradient of an op that is not ``linear`` is part of its backward (only a linear op's is
+    deferrable); a fused run's work is its members' kernels in order."""
+    parts = [_as_run(op_work(m.name, ctx), m.linear) for m in line.members or (line,)]
+    if len(parts) == 1:
+        return parts[0]
+    return OpWork(*(tuple(k for w in parts for k in getattr(w, f)) for f in ("fwd", "bwd", "wgrad")))
+
+
+def _as_run(work: OpWork, linear: bool) -> OpWork:
+    return work if linear or not work.wgrad else OpWork(work.fwd, (*work.bwd, *work.wgrad), (), work.comm)
 
 
 def op_work(name: str, ctx: BlockContext) -> OpWork:
