@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import os
 import sys
 
+from .config.flags import StrictParser
+
 # Subcommand modules, in the order `dhelix --help` lists them.
 COMMANDS = ("parity", "profile", "plan", "validate_plan", "simulate", "bench", "trace", "predict", "convert_checkpoint")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> StrictParser:
+    """``dhelix`` and its subcommands: flags never abbreviated, ``-``/``_`` alike, an unknown flag
+    refused by its subcommand with a did-you-mean, defaults in ``--help`` (``StrictParser``)."""
+    parser = StrictParser(
         prog="dhelix", description="ds_dhelix: strand interleaving (micro-batch co-execution) for DeepSpeed."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -29,9 +29,17 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+SFT_DATA_FLAGS = ("data", "data_format", "loss_on", "chat_template", "packing", "drop_long")
+"""train.py's data flags this script takes (``ds_dhelix.training.options.DataFlags``): the records
+and their packing; streaming and held-out fractions are train.py's."""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    from ds_dhelix.config.flags import RawDescriptionDefaultsFormatter, StrictParser, add_flags, from_namespace
+    from ds_dhelix.training.options import DataFlags, ModelFlags
+
+    p = StrictParser(
+        prog="trainer_sft.py", description=__doc__.split("\n\n")[0], formatter_class=RawDescriptionDefaultsFormatter
     )
     p.add_argument(
         "--deepspeed",
@@ -39,42 +47,8 @@ def parse_args(argv=None):
         help='ds_config JSON with a "dhelix" section (default under accelerate launch: the '
         "deepspeed_config_file of its config)",
     )
-    p.add_argument("--model", default="tiny-llama", help="preset name or local HF checkpoint directory")
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="DIR|corpus",
-        help="tokenizer directory (default: the checkpoint's own; corpus: the embedded-corpus tokenizer)",
-    )
-    p.add_argument(
-        "--data",
-        default=None,
-        help="training data as train.py reads it: .txt, .jsonl, .json, .parquet or a save_to_disk "
-        "directory of text, chat or prompt/completion records (default: the embedded corpus)",
-    )
-    p.add_argument(
-        "--data-format",
-        default=None,
-        choices=["text", "chat", "prompt-completion"],
-        help="the records' format (default: told from the first record)",
-    )
-    p.add_argument(
-        "--loss-on",
-        default=None,
-        choices=["all", "answers"],
-        help="tokens with loss (default: answers for chat and prompt-completion, all for text)",
-    )
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE|chatml",
-        help="chat template for chat records (default: the tokenizer's)",
-    )
-    p.add_argument(
-        "--drop-long",
-        action="store_true",
-        help="leave out chat / prompt-completion records longer than --seq-len (default: cut them)",
-    )
+    add_flags(p, ModelFlags, "model")  # train.py's --model, --tokenizer, --attn-implementation
+    add_flags(p, DataFlags, "data", only=SFT_DATA_FLAGS)
     p.add_argument(
         "--train-py-order",
         action="store_true",
@@ -84,13 +58,6 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--output-dir", default="runs/trainer_sft")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument(
-        "--packing",
-        default="concat",
-        choices=["concat", "docs", "none"],
-        help="concat: one token stream cut in blocks; docs: blocks with positions and attention "
-        "restarting per document; none: one document per row, right-padded (attention_mask)",
-    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
         "--resume-from-checkpoint",
@@ -118,6 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--plain", action="store_true", help="transformers.Trainer + plain DeepSpeed, for comparison")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
+    args.model_flags, args.data_flags = from_namespace(ModelFlags, args), from_namespace(DataFlags, args)
     from_accelerate = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if args.deepspeed is None:
         if not from_accelerate:
@@ -218,31 +186,27 @@ def plain_config(ds_config: dict, world: int) -> dict:
 
 
 def datasets(args, tokenizer):
-    """The training and evaluation blocks, read, encoded and packed as train.py does it
-    (``ds_dhelix.data.load_data``)."""
+    """The training and evaluation blocks, read, encoded and packed as train.py does it (its data
+    flags and ``data_options``, then ``ds_dhelix.data.load_data``); text, chat and prompt/completion
+    records (preference pairs, unpaired completions and rollouts are train.py's objectives)."""
     import torch
 
-    from ds_dhelix.data.sources import DataOptions, load_data
+    from ds_dhelix.data.sources import load_data
+    from ds_dhelix.training.options import RunOptions
+    from ds_dhelix.training.run_data import OBJECTIVE_DATA, data_options, resolve_packing
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    options = RunOptions(
+        deepspeed=args.deepspeed, seq_len=args.seq_len, seed=args.seed, model=args.model_flags, data=args.data_flags
+    )
     try:
-        data = load_data(
-            DataOptions(
-                path=args.data,
-                fmt=args.data_format,
-                loss_on=args.loss_on,
-                chat_template=args.chat_template,
-                packing=args.packing,
-                seq_len=args.seq_len,
-                drop_long=args.drop_long,
-                seed=args.seed,
-                pad_id=pad,
-                stream_above=None,
-            ),
-            tokenizer,
-        )
+        data = load_data(data_options(resolve_packing(options), tokenizer, stream_above=None), tokenizer)
     except ValueError as err:
         raise SystemExit(f"trainer_sft.py: error: {err}") from None
+    if data.format in OBJECTIVE_DATA:
+        raise SystemExit(
+            f"trainer_sft.py: error: --data holds {OBJECTIVE_DATA[data.format]}; this script fine-tunes on "
+            f"text, chat or prompt/completion records (train.py --objective trains on these)"
+        )
     blocks = data.train
     if args.train_py_order:  # train.py's first epoch: blocks shuffled with --seed, read in sequence
         blocks = torch.utils.data.Subset(
@@ -291,7 +255,7 @@ def main(argv=None) -> int:
     import torch
 
     from ds_dhelix.config.section import load_ds_config
-    from hf_models.registry import build_model, load_tokenizer_for
+    from hf_models.registry import build_model, load_tokenizer_for, resolve_attn_implementation
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ds_config = load_ds_config(args.deepspeed)
@@ -310,7 +274,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.join(args.output_dir, "tensorboard"))
     targs = training_arguments(args, ds_config)
     tokenizer = load_tokenizer_for(args.model, tokenizer=args.tokenizer)
-    model, _ = build_model(args.model, seed=args.seed)
+    attention = resolve_attn_implementation(args.attn_implementation, args.model)
+    model, _ = build_model(args.model, seed=args.seed, attn_implementation=attention)
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 

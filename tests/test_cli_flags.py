@@ -23,6 +23,8 @@ OWN_DEFAULTS = {  # command -> {dest: default}: where a command's default is not
     "simulate": {"pp": None},  # absent: a one-stage schedule
 }
 REQUIRED = {("simulate", "micro_batches")}  # a replay needs its micro-batch count
+NOTES = {("predict", "model"): ", or a config.json file (the prediction needs only the shapes)"}
+"""What a command adds to a flag's standard meaning (``add_layout_flags(..., notes=)``)."""
 GIVEN_ONLY = {"bench"}  # every layout flag parses to None when not given (--quick fills in its own)
 LINK_COMMANDS = {"profile", "validate-plan", "bench", "trace", "predict"}
 
@@ -72,7 +74,7 @@ def test_layout_flags_come_from_the_common_helper(command):
         assert action.type is (bench_link_rate if sweep else spec.type), (command, dest)
         assert action.metavar == spec.metavar and action.choices == spec.choices, (command, dest)
         tail = "; " if sweep else " (required)" if (command, dest) in REQUIRED else " (default"
-        assert action.help.startswith(spec.help + tail), (command, dest, action.help)
+        assert action.help.startswith(spec.help + NOTES.get((command, dest), "") + tail), (command, dest, action.help)
         expected = OWN_DEFAULTS.get(command, {}).get(dest, _standard_default(dest))
         if command in GIVEN_ONLY:
             expected = None

@@ -24,6 +24,7 @@ def config_markdown() -> str:
 
 
 def train_parser() -> argparse.ArgumentParser:
+    """train.py's parser, as the script builds it (from ``ds_dhelix.training.options``)."""
     spec = importlib.util.spec_from_file_location("dhelix_train_script", os.path.join(ROOT, "train.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
@@ -75,7 +76,7 @@ def parser_markdown(title: str, summary: str, parser: argparse.ArgumentParser) -
     if summary:
         lines += [_cell(summary), ""]
     lines += ["| flag | default | meaning |", "|---|---|---|"]
-    formatter = parser._get_formatter()
+    formatter = argparse.HelpFormatter(parser.prog)  # the help as written: the default has its own column
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
             continue

@@ -11,7 +11,6 @@ says so). Modes alternate step by step; rows report medians.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from ds_dhelix.bench.options import (
@@ -24,6 +23,7 @@ from ds_dhelix.bench.options import (
     check_modes_fit,
     quick,
 )
+from ds_dhelix.config.flags import RawDescriptionDefaultsFormatter
 
 from .common import Default, add_layout_flags, check_model, link_text, stdout_to_stderr
 
@@ -34,7 +34,7 @@ def register(sub) -> None:
         "bench",
         help="side-by-side throughput: DeepSpeed, AutoTP, sequential, SI (emulated links)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsFormatter,
     )
     layout = ("model", "tp", "pp", "ep", "dp", "cp", "cp_comm", "link_gbps", "link_burst_kb", "micro_batches",
               "micro_batch_size", "seq_len", "num_layers")  # fmt: skip

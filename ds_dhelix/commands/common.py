@@ -79,8 +79,7 @@ LINK_SWEEP_HELP = (
 LAYOUT_FLAGS = (
     LayoutFlag(
         "model",
-        "preset name or local HF checkpoint dir; dhelix predict, which needs only the shapes, "
-        "also reads a config.json file",
+        "preset name or local HF checkpoint dir",
         BenchOptions.model,
         type=None,
     ),
@@ -143,6 +142,7 @@ def add_layout_flags(
     given_only: bool = False,
     required: Sequence[str] = (),
     aliases: Mapping[str, Sequence[str]] | None = None,
+    notes: Mapping[str, str] | None = None,
 ) -> None:
     """Add the layout flags ``which`` (``LayoutFlag.dest`` names, in that order) to ``parser``, each with
     its one type, metavar and meaning.
@@ -154,8 +154,9 @@ def add_layout_flags(
                 bench does for ``--quick``); ``--help`` still says what the defaults are
     required    flags the command cannot run without (no default)
     aliases     other spellings a command has long accepted (dhelix simulate's ``--stages``)
+    notes       what a command adds to a flag's meaning (dhelix predict's ``--model`` reads a config.json)
     """
-    defaults, aliases = defaults or {}, aliases or {}
+    defaults, aliases, notes = defaults or {}, aliases or {}, notes or {}
     stray = sorted(set(defaults) - set(which))
     assert not stray, f"defaults for flags not in which: {stray}"
     for dest in which:
@@ -163,9 +164,10 @@ def add_layout_flags(
         default = defaults.get(dest, spec.default)
         if given_only and not isinstance(default, Default):
             default = Default(None, str(default))
-        kwargs = {"type": spec.type, "choices": spec.choices, "metavar": spec.metavar, "help": spec.help}
+        meaning = spec.help + notes.get(dest, "")
+        kwargs = {"type": spec.type, "choices": spec.choices, "metavar": spec.metavar, "help": meaning}
         if dest == "link_gbps" and sweep:
-            kwargs.update(type=bench_link_rate, nargs="+", help=spec.help + LINK_SWEEP_HELP)
+            kwargs.update(type=bench_link_rate, nargs="+", help=meaning + LINK_SWEEP_HELP)
         if dest in required:
             kwargs.update(required=True, help=f"{kwargs['help']} (required)")
         elif isinstance(default, Default):

@@ -14,10 +14,11 @@ on a machine without the training's devices.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
+
+from ds_dhelix.config.flags import RawDescriptionDefaultsFormatter
 
 
 def register(sub) -> None:
@@ -25,7 +26,7 @@ def register(sub) -> None:
         "convert-checkpoint",
         help="a training checkpoint as one that resumes on any TP/DP/EP/ZeRO layout (offline)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsFormatter,
     )
     p.add_argument("checkpoint", help="a --ds-checkpoint directory, or one of its tags")
     p.add_argument("--out", required=True, help="where the converted checkpoint goes (a new or empty directory)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ds_dhelix.config.flags import RawDescriptionDefaultsFormatter
 from ds_dhelix.predict.pipeline import PIPE_MODES
 from ds_dhelix.predict.step import MODES
 
@@ -33,9 +34,13 @@ def register(sub) -> None:
         help="project step time / tokens/s of sequential, SI, intra and pipeline "
         "schedules on a cluster (roofline) or on this CPU (profiled table)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsFormatter,
     )
-    add_layout_flags(p, ("model", "tp", "ep", "cp", "pp", "dp", "seq_len", "micro_batch_size", "micro_batches"))
+    add_layout_flags(
+        p,
+        ("model", "tp", "ep", "cp", "pp", "dp", "seq_len", "micro_batch_size", "micro_batches"),
+        notes={"model": ", or a config.json file (the prediction needs only the shapes)"},
+    )
     p.add_argument(
         "--schedule",
         nargs="+",

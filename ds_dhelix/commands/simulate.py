@@ -9,10 +9,10 @@ Exit status 0 when the replay finds no error, 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from ds_dhelix.commands.common import Default, add_layout_flags
+from ds_dhelix.config.flags import RawDescriptionDefaultsFormatter
 from ds_dhelix.schedule.registry import ONE_STAGE, PIPELINE, REGISTRY, lookup, names
 from ds_dhelix.schedule.simulate import replay, resolve_pair_cost, sequential_bubble_closed_form, w_bubble_closed_form
 
@@ -24,7 +24,7 @@ def register(subparsers) -> None:
         "simulate",
         help="replay a schedule's instruction lists (W, DualPipeV+SI, SI, intra, ...)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsFormatter,
     )
     parser.add_argument(
         "--schedule",

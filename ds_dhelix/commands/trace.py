@@ -11,10 +11,10 @@ says where the compute lane waited and re-times each pair on an idealised machin
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from ds_dhelix.bench.tracing import TraceOptions
+from ds_dhelix.config.flags import RawDescriptionDefaultsFormatter
 
 from .common import add_layout_flags, check_model, stdout_to_stderr
 
@@ -24,7 +24,7 @@ def register(sub) -> None:
         "trace",
         help="Chrome/Perfetto trace of a few SI steps (compute + comm lanes per rank)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsFormatter,
     )
     add_layout_flags(p, ("model", "tp", "cp", "cp_comm", "ep"))
     p.add_argument(
