@@ -185,7 +185,7 @@ def plain_config(ds_config: dict, world: int) -> dict:
     return plain
 
 
-def datasets(args, tokenizer):
+def datasets(args, tokenizer, vocab_size: int):
     """The training and evaluation blocks, read, encoded and packed as train.py does it (its data
     flags and ``data_options``, then ``ds_dhelix.data.load_data``); text, chat and prompt/completion
     records (preference pairs, unpaired completions and rollouts are train.py's objectives)."""
@@ -199,7 +199,8 @@ def datasets(args, tokenizer):
         deepspeed=args.deepspeed, seq_len=args.seq_len, seed=args.seed, model=args.model_flags, data=args.data_flags
     )
     try:
-        data = load_data(data_options(resolve_packing(options), tokenizer, stream_above=None), tokenizer)
+        given = data_options(resolve_packing(options), tokenizer, stream_above=None, vocab_size=vocab_size)
+        data = load_data(given, tokenizer)
     except ValueError as err:
         raise SystemExit(f"trainer_sft.py: error: {err}") from None
     if data.format in OBJECTIVE_DATA:
@@ -285,7 +286,7 @@ def main(argv=None) -> int:
         model = get_peft_model(
             model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=lora_target_names(model.config))
         )
-    train_set, eval_set = datasets(args, tokenizer)
+    train_set, eval_set = datasets(args, tokenizer, model.config.vocab_size)
     losses = _loss_log()
     if args.plain:
         from transformers import Trainer as trainer_class

@@ -215,6 +215,12 @@ def check_config(cfg) -> None:
         ),
         (bool(getattr(cfg, "trainable_token_indices", None)), "trainable_token_indices", "leave it unset"),
         (bool(getattr(cfg, "layer_replication", None)), "layer_replication", "leave it unset"),
+        (
+            bool(getattr(cfg, "target_parameters", None)) and bool(cfg.lora_dropout),
+            f"target_parameters and lora_dropout={cfg.lora_dropout} (PEFT's LoRA on the experts' fused "
+            f"tensors has no dropout: its ParamWrapper refuses it)",
+            "lora_dropout=0, or LoRA with dropout on the attention projections only (no target_parameters)",
+        ),
     ]
     for bad, what, fix in refusals:
         if bad:

@@ -28,7 +28,8 @@ PRESETS: tuple[str, ...] = tuple(sorted(p.stem for p in PRESET_DIR.glob("*.json"
 """Names of the built-in tiny presets (file stems in hf_models/presets/)."""
 
 DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A checkpoint directory with one of these has a tokenizer of its own."""
 
 
 @dataclass(frozen=True)
@@ -252,11 +253,11 @@ def load_tokenizer_for(
     if tokenizer not in (None, "corpus"):
         own = os.path.expanduser(tokenizer)
     elif tokenizer is None and not is_preset(name) and os.path.isdir(name):
-        if any(os.path.isfile(os.path.join(name, f)) for f in _TOKENIZER_FILES):
+        if any(os.path.isfile(os.path.join(name, f)) for f in TOKENIZER_FILES):
             own = name
         elif vocab > DEFAULT_VOCAB_SIZE:
             raise ValueError(
-                f"{name} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}) and a {vocab:,}-token vocabulary; "
+                f"{name} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) and a {vocab:,}-token vocabulary; "
                 f"give --tokenizer DIR (the tokenizer the model was trained with), or --tokenizer corpus for the "
                 f"embedded {DEFAULT_VOCAB_SIZE:,}-token one"
             )
@@ -268,8 +269,8 @@ def load_tokenizer_for(
 def _own_tokenizer(path: str, vocab: int):
     from transformers import AutoTokenizer
 
-    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        raise ValueError(f"--tokenizer {path}: no tokenizer files there ({', '.join(_TOKENIZER_FILES)})")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"--tokenizer {path}: no tokenizer files there ({', '.join(TOKENIZER_FILES)})")
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if len(tok) > vocab:
         raise ValueError(

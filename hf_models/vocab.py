@@ -143,11 +143,26 @@ def pad_rows(p: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     return torch.cat([data, data.new_zeros((extra, *data.shape[1:]))])
 
 
+def refuse_outside(ids: torch.Tensor, vocab: int, ignore: int | None = None) -> None:
+    """Fail when a token id is outside ``[0, vocab)`` (``ignore``: a label that means "no target"),
+    as the unsplit embedding would: split over TP every rank would give it a zero row and train on
+    silently. Asserted on the device, without a host sync (on CUDA a device-side assert)."""
+    ok = (ids >= 0) & (ids < vocab)
+    if ignore is not None:
+        ok |= ids == ignore
+    torch._assert_async(
+        ok.all(),
+        f"a token id of this micro-batch is outside the model's vocabulary of {vocab} ids (0..{vocab - 1}): "
+        f"the data was tokenised for another model or tokenizer",
+    )
+
+
 def embed_ops(embed: nn.Module, shard: VocabShard, pos_embed: nn.Module | None = None, drop=None) -> list:
     """The embedding's ops at TP > 1 (see the module docstring)."""
     grp, tp = shard.group, shard.tp
 
     def lookup(side):
+        refuse_outside(side["tp_ids"], shard.vocab)
         rows, inside = shard.local(side["tp_ids"])  # [b, t n]
         he = embed(rows).masked_fill(~inside.unsqueeze(-1), 0)
         return (he.transpose(0, 1).contiguous(),)
@@ -180,7 +195,9 @@ def head_ops(
     grp, tp = shard.group, shard.tp
 
     def targets(side):
-        return side["tp_targets"] if tp > 1 else side["targets"]
+        t = side["tp_targets"] if tp > 1 else side["targets"]
+        refuse_outside(t, shard.vocab, ignore=-100)
+        return t
 
     def stats(side, logits):
         z = logits.float()

@@ -248,3 +248,51 @@ def test_check_batch_shape_errors():
         check_batch_shape({"input_ids": good["input_ids"]}, (2, 128))
     with pytest.raises(ValueError, match="torch.long"):
         check_batch_shape({k: v.float() for k, v in good.items()}, (2, 128))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_record():
+    """Every path ids enter by (packed records, preference pairs, rollouts' own ids) refuses an id
+    outside [0, vocab_size) with the record; ``vocab_size`` None checks nothing."""
+    from ds_dhelix.data.packing import Packer, check_ids
+
+    records = [{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}, {"input_ids": [4, 50, 6], "loss_mask": [1, 1, 1]}]
+    with pytest.raises(ValueError, match=r"record 2: token id 50 is outside the model's vocabulary of 10 ids \(0..9\)"):
+        list(Packer(4, "concat", whole_records=False, vocab_size=10).blocks(records))
+    assert len(list(Packer(3, "concat", whole_records=False).blocks(records))) == 2
+    check_ids([0, 9], 10, "x")
+    with pytest.raises(ValueError, match="x: token id -1"):
+        check_ids([3, -1], 10, "x")
+
+
+def test_the_vocabulary_check_on_row_records(tmp_path):
+    from ds_dhelix.data.preference import PairEncoder, load_pairs
+    from ds_dhelix.data.rollouts import RolloutEncoder, load_rollouts
+    from hf_models.registry import load_tokenizer_for
+
+    tok = load_tokenizer_for("tiny-llama")
+    pair = {"prompt": "question", "chosen": "a good answer", "rejected": "a bad one"}
+    assert len(load_pairs([pair], PairEncoder(tok), 32, 0, vocab_size=len(tok))) == 1
+    with pytest.raises(ValueError, match="record 1: token id .* outside the model's vocabulary of 3 ids"):
+        load_pairs([pair], PairEncoder(tok), 32, 0, vocab_size=3)
+    rollout = {"prompt_ids": [5, 6], "completion_ids": [[7, 8], [2048]], "rewards": [1.0, 0.0]}
+    with pytest.raises(ValueError, match="record 1: token id 2048"):
+        load_rollouts([rollout], RolloutEncoder(tok), 8, 0, vocab_size=2048)
+
+
+def test_the_embedding_refuses_an_id_outside_the_vocabulary_on_the_device():
+    """The engine's own backstop (data from a script or the Trainer, not checked by train.py):
+    the vocabulary-parallel embedding and loss assert on the device, without a host sync."""
+    import torch
+    from torch import nn
+
+    from hf_models.vocab import VocabShard, embed_ops, refuse_outside
+
+    shard = VocabShard(vocab=10, tp=2, rank=0)
+    lookup = embed_ops(nn.Embedding(5, 4), shard)[0].fn
+    (he,) = lookup({"tp_ids": torch.tensor([[1, 9]])})
+    assert he.shape == (2, 1, 4)
+    with pytest.raises(RuntimeError, match="outside the model's vocabulary of 10 ids"):
+        lookup({"tp_ids": torch.tensor([[1, 10]])})
+    refuse_outside(torch.tensor([3, -100]), 10, ignore=-100)
+    with pytest.raises(RuntimeError, match="vocabulary of 10 ids"):
+        refuse_outside(torch.tensor([3, -100]), 10)

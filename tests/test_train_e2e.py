@@ -51,6 +51,8 @@ def run_train(tmp_path, steps=40, extra=()):
 def test_launcher_trains_logs_and_exports(tmp_path):
     summary, proc = run_train(tmp_path)
     assert summary["loss_last"] < summary["loss_first"] - 0.5, summary
+    # the LR each step ran at: DeepSpeed's WarmupCosineLR runs step 1 at 0 (its warm-up starts there)
+    assert summary["lrs"][0] == 0.0 < summary["lrs"][1] < summary["lrs"][2], summary["lrs"][:3]
     assert "hidden" in proc.stdout  # summary line says how much communication was hidden
     # TensorBoard event files hold the loss scalar
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -93,13 +93,15 @@ def _unpaired(tmp, refs=None, label=None) -> str:
     return _file(tmp, "unpaired.jsonl", "\n".join(lines) + "\n")
 
 
-def _rollouts(tmp, ids=False, old_on_text=False) -> str:
+def _rollouts(tmp, ids=False, old_on_text=False, bad_id=None) -> str:
     """Eight groups of two completions with rewards (``ids``: as token ids with the reference's
-    per-token log-probabilities; ``old_on_text``: text completions with sampling log-probabilities)."""
+    per-token log-probabilities; ``old_on_text``: text completions with sampling log-probabilities;
+    ``bad_id``: record 3's second token of its first completion)."""
     lines = []
     for k in range(8):
         if ids:
-            record = {"prompt_ids": [5, 6, 7], "completion_ids": [[8, 9], [10]], "ref_logps": [[-1.0, -2.0], [-3.0]]}
+            first = [8, bad_id] if bad_id is not None and k == 2 else [8, 9]
+            record = {"prompt_ids": [5, 6, 7], "completion_ids": [first, [10]], "ref_logps": [[-1.0, -2.0], [-3.0]]}
         else:
             record = {"prompt": f"question {k}", "completions": ["a good answer", "a bad one"]}
             if old_on_text:
@@ -157,6 +159,24 @@ CASES = [
             _file(t, "adapter_config.json", '{"r": 4, "target_modules": ["q_proj"], "init_lora_weights": "gaussian"}'),
         ],
         ["adapter_config.json", "init_lora_weights='gaussian'", "init_lora_weights true"],
+    ),
+    (
+        "expert-lora-with-dropout",
+        2,
+        lambda t: [
+            "--deepspeed",
+            _config(t, lambda c: c["dhelix"].update(tensor_parallel={"size": 1}, expert_parallel={"size": 2})),
+            "--model",
+            "tiny-qwen3-moe",
+            "--peft-config",
+            _file(
+                t,
+                "adapter_config.json",
+                '{"r": 4, "target_modules": ["q_proj"], "target_parameters": ["experts.gate_up_proj"], '
+                '"lora_dropout": 0.1}',
+            ),
+        ],
+        ["target_parameters and lora_dropout=0.1", "lora_dropout=0"],
     ),
     ("missing-data", 2, lambda t: ["--deepspeed", BASE, "--data", "/nonexistent/data.txt"], ["/nonexistent/data.txt"]),
     (
@@ -577,6 +597,36 @@ CASES = [
         lambda t: ["--deepspeed", BASE, "--objective", "grpo", "--data", _rollouts(t, ids=True)],
         ["ref_logps would not be read", "--beta"],
     ),
+    (  # TP=2: the vocabulary-parallel embedding would give it a zero row on every rank
+        "rollout-id-beyond-the-vocabulary-tp2",
+        2,
+        lambda t: [
+            "--deepspeed",
+            BASE,
+            "--objective",
+            "grpo",
+            "--beta",
+            "0.04",
+            "--data",
+            _rollouts(t, True, bad_id=5000),
+        ],
+        ["record 3", "token id 5000", "vocabulary of 2048 ids"],
+    ),
+    (
+        "rollout-id-beyond-the-vocabulary-tp1",
+        1,
+        lambda t: [
+            "--deepspeed",
+            _config(t, _setdh("tensor_parallel", {"size": 1})),
+            "--objective",
+            "grpo",
+            "--beta",
+            "0.04",
+            "--data",
+            _rollouts(t, True, bad_id=-1),
+        ],
+        ["record 3", "token id -1", "vocabulary of 2048 ids"],
+    ),
     (
         "grpo-sampling-log-probs-of-text",
         2,
@@ -700,3 +750,21 @@ def test_a_refusal_is_printed_by_rank_0_only(tmp_path, monkeypatch, capsys):
         assert train.main(argv) == 2
         err = capsys.readouterr().err
         assert len([x for x in err.splitlines() if x.startswith("train.py: error:")]) == lines, err
+
+
+def test_a_checkpoint_without_a_tokenizer_says_which_one_the_run_uses(tmp_path, monkeypatch, capsys):
+    """Its vocabulary fits the embedded-corpus tokenizer: the run goes on with it and says so first
+    (the export carries that tokenizer); with --tokenizer given nothing is said."""
+    import train
+    from hf_models.registry import build_model
+
+    model, _ = build_model("tiny-llama", seed=0)
+    model.save_pretrained(tmp_path / "ckpt")  # weights and config, no tokenizer files
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(train, "run", lambda prep: 0)
+    argv = ["--deepspeed", BASE, "--model", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "out")]
+    assert train.main(argv) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "has no tokenizer files" in line]
+    assert len(said) == 1 and "embedded-corpus tokenizer (2,048 tokens)" in said[0] and "--tokenizer DIR" in said[0]
+    assert train.main([*argv, "--tokenizer", "corpus"]) == 0
+    assert "has no tokenizer files" not in capsys.readouterr().err

@@ -81,6 +81,10 @@ TWO_RANKS = {
     "llama-stage2": dict(zero_stage=2),
     "qwen3-moe-ep2-stage2": dict(model="tiny-qwen3-moe", zero_stage=2, extra=EP2),
     "fp16-stage2": dict(zero_stage=2, dtype="fp16"),
+    # a data-parallel group of one (TP=2 on two ranks): one rank's gather is a view of its output,
+    # which once gave every parameter of a gather one storage (a saved view found the wrong one)
+    "llama-tp2-dp1": dict(tp=2, dp=1, zero_stage=3, zero=ALL),
+    "qwen3-moe-tp2-dp1": dict(model="tiny-qwen3-moe", tp=2, dp=1, zero_stage=3, zero=ALL),
 }
 STAGE2 = {"llama": "llama-stage2", "qwen3-moe-ep2": "qwen3-moe-ep2-stage2", "fp16": "fp16-stage2"}
 

@@ -56,16 +56,40 @@ class PackStats:
         return out
 
 
+def check_ids(ids, vocab_size: int | None, where: str) -> None:
+    """``ValueError`` naming ``where`` and the id when a token id is outside ``[0, vocab_size)``: the
+    embedding would index past its rows (split over TP, every rank would give it a zero row and
+    train on silently)."""
+    if vocab_size is None or len(ids) == 0:
+        return
+    ids = np.asarray(ids)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(
+            f"{where}: token id {int(bad[0])} is outside the model's vocabulary of {vocab_size} ids "
+            f"(0..{vocab_size - 1}); the records were tokenised for another model or tokenizer"
+        )
+
+
 class Packer:
     """Blocks of ``seq_len`` from encoded records (``{"input_ids", "loss_mask"}``), see the module
     docstring; ``stats`` counts as the blocks go out."""
 
-    def __init__(self, seq_len: int, packing: str, whole_records: bool, drop_long: bool = False, pad_id: int = 0):
+    def __init__(
+        self,
+        seq_len: int,
+        packing: str,
+        whole_records: bool,
+        drop_long: bool = False,
+        pad_id: int = 0,
+        vocab_size: int | None = None,
+    ):
         from .batches import PACKINGS
 
         if packing not in PACKINGS:
             raise ValueError(f"packing {packing!r}: use one of {', '.join(PACKINGS)}")
         self.seq_len, self.packing, self.pad_id, self.drop_long = seq_len, packing, pad_id, drop_long
+        self.vocab_size = vocab_size  # ids at or beyond it (or negative) are refused, naming the record
         self.whole = whole_records and packing != "concat"
         self.stats = PackStats(seq_len=seq_len)
 
@@ -79,6 +103,7 @@ class Packer:
             self.stats.tokens += ids.size
             if ids.size == 0:
                 continue
+            check_ids(ids, self.vocab_size, f"record {self.stats.records}")
             if self.whole:
                 cut = ids.size > self.seq_len
                 if cut and self.drop_long:

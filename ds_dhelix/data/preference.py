@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .batches import BlockDataset
-from .packing import PackStats
+from .packing import PackStats, check_ids
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 UNPAIRED_FIELDS = ("prompt", "completion", "label")
@@ -90,16 +90,24 @@ class PairEncoder:
 
 
 def load_pairs(
-    records, encoder: PairEncoder, seq_len: int, pad_id: int, drop_long: bool = False, kept: list | None = None
+    records,
+    encoder: PairEncoder,
+    seq_len: int,
+    pad_id: int,
+    drop_long: bool = False,
+    kept: list | None = None,
+    vocab_size: int | None = None,
 ) -> PairDataset:
     """Every record of ``records`` as a pair of rows (module docstring); ``kept`` gets the indices
-    of the records that became pairs."""
+    of the records that became pairs; a token id outside ``vocab_size`` is refused naming the record."""
     stats = PackStats(seq_len=seq_len)
     ids, labels, refs = [], [], []
     with_refs = None
     for k, record in enumerate(records):
         where = f"record {k + 1}"
         rows, ref = encoder(record, where)
+        for r, _ in rows:
+            check_ids(r, vocab_size, where)
         given = all(r is not None for r in ref)
         if with_refs is None:
             with_refs = given
@@ -135,7 +143,9 @@ def load_pairs(
     return PairDataset(fields, stats)
 
 
-def load_unpaired(records, encoder: PairEncoder, seq_len: int, pad_id: int, drop_long: bool = False) -> PairDataset:
+def load_unpaired(
+    records, encoder: PairEncoder, seq_len: int, pad_id: int, drop_long: bool = False, vocab_size: int | None = None
+) -> PairDataset:
     """KTO's unpaired records (``prompt``, ``completion``, ``label``: desirable or not; optional
     ``ref_logps`` / ``ref_KL_logps`` as TRL precomputes them) as pairs of rows: the completion, then
     its KL row, the prompt with the next record's completion (file order, the last with the first's),
@@ -169,7 +179,7 @@ def load_unpaired(records, encoder: PairEncoder, seq_len: int, pad_id: int, drop
         pairs.append(pair)
         labels.append(r["label"])
     kept: list[int] = []
-    data = load_pairs(pairs, encoder, seq_len, pad_id, drop_long, kept)
+    data = load_pairs(pairs, encoder, seq_len, pad_id, drop_long, kept, vocab_size)
     data.fields["kto_label"] = torch.tensor([[labels[k]] * 2 for k in kept], dtype=torch.float32)
     return data
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .batches import BlockDataset
-from .packing import PackStats
+from .packing import PackStats, check_ids
 
 SCALE_REWARDS = ("group", "none")
 
@@ -119,14 +119,18 @@ class RolloutEncoder:
         return values
 
 
-def load_rollouts(records, encoder: RolloutEncoder, seq_len: int, pad_id: int, drop_long: bool = False):
-    """Every completion of ``records`` as a row (module docstring): a ``BlockDataset``."""
+def load_rollouts(
+    records, encoder: RolloutEncoder, seq_len: int, pad_id: int, drop_long: bool = False, vocab_size: int | None = None
+):
+    """Every completion of ``records`` as a row (module docstring): a ``BlockDataset``; a token id
+    outside ``vocab_size`` is refused naming the record."""
     stats = PackStats(seq_len=seq_len)
     rows, seen = [], None
     for k, record in enumerate(records):
         where = f"record {k + 1}"
         stats.records += 1
         for ids, mask, adv, old, ref in encoder(record, where):
+            check_ids(ids, vocab_size, where)
             has = (old is not None, ref is not None)
             if seen is not None and has != seen:
                 raise ValueError(

@@ -56,6 +56,7 @@ class DataOptions:
     seed: int = 1234
     pad_id: int = 0
     scale_rewards: str = "group"  # rollouts with rewards: normalised per group ("group") or not ("none")
+    vocab_size: int | None = None  # the model's: a token id outside [0, vocab_size) is refused, naming its record
 
     def check(self) -> None:
         """One-line ValueErrors for values no data could make right."""
@@ -233,12 +234,14 @@ def _row_data(records, options: DataOptions, tokenizer, t0: float, fmt: str) -> 
     o = options
     try:
         if fmt == "preference":
-            data.train = load_pairs(records, PairEncoder(tokenizer, template), o.seq_len, o.pad_id, o.drop_long)
+            encoder = PairEncoder(tokenizer, template)
+            data.train = load_pairs(records, encoder, o.seq_len, o.pad_id, o.drop_long, vocab_size=o.vocab_size)
         elif fmt == "unpaired":
-            data.train = load_unpaired(records, PairEncoder(tokenizer, template), o.seq_len, o.pad_id, o.drop_long)
+            encoder = PairEncoder(tokenizer, template)
+            data.train = load_unpaired(records, encoder, o.seq_len, o.pad_id, o.drop_long, o.vocab_size)
         else:
             encoder = RolloutEncoder(tokenizer, template, o.scale_rewards)
-            data.train = load_rollouts(records, encoder, o.seq_len, o.pad_id, o.drop_long)
+            data.train = load_rollouts(records, encoder, o.seq_len, o.pad_id, o.drop_long, o.vocab_size)
     except ValueError as err:
         raise ValueError(f"{options.path}: {err}") from None
     data.load_s = time.perf_counter() - t0
@@ -295,6 +298,7 @@ def _packer(options: DataOptions, fmt: str) -> Packer:
         whole_records=fmt != "text",
         drop_long=options.drop_long,
         pad_id=options.pad_id,
+        vocab_size=options.vocab_size,
     )
 
 

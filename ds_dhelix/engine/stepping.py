@@ -256,6 +256,7 @@ class DhelixStepMixin:
         if self.graph.meta.get("objective") is not None:  # (an evaluation's pairs are not the step's)
             self.graph.meta["objective"].metrics.reset()
         self.meter.reset_peak()
+        self.step_lr = self.get_lr()[0]  # what this step's update runs at (the scheduler moves after it)
         self._step_t0 = time.perf_counter()
         self.watchdog.resume(step=self.global_steps)
         return stats
@@ -347,7 +348,7 @@ class DhelixStepMixin:
         norm = self.get_global_grad_norm()
         events = [
             ("Train/loss", float(self.last_loss), step),
-            ("Train/lr", self.get_lr()[0], step),
+            ("Train/lr", self.step_lr, step),
             ("Train/tokens_per_s", s.tokens_per_s, step),
             ("Train/step_time_s", s.step_s, step),
             ("Train/comm_ms", s.comm_and_exposed[0] * 1e3, step),

@@ -122,6 +122,11 @@ class _Gather(_InFlight):
         for p in self.params:
             part = p.ds_tensor.numel()
             full = rows[:, offset : offset + part].reshape(-1)[: p.ds_numel]
+            if self.world == 1:
+                # one rank's slice is a view of ``out``: a storage of its own for each parameter (the
+                # activation meter finds a saved view's parameter by its storage); over more ranks
+                # the reshape copies anyway
+                full = full.clone()
             p.data = full.view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
             if not p.ds_persist:  # (a persistent one stays whole; DeepSpeed gathers it anew after each step)

@@ -68,7 +68,7 @@ class LoopOptions:
 
 @dataclass
 class TrainLog:
-    """What the loop did: one entry per step it ran (``losses``, ``lrs``, ``times`` in seconds;
+    """What the loop did: one entry per step it ran (``losses``, ``lrs``: the LR each step ran at, ``times`` in seconds;
     ``stats``: the ds_dhelix engine's ``StepStats``), ``eval_losses`` as ``{"step", "loss"}``."""
 
     start_step: int
@@ -170,6 +170,7 @@ def _stopped(engine, options: LoopOptions, run_state, log: TrainLog, stop, reaso
 def _one_step(engine, batches, log: TrainLog, bar) -> None:
     from ds_dhelix.engine.evaluation import is_dhelix
 
+    lr = float(engine.get_lr()[0])  # the LR this step runs at (DeepSpeed's scheduler moves after the step)
     t0 = time.perf_counter()
     if is_dhelix(engine):
         loss = engine.train_batch(batches)
@@ -180,7 +181,7 @@ def _one_step(engine, batches, log: TrainLog, bar) -> None:
         loss = plain_step(engine, batches)
     log.times.append(time.perf_counter() - t0)
     log.losses.append(float(loss))
-    log.lrs.append(float(engine.get_lr()[0]))
+    log.lrs.append(lr)
     bar.set_postfix(loss=f"{log.losses[-1]:.3f}", tok_s=f"{log.tokens_per_step / log.times[-1]:.0f}")
     bar.update(1)
 

@@ -80,7 +80,10 @@ def load_run_data(options: RunOptions, setup, model_config, lora=None):
     from ..data.sources import load_data
 
     tokenizer = load_tokenizer_for(options.model.model, tokenizer=options.model.tokenizer)
-    data = load_data(data_options(options, tokenizer, scale_rewards=setup.dh.objective.scale_rewards), tokenizer)
+    _say_borrowed_tokenizer(options, len(tokenizer))
+    vocab = getattr(model_config, "vocab_size", None)  # (every data path refuses an id beyond it)
+    given = data_options(options, tokenizer, scale_rewards=setup.dh.objective.scale_rewards, vocab_size=vocab)
+    data = load_data(given, tokenizer)
     options = check_objective_data(options, setup, data, lora)
     if options.data.chat_template is not None:  # (chat data only: load_data refuses it otherwise)
         from ..data.records import resolve_chat_template
@@ -101,6 +104,23 @@ def load_run_data(options: RunOptions, setup, model_config, lora=None):
             f"load-balancing loss counts (as HF's does without an attention mask)"
         )
     return tokenizer, data, options
+
+
+def _say_borrowed_tokenizer(options: RunOptions, size: int) -> None:
+    """A checkpoint directory without tokenizer files trains with the embedded-corpus tokenizer (its
+    vocabulary fits): said on the run's first lines, since the export carries that tokenizer."""
+    from hf_models.registry import TOKENIZER_FILES, is_preset
+
+    name = options.model.model
+    if options.model.tokenizer is not None or is_preset(name):
+        return
+    path = os.path.expanduser(name)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        say(
+            f"{name} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): the run tokenises with the "
+            f"embedded-corpus tokenizer ({size:,} tokens), and the export carries it; give --tokenizer DIR "
+            f"for the one the model was trained with"
+        )
 
 
 def _check_enough(options: RunOptions, setup, data) -> None:
