@@ -2,13 +2,15 @@
 
 ``ds_dhelix.initialize(...)`` mirrors ``deepspeed.initialize`` (``engine/build.py``). Importing the
 package stays light: the public names below load on first use, and the pure layers (``graph``,
-``config``, ``planning``, ``pipe``) never import deepspeed or torch.distributed.
+``schedule``, ``planning``, the pipeline's fold and schedules in ``pipe``) never import deepspeed
+or torch.distributed.
 
 The subpackages follow the data flow, each importing only the layers below it (import-linter
 contracts in ``pyproject.toml``)::
 
-    data, graph -> config, planning, pipe -> predict -> runtime -> moe -> hf_models -> engine
-        -> training -> bench -> commands, cli
+    data, graph -> schedule, pipe.folding / pipe.schedule -> config, planning -> predict -> runtime
+        -> moe -> hf_models -> engine, pipe.module / pipe.engine -> training, verify -> bench
+        -> commands, cli
 """
 
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ds_dhelix.schedule.folding import (
+from ds_dhelix.pipe.folding import (
     balanced_split,
     chunk_index,
     chunk_owner,

@@ -19,8 +19,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ds_dhelix.engine.pipe_engine import live_keys
 from ds_dhelix.graph.fuse import fuse
+from ds_dhelix.pipe.engine import live_keys
 from ds_dhelix.verify import ParityOptions, random_batches
 from hf_models.adapters import adapter_for
 from hf_models.registry import build_model

@@ -234,7 +234,7 @@ def test_auto_takes_sequential_without_a_trial_when_nothing_to_hide():
 def _auto_rank(rank, world, candidates, layout):
     from ds_dhelix.engine.build import build_engine
     from ds_dhelix.engine.checkpoint import full_state_dict
-    from ds_dhelix.engine.pipe_module import gather_hf_state_dict
+    from ds_dhelix.pipe.module import gather_hf_state_dict
     from ds_dhelix.verify import build, make_batches
 
     opts = ParityOptions(model="tiny-llama", seq_len=32, **layout)

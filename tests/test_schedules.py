@@ -6,8 +6,8 @@ import json
 import pytest
 
 from ds_dhelix.cli import main
+from ds_dhelix.pipe.schedule import dualpipev_si_schedule, sequential_fold_schedule, w_schedule
 from ds_dhelix.schedule import registry as R
-from ds_dhelix.schedule.fold import dualpipev_si_schedule, sequential_fold_schedule, w_schedule
 from ds_dhelix.schedule.instructions import (
     Backward,
     BackwardBackward,

@@ -80,6 +80,8 @@ def test_import_contracts_hold():
             "ds_dhelix.runtime.executor -> hf_models.common",
         ),
         ("ds_dhelix/planning/plan.py", "import deepspeed", "ds_dhelix.planning.plan -> deepspeed"),
+        ("ds_dhelix/pipe/folding.py", "import torch", "ds_dhelix.pipe.folding -> torch"),  # the room's plain half
+        ("ds_dhelix/pipe/folding.py", "from . import module", "ds_dhelix.pipe.folding -> ds_dhelix.pipe.module"),
     ],
 )
 def test_a_broken_contract_fails(tmp_path, module, line, broken):
@@ -91,6 +93,55 @@ def test_a_broken_contract_fails(tmp_path, module, line, broken):
         f.write(f"\n{line}  # deliberately against a contract\n")
     out = _lint_imports(str(tmp_path))
     assert out.returncode != 0 and broken in out.stdout, out.stdout[-3000:]
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Project module -> the project modules it imports (every import statement, lazy ones too;
+    ``from pkg import mod`` counts as importing ``pkg.mod``)."""
+    known = {**_modules("ds_dhelix"), **_modules("hf_models")}
+    graph = {}
+    for mod, path in known.items():
+        graph[mod] = set()
+        for base, names in _imports(mod, path):
+            for target in [f"{base}.{n}" for n in names] + [base]:
+                while target and target not in known:
+                    target = target.rpartition(".")[0]
+                if target and target != mod:
+                    graph[mod].add(target)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (as a path back to its start), or []."""
+    state, stack = {}, []
+
+    def visit(v):
+        state[v] = "open"
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == "open":
+                return stack[stack.index(w) :] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        state[v] = "done"
+        stack.pop()
+        return []
+
+    for v in sorted(graph):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return []
+
+
+def test_no_module_import_cycles():
+    """No two modules of ds_dhelix / hf_models import each other in a cycle, across packages too
+    (the acyclic contract squashes each package; the pipeline room spans two floors)."""
+    assert _cycle(_module_graph()) == []
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]  # the check can fail
 
 
 def test_no_private_name_imported_across_project_modules():

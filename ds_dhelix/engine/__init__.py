@@ -1,5 +1,5 @@
 """DeepSpeed engines and everything around a run: the one build path (``build``), the engines
-(``dhelix_engine``; ``moe_engine``; the folded pipeline's ``pipe_engine`` and ``pipe_module``), what
+(``dhelix_engine``; ``moe_engine``; the folded pipeline's is ``ds_dhelix.pipe.engine``), what
 both do around a step (``stepping``), HF export and checkpoints (``checkpoint``, ``resume``),
 clean stops (``stopping``), the guard on plain DeepSpeed engines (``guard``), mixed precision
 (``precision``), ``DhelixTrainer`` (``trainer``), the target-weighted evaluation loss it shares

@@ -39,10 +39,10 @@ from ..graph.fuse import fuse
 from ..graph.objectives import make_objective
 from ..graph.ops import backward_order
 from ..moe.kernels import check_kernels
+from ..pipe.folding import LayerFold, fold_layers
 from ..planning.plan import SIPlan, default_plan
 from ..runtime.comm import ReplicatedGrads, release_deepspeed_shm
 from ..runtime.groups import ProcessGroups
-from ..schedule.folding import LayerFold, fold_layers
 from ..schedule.registry import PIPELINE, lookup
 from .precision import check_fp16
 
@@ -541,8 +541,8 @@ def _pipeline_engine(
     """Fold and prune ``model`` for this rank's stage; the folded pipeline engine."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from .pipe_engine import FoldedPipelineEngine
-    from .pipe_module import FoldedPipelineModule
+    from ..pipe.engine import FoldedPipelineEngine
+    from ..pipe.module import FoldedPipelineModule
 
     if groups.rank == 0:
         logger.info(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..schedule.folding import fold_layers
+from ..pipe.folding import fold_layers
 from .hardware import Hardware
 from .links import collective_ms, placement
 from .roofline import BlockContext, Kernel, OpWork, line_work

@@ -17,8 +17,8 @@ slowest stage's pace; rank 0 also holds the embedding and the head). Plain data.
 from __future__ import annotations
 
 from ..graph.ops import backward_order
+from ..pipe.folding import fold_layers
 from ..planning.plan import default_plan
-from ..schedule.folding import fold_layers
 from ..schedule.instructions import Forward, ForwardBackward
 from ..schedule.registry import PIPELINE, lookup, names
 from ..schedule.simulate import replay

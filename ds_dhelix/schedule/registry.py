@@ -1,6 +1,6 @@
 """Every schedule by name: one row each, read by the config, the engines, the bench, ``dhelix
 predict``, ``dhelix simulate`` and the docs. Adding a schedule is a builder (``one_stage.py`` or
-``fold.py``) and one row here.
+``ds_dhelix/pipe/schedule.py``) and one row here.
 
 A row is keyed by (name, layout): ``sequential`` is a row of both layouts (the fold without SI in a
 pipeline). Rows whose ``section`` is more than ``{"schedule": name}`` are variants of a configured
@@ -16,7 +16,8 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import fold, one_stage
+from ..pipe import schedule as pipe_schedule
+from . import one_stage
 from .instructions import ONE, Minimum, Schedule
 
 ONE_STAGE = "one-stage"
@@ -130,15 +131,15 @@ REGISTRY: tuple[ScheduleSpec, ...] = (
         "sequential",
         PIPELINE,
         "the fold without SI: one micro-batch at a time through it",
-        fold.sequential_fold_schedule,
+        pipe_schedule.sequential_fold_schedule,
         auto_candidate=True,
     ),
     _row(
         "w",
         PIPELINE,
         "DHelix W schedule: the fold with every forward/backward slot pair co-executed",
-        fold.w_schedule,
-        minimum=fold.MIN_W,
+        pipe_schedule.w_schedule,
+        minimum=pipe_schedule.MIN_W,
         co_executes=True,
         auto_candidate=True,
     ),
@@ -146,8 +147,8 @@ REGISTRY: tuple[ScheduleSpec, ...] = (
         "dualpipev",
         PIPELINE,
         "DualPipeV's order on the fold, its forward/backward pairs co-executed",
-        fold.dualpipev_si_schedule,
-        minimum=fold.MIN_DUALPIPEV,
+        pipe_schedule.dualpipev_si_schedule,
+        minimum=pipe_schedule.MIN_DUALPIPEV,
         co_executes=True,
         auto_candidate=True,
     ),

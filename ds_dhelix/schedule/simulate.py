@@ -1,5 +1,5 @@
 """Pure replay of every rank's instruction stream of a schedule: the fold's (see
-:mod:`ds_dhelix.schedule.fold`) or one stage's (:mod:`ds_dhelix.schedule.one_stage`, ``one_stage=True``:
+:mod:`ds_dhelix.pipe.schedule`) or one stage's (:mod:`ds_dhelix.schedule.one_stage`, ``one_stage=True``:
 one rank, one chunk, the whole model).
 
 :func:`replay` runs all ranks' lists against each other:
@@ -25,7 +25,7 @@ its waits are satisfied. bubble fraction = idle / (p * makespan).
 W schedule bubble, closed form (:func:`w_bubble_closed_form`), for m >= p+1, latency 0 and a
 pair cost c >= max(F, B) (co-executing two strands is never faster than the slower one alone).
 
-Slot model (:mod:`ds_dhelix.schedule.fold`): rank r's phase-0 slot k sits at slot time r+2k
+Slot model (:mod:`ds_dhelix.pipe.schedule`): rank r's phase-0 slot k sits at slot time r+2k
 and holds F0(k)⊗B1(k-p), its phase-1 slot k sits at 2p-1-r+2k and holds F1(k)⊗B0(k-p),
 k = 0..m+p-1. A slot with k < p is forward-only (weight F), p <= k < m a pair (c), k >= m
 backward-only (B). Every rank thus does the same work  W = 2pF + 2(m-p)c + 2pB.
@@ -64,7 +64,7 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from .folding import chunk_index, next_chunk_owner, prev_chunk_owner
+from ..pipe.folding import chunk_index, next_chunk_owner, prev_chunk_owner
 from .instructions import (
     ACTIVATION,
     GRAD,
@@ -530,7 +530,7 @@ def replay(
 
 
 def w_bubble_closed_form(p: int, m: int, F: float = 1.0, B: float = 2.0, pair_cost="max") -> float:
-    """Bubble fraction of :func:`~ds_dhelix.schedule.fold.w_schedule` (derivation: module
+    """Bubble fraction of :func:`~ds_dhelix.pipe.schedule.w_schedule` (derivation: module
     docstring): (p-1)c / (p(F+B) + (m-1)c) with c the pair cost; needs m >= p+1, c >= max(F, B)."""
     c = resolve_pair_cost(F, B, pair_cost)
     if m < p + 1 or c < max(F, B):

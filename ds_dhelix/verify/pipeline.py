@@ -11,7 +11,7 @@ from .tolerances import PP_TOLERANCE
 
 def train_pipeline(opts: ParityOptions, schedule: str, batches) -> dict | None:
     """On every rank of a PP x DP x TP world: train; global rank 0 returns losses and full params."""
-    from ..engine.pipe_module import gather_hf_state_dict
+    from ..pipe.module import gather_hf_state_dict
 
     out = train_leg(
         opts,

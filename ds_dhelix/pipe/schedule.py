@@ -1,6 +1,6 @@
 """Folded pipeline schedules as data: one list of instructions per rank (vocabulary: ``instructions``).
 
-The fold (see :mod:`ds_dhelix.schedule.folding`): rank r runs chunk r in phase 0 (outbound) and chunk
+The fold (see :mod:`ds_dhelix.pipe.folding`): rank r runs chunk r in phase 0 (outbound) and chunk
 2p-1-r in phase 1 (return). A micro-batch's forward goes rank 0 phase 0 -> ... -> rank p-1 phase 0
 -> rank p-1 phase 1 -> ... -> rank 0 phase 1 (loss); its backward goes the reverse way. The
 forward of phase 0 and the backward of phase 1 both move towards rank p-1, the forward of phase 1
@@ -44,8 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .folding import next_chunk_owner, prev_chunk_owner
-from .instructions import (
+from ..schedule.instructions import (
     ACTIVATION,
     GRAD,
     ONE,
@@ -66,6 +65,7 @@ from .instructions import (
     WaitSends,
     compute_parts,
 )
+from .folding import next_chunk_owner, prev_chunk_owner
 
 # ---- minimum micro-batch counts ------------------------------------------------------------------
 

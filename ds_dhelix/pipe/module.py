@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
 from torch import nn
 
-from ..schedule.folding import LayerFold, chunk_index
+from .folding import LayerFold, chunk_index
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -146,7 +146,7 @@ def export_hf_pipeline(
 ) -> str | None:
     """Write the whole pipelined model as an HF checkpoint, streamed from global rank 0 with
     :func:`ds_dhelix.engine.checkpoint.export_hf`'s writer; returns the path on rank 0."""
-    from .checkpoint import export_hf
+    from ..engine.checkpoint import export_hf
 
     return export_hf(
         module.hf_model,
@@ -162,7 +162,7 @@ def pipeline_tensors(module: FoldedPipelineModule, tp_group=None, tp_size: int =
     global rank 0 (collective): each stage gathers its tensors over its TP group and the rank of
     global rank 0's pipeline sends each to it, stage by stage. ``only(name)``: the parameters it
     accepts (a LoRA adapter's factors), default all."""
-    from .checkpoint import hf_tensors
+    from ..engine.checkpoint import hf_tensors
 
     grid = module._grid
     pipe = grid.get_pipe_parallel_group()

@@ -43,14 +43,14 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from hf_models.adapters import num_experts
 
+from ..engine.precision import loss_seed
+from ..engine.stepping import DhelixStepMixin
 from ..graph.objectives import REFERENCE_KEY
 from ..runtime.interpreter import Interpreter
 from ..runtime.tasks import MicroBatch
 from ..schedule import instructions as S
-from ..schedule.folding import LayerFold, chunk_index
 from ..schedule.registry import PIPELINE, lookup
-from .precision import loss_seed
-from .stepping import DhelixStepMixin
+from .folding import LayerFold, chunk_index
 
 ACT, GRAD = 0, 1
 _KIND = {S.ACTIVATION: ACT, S.GRAD: GRAD}
@@ -121,7 +121,7 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
 
     def export_hf(self, out_dir: str, tokenizer=None, max_shard_size="5GB") -> str | None:
         """The whole model as an HF checkpoint written by global rank 0 (collective)."""
-        from .pipe_module import export_hf_pipeline
+        from .module import export_hf_pipeline
 
         return export_hf_pipeline(
             self.module,
@@ -136,8 +136,8 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
         """The LoRA adapter of the whole model as a PEFT directory, from global rank 0 (collective)."""
         from hf_models.lora import is_factor_name
 
-        from .checkpoint import export_adapter
-        from .pipe_module import pipeline_tensors
+        from ..engine.checkpoint import export_adapter
+        from .module import pipeline_tensors
 
         return export_adapter(
             self.module.hf_model,
