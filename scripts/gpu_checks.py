@@ -588,7 +588,116 @@ def check_roofline(device) -> dict:
     }
 
 
-def main(argv=None) -> int:
+TOTAL_BUDGET_S = 420
+"""The whole script's time (under the 8 minutes a lent device allows for it): a check that would
+start after it is ``skipped`` ("out of time")."""
+BUDGET_S = {"two_ranks": 200, "layer_shapes": 150, "host_syncs": 90, "roofline": 90, "step_time": 90}
+"""Each check's own bound (default ``DEFAULT_BUDGET_S``): past it the check fails as timed out."""
+DEFAULT_BUDGET_S = 60
+
+
+def _errors(value, path: str = "") -> list[str]:
+    """Every ``error`` entry in a row, nested ones included (a case inside a check that failed)."""
+    if isinstance(value, dict):
+        found = [f"{path or 'check'}: {value['error']}"] if "error" in value else []
+        return found + [e for k, v in value.items() if k != "error" for e in _errors(v, f"{path}.{k}".lstrip("."))]
+    return []
+
+
+def _bitwise_cases(row: dict) -> str | None:
+    """The parity rows' verdict: every compared case bitwise (a skipped case aside)."""
+    bad = [k for k, v in row.items() if isinstance(v, dict) and "bitwise" in v and not v["bitwise"]]
+    return f"not bitwise: {', '.join(bad)}" if bad else None
+
+
+HOLDS = {
+    "parity": _bitwise_cases,
+    "two_ranks": _bitwise_cases,
+    "profiler": lambda r: None if r["spans"] > 0 and not r["missing_ranges"] else "op spans without profiler ranges",
+    "host_syncs": lambda r: None if r["total_syncs"] == 0 else f"{r['total_syncs']} host syncs in a step",
+    "planner_clock": lambda r: None if r["reduced"] == [1.0, 2.0] else f"reduced {r['reduced']}, not [1.0, 2.0]",
+    "tutel_kernels": lambda r: (
+        None
+        if r["float32"]["buffer_equal"] and r["float32"]["combined_equal"]
+        else "tutel's kernels differ from torch's in fp32"
+    ),
+}
+"""What must hold for a check's row to be ``ok`` (None: it held; else why not). A check without an
+entry holds when it ran to the end (it measures, it does not judge)."""
+
+
+class _TimedOut(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """``_TimedOut`` in this (main) thread after ``seconds`` (SIGALRM; no bound where it is missing)."""
+    import signal
+
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def fire(signum, frame):
+        raise _TimedOut(f"timed out after {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1.0))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class Report:
+    """The rows of one run: each check ``ok`` only when it ran and held, ``skipped`` (ok null) with
+    why when it cannot run here, ``ok: false`` with the error or what did not hold; every row goes
+    to ``<out>/gpu_checks.json`` as soon as it exists, so a failure anywhere leaves what ran."""
+
+    def __init__(self, out_dir: str | None, device: torch.device, total_s: float | None = None):
+        self.out_dir, self.device, self.rows = out_dir, device, []
+        self.total_s = TOTAL_BUDGET_S if total_s is None else total_s
+        self.deadline = time.perf_counter() + self.total_s
+
+    def skip(self, name: str, why: str) -> None:
+        self.add({"check": name, "ok": None, "skipped": why, "wall_s": 0.0})
+
+    def run(self, name: str, fn, needs_cuda: bool = False) -> None:
+        if needs_cuda and self.device.type != "cuda":
+            return self.skip(name, "needs CUDA")
+        left = self.deadline - time.perf_counter()
+        if left < 5:
+            return self.skip(name, f"out of time: the script's {self.total_s:g} s were spent")
+        t0 = time.perf_counter()
+        try:
+            with _time_limit(min(BUDGET_S.get(name, DEFAULT_BUDGET_S), left)):
+                row = {"check": name, **fn()}
+            problems = _errors(row)
+            verdict = None if problems or "skipped" in row else HOLDS.get(name, lambda r: None)(row)
+            row["ok"] = None if "skipped" in row and not problems else not problems and verdict is None
+            if problems or verdict:
+                row["failed"] = "; ".join(problems + ([verdict] if verdict else []))
+        except Exception as err:  # report and go on: one run should say as much as it can
+            row = {"check": name, "ok": False, "error": f"{type(err).__name__}: {err}"}
+        row["wall_s"] = round(time.perf_counter() - t0, 2)
+        self.add(row)
+
+    def add(self, row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+        if self.out_dir:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(os.path.join(self.out_dir, "gpu_checks.json"), "w") as f:
+                json.dump(self.rows, f, indent=1)
+
+    @property
+    def failed(self) -> bool:
+        return any(r["ok"] is False for r in self.rows)
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default="tiny-llama")
@@ -597,70 +706,55 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=5, help="timed steps per schedule (median)")
     p.add_argument("--out", default=None, help="directory for gpu_checks.json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     device = torch.device(args.device)
-    results = []
+    report = Report(args.out, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report.run("env", lambda: {"torch": torch.__version__, "device": args.device, "name": name})
+    try:
+        ref = build_model(args.model, seed=1234)[0].to(device)
+        batches = make_batches(ref.config.vocab_size, args.micro_batches, args.micro_batch_size, args.seq_len, device)
+    except Exception as err:  # the checks below need them: say so, with what ran written
+        report.add({"check": "setup", "ok": False, "error": f"{type(err).__name__}: {err}"})
+        return 1
+    run_checks(report, args, ref, batches, device)
+    return 1 if report.failed else 0
 
-    def report(name, fn):
-        t0 = time.perf_counter()
-        try:
-            row = {"check": name, "ok": True, **fn()}
-        except Exception as err:  # report and go on: one run should say as much as it can
-            row = {"check": name, "ok": False, "error": f"{type(err).__name__}: {err}"}
-        row["wall_s"] = round(time.perf_counter() - t0, 2)
-        print(json.dumps(row), flush=True)
-        results.append(row)
 
-    report(
-        "env",
+def run_checks(report: Report, args, ref, batches, device) -> None:
+    cuda = device.type == "cuda"
+    report.run("parity", lambda: check_parity(ref, batches))
+    report.run("step_time", lambda: check_step_time(ref, batches, args.steps, device))
+    report.run("profiler", lambda: check_profiler(ref, batches, device, args.out))
+    report.run("stream_overlap", lambda: check_stream_overlap(device), needs_cuda=True)
+    report.run("device_events", lambda: check_device_events(device), needs_cuda=True)
+    report.run(
+        "connections",
         lambda: {
-            "torch": torch.__version__,
-            "device": args.device,
-            "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+            "warning": cuda_connections_warning(device),
         },
+        needs_cuda=True,
     )
-    ref = build_model(args.model, seed=1234)[0].to(device)
-    batches = make_batches(ref.config.vocab_size, args.micro_batches, args.micro_batch_size, args.seq_len, device)
-    report("parity", lambda: check_parity(ref, batches))
-    report("step_time", lambda: check_step_time(ref, batches, args.steps, device))
-    report("profiler", lambda: check_profiler(ref, batches, device, args.out))
-    if device.type == "cuda":
-        report("stream_overlap", lambda: check_stream_overlap(device))
-        report("device_events", lambda: check_device_events(device))
-        report(
-            "connections",
-            lambda: {
-                "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
-                "warning": cuda_connections_warning(device),
-            },
-        )
-        report("host_syncs", lambda: check_host_syncs(device, args.micro_batches, 2, 256))
-    report("roofline", lambda: check_roofline(device))
-    report("planner_clock", lambda: check_planner_clock(ref, batches[0], device))
-    report("two_ranks", lambda: check_two_ranks(device))
-    report(
-        "layer_shapes",
-        lambda: check_layer_shapes(device, args.steps) if device.type == "cuda" else check_layer_shapes(device, 1, 2),
+    report.run("host_syncs", lambda: check_host_syncs(device, args.micro_batches, 2, 256), needs_cuda=True)
+    report.run("roofline", lambda: check_roofline(device))
+    report.run("planner_clock", lambda: check_planner_clock(ref, batches[0], device))
+    report.run("two_ranks", lambda: check_two_ranks(device, timeout=90))
+    report.run(
+        "layer_shapes", lambda: check_layer_shapes(device, args.steps) if cuda else check_layer_shapes(device, 1, 2)
     )
     missing = tutel_missing()
     if missing:
-        report("tutel_kernels", lambda: {"skipped": missing})
-    else:
-        report(
-            "tutel_kernels",
-            lambda: (
-                check_tutel_kernels(device)
-                if device.type == "cuda"
-                else check_tutel_kernels(device, tokens=256, hidden=64, reps=2)
-            ),
-        )
-        if device.type == "cuda":
-            report("tutel_overlap", lambda: check_tutel_overlap(device))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_checks.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    return 0 if all(r["ok"] for r in results) else 1
+        report.skip("tutel_kernels", missing)
+        report.skip("tutel_overlap", missing)
+        return
+    small = {} if cuda else {"tokens": 256, "hidden": 64, "reps": 2}
+    report.run("tutel_kernels", lambda: check_tutel_kernels(device, **small))
+    report.run("tutel_overlap", lambda: check_tutel_overlap(device), needs_cuda=True)
 
 
 if __name__ == "__main__":

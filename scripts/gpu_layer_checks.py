@@ -356,10 +356,15 @@ def check_two_ranks(device: torch.device, timeout: int = 240) -> dict:
     """Two processes on the one device, TP=2 and EP=2 over gloo (CUDA tensors on a GPU, where this
     machine's gloo takes them): the CUDA branch of the executor's collectives (device events, the
     side-stream host copies of MoE split sizes) for parity and no hang (a hang fails by the timeout)."""
+    import importlib.util
+
     from ds_dhelix.runtime.spawn import run_ranks
 
     out = {}
     for name, (preset, tp, ep) in TWO_RANK_CASES.items():
+        if ep > 1 and importlib.util.find_spec("deepspeed") is None:  # (its expert groups: runtime/groups.py)
+            out[name] = {"skipped": "EP's groups are DeepSpeed's (ds_dhelix/runtime/groups.py), not installed here"}
+            continue
         try:
             ranks = run_ranks(_two_rank_case, 2, args=(preset, tp, ep, device.type), timeout=timeout)
             out[name] = {"bitwise": all(r["bitwise"] for r in ranks), "ranks": ranks}
