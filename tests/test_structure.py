@@ -196,3 +196,12 @@ def test_no_rebound_module_globals():
                 if isinstance(node, ast.Global):
                     hits.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} global {', '.join(node.names)}")
     assert hits == []
+
+
+def test_the_specified_layout_is_there():
+    """The project's top level as its specification lists it: the package, its MoE and pipeline
+    rooms, the ready ds_configs, the HF adapters, the tests, train.py and pyproject.toml."""
+    for path in ("ds_dhelix", "ds_dhelix/moe", "ds_dhelix/pipe", "ds_configs", "hf_models", "tests"):
+        assert os.path.isdir(os.path.join(ROOT, path)), path
+    for path in ("train.py", "pyproject.toml", "ds_dhelix/pipe/engine.py", "ds_dhelix/pipe/module.py"):
+        assert os.path.isfile(os.path.join(ROOT, path)), path
