@@ -14,6 +14,8 @@ would refuse; torch computes fp16 on CPU).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -40,6 +42,17 @@ def test_si_bitwise_equals_sequential_in_half_precision(dtype):
     assert r["bitwise_equal"] and r["losses"]["si"] == r["losses"]["sequential"], r
     assert r["ok"] and r["hf_close"] is None  # the HF reference is fp32 only
     assert all(1.0 < x < 20.0 for x in r["losses"]["si"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_w_pipeline_bitwise_equals_sequential_in_half_precision(dtype):
+    """A stage without the embedding makes its rotary tables in the stage's dtype (DeepSpeed casts
+    parameters only, not the dropped ones' stand-ins): a q/k-norm family's attention saw fp32
+    queries against bf16 values before."""
+    opts = ParityOptions(model="tiny-qwen3-moe", tp=1, pp=2, schedule="w", num_layers=4, seq_len=32, steps=1)
+    r = run_parity(replace(opts, dtype=dtype), timeout=280)
+    assert r["ok"] and r["bitwise_equal"], r
 
 
 def _train_dtypes(rank, world, steps):

@@ -80,6 +80,22 @@ def test_world_timeout_shows_the_rank_that_failed_first():
     assert "rank 0 failed first" in str(err.value) and "rank zero broke first" in str(err.value)
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_error_ends_the_world_after_a_grace_not_the_timeout(monkeypatch):
+    """Peers stuck on a failed rank do not hold the world for the whole timeout."""
+    import time
+
+    from ds_dhelix.runtime import spawn
+
+    monkeypatch.setattr(spawn, "FAILED_PEER_GRACE_S", 3.0)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as err:
+        spawn.run_ranks(_one_rank_fails, 2, timeout=600)
+    assert time.monotonic() - t0 < 90, "waited for the timeout instead of the grace"
+    assert str(err.value).startswith("the other ranks did not finish within 3 s of an error")
+    assert "rank zero broke first" in str(err.value)
+
+
 def test_collective_failures_names_deepspeeds_own_collectives():
     # a backend error inside DeepSpeed's reduction / optimizer step reads like the executor's own
     from ds_dhelix.runtime.comm import CollectiveError, collective_failures

@@ -51,6 +51,7 @@ from ..runtime.tasks import MicroBatch
 from ..schedule import instructions as S
 from ..schedule.registry import PIPELINE, lookup
 from .folding import LayerFold, chunk_index
+from .module import cast_stand_ins
 
 ACT, GRAD = 0, 1
 _KIND = {S.ACTIVATION: ACT, S.GRAD: GRAD}
@@ -100,6 +101,8 @@ class FoldedPipelineEngine(DhelixStepMixin, PipelineEngine):
 
     def __init__(self, *, dhelix, groups, plan, load_report=None, **kwargs):
         super().__init__(**kwargs)
+        if self.bfloat16_enabled() or self.fp16_enabled():
+            cast_stand_ins(self.module.hf_model, torch.bfloat16 if self.bfloat16_enabled() else torch.half)
         self.load_report = load_report
         self.setup_strands(
             dhelix, groups, self.module.graph, plan, recompute=dhelix.recompute, react=dhelix.react_to_completions

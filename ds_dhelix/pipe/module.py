@@ -51,8 +51,10 @@ def stage_owns(fold: LayerFold, stage: int):
 def prune_to_stage(model: nn.Module, fold: LayerFold, stage: int) -> int:
     """Drop, in place, every parameter ``stage`` does not hold; return the number of kept elements.
     A dropped parameter leaves an empty non-persistent buffer of its dtype in its slot (code that
-    only reads a weight's dtype/device, such as rotary embeddings, keeps working)."""
+    only reads a weight's dtype/device, such as rotary embeddings, keeps working); the stand-ins are
+    listed in ``model._dhelix_stand_ins`` as (module, name), for :func:`cast_stand_ins`."""
     owns = stage_owns(fold, stage)
+    stand_ins = []
     layer_of = {id(p): i for i, layer in enumerate(decoder_layers(model)) for p in layer.parameters()}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -63,7 +65,19 @@ def prune_to_stage(model: nn.Module, fold: LayerFold, stage: int) -> int:
             module.register_buffer(
                 name, torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype, device=device), persistent=False
             )
+            stand_ins.append((module, name))
+    model._dhelix_stand_ins = stand_ins
     return sum(p.numel() for p in model.parameters())
+
+
+def cast_stand_ins(model: nn.Module, dtype: torch.dtype) -> None:
+    """The floating stand-ins of dropped parameters in ``dtype``, the one DeepSpeed cast the kept
+    parameters to (it casts parameters only): a stage without the embedding reads the rotary
+    tables' dtype from the embedding's stand-in, and in bf16 / fp16 they must be the stage's."""
+    for module, name in getattr(model, "_dhelix_stand_ins", ()):
+        buf = module._buffers[name]
+        if buf.is_floating_point() and buf.dtype != dtype:
+            module._buffers[name] = buf.to(dtype)
 
 
 class FoldedPipelineModule(PipelineModule):

@@ -16,6 +16,9 @@ import traceback
 
 import torch.multiprocessing as mp
 
+FAILED_PEER_GRACE_S = 30.0
+"""How long the other ranks may go on once one has reported an error (they may be waiting on it)."""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -86,10 +89,16 @@ def run_ranks(fn, world: int, args=(), timeout: float = 180.0):
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            failed = _failures(outdir, world)  # one rank's error leaves its peers waiting on it
+            if failed:  # they get a grace to fail or finish on their own, not the whole timeout
+                deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
             if time.monotonic() > deadline:
-                failed = _failures(outdir, world)  # one rank's error leaves its peers waiting on it
                 raise TimeoutError(
-                    f"distributed test did not finish within {timeout:.0f} s (hang?)"
+                    (
+                        f"the other ranks did not finish within {FAILED_PEER_GRACE_S:.0f} s of an error"
+                        if failed
+                        else f"distributed test did not finish within {timeout:.0f} s (hang?)"
+                    )
                     + "".join(f"\nrank {r} failed first:\n{tb}" for r, tb in failed)
                 )
     finally:
