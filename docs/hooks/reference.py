@@ -3,6 +3,7 @@ when the site is built, so neither can drift from it.
 
     docs/reference/config.md  <!-- dhelix:config-reference -->  the "dhelix" dataclasses (ds_dhelix.config.reference)
     docs/reference/cli.md     <!-- dhelix:cli-reference -->     train.py's and every `dhelix` subcommand's argparse parser
+    docs/reference/compatibility.md  <!-- dhelix:compatibility -->  the feature matrix (ds_dhelix.verify.features)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_MARKER = "<!-- dhelix:config-reference -->"
 CLI_MARKER = "<!-- dhelix:cli-reference -->"
+COMPATIBILITY_MARKER = "<!-- dhelix:compatibility -->"
 
 
 def config_markdown() -> str:
@@ -93,7 +95,17 @@ def cli_markdown() -> str:
     return "\n".join(parts)
 
 
-GENERATED = {"reference/config.md": (CONFIG_MARKER, config_markdown), "reference/cli.md": (CLI_MARKER, cli_markdown)}
+def compatibility_markdown() -> str:
+    from ds_dhelix.verify.features import covering_array, markdown
+
+    return markdown(covering_array(full=True))
+
+
+GENERATED = {
+    "reference/config.md": (CONFIG_MARKER, config_markdown),
+    "reference/cli.md": (CLI_MARKER, cli_markdown),
+    "reference/compatibility.md": (COMPATIBILITY_MARKER, compatibility_markdown),
+}
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -169,7 +169,9 @@ def run(args) -> int:
         lora=_lora(args),
         extra={**_moe_extra(args), **({"head_chunk": args.head_chunk} if args.head_chunk else {})},
     )
-    _check_setup(opts)
+    from ds_dhelix.verify.options import check_options
+
+    check_options(opts)
     result = run_parity(opts, timeout=args.timeout)
     if args.json:
         print(json.dumps(result, indent=1), file=args.stdout)
@@ -234,23 +236,3 @@ def _print_result(args, opts, result: dict) -> None:
     print(
         f"  peak activation bytes: sequential {pk['sequential']}, {s} {pk[s]} ({pk[s] / max(pk['sequential'], 1):.3f}x)"
     )
-
-
-def _check_setup(opts) -> None:
-    """ValueError before any rank starts: the layout against the model, the schedule, the pipeline."""
-    from ds_dhelix.engine.build import check_setup
-    from hf_models.registry import load_config
-
-    if opts.pp > 1 and opts.schedule == "si":
-        raise ValueError("--pp > 1 runs a folded schedule: pass --schedule w, dualpipev or sequential")
-    if opts.pp == 1 and opts.schedule in ("w", "dualpipev"):
-        raise ValueError(f"--schedule {opts.schedule} folds the model over pipeline ranks: pass --pp 2 or more")
-    if opts.dtype == "fp16":  # as the ranks do: a CPU accelerator without fp16 is told to run it (slowly)
-        from ds_dhelix.engine.precision import force_fp16_capability
-
-        force_fp16_capability()
-    setup = check_setup(opts.ds_config(opts.schedule), load_config(opts.model), opts.world)
-    setup.dims.check_seq_len(opts.seq_len, "--seq-len")
-    from hf_models.adapters import check_packing
-
-    check_packing(load_config(opts.model), opts.packing)

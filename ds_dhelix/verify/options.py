@@ -75,6 +75,34 @@ class ParityOptions:
         }
 
 
+def check_options(opts: ParityOptions, config=None):
+    """``ValueError`` before any rank starts: the layout against the model (its first
+    ``num_layers`` layers when set; ``config``: that config, read already), the schedule, the
+    pipeline, the sequence and the packing — the project's own checks (``check_setup``). Returns
+    the ``Setup``."""
+    from hf_models.adapters import check_packing
+    from hf_models.registry import load_config, with_num_layers
+
+    from ..engine.build import check_setup
+
+    if opts.pp > 1 and opts.schedule == "si":
+        raise ValueError("--pp > 1 runs a folded schedule: pass --schedule w, dualpipev or sequential")
+    if opts.pp == 1 and opts.schedule in ("w", "dualpipev"):
+        raise ValueError(f"--schedule {opts.schedule} folds the model over pipeline ranks: pass --pp 2 or more")
+    if opts.dtype == "fp16":  # as the ranks do: a CPU accelerator without fp16 is told to run it (slowly)
+        from ..engine.precision import force_fp16_capability
+
+        force_fp16_capability()
+    if config is None:
+        config = load_config(opts.model)
+        if opts.num_layers is not None:
+            config = with_num_layers(config, opts.num_layers)
+    setup = check_setup(opts.ds_config(opts.schedule), config, opts.world)
+    setup.dims.check_seq_len(opts.seq_len, "--seq-len")
+    check_packing(config, opts.packing)
+    return setup
+
+
 def trained_stochastic(opts: ParityOptions) -> dict[str, float]:
     """The stochastic settings the trained legs run with, ``{config key: value}`` of those on: the
     model's own (its config's dropout rates, router jitter / noise) with ``opts.dropout`` over
