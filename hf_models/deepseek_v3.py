@@ -13,20 +13,16 @@ from __future__ import annotations
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from . import mla
-from .moe_family import MoeAdapter, MoeFamily, check_groups, check_layers, grouped_sigmoid_route
+from .moe_family import MoeAdapter, check_groups, check_layers, grouped_sigmoid_route
+from .qwen3_moe import FAMILY as QWEN3_MOE
 
-FAMILY = MoeFamily(
+FAMILY = QWEN3_MOE.like(  # Qwen3-MoE's sparse block and files
     name="DeepSeek-V3",
     family="deepseek_v3",
     hf=hf,
-    router="gate",
-    block_jitter=None,
     experts_key="n_routed_experts",
-    files_block="mlp",
-    files_router="gate",
-    files_experts=("gate_proj", "up_proj", "down_proj"),
-    inter_key="moe_intermediate_size",
     shared_expert="plain",
+    qk_norm=None,
     attention="mla",
     route=grouped_sigmoid_route,
     aux_loss=False,

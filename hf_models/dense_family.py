@@ -4,9 +4,10 @@ differs: fused projections, where the norms sit, q/k norm, residual dropout, log
 output-gated attention, Gated DeltaNet layers); everything else is read off the HF modules
 themselves (biases, ``scaling``, a layer's ``sliding_window``, its RoPE kind in
 ``config.layer_types``, NoPE layers' ``use_rope``, which layers are linear attention). An adapter
-is then a spec of a few lines (``llama.py``, ``qwen3.py``, ...). A Gated DeltaNet layer
-(``deltanet.py``) or an output-gated attention layer (``gated_attention.py``) has its own op set
-between ``attn.ag`` and ``attn.rs``; the rest of the layer is the list below.
+is then a spec of a few lines: Llama's (``llama.py``) with what differs (``DenseFamily.like``:
+``qwen3.py``, ...; Qwen3.5 is Qwen3's). A Gated DeltaNet layer (``deltanet.py``) or an
+output-gated attention layer (``gated_attention.py``) has its own op set between ``attn.ag`` and
+``attn.rs``; the rest of the layer is the list below.
 
 Layer ops (``s`` sequence, ``t`` TP size; hidden is sequence-first)::
 
@@ -35,6 +36,7 @@ linear on the way to its weights and reactive SI can defer its weight gradient. 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -97,6 +99,11 @@ class DenseFamily:
     def __post_init__(self):
         assert self.norms in NORM_PLACEMENTS and self.qk_norm in (None, "head", "full"), (self.norms, self.qk_norm)
         assert self.attention in ("mha", "gated") and not (self.attention == "gated" and self.fused_qkv)
+
+    def like(self, **changes) -> DenseFamily:
+        """A family of this kind: this spec with what differs (its ``name``, ``family``, ``hf`` and
+        the fields it changes); everything else is kept."""
+        return dataclasses.replace(self, **changes)
 
     @property
     def dropout_keys(self) -> tuple[str, ...]:

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from transformers.models.gemma3 import modeling_gemma3 as hf
 
-from .dense_family import DenseAdapter, DenseFamily, warn_unused
+from .dense_family import DenseAdapter, warn_unused
+from .llama import FAMILY as LLAMA
+
+FAMILY = LLAMA.like(
+    name="Gemma 3", family="gemma3", hf=hf, qk_norm="head", norms="sandwich", softcap="final_logit_softcapping"
+)
 
 
 def check(config) -> None:
@@ -19,9 +24,4 @@ def check(config) -> None:
         )
 
 
-ADAPTER = DenseAdapter(
-    DenseFamily(
-        name="Gemma 3", family="gemma3", hf=hf, qk_norm="head", norms="sandwich", softcap="final_logit_softcapping"
-    ),
-    check,
-)
+ADAPTER = DenseAdapter(FAMILY, check)

@@ -9,24 +9,11 @@ from __future__ import annotations
 
 from transformers.models.glm4_moe import modeling_glm4_moe as hf
 
-from .moe_family import MoeAdapter, MoeFamily, check_groups, check_layers, grouped_sigmoid_route
+from .deepseek_v3 import FAMILY as DEEPSEEK_V3
+from .moe_family import MoeAdapter, check_groups, check_layers
 
-FAMILY = MoeFamily(
-    name="GLM-4.5",
-    family="glm4_moe",
-    hf=hf,
-    router="gate",
-    block_jitter=None,
-    experts_key="n_routed_experts",
-    files_block="mlp",
-    files_router="gate",
-    files_experts=("gate_proj", "up_proj", "down_proj"),
-    inter_key="moe_intermediate_size",
-    shared_expert="plain",
-    qk_norm="head",
-    route=grouped_sigmoid_route,
-    aux_loss=False,
-)
+# DeepSeek-V3's router, shared experts and files, with grouped-query attention and q/k norm per head
+FAMILY = DEEPSEEK_V3.like(name="GLM-4.5", family="glm4_moe", hf=hf, attention="mha", qk_norm="head")
 
 
 def check_moe(config) -> None:

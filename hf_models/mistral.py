@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from transformers.models.mistral import modeling_mistral as hf
 
-from .dense_family import DenseAdapter, DenseFamily
+from .dense_family import DenseAdapter
+from .llama import FAMILY as LLAMA
 
-ADAPTER = DenseAdapter(DenseFamily(name="Mistral", family="mistral", hf=hf))
+FAMILY = LLAMA.like(name="Mistral", family="mistral", hf=hf)
+ADAPTER = DenseAdapter(FAMILY)

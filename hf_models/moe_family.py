@@ -10,7 +10,9 @@ layers, ``deltanet.py``, among output-gated attention layers, ``gated_attention.
 shared expert). A family is a ``MoeFamily``:
 its attention op set, router function, shared expert, expert layout, where its router and jitter
 live, its expert keys, how its files store the experts. The adapters (``phimoe.py``,
-``deepseek_v3.py``, ...) are that description plus their checks.
+``deepseek_v3.py``, ...) are that description plus their checks; a family of a known kind is its
+base's spec with what differs (``MoeFamily.like``: Phi-MoE of Mixtral; Qwen2-MoE, OLMoE, Qwen3.5-MoE
+and DeepSeek-V3 of Qwen3-MoE; GLM-4.5 of DeepSeek-V3).
 
 Layer ops (``s`` sequence, ``t`` TP size, ``N`` tokens of this rank, hidden sequence-first)::
 
@@ -46,6 +48,7 @@ gathered back to ``[E, ...]`` by global expert id.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -134,6 +137,11 @@ class MoeFamily:
     layout: ExpertLayout = DEFAULT_LAYOUT  # how the fused expert tensors hold an expert (``ExpertLayout``)
     sinks: bool = False  # attention sinks: a learned logit per head (gpt-oss; eager attention)
     sliding: bool = False  # per-layer sliding windows (``config.layer_types``; the module's ``sliding_window``)
+
+    def like(self, **changes) -> MoeFamily:
+        """A family of this kind: this spec with what differs (its ``name``, ``family``, ``hf`` and
+        the fields it changes); everything else, functions such as ``route`` included, is kept."""
+        return dataclasses.replace(self, **changes)
 
     def num_experts(self, config) -> int:
         return getattr(config, self.experts_key)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from transformers.models.olmo3 import modeling_olmo3 as hf
 
-from .dense_family import DenseAdapter, DenseFamily
+from .dense_family import DenseAdapter
+from .llama import FAMILY as LLAMA
 
-ADAPTER = DenseAdapter(DenseFamily(name="OLMo 3", family="olmo3", hf=hf, norms="post", qk_norm="full"))
+FAMILY = LLAMA.like(name="OLMo 3", family="olmo3", hf=hf, norms="post", qk_norm="full")
+ADAPTER = DenseAdapter(FAMILY)

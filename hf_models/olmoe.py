@@ -8,20 +8,11 @@ from __future__ import annotations
 
 from transformers.models.olmoe import modeling_olmoe as hf
 
-from .moe_family import MoeAdapter, MoeFamily, check_top_k
+from .moe_family import MoeAdapter, check_top_k
+from .qwen3_moe import FAMILY as QWEN3_MOE
 
-FAMILY = MoeFamily(
-    name="OLMoE",
-    family="olmoe",
-    hf=hf,
-    router="gate",
-    block_jitter=None,
-    experts_key="num_experts",
-    files_block="mlp",
-    files_router="gate",
-    files_experts=("gate_proj", "up_proj", "down_proj"),
-    qk_norm="full",
-)
+# Qwen3-MoE's router and files; experts of intermediate_size, q/k norm over the whole projection
+FAMILY = QWEN3_MOE.like(name="OLMoE", family="olmoe", hf=hf, inter_key="intermediate_size", qk_norm="full")
 
 
 def check_moe(config) -> None:

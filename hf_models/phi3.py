@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from transformers.models.phi3 import modeling_phi3 as hf
 
-from .dense_family import DenseAdapter, DenseFamily, warn_unused
+from .dense_family import DenseAdapter, warn_unused
+from .llama import FAMILY as LLAMA
+
+FAMILY = LLAMA.like(name="Phi-3", family="phi3", hf=hf, fused_qkv=True, fused_gate_up=True, resid_dropout="resid_pdrop")
 
 
 def check(config) -> None:
     warn_unused(config, "embd_pdrop", "Phi-3")
 
 
-ADAPTER = DenseAdapter(
-    DenseFamily(name="Phi-3", family="phi3", hf=hf, fused_qkv=True, fused_gate_up=True, resid_dropout="resid_pdrop"),
-    check,
-)
+ADAPTER = DenseAdapter(FAMILY, check)

@@ -8,18 +8,15 @@ from __future__ import annotations
 
 from transformers.models.phimoe import modeling_phimoe as hf
 
-from .moe_family import MoeAdapter, MoeFamily
+from .mixtral import FAMILY as MIXTRAL
+from .moe_family import MoeAdapter
 
-FAMILY = MoeFamily(
+FAMILY = MIXTRAL.like(  # Mixtral's sparse block and files; the sparsemixer router
     name="Phi-MoE",
     family="phimoe",
     hf=hf,
     router="router",
     block_jitter="input_jitter_noise",
-    experts_key="num_local_experts",
-    files_block="block_sparse_moe",
-    files_router="gate",
-    files_experts=("w1", "w3", "w2"),
     # the sparsemixer samples among the experts within router_jitter_noise of the best
     # (0: the top ones, no draw), and the block jitters its input by input_jitter_noise
     noise_keys=("router_jitter_noise", "input_jitter_noise"),

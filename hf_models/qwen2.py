@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from transformers.models.qwen2 import modeling_qwen2 as hf
 
-from .dense_family import DenseAdapter, DenseFamily
+from .dense_family import DenseAdapter
+from .llama import FAMILY as LLAMA
 
-ADAPTER = DenseAdapter(DenseFamily(name="Qwen2", family="qwen2", hf=hf))
+FAMILY = LLAMA.like(name="Qwen2", family="qwen2", hf=hf)
+ADAPTER = DenseAdapter(FAMILY)

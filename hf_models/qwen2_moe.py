@@ -11,26 +11,15 @@ from __future__ import annotations
 
 from transformers.models.qwen2_moe import modeling_qwen2_moe as hf
 
-from .moe_family import MoeAdapter, MoeFamily, check_layers, check_top_k
+from . import qwen3_moe
+from .moe_family import MoeAdapter
 
-FAMILY = MoeFamily(
-    name="Qwen2-MoE",
-    family="qwen2_moe",
-    hf=hf,
-    router="gate",
-    block_jitter=None,
-    experts_key="num_experts",
-    files_block="mlp",
-    files_router="gate",
-    files_experts=("gate_proj", "up_proj", "down_proj"),
-    inter_key="moe_intermediate_size",
-    shared_expert="gated",
-)
+# Qwen3-MoE's router, experts and files, with a gated shared expert and no q/k norm
+FAMILY = qwen3_moe.FAMILY.like(name="Qwen2-MoE", family="qwen2_moe", hf=hf, shared_expert="gated", qk_norm=None)
 
 
 def check_moe(config) -> None:
-    check_top_k(config, FAMILY.experts_key)
-    check_layers(config, FAMILY.name)
+    qwen3_moe.check_moe(config, FAMILY)
 
 
 ADAPTER = MoeAdapter(FAMILY, check_moe)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
-from .dense_family import DenseAdapter, DenseFamily
+from .dense_family import DenseAdapter
+from .llama import FAMILY as LLAMA
 
-ADAPTER = DenseAdapter(DenseFamily(name="Qwen3", family="qwen3", hf=hf, qk_norm="head"))
+FAMILY = LLAMA.like(name="Qwen3", family="qwen3", hf=hf, qk_norm="head")
+ADAPTER = DenseAdapter(FAMILY)

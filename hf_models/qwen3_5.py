@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from .dense_family import DenseAdapter, DenseFamily
+from .dense_family import DenseAdapter
+from .qwen3 import FAMILY as QWEN3
 
 KINDS = ("linear_attention", "full_attention")
 
@@ -20,7 +21,6 @@ def check_layer_types(config, name: str) -> None:
         raise ValueError(f"{name} layer_types {bad}: only {list(KINDS)} exist")
 
 
-ADAPTER = DenseAdapter(
-    DenseFamily(name="Qwen3.5", family="qwen3_5", hf=hf, qk_norm="head", attention="gated", linear_attention=True),
-    lambda config: check_layer_types(config, "Qwen3.5"),
-)
+# Qwen3 (q/k norm per head) with output-gated attention and Gated DeltaNet layers
+FAMILY = QWEN3.like(name="Qwen3.5", family="qwen3_5", hf=hf, attention="gated", linear_attention=True)
+ADAPTER = DenseAdapter(FAMILY, lambda config: check_layer_types(config, FAMILY.name))

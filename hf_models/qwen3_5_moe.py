@@ -10,24 +10,13 @@ from __future__ import annotations
 
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
-from .moe_family import MoeAdapter, MoeFamily, check_top_k
+from .moe_family import MoeAdapter, check_top_k
 from .qwen3_5 import check_layer_types
+from .qwen3_moe import FAMILY as QWEN3_MOE
 
-FAMILY = MoeFamily(
-    name="Qwen3.5-MoE",
-    family="qwen3_5_moe",
-    hf=hf,
-    router="gate",
-    block_jitter=None,
-    experts_key="num_experts",
-    files_block="mlp",
-    files_router="gate",
-    files_experts=("gate_proj", "up_proj", "down_proj"),
-    inter_key="moe_intermediate_size",
-    shared_expert="gated",
-    qk_norm="head",
-    attention="gated",
-    linear_attention=True,
+# Qwen3-MoE with a gated shared expert, output-gated attention and Gated DeltaNet layers
+FAMILY = QWEN3_MOE.like(
+    name="Qwen3.5-MoE", family="qwen3_5_moe", hf=hf, shared_expert="gated", attention="gated", linear_attention=True
 )
 
 

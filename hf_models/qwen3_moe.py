@@ -26,9 +26,10 @@ FAMILY = MoeFamily(
 )
 
 
-def check_moe(config) -> None:
-    check_top_k(config, FAMILY.experts_key)
-    check_layers(config, FAMILY.name)
+def check_moe(config, family: MoeFamily = FAMILY) -> None:
+    """Top-k and dense-layer settings ``family`` (Qwen3-MoE or one derived from it) cannot run."""
+    check_top_k(config, family.experts_key)
+    check_layers(config, family.name)
 
 
 ADAPTER = MoeAdapter(FAMILY, check_moe)

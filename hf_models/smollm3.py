@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from transformers.models.smollm3 import modeling_smollm3 as hf
 
-from .dense_family import DenseAdapter, DenseFamily
+from .dense_family import DenseAdapter
+from .llama import FAMILY as LLAMA
 
-ADAPTER = DenseAdapter(DenseFamily(name="SmolLM3", family="smollm3", hf=hf))
+FAMILY = LLAMA.like(name="SmolLM3", family="smollm3", hf=hf)
+ADAPTER = DenseAdapter(FAMILY)

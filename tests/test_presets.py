@@ -1,12 +1,19 @@
 """Adapter tier, registry part: tiny presets build, train a step's forward/backward and round-trip
-through save_pretrained -> from_pretrained with identical logits."""
+through save_pretrained -> from_pretrained with identical logits; family specs derive from their
+base by difference."""
 
+import ast
+import dataclasses
+import importlib
+import inspect
 import json
 
 import pytest
 import torch
 
 from ds_dhelix.data import BOS_ID, EOS_ID, PAD_ID, batch_iterator, build_embedded_corpus, encode_text, train_tokenizer
+from hf_models.adapters import ADAPTERS
+from hf_models.moe_family import grouped_sigmoid_route
 from hf_models.registry import PRESETS, build_model, is_preset, load_config, load_tokenizer_for
 
 EXPECTED = {
@@ -386,3 +393,73 @@ def test_load_tokenizer_for_checkpoint_dirs(tmp_path, cache_dir):
     train_tokenizer(build_embedded_corpus()[:50_000], 300).save_pretrained(own)
     assert len(load_tokenizer_for(own, cache_dir)) == 300
     assert json.loads((own / "config.json").read_text())["model_type"] == "gpt2"
+
+
+# ---- family specs by difference (STYLE.md, "A family is a spec"): each derived spec is its base's
+# ``like(...)`` and differs from it in exactly the fields listed here, so a new family of a known kind
+# is a handful of lines and a spec cannot quietly restate (or drift from) its base.
+SPEC_IDENTITY = {"name", "family", "hf"}  # what every derived family states: its own
+SPEC_ROOTS = ("llama", "mixtral", "qwen3_moe", "gpt_oss")  # specs written in full
+SPEC_MODULES = ("gpt2", "gpt_neox")  # adapters without a spec dataclass
+
+SPEC_DERIVED = {  # model_type: (base model_type, the fields it states beyond SPEC_IDENTITY)
+    "mistral": ("llama", set()),
+    "qwen2": ("llama", set()),
+    "smollm3": ("llama", set()),
+    "qwen3": ("llama", {"qk_norm"}),
+    "olmo3": ("llama", {"norms", "qk_norm"}),
+    "phi3": ("llama", {"fused_qkv", "fused_gate_up", "resid_dropout"}),
+    "gemma3_text": ("llama", {"qk_norm", "norms", "softcap"}),
+    "qwen3_5_text": ("qwen3", {"attention", "linear_attention"}),
+    "phimoe": ("mixtral", {"router", "block_jitter", "noise_keys"}),
+    "qwen2_moe": ("qwen3_moe", {"shared_expert", "qk_norm"}),
+    "olmoe": ("qwen3_moe", {"inter_key", "qk_norm"}),
+    "qwen3_5_moe_text": ("qwen3_moe", {"shared_expert", "attention", "linear_attention"}),
+    "deepseek_v3": ("qwen3_moe", {"experts_key", "shared_expert", "qk_norm", "attention", "route", "aux_loss"}),
+    "glm4_moe": ("deepseek_v3", {"attention", "qk_norm"}),
+}
+
+
+def family_spec(model_type: str):
+    module = importlib.import_module(ADAPTERS[model_type])
+    assert module.ADAPTER.FAMILY is module.FAMILY  # the spec the registry's adapter runs
+    return module.FAMILY
+
+
+def spec_fields(family) -> dict:
+    # not dataclasses.asdict: it deep-copies, and ``hf`` is a module
+    return {f.name: getattr(family, f.name) for f in dataclasses.fields(family)}
+
+
+def stated_keywords(model_type: str) -> set[str]:
+    """The keywords of the module's ``FAMILY = <base>.like(...)``: what its source states."""
+    tree = ast.parse(inspect.getsource(importlib.import_module(ADAPTERS[model_type])))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["FAMILY"]:
+            call = node.value
+            assert isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "like", model_type
+            return {k.arg for k in call.keywords}
+    raise AssertionError(f"{model_type}: no FAMILY = ....like(...)")
+
+
+def test_every_family_is_a_root_or_derived():
+    assert sorted(SPEC_ROOTS + SPEC_MODULES + tuple(SPEC_DERIVED)) == sorted(ADAPTERS)
+
+
+@pytest.mark.parametrize("model_type", sorted(SPEC_DERIVED))
+def test_derived_spec_differs_only_in_what_it_states(model_type):
+    base_type, stated = SPEC_DERIVED[model_type]
+    derived, base = spec_fields(family_spec(model_type)), spec_fields(family_spec(base_type))
+    differing = {key for key in derived if derived[key] != base[key]}
+    assert differing == SPEC_IDENTITY | stated, f"{model_type} vs its base {base_type}"
+    assert stated_keywords(model_type) == SPEC_IDENTITY | stated, f"{model_type} states more than it changes"
+    assert type(family_spec(model_type)) is type(family_spec(base_type))
+
+
+def test_like_keeps_functions_and_checks_its_fields():
+    glm = family_spec("glm4_moe")
+    assert glm.route is grouped_sigmoid_route and glm.route is family_spec("deepseek_v3").route
+    with pytest.raises(TypeError):
+        family_spec("mixtral").like(no_such_field=1)
+    with pytest.raises(AssertionError):  # DenseFamily's own checks run on the derived spec
+        family_spec("llama").like(norms="nowhere")
