@@ -62,6 +62,9 @@ def _run(opts, schedule: str, overlap: bool):
 
 
 def _world(rank, world, cases):
+    from ds_dhelix.engine.precision import force_fp16_capability
+
+    force_fp16_capability()  # the fp16 cases on a CPU without DeepSpeed's fp16 support (torch runs it)
     out = {}
     for name, (model, layout) in cases.items():
         opts = _opts(model, layout)
@@ -122,19 +125,25 @@ def test_order_is_the_backward_finalising_order_without_replicated_weights():
 
 
 def test_bucket_default_is_one_layer_unless_the_config_sets_it():
+    from ds_dhelix.config.dims import ParallelDims
+    from ds_dhelix.config.ds_settings import DeepSpeedSettings
     from ds_dhelix.config.section import DhelixConfig
-    from ds_dhelix.engine.build import default_reduce_bucket
+    from ds_dhelix.engine.build import Setup, deepspeed_view, default_reduce_bucket
+
+    def view(cfg, dh):
+        setup = Setup(dh, DeepSpeedSettings.from_ds_config(cfg), ParallelDims(1), None, None)
+        return setup, deepspeed_view(cfg, setup, model, 4)
 
     model = torch.nn.Linear(10, 10)  # 110 trained elements
     cfg = {"zero_optimization": {"stage": 1}}
-    default_reduce_bucket(cfg, DhelixConfig(enabled=True), model, 4)
-    assert cfg["zero_optimization"]["reduce_bucket_size"] == 28
+    setup, written = view(cfg, DhelixConfig(enabled=True))
+    assert default_reduce_bucket(setup, model, 4) == 28 and written["zero_optimization"]["reduce_bucket_size"] == 28
+    assert cfg == {"zero_optimization": {"stage": 1}}  # the caller's dict is left as it was
     cfg = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 1000}}
-    default_reduce_bucket(cfg, DhelixConfig(enabled=True), model, 4)
-    assert cfg["zero_optimization"]["reduce_bucket_size"] == 1000
-    cfg = {}
-    default_reduce_bucket(cfg, DhelixConfig(enabled=True, overlap_grad_reduction=False), model, 4)
-    assert cfg == {}
+    setup, written = view(cfg, DhelixConfig(enabled=True))
+    assert default_reduce_bucket(setup, model, 4) is None and written["zero_optimization"]["reduce_bucket_size"] == 1000
+    setup, written = view({}, DhelixConfig(enabled=True, overlap_grad_reduction=False))
+    assert written == {}
 
 
 def test_the_summary_reports_the_reduction_and_what_waited():

@@ -372,16 +372,18 @@ def test_a_stock_stage3_config_through_the_trainer(tmp_path):
     ],
 )
 def test_what_stage3_cannot_take_is_refused_in_one_line(zero, dhelix, words):
+    from ds_dhelix.config.ds_settings import ZeroSettings
     from ds_dhelix.config.section import DhelixConfig
     from ds_dhelix.engine.zero3 import check_zero3
 
     cfg = {"zero_optimization": {"stage": 3, **zero}, "dhelix": {"enabled": True, **dhelix}}
     with pytest.raises(ValueError) as err:
-        check_zero3(cfg, DhelixConfig.from_ds_config(cfg))
+        check_zero3(ZeroSettings.parse(cfg["zero_optimization"]), DhelixConfig.from_ds_config(cfg))
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
 
 
 def test_keys_that_do_nothing_are_said_and_a_partitioned_model_is_refused():
+    from ds_dhelix.config.ds_settings import ZeroSettings
     from ds_dhelix.config.section import DhelixConfig
     from ds_dhelix.engine.build import check_model_settings
     from ds_dhelix.engine.zero3 import check_zero3
@@ -389,11 +391,11 @@ def test_keys_that_do_nothing_are_said_and_a_partitioned_model_is_refused():
 
     zero = {"stage": 3, "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": False}
     cfg = {"zero_optimization": zero, "dhelix": {"enabled": True}}
-    said = check_zero3(cfg, DhelixConfig.from_ds_config(cfg))
+    said = check_zero3(ZeroSettings.parse(zero), DhelixConfig.from_ds_config(cfg))
     assert len(said) == 2 and "stage3_max_reuse_distance do nothing" in said[0] and "one tensor at a" in said[1]
     honoured = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}, "dhelix": {"enabled": True}}
-    assert check_zero3(honoured, DhelixConfig.from_ds_config(honoured)) == []
-    assert check_zero3({"zero_optimization": {"stage": 3}}, DhelixConfig.from_ds_config(cfg)) == []
+    assert check_zero3(ZeroSettings.parse(honoured["zero_optimization"]), DhelixConfig.from_ds_config(honoured)) == []
+    assert check_zero3(ZeroSettings.parse({"stage": 3}), DhelixConfig.from_ds_config(cfg)) == []
     model = build_model("tiny-llama", seed=1, num_layers=1)[0]
     next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves on a parameter
     with pytest.raises(ValueError, match="partitioned already"):

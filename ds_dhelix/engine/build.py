@@ -27,6 +27,7 @@ from hf_models.lora import use_dropout as use_lora_dropout
 
 from ..config.dims import ParallelDims
 from ..config.ds_keys import check_deepspeed_keys
+from ..config.ds_settings import DeepSpeedSettings
 from ..config.section import (
     ONE_STAGE_SCHEDULES,
     PIPELINE_SCHEDULES,
@@ -52,25 +53,30 @@ class Setup:
     """What the checks before any model is built establish."""
 
     dh: DhelixConfig
+    ds: DeepSpeedSettings  # the DeepSpeed settings, parsed once
     dims: ParallelDims
     batch: BatchSizes
     fold: LayerFold | None  # the layer fold of a pipeline (pp > 1)
+    given: frozenset[str] = frozenset()  # the keys the dhelix section sets
 
 
 def check_setup(ds_config: dict, model_config, world: int, client_optimizer: bool = False) -> Setup:
     """Every mistake that can be found without a model, as one ``ValueError`` naming the values and
     the fix: top-level keys DeepSpeed does not read, the dhelix section, parallel sizes against the
     world and the model's shape, the batch arithmetic, ZeRO, the schedule, the pipeline's fold and
-    micro-batch count. ``client_optimizer``: the caller passes its own optimizer."""
+    micro-batch count. ``client_optimizer``: the caller passes its own optimizer. The checks below
+    read the typed views (``DhelixConfig``, ``DeepSpeedSettings``), never the dict."""
     dh = DhelixConfig.from_ds_config(ds_config)
-    check_deepspeed_keys(ds_config, dh.allow_unknown_deepspeed_keys)
-    _check_sections(ds_config, dh)
+    given = frozenset(ds_config.get("dhelix") or {})
+    ds = DeepSpeedSettings.from_ds_config(ds_config)
+    check_deepspeed_keys(ds.keys, dh.allow_unknown_deepspeed_keys)
+    _check_sections(ds, dh, given)
     dims = ParallelDims.from_config(dh, world)
     batch = derive_batch(ds_config, dims)
-    _check_zero(ds_config, dh, client_optimizer)
-    check_fp16(ds_config)
+    _check_zero(ds, dh, client_optimizer)
+    check_fp16(ds.fp16)
     if not dh.enabled:
-        return Setup(dh, dims, batch, None)
+        return Setup(dh, ds, dims, batch, None, given)
     adapter = check_model(dims, model_config)
     ep = dh.expert_parallel
     if not hasattr(adapter, "check_ep") and (ep.capacity_factor is not None or ep.aux_loss_coef is not None):
@@ -80,8 +86,8 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
         )
     if hasattr(adapter, "check_aux"):
         adapter.check_aux(ep.aux_loss_coef)
-    _check_moe_kernels(ds_config, dh, adapter, model_config)
-    _check_not_yet(ds_config)
+    _check_moe_kernels(ds, dh, adapter, model_config)
+    _check_not_yet(ds)
     fold = None
     if dims.pp == 1 and dh.schedule not in ONE_STAGE_SCHEDULES:
         raise ValueError(
@@ -89,7 +95,7 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
             f"dhelix.pipeline.stages >= 2, or use one of {list(ONE_STAGE_SCHEDULES)} with one stage"
         )
     if dims.pp > 1:
-        fold = _check_pipeline(dh, ds_config, dims, batch, model_config.num_hidden_layers)
+        fold = _check_pipeline(dh, ds, dims, batch, model_config.num_hidden_layers)
     if dh.schedule == "intra" and batch.micro_batch_size < 2:
         raise ValueError(
             f"dhelix.schedule = 'intra' splits each micro-batch in two along the batch, but "
@@ -102,24 +108,23 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
             f"1: 'intra' needs 2 or more samples per micro-batch, which leaves one candidate; add "
             f"'sequential' or 'si', or use a micro-batch of 2"
         )
-    return Setup(dh, dims, batch, fold)
+    return Setup(dh, ds, dims, batch, fold, given)
 
 
-def _check_moe_kernels(ds_config: dict, dh: DhelixConfig, adapter, model_config) -> None:
+def _check_moe_kernels(ds: DeepSpeedSettings, dh: DhelixConfig, adapter, model_config) -> None:
     """``dhelix.moe.kernels`` this run cannot use (tutel missing, a model without experts, a dtype)."""
     check_kernels(
         dh.moe.kernels,
         moe=hasattr(adapter, "check_ep"),
-        fp16=bool((ds_config.get("fp16") or {}).get("enabled")),
+        fp16=ds.fp16,
         device=get_accelerator().device_name(),
         hidden_size=getattr(model_config, "hidden_size", None),
     )
 
 
-def _check_not_yet(ds_config: dict) -> None:
+def _check_not_yet(ds: DeepSpeedSettings) -> None:
     """DeepSpeed features ds_dhelix does in its own way: refused, naming its key, never ignored."""
-    section = ds_config.get("activation_checkpointing") or {}
-    on = sorted(k for k, v in section.items() if v)  # an all-off section (config templates ship one) asks for nothing
+    on = ds.checkpointing_on  # an all-off section (config templates ship one) asks for nothing
     if on:
         raise ValueError(
             f'"activation_checkpointing" sets {", ".join(on)} with dhelix: DeepSpeed\'s checkpointing '
@@ -152,31 +157,19 @@ def check_model_settings(model) -> None:
 
 
 ZERO_STAGES_WITH_DHELIX = (0, 1, 2, 3)
-SECTIONS = ("fp16", "bf16", "zero_optimization", "activation_checkpointing", "scheduler", "optimizer")
 UNSUPPORTED_KEYS = {
     "sequence_parallel_size": "DeepSpeed-Ulysses sequence parallelism",
     "data_parallel_size": "a DeepSpeed mesh (with sequence_parallel_size)",
 }
 
 
-def zero_stage(ds_config: dict) -> int:
-    """``zero_optimization.stage`` (0 when absent); ``ValueError`` unless it is 0, 1, 2 or 3."""
-    zero = ds_config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_optimization.stage = {stage!r}: use 0, 1, 2 or 3")
-    return stage
-
-
-def _check_sections(ds_config: dict, dh) -> None:
-    """DeepSpeed sections are JSON objects; keys train.py and ds_dhelix cannot honour are refused."""
-    for key in SECTIONS:
-        if key in ds_config and not isinstance(ds_config[key], dict):
-            raise ValueError(f'"{key}" must be a JSON object (e.g. {{"enabled": true}}), got {ds_config[key]!r}')
+def _check_sections(ds: DeepSpeedSettings, dh, given: frozenset[str]) -> None:
+    """Keys train.py and ds_dhelix cannot honour are refused (``DeepSpeedSettings`` has checked that
+    the sections are JSON objects)."""
     for key, what in UNSUPPORTED_KEYS.items():
-        if key in ds_config:
+        if key in ds.keys:
             raise ValueError(f'"{key}" ({what}) is not supported with ds_dhelix / train.py; remove it')
-    given = set(ds_config.get("dhelix") or {}) - {"enabled", "allow_unknown_deepspeed_keys"}
+    given = set(given) - {"enabled", "allow_unknown_deepspeed_keys"}
     if not dh.enabled and given:
         raise ValueError(
             f"dhelix.enabled is false but the section sets {sorted(given)}, which a plain DeepSpeed "
@@ -184,19 +177,19 @@ def _check_sections(ds_config: dict, dh) -> None:
         )
 
 
-def _check_zero(ds_config: dict, dh, client_optimizer: bool) -> None:
-    stage = zero_stage(ds_config)
+def _check_zero(ds: DeepSpeedSettings, dh, client_optimizer: bool) -> None:
+    stage = ds.zero.stage
     if dh.enabled and stage not in ZERO_STAGES_WITH_DHELIX:
         raise ValueError(
             f"zero_optimization.stage = {stage!r} with dhelix: supported stages are {list(ZERO_STAGES_WITH_DHELIX)}"
         )
-    _check_grad_accum_dtype(ds_config, stage)
+    _check_grad_accum_dtype(ds)
     if dh.enabled and stage == 3:
         from .zero3 import check_zero3
 
-        for warning in check_zero3(ds_config, dh):
+        for warning in check_zero3(ds.zero, dh):
             _warn_once(warning)
-    if stage >= 1 and "optimizer" not in ds_config and not client_optimizer:
+    if stage >= 1 and not ds.has_optimizer and not client_optimizer:
         raise ValueError(
             f"zero_optimization.stage = {stage} partitions the optimizer state but the ds_config "
             f'has no "optimizer" section; add one (e.g. {{"type": "AdamW", "params": '
@@ -214,33 +207,30 @@ def _warn_once(text: str) -> None:
         logger.warning(text)
 
 
-def _check_grad_accum_dtype(ds_config: dict, stage: int) -> None:
+def _check_grad_accum_dtype(ds: DeepSpeedSettings) -> None:
     """``data_types.grad_accum_dtype`` other than the training dtype: the op graph accumulates each
     micro-batch's gradient into ``.grad``, in the parameters' dtype, and DeepSpeed reduces once per
     step, so its separate accumulation never runs (at ZeRO-1 with fp16 it would see no gradient
     and train nothing, with bf16 it takes its BF16_Optimizer, at ZeRO-0 it refuses the mix).
     Refused, naming the fix."""
-    accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
-    half = next((k for k in ("bf16", "fp16") if (ds_config.get(k) or {}).get("enabled")), None)
-    names = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
-    if accum is None or names.get(str(accum).lower(), accum) == (half or "fp32"):
+    if ds.grad_accum_matches:
         return
     raise ValueError(
-        f"data_types.grad_accum_dtype = {accum!r} with {half or 'fp32'} training (zero_optimization.stage = "
-        f"{stage}): ds_dhelix accumulates each micro-batch's gradient in the parameters' dtype and DeepSpeed "
+        f"data_types.grad_accum_dtype = {ds.grad_accum_dtype!r} with {ds.half or 'fp32'} training "
+        f"(zero_optimization.stage = {ds.zero.stage}): ds_dhelix accumulates each micro-batch's gradient in the parameters' dtype and DeepSpeed "
         f"reduces it once per step, so a separate accumulation dtype is not honoured; remove "
         f'"grad_accum_dtype" (fp32 training accumulates in fp32)'
     )
 
 
-def _check_pipeline(dh, ds_config: dict, dims: ParallelDims, batch: BatchSizes, num_layers: int) -> LayerFold:
+def _check_pipeline(dh, ds: DeepSpeedSettings, dims: ParallelDims, batch: BatchSizes, num_layers: int) -> LayerFold:
     p = dims.pp
     if dh.schedule not in PIPELINE_SCHEDULES:
         raise ValueError(
             f"dhelix.schedule = {dh.schedule!r} with pipeline.stages = {p}: a pipeline runs "
             f"one of {list(PIPELINE_SCHEDULES)} ('si' is the one-stage schedule)"
         )
-    stage = zero_stage(ds_config)
+    stage = ds.zero.stage
     if stage >= 2:
         raise ValueError(
             f"zero_optimization.stage = {stage} with pipeline.stages = {p}: ZeRO-2/3 partition "
@@ -420,7 +410,7 @@ def build_engine(
     model, lora = unwrap_peft(model)
     check_model_settings(model)
     named = parameter_names(model, model_parameters)
-    _warn_ignored_by_pipeline(config, setup)
+    _warn_ignored_by_pipeline(setup)
     groups = ProcessGroups.create(setup.dims)
     model.dhelix_lora = lora
     graph = model.dhelix_graph = shard_model(model, setup.dh, setup.dims, groups)
@@ -432,7 +422,7 @@ def build_engine(
     report = load_shards(model, weights, groups.rank, setup.dh.seed)
     dh = setup.dh
     if plan is None and dh.schedule in ("si", "auto") and dh.si_execution == "plan":
-        plan = _configured_plan(dh, graph, model, groups, config, example_batch)
+        plan = _configured_plan(setup, graph, model, groups, example_batch)
     if graph.is_moe:  # knows expert parameters, logs aux loss and expert load
         from .moe_engine import DhelixMoeEngine as engine_class
     else:
@@ -451,17 +441,15 @@ def build_engine(
     )
 
 
-def default_reduce_bucket(ds_config: dict, dh: DhelixConfig, model, num_blocks: int) -> None:
-    """With ``overlap_grad_reduction``, a ``zero_optimization.reduce_bucket_size`` the ds_config
-    leaves out becomes one layer's trained parameters on this rank (the rank's trained elements
-    over the op graph's blocks): DeepSpeed's default (5e8 elements) holds most models whole, and a
-    bucket is reduced only once it is full."""
-    zero = ds_config.get("zero_optimization") or {}
-    if not dh.overlap_grad_reduction or "reduce_bucket_size" in zero:
-        return
-    ds_config["zero_optimization"] = zero
+def default_reduce_bucket(setup: Setup, model, num_blocks: int) -> int | None:
+    """With ``overlap_grad_reduction``, the ``zero_optimization.reduce_bucket_size`` for a ds_config
+    that leaves it out: one layer's trained parameters on this rank (the rank's trained elements over
+    the op graph's blocks), as DeepSpeed's default (5e8 elements) holds most models whole, and a
+    bucket is reduced only once it is full. None: the ds_config sets it, or no overlap."""
+    if not setup.dh.overlap_grad_reduction or setup.ds.zero.reduce_bucket_size is not None:
+        return None
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    zero["reduce_bucket_size"] = max(1, -(-trained // max(num_blocks, 1)))
+    return max(1, -(-trained // max(num_blocks, 1)))
 
 
 def deepspeed_view(config: dict, setup: Setup, model=None, num_blocks: int = 1) -> dict:
@@ -470,8 +458,9 @@ def deepspeed_view(config: dict, setup: Setup, model=None, num_blocks: int = 1) 
     stage of ``model`` (``num_blocks`` op-graph blocks): ``default_reduce_bucket``."""
     ds_config = copy.deepcopy(config)
     ds_config.pop("dhelix", None)
-    if model is not None and setup.dims.pp == 1:
-        default_reduce_bucket(ds_config, setup.dh, model, num_blocks)
+    bucket = default_reduce_bucket(setup, model, num_blocks) if model is not None and setup.dims.pp == 1 else None
+    if bucket is not None:
+        ds_config["zero_optimization"] = {**(ds_config.get("zero_optimization") or {}), "reduce_bucket_size": bucket}
     if setup.dims.cp > 1:
         b = setup.batch
         ds_config.update(
@@ -511,12 +500,12 @@ def initialize(
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
-def _warn_ignored_by_pipeline(ds_config: dict, setup: Setup) -> None:
+def _warn_ignored_by_pipeline(setup: Setup) -> None:
     """The pipeline runs every pair by its plan (the default plan): keys of reactive execution are
     harmless there but do nothing; say so once."""
-    section = ds_config.get("dhelix") or {}
-    given = [k for k in ("si_execution", "defer_weight_grads", "react_to_completions") if k in section]
-    given += ["overlap_grad_reduction"] if section.get("overlap_grad_reduction") is True else []
+    dh = setup.dh
+    given = [k for k in ("si_execution", "defer_weight_grads", "react_to_completions") if k in setup.given]
+    given += ["overlap_grad_reduction"] if "overlap_grad_reduction" in setup.given and dh.overlap_grad_reduction else []
     if setup.dims.pp > 1 and given and dist.get_rank() == 0:
         logger.warning(
             f"ds_dhelix: dhelix.{' and dhelix.'.join(given)} have no effect with a pipeline: every "
@@ -524,7 +513,8 @@ def _warn_ignored_by_pipeline(ds_config: dict, setup: Setup) -> None:
             f"reduction runs after the last backward"
         )
     if (
-        section.get("react_to_completions") is True
+        "react_to_completions" in setup.given
+        and dh.react_to_completions
         and get_accelerator().device_name() == "cuda"
         and dist.get_rank() == 0
     ):
@@ -579,7 +569,7 @@ def _pipeline_engine(
     )
 
 
-def _on_run_device(model, example_batch: dict | None, ds_config: dict, log) -> dict | None:
+def _on_run_device(model, example_batch: dict | None, ds: DeepSpeedSettings, log) -> dict | None:
     """The model moved to the device DeepSpeed's engine will put it on (it moves it there anyway),
     and the profiling micro-batch with it, so the planner times the run's device; a model that
     DeepSpeed will cast to bf16 / fp16 after is timed in its own dtype (said once)."""
@@ -588,10 +578,7 @@ def _on_run_device(model, example_batch: dict | None, ds_config: dict, log) -> d
     device = torch.device(get_accelerator().current_device_name())
     model.to(device)
     dtype = next(model.parameters()).dtype
-    cast = next(
-        (t for k, t in (("bf16", torch.bfloat16), ("fp16", torch.float16)) if (ds_config.get(k) or {}).get("enabled")),
-        None,
-    )
+    cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(ds.half)
     if cast is not None and dtype != cast:
         log(
             f"ds_dhelix: the planner times the model in {dtype} before DeepSpeed casts it to {cast}; build "
@@ -602,16 +589,17 @@ def _on_run_device(model, example_batch: dict | None, ds_config: dict, log) -> d
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example_batch.items()}
 
 
-def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, example_batch) -> SIPlan:
+def _configured_plan(setup: Setup, graph, model, groups: ProcessGroups, example_batch) -> SIPlan:
     """The searched plan when ``planner.profile`` asks for one, else the default plan."""
     from ..planning.planner import predict_ms
     from ..runtime.profiler import resolve_plan, run_meta
 
     specs = graph.layer_specs()
     fallback = default_plan(specs, backward_order(specs))
+    dh = setup.dh
     if dh.planner.profile == "off":
         return fallback
-    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    micro = setup.ds.micro_batch_size
     shape = tuple(example_batch["input_ids"].shape) if example_batch is not None else (micro, None)
     dtype = next(model.parameters()).dtype
     meta = run_meta(
@@ -627,7 +615,7 @@ def _configured_plan(dh, graph, model, groups: ProcessGroups, ds_config: dict, e
         fused=dh.fuse_ops,
     )
     log = (lambda msg: logger.info(msg)) if groups.rank == 0 else (lambda msg: None)
-    example_batch = _on_run_device(model, example_batch, ds_config, log)
+    example_batch = _on_run_device(model, example_batch, setup.ds, log)
     plan, table = resolve_plan(dh.planner, graph, meta, example_batch, list(model.parameters()), log)
     fused = " over fused runs (fuse_ops: false lets the planner cut a run)" if dh.fuse_ops else ""
     log(

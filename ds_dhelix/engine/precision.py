@@ -22,9 +22,10 @@ def fp16_supported() -> tuple[bool, str]:
     return bool(acc.is_fp16_supported()), acc.device_name()
 
 
-def check_fp16(ds_config: dict) -> None:
-    """One clear line before any model is built when the config asks for fp16 the device lacks."""
-    if (ds_config.get("fp16") or {}).get("enabled"):
+def check_fp16(fp16: bool) -> None:
+    """One clear line before any model is built when the config asks for fp16 (``fp16.enabled``)
+    the device lacks."""
+    if fp16:
         ok, device = fp16_supported()
         if not ok:
             raise ValueError(FP16_UNSUPPORTED.format(device=device))

@@ -44,6 +44,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from ..config.ds_settings import ZEROPP_KEYS, ZeroSettings
 from ..graph.model_graph import Op
 from ..graph.ops import OpKind
 from ..runtime.comm import Pending, Works, all_gather_seq, reduce_scatter_seq
@@ -414,12 +415,7 @@ def _decoder_layers(model, num_layers: int):
     return best[1]
 
 
-NOT_YET = {
-    "zero_hpz_partition_size": "ZeRO++'s secondary partitions",
-    "zero_quantized_weights": "ZeRO++'s quantized gathers",
-    "zero_quantized_nontrainable_weights": "ZeRO++'s quantized gathers",
-    "zero_quantized_gradients": "ZeRO++'s quantized reduce-scatters",
-}
+NOT_YET = ZEROPP_KEYS
 """Stage-3 keys the op graph's gathers and reduce-scatters do not carry out yet: refused when on."""
 
 OWN_SCHEDULE_KEYS = (
@@ -432,44 +428,36 @@ OWN_SCHEDULE_KEYS = (
 are op-graph collectives (``dhelix.zero3_prefetch``), so these do nothing; said once."""
 
 
-def _on(value) -> bool:
-    if isinstance(value, dict):
-        return value.get("device", "none") not in (None, "none")
-    return value not in (None, False, 0, 1) if not isinstance(value, bool) else value
-
-
-def check_zero3(ds_config: dict, dh) -> list[str]:
-    """What a ds_config at ``zero_optimization.stage`` 3 with dhelix cannot have (``ValueError``
-    naming the key and the fix), and the warnings for keys that do nothing here."""
-    zero = ds_config.get("zero_optimization") or {}
+def check_zero3(zero: ZeroSettings, dh) -> list[str]:
+    """What ``zero_optimization`` at stage 3 with dhelix cannot have (``ValueError`` naming the key
+    and the fix), and the warnings for keys that do nothing here."""
     if dh.pipeline.stages > 1:
         raise ValueError(
             f"zero_optimization.stage = 3 with dhelix.pipeline.stages = {dh.pipeline.stages}: the folded "
             f"pipeline does not gather ZeRO-3 partitions yet; use stage 1 or 2 (each stage holds only its "
             f"layers already), or one stage"
         )
-    for key, what in NOT_YET.items():
-        if _on(zero.get(key)):
-            raise ValueError(
-                f"zero_optimization.{key} = {zero[key]!r} ({what}) with dhelix at stage 3 is not supported "
-                f"yet; remove it (or use stage 2)"
-            )
-    for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device", "none")
-        if device not in (None, "none", "cpu"):
+    if zero.zeropp_on:
+        key = zero.zeropp_on[0]
+        raise ValueError(
+            f"zero_optimization.{key} = {zero.written[key]!r} ({NOT_YET[key]}) with dhelix at stage 3 is not "
+            f"supported yet; remove it (or use stage 2)"
+        )
+    for key, device in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
+        if device not in ("none", "cpu"):
             raise ValueError(
                 f"zero_optimization.{key}.device = {device!r} with dhelix at stage 3 is not supported yet; "
                 f'use "cpu" (or no offload)'
             )
     warnings = []
-    given = [k for k in OWN_SCHEDULE_KEYS if k in zero]
+    given = [k for k in OWN_SCHEDULE_KEYS if k in zero.written]
     if given:
         warnings.append(
             f"ds_dhelix: zero_optimization.{', '.join(given)} do nothing with dhelix at stage 3: each block's "
             f"gathers and reduce-scatters are op-graph collectives, prefetched dhelix.zero3_prefetch blocks "
             f"ahead ({dh.zero3_prefetch}), one reduce-scatter per block and micro-batch"
         )
-    if zero.get("stage3_gather_16bit_weights_on_model_save") is False:
+    if zero.written.get("stage3_gather_16bit_weights_on_model_save") is False:
         warnings.append(
             "ds_dhelix: zero_optimization.stage3_gather_16bit_weights_on_model_save = false: the HF export "
             "(train.py's output, DhelixTrainer.save_model) still writes the weights, gathered one tensor at a "

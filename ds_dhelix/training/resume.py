@@ -30,14 +30,12 @@ def run_state(
     a preset name or a checkpoint directory, ``steps`` the run's total, ``adapter`` the LoRA
     config's ``adapter_state`` (None: a full fine-tune). The SI plan's fingerprint is filled in
     when the engine is built (``resume_engine``)."""
-    from ds_dhelix.engine.build import zero_stage
-
     d, b = setup.dims, setup.batch
     path = data.options.path
     source = os.path.abspath(os.path.expanduser(path)) if path else "embedded corpus"
     model = model if not os.path.isdir(os.path.expanduser(model)) else os.path.abspath(model)
     precision = {
-        "zero_stage": zero_stage(ds_config),
+        "zero_stage": setup.ds.zero.stage,
         "gradient_clipping": ds_config.get("gradient_clipping"),
         "fp16": ds_config.get("fp16"),
         "bf16": ds_config.get("bf16"),

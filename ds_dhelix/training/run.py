@@ -36,14 +36,12 @@ def start(prep: Prepared) -> None:
             remove_leftovers(os.path.abspath(prep.options.checkpoints.ds_checkpoint))
 
 
-def run_dtype(ds_config: dict):
-    """The dtype DeepSpeed trains the parameters in: bf16 / fp16 when enabled, else fp32."""
+def run_dtype(ds) -> object:
+    """The dtype DeepSpeed trains the parameters in (``ds``: the run's ``DeepSpeedSettings``):
+    bf16 / fp16 when enabled, else fp32."""
     import torch
 
-    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        if (ds_config.get(key) or {}).get("enabled"):
-            return dtype
-    return torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(ds.half, torch.float32)
 
 
 def build_model_for(prep: Prepared):
@@ -57,7 +55,7 @@ def build_model_for(prep: Prepared):
         from hf_models.loading import empty_model
 
         path = os.path.expanduser(m.model)
-        return empty_model(path, run_dtype(prep.ds_config), m.attn_implementation), path
+        return empty_model(path, run_dtype(prep.setup.ds), m.attn_implementation), path
     model, _ = build_model(m.model, seed=prep.options.seed, attn_implementation=m.attn_implementation)
     return model, None
 
