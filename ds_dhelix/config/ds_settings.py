@@ -68,7 +68,8 @@ class ZeroSettings:
     """``zero_optimization``, as DeepSpeed parses it, and the keys it sets as written."""
 
     stage: int = 0
-    written: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # the section's keys and values as the ds_config writes them
+    # the section's keys and values as the ds_config writes them
+    written: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     offload_optimizer: str = "none"  # the device ("none", "cpu", "nvme")
     offload_param: str = "none"
     reduce_bucket_size: int | None = None  # None: left to DeepSpeed's default (or to ours)
@@ -104,6 +105,7 @@ class DeepSpeedSettings:
     initial_scale_power: int = 16
     gradient_clipping: float = 0.0
     optimizer: str | None = None  # the "optimizer" section's type; None: no section (or no type)
+    optimizer_params: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # its "params" as written
     has_optimizer: bool = False
     scheduler: str | None = None
     checkpointing_on: tuple[str, ...] = ()  # activation_checkpointing keys set to a true value
@@ -136,11 +138,16 @@ class DeepSpeedSettings:
             gradient_clipping=_clipping(ds.get_gradient_clipping(ds_config)),
             optimizer=ds.get_optimizer_name(ds_config) if "optimizer" in ds_config else None,
             has_optimizer="optimizer" in ds_config,
+            optimizer_params=MappingProxyType(dict((ds_config.get("optimizer") or {}).get("params") or {})),
             scheduler=ds.get_scheduler_name(ds_config) if "scheduler" in ds_config else None,
             checkpointing_on=tuple(sorted(k for k, v in checkpointing.items() if v)),
             grad_accum_dtype=None if accum is None else str(accum),
             micro_batch_size=micro if isinstance(micro, int) and not isinstance(micro, bool) else None,
         )
+
+    def optimizer_is(self, name: str) -> bool:
+        """Whether the "optimizer" section's type is ``name`` (DeepSpeed matches its own names in any case)."""
+        return (self.optimizer or "").lower() == name.lower()
 
     @property
     def half(self) -> str | None:
