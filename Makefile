@@ -6,7 +6,7 @@ CONFIG ?= ds_configs/tiny_llama_cpu.json
 NUM_RANKS ?= 2
 ARGS ?=
 
-.PHONY: venv run lint test test-all docs docs-serve
+.PHONY: venv run lint test test-all test-min docs docs-serve
 venv:
 	@bash scripts/bootstrap.sh
 
@@ -22,6 +22,10 @@ test: venv lint
 
 test-all: venv lint
 	.venv/bin/python -m pytest -q -x --timeout=900 --durations=25 tests
+
+# a venv at the floor of every dependency range (.venv-min) and a smoke subset there
+test-min:
+	bash scripts/test_min.sh
 
 docs: venv
 	.venv/bin/mkdocs build --strict

@@ -16,7 +16,9 @@ contracts in ``pyproject.toml``)::
 __version__ = "0.1.0"
 
 from .engine.guard import install as _install_guard
+from .versions import check_versions as _check_versions
 
+_check_versions()  # torch / deepspeed / transformers / peft inside pyproject.toml's tested ranges (versions.py)
 _install_guard()  # a plain DeepSpeed engine built from an enabled dhelix config raises (engine/guard.py)
 
 _LAZY = {

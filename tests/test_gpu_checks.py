@@ -58,10 +58,13 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path, capsys):
     assert set(roofline["ops"]) >= {"embed", "attn.qkv", "attn.core", "mlp.up", "mlp.down", "head.loss"}
     assert all(v["fwd_ms"] > 0 and v["fwd_pred_ms"] >= 0 for v in roofline["ops"].values())
     assert roofline["predicted_ms"] > 0 and roofline["measured_ms"] > 0
-    tutel = rows["tutel_kernels"]  # torch's and tutel's dispatch / combine on the same routes (or why not)
-    assert tutel["ok"] and (
-        tutel.get("skipped") or (tutel["float32"]["buffer_equal"] and tutel["float32"]["combined_equal"])
-    )
+    kernels = rows["tutel_kernels"]  # torch's and tutel's dispatch / combine on the same routes (or why not)
+    try:
+        import tutel  # noqa: F401 -- installed from ../shared/wheels when that folder exists
+    except ImportError:  # without it the row says why, and is no pass
+        assert kernels["ok"] is None and "tutel is not importable" in kernels["skipped"], kernels
+    else:
+        assert kernels["ok"] and kernels["float32"]["buffer_equal"] and kernels["float32"]["combined_equal"], kernels
     clock = rows["planner_clock"]  # the planner's timer and reduction on the device (CPU here)
     assert clock["ok"] and clock["round_ms"] > 0 and clock["reduced"] == [1.0, 2.0]
     two = rows["two_ranks"]  # TP=2 and EP=2 in two processes on the one device: SI bitwise sequential
