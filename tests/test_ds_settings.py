@@ -96,3 +96,25 @@ def test_below_the_builder_no_engine_function_takes_the_raw_ds_config():
                 if names & {"ds_config", "config"}:
                     found.add((path.name, node.name))
     assert found - allowed == set(), sorted(found - allowed)
+
+
+@pytest.mark.parametrize(
+    "layout, words",
+    [
+        (dict(optimizer="Muon", tp=2), ['"type": "Muon"', "tensor_parallel.size = 2", "use tensor_parallel.size 1"]),
+        (dict(optimizer="Muon", tp=1, dp=2, zero_stage=3), ["zero_optimization.stage = 3", "use stage 1 or 2"]),
+        (dict(optimizer="Lion", tp=1, dp=2), ['"type": "Lion"', "FusedLion", 'offload_optimizer.device to "cpu"']),
+    ],
+)
+def test_an_optimizer_that_cannot_run_so_is_refused_before_any_model(layout, words):
+    from ds_dhelix.engine.build import check_setup
+    from ds_dhelix.verify.options import ParityOptions
+    from hf_models.registry import load_config
+
+    opts = ParityOptions(**layout)
+    with pytest.raises(ValueError) as err:
+        check_setup(opts.ds_config("si"), load_config("tiny-llama"), opts.world)
+    text = str(err.value)
+    assert "\n" not in text and all(w in text for w in words), text
+    offloaded = ParityOptions(optimizer="Lion", tp=1, dp=2, zero={"offload_optimizer": {"device": "cpu"}})
+    check_setup(offloaded.ds_config("si"), load_config("tiny-llama"), offloaded.world)  # DeepSpeedCPULion

@@ -88,6 +88,7 @@ def check_setup(ds_config: dict, model_config, world: int, client_optimizer: boo
         adapter.check_aux(ep.aux_loss_coef)
     _check_moe_kernels(ds, dh, adapter, model_config)
     _check_not_yet(ds)
+    _check_optimizer(ds, dims)
     fold = None
     if dims.pp == 1 and dh.schedule not in ONE_STAGE_SCHEDULES:
         raise ValueError(
@@ -132,6 +133,42 @@ def _check_not_yet(ds: DeepSpeedSettings) -> None:
             f'"dhelix": {{"recompute": "full"}} (each layer keeps its input) or "selective" (attention '
             f"core and MLP activation), and drop the section"
         )
+
+
+def _check_optimizer(ds: DeepSpeedSettings, dims: ParallelDims) -> None:
+    """Optimizer types DeepSpeed offers that cannot run as asked with this layout or device."""
+    if ds.optimizer_is("muon") and dims.tp > 1:
+        raise ValueError(
+            f'"optimizer": {{"type": "{ds.optimizer}"}} with tensor_parallel.size = {dims.tp}: Muon orthogonalises '
+            f"each weight matrix, and a TP rank holds a slice of it (Newton-Schulz on a slice is not the slice "
+            f"of the matrix's update); use tensor_parallel.size 1 (DP, EP, CP and the pipeline keep matrices "
+            f"whole), or AdamW"
+        )
+    if ds.optimizer_is("muon") and ds.zero.stage == 3:
+        raise ValueError(
+            f'"optimizer": {{"type": "{ds.optimizer}"}} with zero_optimization.stage = 3: DeepSpeed\'s Muon at '
+            f"stage 3 needs each whole gradient (reduce_scatter false), and ds_dhelix's ZeRO-3 reduce-scatters "
+            f"every block's gradients inside the op graph; use stage 1 or 2 (Muon gathers its matrices there)"
+        )
+    device = get_accelerator().device_name()
+    if ds.optimizer_is("lion") and device == "cpu" and ds.zero.offload_optimizer != "cpu":
+        raise ValueError(
+            f'"optimizer": {{"type": "{ds.optimizer}"}} on {device}: DeepSpeed runs Lion as FusedLion, a CUDA '
+            f"kernel, unless the optimizer is offloaded; set zero_optimization.offload_optimizer.device to "
+            f'"cpu" (DeepSpeedCPULion, ZeRO stage 1 or more), or use AdamW'
+        )
+
+
+def tag_for_optimizer(model, ds: DeepSpeedSettings) -> None:
+    """Muon's ``use_muon`` tags (a matrix that is neither the embedding nor the head) on the
+    parameters as sharded, by DeepSpeed's own rule (``deepspeed.set_optimizer_flags``, which
+    ``deepspeed.initialize`` applies to the model it is given; ds_dhelix builds the engine itself)."""
+    if ds.optimizer_is("muon"):
+        from types import SimpleNamespace
+
+        from deepspeed import set_optimizer_flags
+
+        set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params=dict(ds.optimizer_params)), model)
 
 
 def check_model_settings(model) -> None:
@@ -266,9 +303,11 @@ def _check_pipeline(dh, ds: DeepSpeedSettings, dims: ParallelDims, batch: BatchS
     return fold
 
 
-def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGroups):
+def shard_model(model, dh: DhelixConfig, dims: ParallelDims, groups: ProcessGroups, lora=None):
     """Shard ``model`` in place for this rank (TP slices, this EP rank's experts) and return its op
-    graph (``ModelGraph``)."""
+    graph (``ModelGraph``); ``lora``: the PEFT LoRA config of a model ``unwrap_peft`` unwrapped."""
+    if lora is not None:
+        model.dhelix_lora = lora
     adapter = check_model(dims, model.config)
     moe = {}
     if hasattr(adapter, "check_ep"):
@@ -412,8 +451,8 @@ def build_engine(
     named = parameter_names(model, model_parameters)
     _warn_ignored_by_pipeline(setup)
     groups = ProcessGroups.create(setup.dims)
-    model.dhelix_lora = lora
-    graph = model.dhelix_graph = shard_model(model, setup.dh, setup.dims, groups)
+    graph = model.dhelix_graph = shard_model(model, setup.dh, setup.dims, groups, lora)
+    tag_for_optimizer(model, setup.ds)
     model_parameters = trained_parameters(model, named)
     ds_config = deepspeed_view(config, setup, model, len(graph.blocks))
     extra = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "config": ds_config}

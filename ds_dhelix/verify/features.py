@@ -59,10 +59,21 @@ DIMENSIONS = (
     Dimension("si_execution", ("reactive", "plan"), (), "how a pair runs"),
     Dimension("finetune", ("full", "lora"), (), "a full fine-tune or a PEFT LoRA adapter"),
     Dimension("packing", ("concat", "docs"), (), "token stream, or documents with positions and masks"),
+    Dimension(
+        "optimizer",
+        ("AdamW", "Muon"),
+        ("Adam", "SGD", "Lion"),
+        "the ds_config's optimizer type (Lion: DeepSpeedCPULion under offload on a CPU)",
+    ),
 )
 NAMES = tuple(d.name for d in DIMENSIONS)
 
 Pair = tuple[str, object, str, object]  # (dimension, value, dimension, value), dimensions in NAMES order
+
+
+LORA_TARGETS = {"tiny-gpt2": ["c_attn"], "tiny-deepseek-v3": ["q_b_proj", "kv_b_proj"]}
+"""LoRA's target modules where a family's attention does not name them q_proj / v_proj (MLA: the
+up-projections of the query and the compressed key-value)."""
 
 
 def default_row(full: bool = False) -> dict:
@@ -78,8 +89,8 @@ def options(row: dict) -> ParityOptions:
     if row["ep"] > 1:
         extra["expert_parallel"] = {"size": row["ep"]}
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]} if row["finetune"] == "lora" else {}
-    if row["family"] == "tiny-gpt2" and lora:
-        lora["target_modules"] = ["c_attn"]
+    if lora:  # the attention projections by each family's own names
+        lora["target_modules"] = LORA_TARGETS.get(row["family"], lora["target_modules"])
     return ParityOptions(
         model=row["family"],
         tp=row["tp"],
@@ -95,6 +106,7 @@ def options(row: dict) -> ParityOptions:
         extra=extra,
         lora=lora,
         packing=row["packing"],
+        optimizer=row["optimizer"],
         num_layers=4 if row["pp"] > 1 else 2,
         steps=2,
         micro_batches=4,
@@ -222,6 +234,7 @@ WORDS = {
     "si_execution": ("si_execution",),
     "finetune": ("LoRA", "lora", "adapter"),
     "packing": ("packing", "documents"),
+    "optimizer": ('"optimizer"', "Muon", "Lion"),
 }
 """How a refusal line names a dimension (the one that names both of a pair's is about the pair)."""
 

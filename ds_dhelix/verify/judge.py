@@ -81,6 +81,9 @@ def _judge_hf(opts, out: dict, seq: dict, other: dict, hf: dict) -> float:
             f"first-step gradients (before clipping) and loss, with {stochastic_kinds(opts, stochastic)} off "
             f"({describe_settings(stochastic)} in the trained legs)"
         )
+    elif hf.get("first_only"):  # no reference of the optimizer: the step before it
+        loss_diff = abs(first["loss"] - hf["losses"][0])
+        what = f"first-step gradients (before clipping) and loss ({hf['first_only']})"
     else:
         loss_diff = max(abs(a - b) for a, b in zip(other["losses"], hf["losses"]))
         what = "first-step gradients (before clipping) and every step's loss"

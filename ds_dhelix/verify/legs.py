@@ -88,9 +88,9 @@ def train_hf(opts: ParityOptions, batches) -> dict:
     model = build(opts, stochastic=False)
     windows = hf_mask_windows(model.config)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.01)
+    opt = reference_optimizer(opts, [p for p in model.parameters() if p.requires_grad])
     losses, grads = [], None
-    for step in batches:
+    for step in batches if opt is not None else batches[:1]:
         total = 0.0
         for b in step:
             loss = model(**hf_model_inputs(b, windows=windows)).loss / len(step)
@@ -98,12 +98,33 @@ def train_hf(opts: ParityOptions, batches) -> dict:
             total += float(loss.detach())
         if grads is None:
             grads = {our_name(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        losses.append(total)
+        if opt is None:
+            break
         if opts.clip > 0:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], opts.clip)
         opt.step()
         opt.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "grads": grads}
+    first_only = None if opt is not None else f"{opts.optimizer} has no one-process reference here"
+    return {"losses": losses, "grads": grads, "first_only": first_only}
+
+
+def reference_optimizer(opts: ParityOptions, params: list):
+    """The optimizer the unsharded reference steps with: the trained legs' own, built on one process
+    (``OPTIMIZERS``); None for Muon (DeepSpeed builds its Muon / Adam halves inside the engine), whose
+    reference is then the first step only."""
+    name = opts.optimizer
+    if name == "AdamW":
+        return torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.01)
+    if name == "Adam":
+        return torch.optim.Adam(params, lr=opts.lr, weight_decay=0.01)
+    if name == "SGD":
+        return torch.optim.SGD(params, lr=opts.lr, momentum=0.9)
+    if name == "Lion":
+        from deepspeed.ops.lion import DeepSpeedCPULion
+
+        return DeepSpeedCPULion(params, lr=opts.lr, weight_decay=0.01)
+    return None
 
 
 def hf_cannot_take_the_mask(opts: ParityOptions) -> bool:

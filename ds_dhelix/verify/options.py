@@ -9,6 +9,16 @@ import torch
 
 DTYPES = ("fp32", "bf16", "fp16")
 
+OPTIMIZERS = {
+    "AdamW": {"weight_decay": 0.01, "torch_adam": True},
+    "Adam": {"weight_decay": 0.01, "torch_adam": True, "adam_w_mode": False},  # torch.optim.Adam (L2 decay)
+    "SGD": {"momentum": 0.9},  # a torch.optim name: DeepSpeed builds it (zero_allow_untested_optimizer)
+    "Muon": {"weight_decay": 0.01},  # DeepSpeed's MuonWithAuxAdam: Muon on matrices, Adam on the rest
+    "Lion": {"weight_decay": 0.01},  # DeepSpeedCPULion under offload_optimizer cpu, FusedLion on CUDA
+}
+"""The optimizer types a parity run can train with: the "optimizer" section's params beside lr (the
+HF reference builds the same optimizer: ``reference_optimizer``)."""
+
 
 @dataclass
 class ParityOptions:
@@ -35,6 +45,7 @@ class ParityOptions:
     cp: int = 1  # context-parallel size
     cp_comm: str = "ulysses"  # its exchange: "ulysses" or "ring"
     lora: dict = field(default_factory=dict)  # LoraConfig keys: every leg trains that PEFT LoRA model
+    optimizer: str = "AdamW"  # a key of OPTIMIZERS
 
     @property
     def world(self) -> int:
@@ -53,6 +64,14 @@ class ParityOptions:
             return {"fp16": {"enabled": True, "initial_scale_power": 16}}
         return {}
 
+    def optimizer_config(self) -> dict:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        section = {"optimizer": {"type": self.optimizer, "params": {"lr": self.lr, **OPTIMIZERS[self.optimizer]}}}
+        if self.optimizer == "SGD":
+            section["zero_allow_untested_optimizer"] = True
+        return section
+
     def ds_config(self, schedule: str) -> dict:
         return {
             **self.precision_config(),
@@ -60,7 +79,7 @@ class ParityOptions:
             "gradient_accumulation_steps": self.micro_batches,
             "gradient_clipping": self.clip,
             "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.01, "torch_adam": True}},
+            **self.optimizer_config(),
             "zero_optimization": {"stage": self.zero_stage, **self.zero},
             "dhelix": {
                 "enabled": True,
