@@ -27,7 +27,9 @@ from ds_dhelix.verify.features import (
 )
 
 
-@pytest.mark.parametrize("full", [False, True], ids=["reduced", "full"])
+@pytest.mark.parametrize(
+    "full", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["reduced", "full"]
+)  # the full array's generation (~65 s here) runs in make test through the docs build too
 def test_the_array_covers_every_pair(full):
     """Every pair of values of every two dimensions: in a row the checks accept, or refused with
     a line, or beyond the test world; stable from run to run."""

@@ -150,11 +150,11 @@ def test_parity_command_runs_fp16_on_a_device_without_it(monkeypatch):
     as its ranks do, instead of refusing what the ranks would run."""
     from deepspeed.accelerator import get_accelerator
 
-    from ds_dhelix.commands.parity import _check_setup
     from ds_dhelix.verify import ParityOptions
+    from ds_dhelix.verify.options import check_options  # what dhelix parity runs before its ranks
 
     monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
-    _check_setup(ParityOptions(model="tiny-llama", tp=2, dtype="fp16"))
+    check_options(ParityOptions(model="tiny-llama", tp=2, dtype="fp16"))
     assert get_accelerator().is_fp16_supported()
 
 
