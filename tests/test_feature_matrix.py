@@ -2,9 +2,13 @@
 feature dimensions, allowed rows decided by the project's own checks, every row run end to end.
 
 make test      the array over the reduced values: every row SI (its schedule) against sequential,
-               bitwise, and against the unsharded HF model, close (the parity harness's tolerance)
+               bitwise, and against the unsharded HF model, close (the parity harness's tolerance);
+               the schedule's leg stopped after step 1 and resumed by a new engine; its export
+               reloaded by transformers / PEFT with the engine's probe loss
 make test-all  the array over every value (more families, ring attention, ZeRO-0 and offload,
-               fp16, selective recompute, si-ends / intra / dualpipev)
+               fp16, selective recompute, si-ends / intra / dualpipev), and a strength-3 array over
+               the reduced values: every triple of ZeRO stage x layout (TP, DP, PP) x fine-tuning
+               mode x schedule too
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ import pytest
 
 from ds_dhelix.verify.features import (
     DIMENSIONS,
+    STRENGTH_3,
+    all_combinations,
     all_pairs,
     allowed,
     beyond_world,
+    covered_by,
     covering_array,
     one_stage_groups,
+    options,
     pairs_of,
     pipeline_runs,
 )
@@ -39,12 +47,26 @@ def test_the_array_covers_every_pair(full):
     assert pairs == covered | set(m.refused) | set(m.beyond)
     assert not covered & set(m.refused) and all(allowed(row) is None for row in m.rows)
     assert all(line and "\n" not in line and not beyond_world(line) for line in m.refused.values())
-    assert covering_array(full=full).rows == m.rows  # seeded: the same rows every time
+    assert covering_array.__wrapped__(full=full).rows == m.rows  # seeded: the same rows every time (uncached)
     assert len(m.rows) < len(pairs) // 10  # a few dozen runs, not one per pair
     print(
         f"{'full' if full else 'reduced'}: {len(m.rows)} rows, {len(pairs)} pairs, {len(covered)} covered, "
         f"{len(m.refused)} refused, {len(m.beyond)} beyond 4 ranks"
     )
+
+
+@pytest.mark.extended  # (its generation: ~12 s here)
+def test_the_strength_3_array_covers_every_triple():
+    """Strength 3 over the dimensions that interact most: every pair, and every triple of
+    ``STRENGTH_3``'s values, in an allowed row or refused or beyond the world."""
+    m = covering_array(strength=3)
+    covered = set().union(*(covered_by(row, 3) for row in m.rows))
+    targets = set(all_combinations(strength=3))
+    triples = {t for t in targets if len(t) == 6}
+    assert len(triples) > 100 and all(set(t[::2]) <= set(STRENGTH_3) for t in triples)
+    assert targets == (covered & targets) | set(m.refused) | set(m.beyond)
+    assert all(allowed(row) is None for row in m.rows) and len(m.rows) > len(covering_array().rows)
+    print(f"strength 3: {len(m.rows)} rows, {len(triples)} triples, {len(m.refused)} refused")
 
 
 def test_refusals_come_from_the_checks():
@@ -72,12 +94,12 @@ def test_dimensions_are_declared_once():
 
 
 @functools.cache
-def _run(full: bool) -> dict[str, dict]:
+def _run(full: bool, strength: int = 2) -> dict[str, dict]:
     """Every row's parity result by its label: one spawned world per world size of one-stage
     rows, one per pipeline row."""
     from ds_dhelix.verify import run_parities, run_parity
 
-    m = covering_array(full=full)
+    m = covering_array(full=full, strength=strength)
     out = {}
     for _, group in sorted(one_stage_groups(m).items()):
         for opts, result in zip(group, run_parities(group, timeout=840)):
@@ -91,16 +113,37 @@ def _holds(r: dict) -> bool:
     """One stage: SI bitwise equal to sequential. A pipeline: bitwise, or (gradient clipping, whose
     norm a pipeline sums per stage) within ``PP_TOLERANCE`` of PP=1 (``ok``). Either: close to HF
     where the HF reference runs (fp32)."""
-    same = r["ok"] if "pp_tolerance" in r else r["bitwise_equal"] and r["ok"]
+    same = r["ok"] if "pp_tolerance" in r else r["bitwise_equal"] and r["ok"]  # (ok holds the export's verdict)
     return same and r.get("hf_close") is not False
 
 
-def _check_rows(full: bool) -> None:
-    results = _run(full)
+def _outcomes(full: bool, strength: int, results: dict) -> str:
+    """Every row's outcome as a markdown table (printed: ``pytest -s`` shows it)."""
+    head = "| row | family | tp | ep | dp | cp | pp | zero | dtype | schedule | finetune | optimizer | bitwise | hf | export |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for k, row in enumerate(covering_array(full=full, strength=strength).rows, 1):
+        r = results[repr(options(row))]
+        hf = "–" if r.get("hf_close") is None else f"{r['max_loss_diff_vs_hf']:.1e}"
+        export = f"{abs(r['export_probe_loss'] - r['engine_probe_loss']):.1e}" if "export_probe_loss" in r else "✘"
+        cells = [row[n] for n in ("family", "tp", "ep", "dp", "context", "pp", "zero", "dtype", "schedule")]
+        cells += [
+            row["finetune"],
+            row["optimizer"],
+            "✔" if r["bitwise_equal"] else f"{r['max_abs_diff_vs_sequential']:.1e}",
+        ]
+        lines.append("| " + " | ".join(str(c) for c in [k, *cells, hf, export]) + " |")
+    return "\n".join(lines)
+
+
+def _check_rows(full: bool, strength: int = 2) -> None:
+    results = _run(full, strength)
+    print(_outcomes(full, strength, results))
     bad = {k: (r["bitwise_equal"], r["ok"], r.get("hf_close"), r.get("max_abs_diff_vs_hf")) for k, r in results.items()
            if not _holds(r)}  # fmt: skip
     assert not bad, bad
-    assert len(results) == len(covering_array(full=full).rows)
+    assert len(results) == len(covering_array(full=full, strength=strength).rows)
+    unproven = [k for k, r in results.items() if not (r.get("resume") and r.get("export_close"))]
+    assert not unproven, unproven  # every row resumed and exported
 
 
 @pytest.mark.slow
@@ -113,3 +156,24 @@ def test_every_row_of_the_array_trains_si_bitwise_and_close_to_hf():
 @pytest.mark.timeout(3600)
 def test_every_row_of_the_full_array():
     _check_rows(full=True)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(3600)
+def test_every_row_of_the_strength_3_array():
+    _check_rows(full=False, strength=3)
+
+
+@pytest.mark.timeout(600)
+def test_muon_with_expert_parallel_zero2_resumes_bitwise():
+    """Found by the array (Qwen3-MoE, EP=2 x DP=2, ZeRO-2, Muon, resumed): DeepSpeed's load gave the
+    expert group's Muon momentum back as a tensor requiring grad, and the next step's in-place
+    commit failed. Resumed after step 1, SI equals the straight sequential run bitwise."""
+    from ds_dhelix.verify import ParityOptions, run_parity
+
+    opts = ParityOptions(
+        model="tiny-qwen3-moe", tp=1, dp=2, zero_stage=2, optimizer="Muon", num_layers=2, steps=2,
+        micro_batches=2, seq_len=32, extra={"expert_parallel": {"size": 2}}, resume_at=1,
+    )  # fmt: skip
+    r = run_parity(opts, timeout=540)
+    assert r["bitwise_equal"] and r["ok"] and r["resume"], r

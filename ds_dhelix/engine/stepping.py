@@ -201,7 +201,9 @@ class DhelixStepMixin:
         self.loaded_resharded = saved is not None
         if self.loaded_resharded:
             return os.path.join(load_dir, str(tag)), {"dhelix_run_state": saved}
-        return super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        detach_optimizer_state(self.optimizer)
+        return out
 
     def load_module_state_dict(self, checkpoint, strict=True, **kwargs):
         """Frozen parameters are not in the checkpoint (``save_checkpoint``): every trained one must be."""
@@ -389,3 +391,16 @@ class DhelixStepMixin:
                 os.remove(p)
             logger.info(f"ds_dhelix: trace of {self.steps_run} steps written to {path}")
         dist.barrier()
+
+
+def detach_optimizer_state(optimizer) -> None:
+    """Every tensor of the optimizer's state as a plain tensor. DeepSpeed's ZeRO-1/2 load hands the
+    Muon momentum of an expert-parallel group back as a tensor that requires grad, and the next
+    step's in-place commit of the momentum then fails ("a leaf Variable that requires grad is being
+    used in an in-place operation"; found by the feature matrix: Qwen3-MoE, EP=2, ZeRO-2, Muon,
+    resumed). Optimizer state is never differentiated, so detaching changes nothing else."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in getattr(inner, "state", {}).values():
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                state[key] = value.detach()

@@ -6,8 +6,9 @@ project's own checks, or beyond the test world.
     allowed(row) -> None | str   None when the project's checks accept the row (``check_options``:
                                  ``check_setup``, the adapter's and the data's checks), else the
                                  line a user sees; "needs N ranks" beyond the 4-rank test world
-    covering_array(full, seed)   Matrix: rows (dicts dimension -> value) covering every allowed pair
-                                 once at least; the refused pairs with their lines; the others
+    covering_array(full, seed,   Matrix: rows (dicts dimension -> value) covering every allowed pair
+                   strength)     once at least (strength 3: every triple of STRENGTH_3's dimensions
+                                 too); the refused pairs / triples with their lines; the others
     options(row)                 the row as ``ParityOptions``: SI (the row's schedule) against
                                  sequential, bitwise, and the unsharded HF model, close
     markdown(matrix)             the compatibility page (docs/reference/compatibility.md)
@@ -69,6 +70,11 @@ DIMENSIONS = (
 NAMES = tuple(d.name for d in DIMENSIONS)
 
 Pair = tuple[str, object, str, object]  # (dimension, value, dimension, value), dimensions in NAMES order
+Combination = tuple  # a pair, or a triple (dimension, value) x 3: what a row covers
+
+STRENGTH_3 = ("zero", "tp", "dp", "pp", "finetune", "schedule")
+"""The dimensions that interact most (the ZeRO stage, the parallel layout, the fine-tuning mode and
+the schedule): the strength-3 array (``make test-all``) covers every triple of their values too."""
 
 
 LORA_TARGETS = {"tiny-gpt2": ["c_attn"], "tiny-deepseek-v3": ["q_b_proj", "kv_b_proj"]}
@@ -82,7 +88,8 @@ def default_row(full: bool = False) -> dict:
 
 def options(row: dict) -> ParityOptions:
     """The row as a parity run: 2 layers (4 in a pipeline: two chunks per stage), 2 steps of 4
-    micro-batches of 2 x 32 tokens."""
+    micro-batches of 2 x 32 tokens; the schedule's leg stopped after step 1 with a checkpoint and
+    resumed by a new engine (held to the straight sequential run), then exported and reloaded."""
     cp = 1 if row["context"] == "none" else 2
     zero = {"offload_optimizer": {"device": "cpu"}} if row["zero"] == "3+offload" else {}
     extra = {"si_execution": row["si_execution"]}
@@ -112,6 +119,8 @@ def options(row: dict) -> ParityOptions:
         micro_batches=4,
         micro_batch_size=2,
         seq_len=32,
+        resume_at=1,
+        export=True,
     )
 
 
@@ -147,9 +156,33 @@ def pairs_of(row: dict) -> set[Pair]:
     return {(a, row[a], b, row[b]) for a, b in itertools.combinations(NAMES, 2)}
 
 
+def covered_by(row: dict, strength: int = 2) -> set[Combination]:
+    """What ``row`` covers: its pairs, and at strength 3 its triples of ``STRENGTH_3``'s dimensions."""
+    out: set = pairs_of(row)
+    if strength == 3:
+        dims = [n for n in NAMES if n in STRENGTH_3]  # (NAMES order, as all_combinations)
+        out |= {(a, row[a], b, row[b], c, row[c]) for a, b, c in itertools.combinations(dims, 3)}
+    return out
+
+
 def all_pairs(full: bool = False) -> list[Pair]:
     dims = [(d.name, d.of(full)) for d in DIMENSIONS]
     return [(a, x, b, y) for (a, xs), (b, ys) in itertools.combinations(dims, 2) for x in xs for y in ys]
+
+
+def all_combinations(full: bool = False, strength: int = 2) -> list[Combination]:
+    """Every pair of values of every two dimensions; at strength 3 every triple of ``STRENGTH_3``'s too."""
+    out: list = all_pairs(full)
+    if strength == 3:
+        dims = [(d.name, d.of(full)) for d in DIMENSIONS if d.name in STRENGTH_3]
+        for (a, xs), (b, ys), (c, zs) in itertools.combinations(dims, 3):
+            out += [(a, x, b, y, c, z) for x in xs for y in ys for z in zs]
+    return out
+
+
+def fixed_by(combination: Combination) -> dict:
+    """``("tp", 2, "zero", "3")`` -> ``{"tp": 2, "zero": "3"}``."""
+    return dict(zip(combination[::2], combination[1::2]))
 
 
 @dataclass
@@ -158,6 +191,7 @@ class Matrix:
     ``beyond`` (pairs only a world larger than the test's could hold)."""
 
     full: bool
+    strength: int = 2
     rows: list[dict] = field(default_factory=list)
     refused: dict = field(default_factory=dict)
     beyond: dict = field(default_factory=dict)
@@ -167,19 +201,18 @@ class Matrix:
         return next((k + 1 for k, row in enumerate(self.rows) if pair in pairs_of(row)), None)
 
 
-def _candidates(pair: Pair, rows: list[dict], rng: random.Random, full: bool, tries: int) -> list[dict]:
-    """Completions of ``pair`` to try: the rows so far with the pair set in them (a refusal of one
-    of those is about the pair), the defaults, then random ones."""
-    a, x, b, y = pair
-    fixed = {a: x, b: y}
+def _candidates(pair: Combination, rows: list[dict], rng: random.Random, full: bool, tries: int) -> list[dict]:
+    """Completions of ``pair`` (or a triple) to try: the rows so far with it set in them (a refusal of
+    one of those is about it), the defaults, then random ones."""
+    fixed = fixed_by(pair)
     out = [{**row, **fixed} for row in rows] + [{**default_row(full), **fixed}]
     return out + [{d.name: rng.choice(d.of(full)) for d in DIMENSIONS} | fixed for _ in range(tries)]
 
 
-def _repaired(row: dict, pair: Pair, full: bool) -> dict | None:
-    """``row`` made allowed by changing one dimension other than the pair's, or None."""
+def _repaired(row: dict, pair: Combination, full: bool) -> dict | None:
+    """``row`` made allowed by changing one dimension other than the pair's (or triple's), or None."""
     for d in DIMENSIONS:
-        if d.name in (pair[0], pair[2]):
+        if d.name in pair[::2]:
             continue
         for value in d.of(full):
             changed = {**row, d.name: value}
@@ -188,7 +221,7 @@ def _repaired(row: dict, pair: Pair, full: bool) -> dict | None:
     return None
 
 
-def _completion(pair: Pair, rows: list[dict], rng, full: bool, uncovered: set, tries: int):
+def _completion(pair: Combination, rows: list[dict], rng, full: bool, uncovered: set, tries: int, strength: int):
     """The allowed completion of ``pair`` covering most uncovered pairs (None if there is none
     among the candidates and their one-dimension repairs), and the line the first candidate was
     refused with."""
@@ -196,25 +229,28 @@ def _completion(pair: Pair, rows: list[dict], rng, full: bool, uncovered: set, t
     ok = [row for row in candidates if allowed(row) is None]
     if not ok:
         ok = [r for r in (_repaired(row, pair, full) for row in candidates[: len(rows) + 1 + tries // 4]) if r]
-    best = max(ok, key=lambda row: len(pairs_of(row) & uncovered), default=None)
+    best = max(ok, key=lambda row: len(covered_by(row, strength) & uncovered), default=None)
     return best, allowed(candidates[0]) or ""
 
 
-def covering_array(full: bool = False, seed: int = 0, tries: int = 60) -> Matrix:
-    """Rows covering every pair of values some allowed row can hold (strength 2), few of them."""
+@functools.cache
+def covering_array(full: bool = False, seed: int = 0, tries: int = 60, strength: int = 2) -> Matrix:
+    """Rows covering every pair of values some allowed row can hold (strength 2; strength 3: every
+    triple of ``STRENGTH_3``'s dimensions too), few of them. Cached: treat it as read-only."""
     rng = random.Random(seed)
-    matrix = Matrix(full)
-    uncovered = set(all_pairs(full))
-    for pair in all_pairs(full):  # (a stable order: the first uncovered pair next)
+    matrix = Matrix(full, strength)
+    targets = all_combinations(full, strength)
+    uncovered = set(targets)
+    for pair in targets:  # (a stable order: the first uncovered pair, then triple, next)
         if pair not in uncovered:
             continue
-        row, refusal = _completion(pair, matrix.rows, rng, full, uncovered, tries)
+        row, refusal = _completion(pair, matrix.rows, rng, full, uncovered, tries, strength)
         if row is None:
             (matrix.beyond if beyond_world(refusal) else matrix.refused)[pair] = refusal
             uncovered.discard(pair)
             continue
         matrix.rows.append(row)
-        uncovered -= pairs_of(row)
+        uncovered -= covered_by(row, strength)
     for pair in matrix.refused:
         matrix.refused[pair] = _why(pair, matrix.rows) or matrix.refused[pair]
     return matrix
@@ -239,17 +275,17 @@ WORDS = {
 """How a refusal line names a dimension (the one that names both of a pair's is about the pair)."""
 
 
-def _why(pair: Pair, rows: list[dict]) -> str | None:
-    """The line about ``pair``: the allowed rows with the pair set in them (and each with one other
-    dimension moved), refused; of their lines the one naming both of the pair's dimensions, else
-    one of them, else the most common."""
+def _why(pair: Combination, rows: list[dict]) -> str | None:
+    """The line about ``pair`` (or a triple): the allowed rows with it set in them (and each with one
+    other dimension moved), refused; of their lines the one naming most of its dimensions, then the
+    most common."""
     import collections
 
-    a, x, b, y = pair
+    fixed = fixed_by(pair)
     lines = collections.Counter()
     for row in rows:
-        base = {**row, a: x, b: y}
-        tried = [base] + [{**base, d.name: v} for d in DIMENSIONS if d.name not in (a, b) for v in d.values]
+        base = {**row, **fixed}
+        tried = [base] + [{**base, d.name: v} for d in DIMENSIONS if d.name not in fixed for v in d.values]
         for candidate in tried:
             line = allowed(candidate)
             if line and not beyond_world(line):
@@ -258,7 +294,7 @@ def _why(pair: Pair, rows: list[dict]) -> str | None:
     def names(line: str, dim: str) -> bool:
         return any(w in line for w in WORDS[dim])
 
-    return max(lines, key=lambda line: (names(line, a) + names(line, b), lines[line]), default=None)
+    return max(lines, key=lambda line: (sum(names(line, dim) for dim in fixed), lines[line]), default=None)
 
 
 def one_stage_groups(matrix: Matrix) -> dict[int, list[ParityOptions]]:

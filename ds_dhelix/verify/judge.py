@@ -8,7 +8,13 @@ from dataclasses import asdict
 import torch
 
 from .options import ParityOptions, trained_stochastic
-from .tolerances import HF_GRAD_TOLERANCE, HF_LOSS_TOLERANCE, INTRA_LOSS_TOLERANCE_LOW_PRECISION, KERNELS_GRAD_TOLERANCE
+from .tolerances import (
+    EXPORT_LOSS_TOLERANCE,
+    HF_GRAD_TOLERANCE,
+    HF_LOSS_TOLERANCE,
+    INTRA_LOSS_TOLERANCE_LOW_PRECISION,
+    KERNELS_GRAD_TOLERANCE,
+)
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -214,3 +220,56 @@ def _judge_intra(opts: ParityOptions, out: dict, seq: dict, intra: dict, grad_sc
         and grad_diff <= HF_GRAD_TOLERANCE * grad_scale
         and (bool(stochastic) or loss_diff <= HF_LOSS_TOLERANCE)
     )
+
+
+def judge_resume_and_export(opts: ParityOptions, out: dict, other: dict) -> None:
+    """``out`` says how the schedule's leg ran when it was stopped and resumed (its bitwise / tolerance
+    verdict against the straight sequential run already holds the resume to that run), and gains
+    the export's verdict: reloaded by transformers / PEFT, its loss on the probe within
+    ``EXPORT_LOSS_TOLERANCE`` of the engine's; ``ok`` requires it."""
+    if other.get("resumed_at"):
+        out["resume"] = f"stopped after step {other['resumed_at']} with a checkpoint, resumed by a new engine"
+    exported = other.get("export")
+    if not opts.export:
+        return
+    if exported is None:
+        out.update(export_close=False, ok=False)
+        return
+    loss = reloaded_probe_loss(opts, exported["path"])
+    tolerance = EXPORT_LOSS_TOLERANCE[opts.dtype]
+    close = abs(loss - exported["probe_loss"]) <= tolerance
+    out.update(
+        export=("PEFT adapter" if opts.lora else "HF checkpoint") + " reloaded in fp32",
+        export_probe_loss=loss,
+        engine_probe_loss=exported["probe_loss"],
+        export_tolerance=tolerance,
+        export_close=close,
+        ok=out["ok"] and close,
+    )
+
+
+def reloaded_probe_loss(opts: ParityOptions, path: str) -> float:
+    """The probe loss of the export at ``path`` as a user loads it: ``AutoModelForCausalLM`` (fp32),
+    or a PEFT adapter over the run's base model."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_models.common import hf_mask_windows
+    from hf_models.registry import load_config
+
+    from ..data import hf_model_inputs
+    from .batches import make_batches
+    from .legs import probe_of
+    from .options import build
+
+    if opts.lora:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(build(replace(opts, lora={}), stochastic=False), path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    probe = probe_of(make_batches(opts, load_config(opts.model).vocab_size))
+    with torch.no_grad():
+        return float(model(**hf_model_inputs(probe, windows=hf_mask_windows(model.config))).loss)

@@ -10,32 +10,72 @@ from .options import ParityOptions, build, my_share
 from .tolerances import CAPACITY_NOTE
 
 
-def train_leg(opts: ParityOptions, schedule: str, batches, gather) -> dict:
+def train_leg(opts: ParityOptions, schedule: str, batches, gather, workdir: str | None = None) -> dict:
     """Build the engine for ``schedule`` and train on this rank's share of every step; ``gather``
-    (engine -> full parameters or None) runs before the engine is destroyed."""
+    (engine -> full parameters or None) runs before the engine is destroyed. With ``workdir``:
+    ``opts.resume_at`` stops the run there with a checkpoint that a new engine resumes
+    (``stop_and_resume``), and ``opts.export`` writes the trained model's export with its probe
+    loss (``export_with_probe``)."""
     from ..engine.build import build_engine
 
     engine = build_engine(build(opts), opts.ds_config(schedule))
     losses, peaks = [], []
-    for step in batches:
+    for k, step in enumerate(batches):
+        if workdir and k == opts.resume_at > 0:
+            engine = stop_and_resume(engine, opts, schedule, workdir)
         losses.append(float(engine.train_batch(iter(my_share(opts, step, engine.groups.dp_rank)))))
         peaks.append(engine.last_stats.peak_activation_bytes)
+    exported = export_with_probe(engine, opts, batches, workdir) if workdir and opts.export else None
     params = gather(engine)
     if engine.groups.rank != 0:  # (the gather is collective; rank 0 alone compares)
         params = None
     ops = [op.name for block in engine.graph.blocks for op in block]  # what the executor ran (fused or not)
     engine.destroy()
-    return {
-        "losses": losses,
-        "params": params,
-        "peak_activation_bytes": max(peaks),
-        "rank": engine.groups.rank,
-        "ops": ops,
-    }
+    out = {"losses": losses, "params": params, "peak_activation_bytes": max(peaks), "rank": engine.groups.rank}
+    return {**out, "ops": ops, "resumed_at": opts.resume_at if workdir else 0, "export": exported}
 
 
-def train_schedule(opts: ParityOptions, schedule: str, batches) -> dict:
-    """On every rank of the world: train with ``schedule``; return losses, full params, peak."""
+def stop_and_resume(engine, opts: ParityOptions, schedule: str, workdir: str):
+    """What ``--resume auto`` does after a stop: ``engine`` saves a checkpoint (``resume.save``) and
+    is destroyed; a new engine, built as the first was, loads it (``resume.load``: optimizer, LR
+    schedule, step counters, every rank's RNG state). Collective."""
+    import os
+
+    from ..engine import resume
+    from ..engine.build import build_engine
+
+    root = os.path.join(workdir, "checkpoints")
+    tag = os.path.basename(resume.save(engine, root, {"step": engine.global_steps}, keep=1))
+    engine.destroy()
+    again = build_engine(build(opts), opts.ds_config(schedule))
+    resume.load(again, root, tag)
+    return again
+
+
+def probe_of(batches) -> dict:
+    """The micro-batch an export is probed with: the first step's first, as one causal stream
+    (its ids and labels; a packed record's positions and mask left out, as a user's first
+    ``model(input_ids, labels=...)`` of the reloaded export would; HF's MoE load-balancing loss
+    cannot take a packed 4-D mask either)."""
+    first = batches[0][0]
+    return {"input_ids": first["input_ids"], "labels": first["labels"]}
+
+
+def export_with_probe(engine, opts: ParityOptions, batches, workdir: str) -> dict:
+    """The trained model's probe loss (the same micro-batch on every rank, forward only) and its
+    export: the PEFT adapter of a LoRA run, else the HF checkpoint (collective; rank 0 writes)."""
+    import os
+
+    probe = probe_of(batches)
+    loss = float(engine.eval_batch(iter([probe] * opts.micro_batches)))
+    path = os.path.join(workdir, "export")
+    (engine.export_adapter if opts.lora else engine.export_hf)(path)
+    return {"probe_loss": loss, "path": path}
+
+
+def train_schedule(opts: ParityOptions, schedule: str, batches, workdir: str | None = None) -> dict:
+    """On every rank of the world: train with ``schedule``; return losses, full params, peak
+    (``workdir``: ``train_leg``'s stop-and-resume and export go there)."""
     from ..engine.checkpoint import full_state_dict
 
     return train_leg(
@@ -43,6 +83,7 @@ def train_schedule(opts: ParityOptions, schedule: str, batches) -> dict:
         schedule,
         batches,
         lambda engine: full_state_dict(engine.module, engine.groups.tp_grad_group, engine.groups.tp_size),
+        workdir,
     )
 
 

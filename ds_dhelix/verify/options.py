@@ -46,6 +46,8 @@ class ParityOptions:
     cp_comm: str = "ulysses"  # its exchange: "ulysses" or "ring"
     lora: dict = field(default_factory=dict)  # LoraConfig keys: every leg trains that PEFT LoRA model
     optimizer: str = "AdamW"  # a key of OPTIMIZERS
+    resume_at: int = 0  # > 0: the schedule's leg stops after this step with a checkpoint a new engine resumes
+    export: bool = False  # the schedule's leg exports (HF checkpoint / PEFT adapter), reloaded and probed
 
     @property
     def world(self) -> int:

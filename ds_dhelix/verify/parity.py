@@ -28,7 +28,7 @@ import os
 import torch
 
 from .batches import halve_batches, make_batches
-from .judge import compare, compare_kernels, judge_halves, settle_params
+from .judge import compare, compare_kernels, judge_halves, judge_resume_and_export, settle_params
 from .legs import first_step, hf_cannot_take_the_mask, result_note, train_hf, train_schedule
 from .options import ParityOptions, halved, intra_has_halves_reference, moe_kernels, with_moe_kernels
 from .pipeline import run_pipe_parity
@@ -44,7 +44,8 @@ def _rank_legs(rank, world, opts: ParityOptions, path: str):
     batches = make_batches(opts, load_config(opts.model).vocab_size)
     seq = train_schedule(opts, "sequential", batches)
     release_memory()
-    other = train_schedule(opts, opts.schedule, batches) if opts.schedule != "sequential" else seq
+    again = opts.schedule != "sequential" or opts.resume_at or opts.export  # (a resumed or exported leg: its own)
+    other = train_schedule(opts, opts.schedule, batches, path + ".d") if again else seq
     if rank == 0 and opts.schedule != "intra":  # (intra's halves compare their parameters too)
         settle_params(seq, other)
     release_memory()
@@ -79,6 +80,7 @@ def _judge(opts: ParityOptions, path: str) -> dict:
     if legs["torch_kernels"] is not None:
         compare_kernels(out, seq["first_step"], legs["torch_kernels"], moe_kernels(opts))
     out = judge_halves(out, other, legs["halves"]) if opts.schedule == "intra" else out
+    judge_resume_and_export(opts, out, other)
     del legs, seq, other, hf
     release_memory()
     return out
