@@ -347,7 +347,7 @@ CASES = [
                 base=os.path.join(ROOT, "ds_configs", "tiny_llama_pp2_w.json"),
             ),
         ],
-        ["zero_optimization.stage = 3 with dhelix.pipeline.stages = 2", "use stage 1 or 2"],
+        ["zero_optimization.stage = 3 with dhelix.pipeline.stages = 2", "use stage 0 or 1"],
     ),
     (
         "grad-accum-dtype",

@@ -368,7 +368,7 @@ def test_a_stock_stage3_config_through_the_trainer(tmp_path):
         ({"offload_optimizer": {"device": "nvme"}}, {}, ["offload_optimizer.device = 'nvme'", 'use "cpu"']),
         ({"zero_hpz_partition_size": 2}, {}, ["zero_hpz_partition_size = 2", "ZeRO++"]),
         ({"zero_quantized_weights": True}, {}, ["zero_quantized_weights = True"]),
-        ({}, {"pipeline": {"stages": 2}}, ["dhelix.pipeline.stages = 2", "use stage 1 or 2"]),
+        ({}, {"pipeline": {"stages": 2}}, ["dhelix.pipeline.stages = 2", "use stage 0 or 1"]),
     ],
 )
 def test_what_stage3_cannot_take_is_refused_in_one_line(zero, dhelix, words):

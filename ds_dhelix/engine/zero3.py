@@ -434,7 +434,7 @@ def check_zero3(zero: ZeroSettings, dh) -> list[str]:
     if dh.pipeline.stages > 1:
         raise ValueError(
             f"zero_optimization.stage = 3 with dhelix.pipeline.stages = {dh.pipeline.stages}: the folded "
-            f"pipeline does not gather ZeRO-3 partitions yet; use stage 1 or 2 (each stage holds only its "
+            f"pipeline does not gather ZeRO-3 partitions yet; use stage 0 or 1 (each stage holds only its "
             f"layers already), or one stage"
         )
     if zero.zeropp_on:
