@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .batches import make_batches
 from .judge import compare, judge_resume_and_export
-from .legs import first_step, result_note, train_hf, train_leg, train_schedule
+from .legs import first_step, hf_cannot_take_the_mask, result_note, train_hf, train_leg, train_schedule
 from .options import ParityOptions
 from .tolerances import PP_TOLERANCE
 
@@ -40,7 +40,7 @@ def _rank_reference(rank, world, opts: ParityOptions):
     hf = None
     if opts.dtype == "fp32":
         seq["first_step"] = first_step(opts, batches)
-        hf = train_hf(opts, batches)
+        hf = None if hf_cannot_take_the_mask(opts) else train_hf(opts, batches)
     return {"sequential": seq, "hf": hf, "note": note} if rank == 0 else None
 
 
