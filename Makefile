@@ -2,6 +2,7 @@
 SHELL := /bin/bash
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+export NO_MKDOCS_2_WARNING ?= 1
 CONFIG ?= ds_configs/tiny_llama_cpu.json
 NUM_RANKS ?= 2
 ARGS ?=

@@ -149,7 +149,9 @@ def _check_rows(full: bool, strength: int = 2) -> None:
            if not _holds(r)}  # fmt: skip
     assert not bad, bad
     assert len(results) == len(covering_array(full=full, strength=strength).rows)
-    unproven = [k for k, r in results.items() if not ((r.get("resume") or "cp=2" in k) and r.get("export_close"))]
+    unproven = [
+        k for k, r in results.items() if not ((r.get("resume") or r["options"]["cp"] > 1) and r.get("export_close"))
+    ]
     assert not unproven, unproven  # every row exported, every row without CP resumed (RESUME_UNDER_CP)
 
 

@@ -13,6 +13,10 @@ import importlib.util
 import os
 import sys
 
+# the pages are generated from the code on any machine: DeepSpeed is told its accelerator (else its
+# import logs a "Setting accelerator to CPU" warning into the build's output)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_MARKER = "<!-- dhelix:config-reference -->"
 CLI_MARKER = "<!-- dhelix:cli-reference -->"

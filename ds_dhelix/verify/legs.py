@@ -21,7 +21,7 @@ def train_leg(opts: ParityOptions, schedule: str, batches, gather, workdir: str 
     engine = build_engine(build(opts), opts.ds_config(schedule))
     losses, peaks = [], []
     for k, step in enumerate(batches):
-        if workdir and k == opts.resume_at > 0:
+        if workdir and opts.resume_at > 0 and k == opts.resume_at:
             engine = stop_and_resume(engine, opts, schedule, workdir)
         losses.append(float(engine.train_batch(iter(my_share(opts, step, engine.groups.dp_rank)))))
         peaks.append(engine.last_stats.peak_activation_bytes)
